@@ -1,0 +1,43 @@
+# Test registration helpers.
+#
+# hp_add_test(NAME <name> SOURCES <files...> [RANKS <n>...] [LABELS <labels...>] [TIMEOUT <s>])
+#   Builds one gtest binary. With RANKS, registers one ctest entry per rank count,
+#   named <name>.np<N>, run under mpirun (oversubscribed, allowed as root).
+#   Without RANKS, registers a plain single-process test.
+
+find_package(GTest REQUIRED)
+
+add_library(hp_test_main STATIC ${CMAKE_SOURCE_DIR}/tests/test_main.cpp)
+target_link_libraries(hp_test_main PUBLIC hp GTest::gtest)
+# Tests may include private headers (pure kernels and plans are tested directly).
+target_include_directories(hp_test_main PUBLIC ${CMAKE_SOURCE_DIR}/src)
+target_precompile_headers(hp_test_main PUBLIC
+  <gtest/gtest.h> <ATen/ATen.h>)
+
+function(hp_add_test)
+  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  add_executable(${T_NAME} ${T_SOURCES})
+  target_link_libraries(${T_NAME} PRIVATE hp_test_main)
+  target_precompile_headers(${T_NAME} REUSE_FROM hp_test_main)
+  if(T_RANKS)
+    foreach(np IN LISTS T_RANKS)
+      if(HP_HAVE_MPI AND HP_MPIEXEC)
+        add_test(NAME ${T_NAME}.np${np}
+          COMMAND ${HP_MPIEXEC} -np ${np} --oversubscribe --bind-to none
+                  $<TARGET_FILE:${T_NAME}>)
+        set_tests_properties(${T_NAME}.np${np} PROPERTIES
+          TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}" PROCESSORS ${np}
+          ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;HP_COMM_TIMEOUT_S=120")
+      elseif(np EQUAL 1)
+        add_test(NAME ${T_NAME}.np1 COMMAND $<TARGET_FILE:${T_NAME}>)
+        set_tests_properties(${T_NAME}.np1 PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
+      endif()
+    endforeach()
+  else()
+    add_test(NAME ${T_NAME} COMMAND $<TARGET_FILE:${T_NAME}>)
+    set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
+  endif()
+endfunction()

@@ -1,0 +1,128 @@
+// hp::Communicator: the one interface hyperparallel uses for collectives.
+//
+// Contract
+// - Every op is asynchronous: it validates its arguments on the calling thread (raising
+//   hp::Error before anything is sent), then queues the op and returns a Work. Ops on one
+//   communicator run on that communicator's own thread and complete in issue order, so
+//   the caller's compute overlaps with them. Different communicators run independently.
+// - All ranks of a communicator must issue the same collectives in the same order with
+//   matching sizes and dtypes (as in MPI). A rank that does not raises TimeoutError on
+//   its peers after the op's timeout.
+// - Tensors: contiguous, on a device the backend supports (mpi and local: CPU), of
+//   dtype float32, float64, bfloat16, float16, int32, int64, uint8 or bool. The op holds
+//   references to its tensors until it completes; the caller must not write to an input,
+//   or read or write an output, before the Work completes.
+// - Reductions: SUM, AVG, MAX, MIN. AVG is SUM followed by division by the group size,
+//   done by the library for every backend; it is rejected for integer and bool tensors
+//   (its result would be truncated). SUM and AVG are rejected for bool; MAX and MIN of
+//   bool are logical or / and. bfloat16 and float16 reductions compute each pairwise step
+//   in float32 and round to nearest-even; every rank ends with bitwise identical results.
+// - Errors carry rank, op, group and sequence number (hp::CommError). After a timeout the
+//   communicator is unusable: later ops raise at once.
+// - Thread safety: ops may be issued from any thread; they are ordered by issue.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hp/comm/work.h"
+
+namespace hp {
+
+enum class ReduceOp { SUM, AVG, MAX, MIN };
+const char* to_string(ReduceOp op);
+
+// 0 ms means "the communicator's default timeout".
+using Timeout = std::chrono::milliseconds;
+
+struct CollectiveOptions {
+  Timeout timeout{0};
+};
+
+struct ReduceOptions {
+  ReduceOp op = ReduceOp::SUM;
+  Timeout timeout{0};
+};
+
+struct AllToAllOptions {
+  // Rows (dim-0 slices) sent to / received from each rank. Both empty: equal splits
+  // (dim 0 divisible by the group size). Otherwise both must be given, one entry per rank.
+  std::vector<int64_t> output_split_sizes;
+  std::vector<int64_t> input_split_sizes;
+  Timeout timeout{0};
+};
+
+struct PointToPointOptions {
+  int tag = 0;
+  Timeout timeout{0};
+};
+
+struct CommOptions {
+  // Default timeout of the communicator's ops; 0 = HP_COMM_TIMEOUT_S.
+  Timeout timeout{0};
+  // Group name used in errors and traces; empty = derived from the parent.
+  std::string name;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // The group's name in errors and traces ("world", "world/dp_shard", ...).
+  virtual const std::string& name() const = 0;
+  virtual std::string backend() const = 0;
+  // The world rank of each member, indexed by rank in this communicator.
+  virtual const std::vector<int>& world_ranks() const = 0;
+  virtual Timeout default_timeout() const = 0;
+
+  // out (size() * in.numel() elements, rank i's input at offset i * in.numel()).
+  virtual Work all_gather(at::Tensor out, at::Tensor in, const CollectiveOptions& o = {}) = 0;
+  // in holds size() * out.numel() elements; rank i receives the reduction of slice i.
+  virtual Work reduce_scatter(at::Tensor out, at::Tensor in, const ReduceOptions& o = {}) = 0;
+  // In place.
+  virtual Work all_reduce(at::Tensor t, const ReduceOptions& o = {}) = 0;
+  // In place: root's t is copied to every rank's t.
+  virtual Work broadcast(at::Tensor t, int root, const CollectiveOptions& o = {}) = 0;
+  // Rank i's input rows [off_j, off_j + in_split[j]) go to rank j, which places them at
+  // its output rows for rank i. Trailing dims of out and in must match.
+  virtual Work all_to_all(at::Tensor out, at::Tensor in, const AllToAllOptions& o = {}) = 0;
+  // Point-to-point; matched by (peer, tag) in issue order. A send may complete only when
+  // the peer receives it: pairs of ranks exchanging in both directions must order their
+  // calls (even ranks send first) or use separate communicators.
+  virtual Work send(at::Tensor t, int dst, const PointToPointOptions& o = {}) = 0;
+  virtual Work recv(at::Tensor t, int src, const PointToPointOptions& o = {}) = 0;
+  virtual Work barrier(const CollectiveOptions& o = {}) = 0;
+
+  // Collective over all ranks of this communicator (it waits for earlier ops): ranks
+  // with the same color >= 0 form a new communicator, ordered by key (ties by rank).
+  // Returns nullptr on ranks that pass a negative color.
+  virtual std::shared_ptr<Communicator> split(int color, int key, const CommOptions& o = {}) = 0;
+  // Called by the listed ranks only, all with the same list (ranks of this communicator,
+  // no duplicates); the new communicator's rank i is ranks[i]. Groups sharing members
+  // must be created in the same order on every member.
+  virtual std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
+                                                  const CommOptions& o = {}) = 0;
+
+ protected:
+  Communicator() = default;
+};
+
+using CommPtr = std::shared_ptr<Communicator>;
+
+// Factories. The local backend is a world of one rank, always available.
+CommPtr make_local_communicator(const CommOptions& o = {});
+// The mpi backend over MPI_COMM_WORLD; MPI must be initialized with MPI_THREAD_MULTIPLE
+// (hp::init does this). Raises when the build has no MPI.
+CommPtr make_mpi_world_communicator(const CommOptions& o = {});
+bool mpi_available();
+
+}  // namespace hp

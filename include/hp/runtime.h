@@ -1,0 +1,37 @@
+// Process start-up and shut-down for hyperparallel programs.
+//
+// hp::init() picks the backend (mpi under mpirun / srun, else local; HP_BACKEND
+// overrides), initializes MPI with MPI_THREAD_MULTIPLE when needed, pins each rank's
+// compute threads so that ranks x threads does not oversubscribe the node's cores,
+// installs the counting CPU allocator, enables tracing when HP_TRACE is set, and returns
+// the world communicator. hp::finalize() (also run at exit) writes the trace, stops every
+// communicator's thread and finalizes MPI if hp::init initialized it.
+#pragma once
+
+#include <string>
+
+#include "hp/comm/communicator.h"
+
+namespace hp {
+
+struct InitOptions {
+  // "auto", "mpi" or "local"; empty = the HP_BACKEND knob.
+  std::string backend;
+  // Compute threads per rank; 0 = HP_NUM_THREADS, whose 0 means cores / ranks on this node.
+  int num_threads = 0;
+  CommOptions world;
+};
+
+// Idempotent: later calls return the same world communicator.
+CommPtr init(const InitOptions& o = {});
+// The world communicator; raises if hp::init has not run.
+CommPtr world();
+bool initialized();
+void finalize();
+
+// Sets libtorch's and OpenBLAS's thread counts; returns the count set.
+int set_compute_threads(int n);
+// Ranks of the world sharing this node (1 without MPI).
+int local_world_size();
+
+}  // namespace hp

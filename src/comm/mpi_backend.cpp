@@ -1,0 +1,354 @@
+// The mpi backend: CPU tensors over MPI (OpenMPI), one duplicated MPI communicator per
+// hp::Communicator, driven only by that communicator's worker thread.
+//
+// all_gather, broadcast, all_to_all, barrier and native-dtype all_reduce call MPI's own
+// collectives. reduce_scatter (every dtype) and the bfloat16 / float16 all_reduce run our
+// ring: n-1 steps over point-to-point on a private duplicate communicator, each step
+// pipelined in segments so that reducing one segment overlaps receiving the next. The ring
+// fixes the reduction order (chunk c is accumulated from rank c+1 around to rank c), so
+// the bf16/fp16 all_reduce (ring reduce-scatter + MPI_Allgatherv) is bitwise identical on
+// every rank. OpenMPI's MPI_Reduce_scatter_block is not used: measured far slower here.
+#include "hp/config.h"
+
+#include "hp/comm/communicator.h"
+#include "hp/core/error.h"
+
+#if HP_HAVE_MPI
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+#include "hp/core/env.h"
+#include "reduce_kernels.h"
+#include "transport.h"
+
+namespace hp {
+namespace detail {
+namespace {
+
+void mpi_check(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return;
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, buf, &len);
+  throw Error(str_cat(call, " failed: ", std::string(buf, len)));
+}
+
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kInt: return MPI_INT32_T;
+    case at::kLong: return MPI_INT64_T;
+    case at::kByte: return MPI_UINT8_T;
+    case at::kBool: return MPI_C_BOOL;
+    case at::kBFloat16:
+    case at::kHalf: return MPI_UINT16_T;  // moved as bits; reduced by our kernels
+    default: HP_INTERNAL_ASSERT(false, "no MPI type for ", t);
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+bool reduced_by_mpi(at::ScalarType t) { return t != at::kBFloat16 && t != at::kHalf; }
+
+MPI_Op mpi_op(ReduceOp op, at::ScalarType t) {
+  bool b = t == at::kBool;
+  switch (op) {
+    case ReduceOp::SUM: return MPI_SUM;
+    case ReduceOp::MAX: return b ? MPI_LOR : MPI_MAX;
+    case ReduceOp::MIN: return b ? MPI_LAND : MPI_MIN;
+    case ReduceOp::AVG: break;
+  }
+  HP_INTERNAL_ASSERT(false, "AVG reached the transport");
+  return MPI_OP_NULL;
+}
+
+int as_count(int64_t n) {
+  if (n > INT_MAX) HP_NOT_SUPPORTED("a message of ", n, " elements (MPI counts are int)");
+  return static_cast<int>(n);
+}
+
+bool mpi_finalized() {
+  int f = 0;
+  MPI_Finalized(&f);
+  return f != 0;
+}
+
+class MpiTransport final : public Transport {
+ public:
+  // Takes ownership of comm.
+  explicit MpiTransport(MPI_Comm comm) : comm_(comm) {
+    mpi_check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    mpi_check(MPI_Comm_dup(comm_, &ring_comm_), "MPI_Comm_dup");
+    mpi_check(MPI_Comm_set_errhandler(ring_comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    MPI_Group mine, world;
+    MPI_Comm_group(comm_, &mine);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> local(size_);
+    world_ranks_.resize(size_);
+    for (int i = 0; i < size_; ++i) local[i] = i;
+    MPI_Group_translate_ranks(mine, size_, local.data(), world, world_ranks_.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+    int64_t seg = env::get_int("HP_RS_SEGMENT_BYTES");
+    HP_CHECK(seg >= 1024, "HP_RS_SEGMENT_BYTES=", seg, " must be at least 1024");
+    segment_bytes_ = seg;
+  }
+
+  ~MpiTransport() override {
+    std::free(scratch_);
+    if (abandoned_ || mpi_finalized()) return;  // a stuck call may still use the comms
+    MPI_Comm_free(&ring_comm_);
+    MPI_Comm_free(&comm_);
+  }
+
+  std::string backend() const override { return "mpi"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::vector<int> world_ranks() const override { return world_ranks_; }
+  bool supports_device(const c10::Device& d) const override { return d.is_cpu(); }
+  void abandon() override { abandoned_ = true; }
+
+  void all_gather(const at::Tensor& out, const at::Tensor& in) override {
+    if (in.numel() == 0) return;
+    MPI_Datatype t = mpi_type(in.scalar_type());
+    int c = as_count(in.numel());
+    mpi_check(MPI_Allgather(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_), "MPI_Allgather");
+  }
+
+  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
+    if (out.numel() == 0) return;
+    std::vector<int64_t> counts(size_, out.numel()), displs(size_);
+    for (int i = 0; i < size_; ++i) displs[i] = i * out.numel();
+    ring_reduce_scatter(static_cast<const char*>(in.data_ptr()),
+                        static_cast<char*>(out.data_ptr()), counts, displs, in.scalar_type(),
+                        op);
+  }
+
+  void all_reduce(const at::Tensor& x, ReduceOp op) override {
+    if (x.numel() == 0 || size_ == 1) return;
+    at::ScalarType dt = x.scalar_type();
+    if (reduced_by_mpi(dt)) {
+      mpi_check(MPI_Allreduce(MPI_IN_PLACE, x.data_ptr(), as_count(x.numel()), mpi_type(dt),
+                              mpi_op(op, dt), comm_),
+                "MPI_Allreduce");
+      return;
+    }
+    // Ring reduce-scatter in place over near-equal chunks, then gather the chunks.
+    std::vector<int64_t> counts(size_), displs(size_);
+    int64_t base = x.numel() / size_, extra = x.numel() % size_, off = 0;
+    for (int i = 0; i < size_; ++i) {
+      counts[i] = base + (i < extra ? 1 : 0);
+      displs[i] = off;
+      off += counts[i];
+    }
+    char* p = static_cast<char*>(x.data_ptr());
+    const size_t es = x.element_size();
+    ring_reduce_scatter(p, p + displs[rank_] * es, counts, displs, dt, op);
+    std::vector<int> ic(size_), id(size_);
+    for (int i = 0; i < size_; ++i) {
+      ic[i] = as_count(counts[i]);
+      id[i] = as_count(displs[i]);
+    }
+    mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, ic.data(), id.data(),
+                             mpi_type(dt), comm_),
+              "MPI_Allgatherv");
+  }
+
+  void broadcast(const at::Tensor& x, int root) override {
+    if (x.numel() == 0) return;
+    mpi_check(MPI_Bcast(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), root, comm_),
+              "MPI_Bcast");
+  }
+
+  void all_to_all(const at::Tensor& out, const at::Tensor& in,
+                  const std::vector<int64_t>& out_counts,
+                  const std::vector<int64_t>& in_counts) override {
+    MPI_Datatype t = mpi_type(in.scalar_type());
+    bool equal = std::all_of(in_counts.begin(), in_counts.end(),
+                             [&](int64_t c) { return c == in_counts[0]; }) &&
+                 out_counts == in_counts;
+    if (equal) {
+      if (in_counts[0] == 0) return;
+      int c = as_count(in_counts[0]);
+      mpi_check(MPI_Alltoall(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_), "MPI_Alltoall");
+      return;
+    }
+    std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
+    int64_t so = 0, ro = 0;
+    for (int i = 0; i < size_; ++i) {
+      sc[i] = as_count(in_counts[i]);
+      sd[i] = as_count(so);
+      rc[i] = as_count(out_counts[i]);
+      rd[i] = as_count(ro);
+      so += in_counts[i];
+      ro += out_counts[i];
+    }
+    mpi_check(MPI_Alltoallv(in.data_ptr(), sc.data(), sd.data(), t, out.data_ptr(), rc.data(),
+                            rd.data(), t, comm_),
+              "MPI_Alltoallv");
+  }
+
+  void send(const at::Tensor& x, int dst, int tag) override {
+    mpi_check(MPI_Send(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), dst, tag,
+                       comm_),
+              "MPI_Send");
+  }
+
+  void recv(const at::Tensor& x, int src, int tag) override {
+    MPI_Status st;
+    MPI_Datatype t = mpi_type(x.scalar_type());
+    mpi_check(MPI_Recv(x.data_ptr(), as_count(x.numel()), t, src, tag, comm_, &st), "MPI_Recv");
+    int got = 0;
+    MPI_Get_count(&st, t, &got);
+    HP_CHECK(got == x.numel(), "received ", got, " elements from rank ", src,
+             " but the receive tensor has ", x.numel());
+  }
+
+  void barrier() override { mpi_check(MPI_Barrier(comm_), "MPI_Barrier"); }
+
+  std::unique_ptr<Transport> split(int color, int key) override {
+    MPI_Comm nc = MPI_COMM_NULL;
+    mpi_check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &nc),
+              "MPI_Comm_split");
+    if (nc == MPI_COMM_NULL) return nullptr;
+    return std::make_unique<MpiTransport>(nc);
+  }
+
+  std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) override {
+    MPI_Group g, ng;
+    MPI_Comm_group(comm_, &g);
+    MPI_Group_incl(g, static_cast<int>(ranks.size()), ranks.data(), &ng);
+    MPI_Comm nc = MPI_COMM_NULL;
+    int rc = MPI_Comm_create_group(comm_, ng, /*tag=*/7301, &nc);
+    MPI_Group_free(&ng);
+    MPI_Group_free(&g);
+    mpi_check(rc, "MPI_Comm_create_group");
+    return std::make_unique<MpiTransport>(nc);
+  }
+
+ private:
+  char* scratch(size_t bytes) {
+    if (bytes > scratch_bytes_) {
+      std::free(scratch_);
+      scratch_ = nullptr;
+      HP_CHECK(posix_memalign(reinterpret_cast<void**>(&scratch_), 64, bytes) == 0,
+               "cannot allocate ", bytes, " bytes of reduce-scatter scratch");
+      scratch_bytes_ = bytes;
+    }
+    return scratch_;
+  }
+
+  // Chunk c of `in` (counts[c] elements at displs[c]) is reduced over all ranks; rank r's
+  // result lands in `out`. `out` may alias chunk r of `in`; `in` is otherwise not written.
+  void ring_reduce_scatter(const char* in, char* out, const std::vector<int64_t>& counts,
+                           const std::vector<int64_t>& displs, at::ScalarType dt, ReduceOp op) {
+    const int n = size_, r = rank_;
+    const int64_t es = static_cast<int64_t>(c10::elementSize(dt));
+    if (n == 1) {
+      if (out != in + displs[0] * es) std::memcpy(out, in + displs[0] * es, counts[0] * es);
+      return;
+    }
+    const int64_t maxc = *std::max_element(counts.begin(), counts.end());
+    char* buf = scratch(2 * maxc * es);
+    char* bufs[2] = {buf, buf + maxc * es};
+    const int right = (r + 1) % n, left = (r - 1 + n) % n;
+    int64_t seg = std::max<int64_t>(1, segment_bytes_ / es);
+    seg = std::max<int64_t>(seg, (maxc + kMaxSegments - 1) / kMaxSegments);
+    const MPI_Datatype t = mpi_type(dt);
+    std::vector<MPI_Request> rreq, sreq;
+    for (int s = 0; s < n - 1; ++s) {
+      const int sc = ((r - s - 1) % n + n) % n;
+      const int rc = ((r - s - 2) % n + n) % n;
+      const char* sendp = s == 0 ? in + displs[sc] * es : bufs[(s - 1) & 1];
+      char* recvp = bufs[s & 1];
+      rreq.clear();
+      sreq.clear();
+      int tag = 0;
+      for (int64_t off = 0; off < counts[rc]; off += seg, ++tag) {
+        rreq.emplace_back();
+        mpi_check(MPI_Irecv(recvp + off * es, static_cast<int>(std::min(seg, counts[rc] - off)), t,
+                            left, tag, ring_comm_, &rreq.back()),
+                  "MPI_Irecv");
+      }
+      tag = 0;
+      for (int64_t off = 0; off < counts[sc]; off += seg, ++tag) {
+        sreq.emplace_back();
+        mpi_check(MPI_Isend(sendp + off * es, static_cast<int>(std::min(seg, counts[sc] - off)), t,
+                            right, tag, ring_comm_, &sreq.back()),
+                  "MPI_Isend");
+      }
+      const char* own = in + displs[rc] * es;
+      char* dst = (s == n - 2) ? out : recvp;
+      int64_t off = 0;
+      for (auto& req : rreq) {
+        mpi_check(MPI_Wait(&req, MPI_STATUS_IGNORE), "MPI_Wait");
+        int64_t cnt = std::min(seg, counts[rc] - off);
+        // partial from the ranks before us, then our own contribution
+        reduce_kernel(dst + off * es, recvp + off * es, own + off * es, cnt, dt, op);
+        off += seg;
+      }
+      if (!sreq.empty()) {
+        mpi_check(MPI_Waitall(static_cast<int>(sreq.size()), sreq.data(), MPI_STATUSES_IGNORE),
+                  "MPI_Waitall");
+      }
+    }
+  }
+
+  static constexpr int64_t kMaxSegments = 8192;  // stays below MPI_TAG_UB (>= 32767)
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm ring_comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  std::vector<int> world_ranks_;
+  int64_t segment_bytes_ = 0;
+  char* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  std::atomic<bool> abandoned_{false};
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_mpi_world_transport() {
+  int init = 0;
+  MPI_Initialized(&init);
+  HP_CHECK(init, "the mpi backend needs MPI initialized (call hp::init first)");
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  HP_CHECK(provided == MPI_THREAD_MULTIPLE,
+           "the mpi backend needs MPI_THREAD_MULTIPLE (MPI was initialized with level ",
+           provided, ")");
+  MPI_Comm c;
+  mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &c), "MPI_Comm_dup");
+  return std::make_unique<MpiTransport>(c);
+}
+
+}  // namespace detail
+
+bool mpi_available() { return true; }
+
+CommPtr make_mpi_world_communicator(const CommOptions& o) {
+  return detail::make_queued_communicator(detail::make_mpi_world_transport(),
+                                          o.name.empty() ? "world" : o.name, o);
+}
+
+}  // namespace hp
+
+#else  // !HP_HAVE_MPI
+
+namespace hp {
+bool mpi_available() { return false; }
+CommPtr make_mpi_world_communicator(const CommOptions&) {
+  HP_NOT_SUPPORTED("the mpi backend: this build of hyperparallel has no MPI (HP_WITH_MPI=OFF "
+                   "or no MPI found at configure time)");
+}
+}  // namespace hp
+
+#endif

@@ -1,0 +1,22 @@
+// Private: elementwise reduction kernels used by the transports' own reduce algorithms.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "hp/comm/communicator.h"
+
+namespace hp::detail {
+
+// out[i] = op(a[i], b[i]) for i < n; out may alias a or b. op is SUM, MAX or MIN.
+// bfloat16 and float16 compute in float32 and round to nearest-even. Bool (and uint8)
+// MAX / MIN are or / and. NaN propagates through MAX and MIN.
+void reduce_kernel(void* out, const void* a, const void* b, int64_t n, at::ScalarType dtype,
+                   ReduceOp op);
+
+// Round-to-nearest-even float32 -> bfloat16 bits, and back (exact).
+uint16_t float_to_bf16_bits(float f);
+float bf16_bits_to_float(uint16_t b);
+
+}  // namespace hp::detail

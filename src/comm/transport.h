@@ -1,0 +1,60 @@
+// Private: the synchronous transport under a queued Communicator.
+//
+// A Transport moves bytes for one group. Every method is called only from its
+// communicator's worker thread, after the arguments were validated, and blocks until
+// done. Reductions arrive as SUM, MAX or MIN (AVG is done above). Errors are raised as
+// hp::Error; the caller adds rank, op, group and sequence number.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+#include "hp/config.h"
+
+namespace hp::detail {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string backend() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::vector<int> world_ranks() const = 0;
+  virtual bool supports_device(const c10::Device& d) const = 0;
+
+  virtual void all_gather(const at::Tensor& out, const at::Tensor& in) = 0;
+  virtual void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) = 0;
+  virtual void all_reduce(const at::Tensor& t, ReduceOp op) = 0;
+  virtual void broadcast(const at::Tensor& t, int root) = 0;
+  // Counts in elements, one per rank.
+  virtual void all_to_all(const at::Tensor& out, const at::Tensor& in,
+                          const std::vector<int64_t>& out_counts,
+                          const std::vector<int64_t>& in_counts) = 0;
+  virtual void send(const at::Tensor& t, int dst, int tag) = 0;
+  virtual void recv(const at::Tensor& t, int src, int tag) = 0;
+  virtual void barrier() = 0;
+  virtual std::unique_ptr<Transport> split(int color, int key) = 0;
+  virtual std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) = 0;
+  // Called when an op timed out while inside this transport: its resources may be in use
+  // by a call that never returns, so the destructor must not release them.
+  virtual void abandon() {}
+};
+
+// Wraps a transport in the queued, validated, traced Communicator.
+CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string& name,
+                                 const CommOptions& o);
+
+std::unique_ptr<Transport> make_local_transport();
+#if HP_HAVE_MPI
+std::unique_ptr<Transport> make_mpi_world_transport();
+#endif
+
+// Stops every live communicator's worker before the runtime shuts MPI down. Returns
+// false if some worker is stuck in an op that timed out (MPI must then not be finalized).
+bool shutdown_all_communicators(std::chrono::milliseconds grace);
+
+}  // namespace hp::detail

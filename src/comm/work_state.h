@@ -1,0 +1,62 @@
+// Private: the state shared by a queued communicator, its worker thread and its Works.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "hp/comm/communicator.h"
+#include "transport.h"
+
+namespace hp::detail {
+
+struct CommShared;
+using Clock = std::chrono::steady_clock;
+
+struct WorkState {
+  std::string op;
+  uint64_t seq = 0;
+  Timeout timeout{0};
+  int64_t issue_us = 0;
+  int64_t bytes = 0;
+  std::shared_ptr<CommShared> comm;
+  // Guarded by comm->mu.
+  bool started = false;
+  bool done = false;
+  Clock::time_point start;
+  std::exception_ptr error;
+  // The op itself; it holds the op's tensors and is released when the op completes.
+  std::function<void()> run;
+};
+
+struct CommShared {
+  std::mutex mu;
+  std::condition_variable work_cv;  // the worker waits here for ops
+  std::condition_variable done_cv;  // waiters wait here for completions
+  std::deque<std::shared_ptr<WorkState>> queue;
+  std::shared_ptr<WorkState> running;
+  // Set once an op timed out or failed: every later op raises this.
+  std::exception_ptr broken;
+  bool stop = false;
+  std::thread worker;
+  uint64_t next_seq = 1;
+
+  // Immutable after construction.
+  std::unique_ptr<Transport> transport;  // used by the worker thread only
+  std::string name;
+  int rank = 0;
+  int size = 1;
+  int64_t lane = 0;
+
+  // Raises the CommError that `ws` ends with when the communicator broke before or while
+  // it ran. Call with mu held.
+  [[noreturn]] void raise_broken(const WorkState& ws) const;
+};
+
+}  // namespace hp::detail

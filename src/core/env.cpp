@@ -1,0 +1,58 @@
+#include "hp/core/env.h"
+
+#include <cstdlib>
+
+#include "hp/core/error.h"
+
+namespace hp::env {
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> kKnobs = {
+      {"HP_BACKEND", "auto",
+       "Communicator backend for hp::init: auto (mpi under mpirun/srun, else local), mpi, local"},
+      {"HP_COMM_TIMEOUT_S", "600",
+       "Default timeout in seconds of every collective; an op not done by then raises"},
+      {"HP_NUM_THREADS", "0",
+       "Compute threads per rank (libtorch and OpenBLAS); 0 = cores / ranks on this node"},
+      {"HP_TRACE", "",
+       "Directory for Chrome trace-event files (trace_rank<R>.json); empty = tracing off"},
+      {"HP_RS_SEGMENT_BYTES", "262144",
+       "Segment size of the pipelined ring reduce-scatter of the mpi backend"},
+  };
+  return kKnobs;
+}
+
+static const Knob& find(const char* name) {
+  for (const auto& k : knobs()) {
+    if (std::string(k.name) == name) return k;
+  }
+  HP_INTERNAL_ASSERT(false, "undeclared environment knob ", name);
+  __builtin_unreachable();
+}
+
+std::string get_string(const char* name) {
+  const Knob& k = find(name);
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return k.default_value;
+  return v;
+}
+
+int64_t get_int(const char* name) {
+  std::string v = get_string(name);
+  char* end = nullptr;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  HP_CHECK(end != v.c_str() && *end == '\0', "environment variable ", name, "='", v,
+           "' is not an integer");
+  return x;
+}
+
+double get_double(const char* name) {
+  std::string v = get_string(name);
+  char* end = nullptr;
+  double x = std::strtod(v.c_str(), &end);
+  HP_CHECK(end != v.c_str() && *end == '\0', "environment variable ", name, "='", v,
+           "' is not a number");
+  return x;
+}
+
+}  // namespace hp::env

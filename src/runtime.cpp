@@ -1,0 +1,147 @@
+#include "hp/runtime.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <dlfcn.h>
+#include <iostream>
+#include <mutex>
+#include <sched.h>
+#include <thread>
+
+#include "comm/transport.h"
+#include "hp/config.h"
+#include "hp/core/env.h"
+#include "hp/core/error.h"
+#include "hp/core/memory.h"
+#include "hp/core/trace.h"
+
+#if HP_HAVE_MPI
+#include <mpi.h>
+#endif
+
+namespace hp {
+namespace {
+
+std::mutex g_mu;
+CommPtr g_world;
+bool g_we_initialized_mpi = false;
+int g_local_size = 1;
+bool g_atexit_registered = false;
+
+bool launched_by_mpi() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
+    if (std::getenv(v) != nullptr) return true;
+  }
+  return false;
+}
+
+int usable_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+int set_compute_threads(int n) {
+  HP_CHECK(n >= 1, "compute thread count must be at least 1, got ", n);
+  at::set_num_threads(n);
+  // OpenBLAS (pthreads build) keeps its own pool; its setter exists only when it is loaded.
+  using SetFn = void (*)(int);
+  if (auto fn = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(n);
+  return n;
+}
+
+int local_world_size() { return g_local_size; }
+
+bool initialized() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return g_world != nullptr;
+}
+
+CommPtr world() {
+  std::lock_guard<std::mutex> g(g_mu);
+  HP_CHECK(g_world != nullptr, "hp::world() called before hp::init()");
+  return g_world;
+}
+
+CommPtr init(const InitOptions& o) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (g_world) return g_world;
+  std::string backend = o.backend.empty() ? env::get_string("HP_BACKEND") : o.backend;
+  HP_CHECK(backend == "auto" || backend == "mpi" || backend == "local", "unknown backend '",
+           backend, "' (HP_BACKEND / InitOptions::backend): expected auto, mpi or local");
+  if (backend == "auto") backend = (mpi_available() && launched_by_mpi()) ? "mpi" : "local";
+
+  if (backend == "mpi") {
+#if HP_HAVE_MPI
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited) {
+      int provided = 0;
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      g_we_initialized_mpi = true;
+      HP_CHECK(provided == MPI_THREAD_MULTIPLE,
+               "this MPI library does not provide MPI_THREAD_MULTIPLE (got level ", provided,
+               "); hyperparallel runs collectives on their own threads and needs it");
+    }
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    MPI_Comm_size(node, &g_local_size);
+    MPI_Comm_free(&node);
+    g_world = make_mpi_world_communicator(o.world);
+#else
+    HP_NOT_SUPPORTED("backend 'mpi': this build has no MPI");
+#endif
+  } else {
+    if (launched_by_mpi()) {
+      std::cerr << "hyperparallel: warning: launched by mpirun but using the local backend "
+                   "(HP_BACKEND=local or no MPI in this build): every process is its own "
+                   "world of one rank\n";
+    }
+    g_local_size = 1;
+    g_world = make_local_communicator(o.world);
+  }
+
+  int threads = o.num_threads > 0 ? o.num_threads
+                                  : static_cast<int>(env::get_int("HP_NUM_THREADS"));
+  if (threads <= 0) threads = std::max(1, usable_cores() / std::max(1, g_local_size));
+  set_compute_threads(threads);
+
+  memory::install_counting_allocator();
+  trace::set_rank(g_world->rank());
+  std::string trace_dir = env::get_string("HP_TRACE");
+  if (!trace_dir.empty()) trace::enable(trace_dir);
+  if (!g_atexit_registered) {
+    std::atexit([] { finalize(); });
+    g_atexit_registered = true;
+  }
+  return g_world;
+}
+
+void finalize() {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (!g_world) return;
+  if (trace::enabled()) trace::flush();
+  g_world.reset();
+  bool clean = detail::shutdown_all_communicators(std::chrono::milliseconds(5000));
+#if HP_HAVE_MPI
+  if (g_we_initialized_mpi) {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin) {
+      if (clean) {
+        MPI_Finalize();
+      } else {
+        std::cerr << "hyperparallel: a communicator is stuck in an op that timed out; "
+                     "not finalizing MPI\n";
+      }
+    }
+  }
+#else
+  (void)clean;
+#endif
+}
+
+}  // namespace hp
