@@ -10,7 +10,7 @@ find_package(GTest REQUIRED)
 add_library(hp_test_main STATIC ${CMAKE_SOURCE_DIR}/tests/test_main.cpp)
 target_link_libraries(hp_test_main PUBLIC hp GTest::gtest)
 # Tests may include private headers (pure kernels and plans are tested directly).
-target_include_directories(hp_test_main PUBLIC ${CMAKE_SOURCE_DIR}/src)
+target_include_directories(hp_test_main PUBLIC ${CMAKE_SOURCE_DIR}/src ${CMAKE_SOURCE_DIR}/tests)
 target_precompile_headers(hp_test_main PUBLIC
   <gtest/gtest.h> <ATen/ATen.h>)
 

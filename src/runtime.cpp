@@ -123,9 +123,9 @@ CommPtr init(const InitOptions& o) {
 void finalize() {
   std::lock_guard<std::mutex> g(g_mu);
   if (!g_world) return;
-  if (trace::enabled()) trace::flush();
   g_world.reset();
   bool clean = detail::shutdown_all_communicators(std::chrono::milliseconds(5000));
+  if (trace::enabled()) trace::flush();  // after the workers recorded their last spans
 #if HP_HAVE_MPI
   if (g_we_initialized_mpi) {
     int fin = 0;

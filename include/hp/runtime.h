@@ -1,8 +1,9 @@
 // Process start-up and shut-down for hyperparallel programs.
 //
 // hp::init() picks the backend (mpi under mpirun / srun, else local; HP_BACKEND
-// overrides), initializes MPI with MPI_THREAD_MULTIPLE when needed, pins each rank's
-// compute threads so that ranks x threads does not oversubscribe the node's cores,
+// overrides), initializes MPI with MPI_THREAD_MULTIPLE when needed, sets each rank's
+// compute thread count (libtorch and OpenBLAS) so that ranks x threads does not
+// oversubscribe the node's cores (the cores this process may run on / ranks on the node),
 // installs the counting CPU allocator, enables tracing when HP_TRACE is set, and returns
 // the world communicator. hp::finalize() (also run at exit) writes the trace, stops every
 // communicator's thread and finalizes MPI if hp::init initialized it.

@@ -106,19 +106,36 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
   }
 }
 
-// Stops the worker after the queued ops ran. Returns false if it is stuck in an op that
-// timed out (then it is detached and keeps its state alive).
+// Stops the worker after the queued ops ran. An op still running past its timeout breaks
+// the communicator as wait() would; a worker stuck in such an op (or, once broken, still
+// stuck after `grace`) is detached, keeping its state alive, and false is returned.
 bool stop_worker(CommShared& cs, std::chrono::milliseconds grace) {
   std::unique_lock<std::mutex> lk(cs.mu);
   cs.stop = true;
   cs.work_cv.notify_all();
   if (!cs.worker.joinable()) return true;
-  if (cs.broken && cs.running) {
-    cs.done_cv.wait_for(lk, grace, [&] { return !cs.running; });
-    if (cs.running) {
-      cs.worker.detach();
-      return false;
+  for (;;) {
+    if (!cs.running && (cs.queue.empty() || cs.broken)) break;
+    Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(100);
+    if (cs.broken) {
+      if (!cs.done_cv.wait_for(lk, grace, [&] { return !cs.running; })) {
+        cs.worker.detach();
+        return false;
+      }
+      continue;
     }
+    if (cs.running && cs.running->started) {
+      deadline = cs.running->start + cs.running->timeout;
+      if (Clock::now() >= deadline) {
+        cs.broken = std::make_exception_ptr(TimeoutError(
+            cs.rank, cs.name, cs.running->op, cs.running->seq,
+            "timed out at shutdown (a peer never joined the op)"));
+        cs.transport->abandon();
+        cs.done_cv.notify_all();
+        continue;
+      }
+    }
+    cs.done_cv.wait_until(lk, deadline);
   }
   lk.unlock();
   if (cs.worker.get_id() == std::this_thread::get_id()) {

@@ -1,13 +1,14 @@
 // The mpi backend: CPU tensors over MPI (OpenMPI), one duplicated MPI communicator per
 // hp::Communicator, driven only by that communicator's worker thread.
 //
-// all_gather, broadcast, all_to_all, barrier and native-dtype all_reduce call MPI's own
-// collectives. reduce_scatter (every dtype) and the bfloat16 / float16 all_reduce run our
-// ring: n-1 steps over point-to-point on a private duplicate communicator, each step
-// pipelined in segments so that reducing one segment overlaps receiving the next. The ring
-// fixes the reduction order (chunk c is accumulated from rank c+1 around to rank c), so
-// the bf16/fp16 all_reduce (ring reduce-scatter + MPI_Allgatherv) is bitwise identical on
-// every rank. OpenMPI's MPI_Reduce_scatter_block is not used: measured far slower here.
+// all_gather, broadcast, all_to_all, barrier and all_reduce call MPI's own collectives;
+// bfloat16 / float16 reductions go through MPI user ops running our float32 kernels.
+// reduce_scatter (every dtype), and the bf16/fp16 all_reduce of large buffers, run our
+// ring: n-1 steps over point-to-point on a private duplicate communicator, each step one
+// exchange (small chunks) or pipelined in segments. The ring fixes the reduction order
+// (chunk c is accumulated from rank c+1 around to rank c), so its all_reduce (ring
+// reduce-scatter + MPI_Allgatherv) is bitwise identical on every rank. OpenMPI's
+// MPI_Reduce_scatter_block is not used: measured 3x slower here (BENCHMARKS.md).
 #include "hp/config.h"
 
 #include "hp/comm/communicator.h"
@@ -21,6 +22,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "hp/core/env.h"
 #include "reduce_kernels.h"
@@ -70,6 +72,30 @@ MPI_Op mpi_op(ReduceOp op, at::ScalarType t) {
 int as_count(int64_t n) {
   if (n > INT_MAX) HP_NOT_SUPPORTED("a message of ", n, " elements (MPI counts are int)");
   return static_cast<int>(n);
+}
+
+// MPI user ops for bfloat16 / float16 (moved as MPI_UINT16_T): inout = op(inout, in),
+// computed by our kernels in float32 with round-to-nearest-even. Declared commutative:
+// a + b and b + a round identically, so every rank of MPI_Allreduce gets the same bits.
+template <at::ScalarType DT, ReduceOp OP>
+void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  reduce_kernel(inout, inout, in, *len, DT, OP);
+}
+
+MPI_Op half_mpi_op(at::ScalarType dt, ReduceOp op) {
+  static MPI_Op ops[2][3];
+  static std::once_flag once;
+  std::call_once(once, [] {
+    MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::SUM>, 1, &ops[0][0]);
+    MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::MAX>, 1, &ops[0][1]);
+    MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::MIN>, 1, &ops[0][2]);
+    MPI_Op_create(&half_op<at::kHalf, ReduceOp::SUM>, 1, &ops[1][0]);
+    MPI_Op_create(&half_op<at::kHalf, ReduceOp::MAX>, 1, &ops[1][1]);
+    MPI_Op_create(&half_op<at::kHalf, ReduceOp::MIN>, 1, &ops[1][2]);
+  });
+  int i = dt == at::kBFloat16 ? 0 : 1;
+  int j = op == ReduceOp::SUM ? 0 : op == ReduceOp::MAX ? 1 : 2;
+  return ops[i][j];
 }
 
 bool mpi_finalized() {
@@ -134,9 +160,10 @@ class MpiTransport final : public Transport {
   void all_reduce(const at::Tensor& x, ReduceOp op) override {
     if (x.numel() == 0 || size_ == 1) return;
     at::ScalarType dt = x.scalar_type();
-    if (reduced_by_mpi(dt)) {
-      mpi_check(MPI_Allreduce(MPI_IN_PLACE, x.data_ptr(), as_count(x.numel()), mpi_type(dt),
-                              mpi_op(op, dt), comm_),
+    if (reduced_by_mpi(dt) || x.nbytes() < kHalfRingAllReduceBytes) {
+      MPI_Op mop = reduced_by_mpi(dt) ? mpi_op(op, dt) : half_mpi_op(dt, op);
+      mpi_check(MPI_Allreduce(MPI_IN_PLACE, x.data_ptr(), as_count(x.numel()), mpi_type(dt), mop,
+                              comm_),
                 "MPI_Allreduce");
       return;
     }
@@ -268,6 +295,17 @@ class MpiTransport final : public Transport {
       const int rc = ((r - s - 2) % n + n) % n;
       const char* sendp = s == 0 ? in + displs[sc] * es : bufs[(s - 1) & 1];
       char* recvp = bufs[s & 1];
+      const char* own = in + displs[rc] * es;
+      char* dst = (s == n - 2) ? out : recvp;
+      if (std::max(counts[rc], counts[sc]) <= seg) {
+        // One message each way, then one reduction pass.
+        mpi_check(MPI_Sendrecv(sendp, static_cast<int>(counts[sc]), t, right, 0, recvp,
+                               static_cast<int>(counts[rc]), t, left, 0, ring_comm_,
+                               MPI_STATUS_IGNORE),
+                  "MPI_Sendrecv");
+        reduce_kernel(dst, recvp, own, counts[rc], dt, op);
+        continue;
+      }
       rreq.clear();
       sreq.clear();
       int tag = 0;
@@ -284,8 +322,6 @@ class MpiTransport final : public Transport {
                             right, tag, ring_comm_, &sreq.back()),
                   "MPI_Isend");
       }
-      const char* own = in + displs[rc] * es;
-      char* dst = (s == n - 2) ? out : recvp;
       int64_t off = 0;
       for (auto& req : rreq) {
         mpi_check(MPI_Wait(&req, MPI_STATUS_IGNORE), "MPI_Wait");
@@ -301,6 +337,9 @@ class MpiTransport final : public Transport {
     }
   }
 
+  // bf16/fp16 all_reduce: MPI_Allreduce with our op below this size, our ring above
+  // (measured in comm_bench, BENCHMARKS.md).
+  static constexpr int64_t kHalfRingAllReduceBytes = 32 << 20;
   static constexpr int64_t kMaxSegments = 8192;  // stays below MPI_TAG_UB (>= 32767)
 
   MPI_Comm comm_ = MPI_COMM_NULL;

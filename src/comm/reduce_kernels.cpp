@@ -3,26 +3,36 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <immintrin.h>
 #include <cstring>
 
 #include "hp/core/error.h"
 
 namespace hp::detail {
 
-uint16_t float_to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+namespace {
+
+// Branch-free so that the loops below vectorize.
+inline uint32_t round_to_bf16(uint32_t u) {
   uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   uint32_t quiet_nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>(std::isnan(f) ? quiet_nan : rounded);
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
 }
-
-float bf16_bits_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
+inline float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+}  // namespace
+
+uint16_t float_to_bf16_bits(float f) { return static_cast<uint16_t>(round_to_bf16(float_to_bits(f))); }
+float bf16_bits_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
 
 namespace {
 
@@ -41,23 +51,51 @@ struct Min {
 };
 
 // __restrict__ is deliberately absent: out may alias a or b (elementwise, same index).
+// Each kernel is compiled for AVX2 and for the baseline; the loader picks one per CPU.
+#define HP_KERNEL __attribute__((target_clones("avx2", "default")))
+
 template <typename T, typename Op>
-void plain(T* out, const T* a, const T* b, int64_t n, Op op) {
+HP_KERNEL void plain(T* out, const T* a, const T* b, int64_t n, Op op) {
   for (int64_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
 }
 
 template <typename Op>
-void bf16(uint16_t* out, const uint16_t* a, const uint16_t* b, int64_t n, Op op) {
+HP_KERNEL void bf16(uint16_t* out, const uint16_t* a, const uint16_t* b, int64_t n, Op op) {
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = float_to_bf16_bits(op(bf16_bits_to_float(a[i]), bf16_bits_to_float(b[i])));
+    float x = op(bits_to_float(static_cast<uint32_t>(a[i]) << 16),
+                 bits_to_float(static_cast<uint32_t>(b[i]) << 16));
+    out[i] = static_cast<uint16_t>(round_to_bf16(float_to_bits(x)));
   }
 }
 
 template <typename Op>
-void fp16(c10::Half* out, const c10::Half* a, const c10::Half* b, int64_t n, Op op) {
+void fp16_scalar(c10::Half* out, const c10::Half* a, const c10::Half* b, int64_t n, Op op) {
   for (int64_t i = 0; i < n; ++i) {
     out[i] = c10::Half(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
   }
+}
+
+// F16C converts 8 halves at a time, rounding to nearest-even like c10::Half.
+template <typename Op>
+__attribute__((target("avx2,f16c"))) void fp16_f16c(c10::Half* out, const c10::Half* a,
+                                                     const c10::Half* b, int64_t n, Op op) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    float xa[8], xb[8], xo[8];
+    _mm256_storeu_ps(xa, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i))));
+    _mm256_storeu_ps(xb, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i))));
+    for (int j = 0; j < 8; ++j) xo[j] = op(xa[j], xb[j]);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(xo), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  fp16_scalar(out + i, a + i, b + i, n - i, op);
+}
+
+template <typename Op>
+void fp16(c10::Half* out, const c10::Half* a, const c10::Half* b, int64_t n, Op op) {
+  static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+  if (f16c) return fp16_f16c(out, a, b, n, op);
+  fp16_scalar(out, a, b, n, op);
 }
 
 template <typename Op>

@@ -10,8 +10,8 @@
 namespace hp::detail {
 
 // out[i] = op(a[i], b[i]) for i < n; out may alias a or b. op is SUM, MAX or MIN.
-// bfloat16 and float16 compute in float32 and round to nearest-even. Bool (and uint8)
-// MAX / MIN are or / and. NaN propagates through MAX and MIN.
+// bfloat16 and float16 compute in float32 and round to nearest-even. For bool (0/1
+// bytes) MAX / MIN are or / and. NaN propagates through MAX and MIN.
 void reduce_kernel(void* out, const void* a, const void* b, int64_t n, at::ScalarType dtype,
                    ReduceOp op);
 

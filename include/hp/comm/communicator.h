@@ -77,7 +77,8 @@ class Communicator {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // The group's name in errors and traces ("world", "world/dp_shard", ...).
+  // The group's name in errors and traces ("world"; a mesh names its groups by their dims,
+  // "dp_shard" or "dp_replicate+dp_shard"; see CommOptions::name).
   virtual const std::string& name() const = 0;
   virtual std::string backend() const = 0;
   // The world rank of each member, indexed by rank in this communicator.

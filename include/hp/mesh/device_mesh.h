@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -70,6 +71,9 @@ class DeviceMesh {
   // The communicator over one dim, or over a combination of dims (any order of names).
   CommPtr group(const std::string& dim) const;
   CommPtr group(const std::vector<std::string>& dims) const;
+  CommPtr group(std::initializer_list<std::string> dims) const {
+    return group(std::vector<std::string>(dims));
+  }
   const CommPtr& world() const { return world_; }
 
  private:

@@ -1,0 +1,74 @@
+// Failure handling: a rank that withholds its call makes its peers raise TimeoutError
+// within the op's timeout instead of hanging; the communicator then refuses further ops.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+
+#include "hp/comm/communicator.h"
+#include "hp/runtime.h"
+#include "test_util.h"
+
+TEST(Failure, WithheldCollectiveTimesOutOnPeers) {
+  auto w = hp::world();
+  const int n = w->size(), r = w->rank();
+  ASSERT_GE(n, 2);
+  const auto timeout = std::chrono::milliseconds(1500);
+  hp::CommPtr g = w->split(0, r, {timeout, "victim"});
+  const int late = n - 1;
+  at::Tensor x = at::ones({1000});
+  if (r != late) {
+    auto t0 = std::chrono::steady_clock::now();
+    hp::Work work = g->all_reduce(x);
+    try {
+      work.wait();
+      ADD_FAILURE() << "all_reduce completed although rank " << late << " never joined";
+    } catch (const hp::TimeoutError& e) {
+      auto waited = std::chrono::steady_clock::now() - t0;
+      EXPECT_GE(waited, timeout);
+      EXPECT_EQ(e.rank(), r);
+      EXPECT_EQ(e.op(), "all_reduce");
+      EXPECT_EQ(e.group(), "victim");
+      EXPECT_EQ(e.seq(), work.seq());
+      std::string what = e.what();
+      EXPECT_NE(what.find("timed out after 1500 ms"), std::string::npos) << what;
+      EXPECT_NE(what.find("[rank " + std::to_string(r) + "]"), std::string::npos) << what;
+    }
+    // Later ops on the broken communicator raise at once, naming the cause.
+    hp::test::expect_error<hp::CommError>([&] { g->barrier().wait(); },
+                                          {"unusable", "all_reduce #1", "victim"});
+  }
+  // The world communicator is unaffected.
+  w->barrier().wait();
+  if (r == late) {
+    // Joining late lets the peers' stuck call finish, so the processes can exit cleanly.
+    g->all_reduce(x).wait();
+    EXPECT_EQ(x[0].item<float>(), float(n));
+  }
+  w->barrier().wait();
+}
+
+TEST(Failure, MismatchedCollectiveRaisesInsteadOfHanging) {
+  auto w = hp::world();
+  const int n = w->size(), r = w->rank();
+  // Ranks disagree on the size of a point-to-point message: the receiver raises.
+  hp::CommPtr g = w->split(0, r, {std::chrono::milliseconds(20000), "mismatch"});
+  if (r == 0) {
+    g->send(at::ones({8}), 1).wait();
+  } else if (r == 1) {
+    hp::test::expect_error<hp::CommError>([&] { g->recv(at::empty({4}), 0).wait(); },
+                                          {"recv", "mismatch", "[rank 1]"});
+  }
+  (void)n;
+  w->barrier().wait();
+}
+
+TEST(Failure, OpAfterFinalizeOfCommunicatorIsRejected) {
+  // A communicator's worker starts lazily: an unused sub-communicator costs no thread.
+  auto w = hp::world();
+  hp::CommPtr g = w->split(0, w->rank());
+  EXPECT_EQ(g->size(), w->size());
+  g.reset();
+  w->barrier().wait();
+}
