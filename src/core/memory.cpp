@@ -3,11 +3,15 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <cstring>
+
 #include <atomic>
 #include <fstream>
 #include <mutex>
 #include <string>
 #include <unistd.h>
+
+#include "hp/core/compat.h"
 
 namespace hp::memory {
 namespace {
@@ -38,7 +42,7 @@ void delete_counted(void* ctx) {
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) HP_ALLOCATOR_ALLOCATE_CONST override {
     c10::DataPtr p = inner_->allocate(n);
     void* data = p.get();
     c10::Device dev = p.device();
@@ -47,6 +51,11 @@ class CountingAllocator final : public c10::Allocator {
     return c10::DataPtr(data, ctx, &delete_counted, dev);
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+#if HP_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+#endif
 
  private:
   c10::Allocator* inner_;

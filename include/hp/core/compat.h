@@ -1,0 +1,17 @@
+// What differs between the libtorch versions hyperparallel builds against: Debian's 1.13
+// (CPU, CI here) and 2.x (CUDA, the GPU machine). Everything version-dependent lives here.
+#pragma once
+
+#include <torch/version.h>
+
+#define HP_TORCH_VERSION (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR)
+
+// c10::Allocator::allocate lost its const qualifier in 2.3, which also added the pure
+// virtual copy_data.
+#if HP_TORCH_VERSION >= 203
+#define HP_ALLOCATOR_ALLOCATE_CONST
+#define HP_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define HP_ALLOCATOR_ALLOCATE_CONST const
+#define HP_ALLOCATOR_HAS_COPY_DATA 0
+#endif
