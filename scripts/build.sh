@@ -14,6 +14,8 @@ cd "$(dirname "$0")/.."
 
 bash scripts/deps.sh
 
+# Cache hits across checkouts in different folders (a fresh CI clone reuses the cache).
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 if [ -z "${CCACHE_DIR:-}" ]; then
   export CCACHE_DIR="$HOME/.cache/ccache"
 fi
