@@ -1,0 +1,88 @@
+// The call boundary: hp::call(module, args...), the C++ counterpart of Python's
+// Module.__call__. libtorch's C++ modules have no forward hooks, so every capability that
+// must act around a module's forward (fully_shard's unshard/reshard, input and output
+// casts, later tensor parallel and activation checkpointing) registers hooks here, and
+// models call their children through hp::call. Nothing else patches modules.
+//
+// Contract
+// - Hooks are registered per module object (not per class) and run in registration order:
+//   every `pre` before forward, then every `cast_input` on each at::Tensor argument, then
+//   forward, then every `cast_output` on an at::Tensor result, then every `post`.
+// - A module without hooks is simply forwarded: built-in leaf modules work unmodified.
+// - in_call(m) tells whether m's forward is running inside hp::call on this thread; a
+//   capability that needs its hooks checks it to raise a clear error naming the module when
+//   someone calls m->forward directly.
+// - Thread-safe registration; hooks run on the calling thread.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace hp {
+
+struct ForwardHooks {
+  std::function<void(torch::nn::Module&)> pre;
+  std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> cast_input;
+  std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> cast_output;
+  std::function<void(torch::nn::Module&)> post;
+};
+
+using HookHandle = uint64_t;
+
+HookHandle register_forward_hooks(torch::nn::Module& m, ForwardHooks hooks);
+// Removes hooks by handle; unknown handles are ignored.
+void remove_forward_hooks(HookHandle h);
+bool has_forward_hooks(const torch::nn::Module& m);
+bool in_call(const torch::nn::Module& m);
+// "Block(name)" style description used in errors.
+std::string describe_module(const torch::nn::Module& m);
+
+namespace detail {
+
+// Runs the pre hooks and marks the module as in a call until destroyed; runs the post
+// hooks on success (finish), and unmarks on exceptions too.
+class CallScope {
+ public:
+  explicit CallScope(torch::nn::Module& m);
+  ~CallScope();
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+  at::Tensor cast_input(const at::Tensor& t) const;
+  at::Tensor cast_output(const at::Tensor& t) const;
+  void finish();
+
+ private:
+  torch::nn::Module& m_;
+  bool has_casts_in_ = false;
+  bool has_casts_out_ = false;
+};
+
+template <typename A>
+decltype(auto) maybe_cast_input(const CallScope& s, A&& a) {
+  if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+    return s.cast_input(a);
+  } else {
+    return std::forward<A>(a);
+  }
+}
+
+}  // namespace detail
+
+// Calls m->forward(args...) with m's hooks around it. M is a ModuleHolder
+// (torch::nn::Linear) or a std::shared_ptr to a module.
+template <typename M, typename... Args>
+auto call(M& m, Args&&... args) {
+  torch::nn::Module& mod = *m.get();
+  detail::CallScope scope(mod);
+  auto out = m->forward(detail::maybe_cast_input(scope, std::forward<Args>(args))...);
+  if constexpr (std::is_same_v<decltype(out), at::Tensor>) out = scope.cast_output(out);
+  scope.finish();
+  return out;
+}
+
+}  // namespace hp

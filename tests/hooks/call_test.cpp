@@ -1,0 +1,76 @@
+// The call boundary against plain forward calls computed here.
+#include <gtest/gtest.h>
+
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <string>
+#include <vector>
+
+#include "hp/hooks/call.h"
+#include "test_util.h"
+
+namespace {
+
+// A user's module: its only change is calling children through hp::call.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(4, 4));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})));
+  }
+  at::Tensor forward(const at::Tensor& x, double scale) {
+    return hp::call(norm, hp::call(fc, x)) * scale;
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(Block);
+
+}  // namespace
+
+TEST(Call, WithoutHooksIsAPlainForward) {
+  Block b;
+  at::Tensor x = at::randn({2, 4});
+  at::Tensor want = b->norm->forward(b->fc->forward(x)) * 0.5;
+  EXPECT_TRUE(at::allclose(hp::call(b, x, 0.5), want));
+  EXPECT_FALSE(hp::has_forward_hooks(*b));
+}
+
+TEST(Call, HooksRunInOrderAroundForwardIncludingChildren) {
+  Block b;
+  std::vector<std::string> log;
+  auto h1 = hp::register_forward_hooks(*b, {[&](torch::nn::Module&) { log.push_back("pre block"); },
+                                            nullptr, nullptr,
+                                            [&](torch::nn::Module&) { log.push_back("post block"); }});
+  auto h2 = hp::register_forward_hooks(*b->fc, {[&](torch::nn::Module& m) {
+                                                  EXPECT_TRUE(hp::in_call(m));
+                                                  log.push_back("pre fc");
+                                                },
+                                                nullptr, nullptr,
+                                                [&](torch::nn::Module&) { log.push_back("post fc"); }});
+  hp::call(b, at::randn({2, 4}), 1.0);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre block", "pre fc", "post fc", "post block"}));
+  EXPECT_FALSE(hp::in_call(*b));
+  hp::remove_forward_hooks(h1);
+  hp::remove_forward_hooks(h2);
+  EXPECT_FALSE(hp::has_forward_hooks(*b));
+}
+
+TEST(Call, CastsInputsAndOutputs) {
+  torch::nn::Linear fc(3, 2);
+  fc->to(at::kDouble);
+  hp::register_forward_hooks(*fc, {nullptr,
+                                   [](torch::nn::Module&, const at::Tensor& t) { return t.to(at::kDouble); },
+                                   [](torch::nn::Module&, const at::Tensor& t) { return t.to(at::kFloat); },
+                                   nullptr});
+  at::Tensor x = at::randn({5, 3});  // float input, double module
+  at::Tensor y = hp::call(fc, x);
+  EXPECT_EQ(y.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::allclose(y, fc->forward(x.to(at::kDouble)).to(at::kFloat)));
+}
+
+TEST(Call, ExceptionInForwardLeavesNoStaleMarker) {
+  torch::nn::Linear fc(3, 2);
+  EXPECT_ANY_THROW(hp::call(fc, at::randn({5, 7})));  // wrong width
+  EXPECT_FALSE(hp::in_call(*fc));
+}
