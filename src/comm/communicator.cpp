@@ -158,6 +158,9 @@ class QueuedCommunicator final : public Communicator {
     cs_->name = name;
     cs_->lane = trace::new_lane("comm " + name);
     std::lock_guard<std::mutex> g(g_registry_mu);
+    g_registry.erase(std::remove_if(g_registry.begin(), g_registry.end(),
+                                    [](const auto& w) { return w.expired(); }),
+                     g_registry.end());
     g_registry.push_back(cs_);
   }
   ~QueuedCommunicator() override { stop_worker(*cs_, std::chrono::milliseconds(2000)); }
