@@ -98,22 +98,24 @@ CallScope::CallScope(torch::nn::Module& m) : m_(m) {
 // Unmarks even when forward or a hook threw.
 CallScope::~CallScope() { unmark(&m_); }
 
-at::Tensor CallScope::cast_input(const at::Tensor& t) const {
-  if (!has_casts_in_) return t;
+namespace {
+using Cast = std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>;
+// Applies one kind of cast of every hook of m, in registration order.
+at::Tensor apply_casts(torch::nn::Module& m, const at::Tensor& t, Cast ForwardHooks::*which) {
   at::Tensor x = t;
-  for (const auto& h : hooks_of(m_)) {
-    if (h.cast_input) x = h.cast_input(m_, x);
+  for (const auto& h : hooks_of(m)) {
+    if (h.*which) x = (h.*which)(m, x);
   }
   return x;
 }
+}  // namespace
+
+at::Tensor CallScope::cast_input(const at::Tensor& t) const {
+  return has_casts_in_ ? apply_casts(m_, t, &ForwardHooks::cast_input) : t;
+}
 
 at::Tensor CallScope::cast_output(const at::Tensor& t) const {
-  if (!has_casts_out_) return t;
-  at::Tensor x = t;
-  for (const auto& h : hooks_of(m_)) {
-    if (h.cast_output) x = h.cast_output(m_, x);
-  }
-  return x;
+  return has_casts_out_ ? apply_casts(m_, t, &ForwardHooks::cast_output) : t;
 }
 
 void CallScope::finish() {
