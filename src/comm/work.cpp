@@ -41,7 +41,7 @@ bool wait_until(WorkState& ws, const Clock::time_point* until) {
             str_cat("timed out after ", ms,
                     " ms (a peer did not join the op, or is far behind); the communicator "
                     "is now unusable")));
-        cs.running->comm->transport->abandon();
+        cs.transport->abandon();
         cs.done_cv.notify_all();
         cs.raise_broken(ws);
       }

@@ -25,6 +25,13 @@ const std::vector<int64_t> kSizes = {0, 1, 7, 1001};
 // Elements in 16 MiB of dtype dt.
 int64_t big_numel(at::ScalarType dt) { return (16 << 20) / c10::elementSize(dt) + 1; }
 
+// kSizes plus one of at least 16 MiB in total (per rank: divided by `ranks`).
+std::vector<int64_t> sizes_with_big(at::ScalarType dt, int ranks) {
+  std::vector<int64_t> sizes = kSizes;
+  sizes.push_back(big_numel(dt) / ranks);
+  return sizes;
+}
+
 hp::CommPtr world() { return hp::world(); }
 
 // Reference reduction of pattern() over all ranks, in int64 then cast (exact).
@@ -58,12 +65,13 @@ std::vector<ReduceOp> ops_for(at::ScalarType dt) {
   return {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN};
 }
 
-void expect_same(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+// Exact, except after AVG, whose division rounds in the tensor's dtype.
+void expect_same(const at::Tensor& got, const at::Tensor& want, const std::string& what,
+                 bool rounded = false) {
   ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
   ASSERT_EQ(got.sizes(), want.sizes()) << what;
   if (got.numel() == 0) return;
-  if (at::isFloatingType(got.scalar_type())) {
-    // AVG divides in the tensor's dtype; everything else here is exact.
+  if (rounded) {
     bool ok = at::allclose(got.to(at::kDouble), want.to(at::kDouble), 1e-2, 1e-6);
     EXPECT_TRUE(ok) << what << ": max abs diff "
                     << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
@@ -82,9 +90,7 @@ TEST(Communicator, AllGatherEveryDtypeAndSize) {
   auto w = world();
   const int n = w->size(), r = w->rank();
   for (auto dt : kDtypes) {
-    std::vector<int64_t> sizes = kSizes;
-    sizes.push_back(big_numel(dt) / n);
-    for (int64_t m : sizes) {
+    for (int64_t m : sizes_with_big(dt, n)) {
       at::Tensor in = pattern(r, m, 0, dt);
       at::Tensor out = at::empty({n * m}, dt);
       w->all_gather(out, in).wait();
@@ -99,9 +105,7 @@ TEST(Communicator, ReduceScatterEveryDtypeOpAndSize) {
   auto w = world();
   const int n = w->size(), r = w->rank();
   for (auto dt : kDtypes) {
-    std::vector<int64_t> sizes = kSizes;
-    sizes.push_back(big_numel(dt) / n);
-    for (int64_t m : sizes) {
+    for (int64_t m : sizes_with_big(dt, n)) {
       for (ReduceOp op : ops_for(dt)) {
         if (m > 2000 && op != ReduceOp::SUM) continue;  // the big size once per dtype
         at::Tensor in = pattern(r, n * m, 0, dt);
@@ -109,7 +113,7 @@ TEST(Communicator, ReduceScatterEveryDtypeOpAndSize) {
         at::Tensor out = at::empty({m}, dt);
         w->reduce_scatter(out, in, {op}).wait();
         std::string what = label("reduce_scatter", dt, m) + " " + hp::to_string(op);
-        expect_same(out, reference(op, n, m, r * m, dt), what);
+        expect_same(out, reference(op, n, m, r * m, dt), what, op == ReduceOp::AVG);
         EXPECT_TRUE(at::equal(in, keep)) << what << ": the input was modified";
       }
     }
@@ -120,15 +124,13 @@ TEST(Communicator, AllReduceEveryDtypeOpAndSize) {
   auto w = world();
   const int n = w->size(), r = w->rank();
   for (auto dt : kDtypes) {
-    std::vector<int64_t> sizes = kSizes;
-    sizes.push_back(big_numel(dt));
-    for (int64_t m : sizes) {
+    for (int64_t m : sizes_with_big(dt, 1)) {
       for (ReduceOp op : ops_for(dt)) {
         if (m > 2000 && op != ReduceOp::SUM) continue;
         at::Tensor x = pattern(r, m, 0, dt);
         w->all_reduce(x, {op}).wait();
         expect_same(x, reference(op, n, m, 0, dt),
-                    label("all_reduce", dt, m) + " " + hp::to_string(op));
+                    label("all_reduce", dt, m) + " " + hp::to_string(op), op == ReduceOp::AVG);
       }
     }
   }
@@ -138,9 +140,7 @@ TEST(Communicator, BroadcastFromEveryRoot) {
   auto w = world();
   const int n = w->size(), r = w->rank();
   for (auto dt : kDtypes) {
-    std::vector<int64_t> sizes = kSizes;
-    sizes.push_back(big_numel(dt));
-    for (int64_t m : sizes) {
+    for (int64_t m : sizes_with_big(dt, 1)) {
       for (int root = 0; root < n; ++root) {
         if (m > 2000 && root != n - 1) continue;
         at::Tensor x = pattern(r, m, 0, dt);
