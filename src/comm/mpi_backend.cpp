@@ -4,8 +4,10 @@
 // all_gather, broadcast, all_to_all, barrier and all_reduce call MPI's own collectives;
 // bfloat16 / float16 reductions go through MPI user ops running our float32 kernels.
 // reduce_scatter (every dtype), and the bf16/fp16 all_reduce of large buffers, run our
-// ring: n-1 steps over point-to-point on a private duplicate communicator, each step one
-// exchange (small chunks) or pipelined in segments. The ring fixes the reduction order
+// ring: n-1 steps over point-to-point on a private duplicate communicator; each step
+// receives its chunk in segments, two ahead, into cache-sized slots and reduces each
+// segment as it lands, so the peer's data crosses main memory once. The ring fixes the
+// reduction order
 // (chunk c is accumulated from rank c+1 around to rank c), so its all_reduce (ring
 // reduce-scatter + MPI_Allgatherv) is bitwise identical on every rank. OpenMPI's
 // MPI_Reduce_scatter_block is not used: measured 3x slower here (BENCHMARKS.md).
@@ -283,52 +285,48 @@ class MpiTransport final : public Transport {
       return;
     }
     const int64_t maxc = *std::max_element(counts.begin(), counts.end());
-    char* buf = scratch(2 * maxc * es);
-    char* bufs[2] = {buf, buf + maxc * es};
-    const int right = (r + 1) % n, left = (r - 1 + n) % n;
     int64_t seg = std::max<int64_t>(1, segment_bytes_ / es);
     seg = std::max<int64_t>(seg, (maxc + kMaxSegments - 1) / kMaxSegments);
+    // Scratch: kWindow receive slots of one segment each, then (three ranks or more) two
+    // chunk-sized accumulators that alternate as the partial sum travels the ring.
+    const int64_t slot_bytes = seg * es;
+    const int64_t acc_bytes = n > 2 ? maxc * es : 0;
+    char* buf = scratch(kWindow * slot_bytes + 2 * acc_bytes);
+    char* acc[2] = {buf + kWindow * slot_bytes, buf + kWindow * slot_bytes + acc_bytes};
+    auto slot = [&](int64_t k) { return buf + (k % kWindow) * slot_bytes; };
+    const int right = (r + 1) % n, left = (r - 1 + n) % n;
     const MPI_Datatype t = mpi_type(dt);
-    std::vector<MPI_Request> rreq, sreq;
+    std::vector<MPI_Request> sreq, rreq(kWindow);
     for (int s = 0; s < n - 1; ++s) {
       const int sc = ((r - s - 1) % n + n) % n;
       const int rc = ((r - s - 2) % n + n) % n;
-      const char* sendp = s == 0 ? in + displs[sc] * es : bufs[(s - 1) & 1];
-      char* recvp = bufs[s & 1];
+      const char* sendp = s == 0 ? in + displs[sc] * es : acc[(s - 1) & 1];
       const char* own = in + displs[rc] * es;
-      char* dst = (s == n - 2) ? out : recvp;
-      if (std::max(counts[rc], counts[sc]) <= seg) {
-        // One message each way, then one reduction pass.
-        mpi_check(MPI_Sendrecv(sendp, static_cast<int>(counts[sc]), t, right, 0, recvp,
-                               static_cast<int>(counts[rc]), t, left, 0, ring_comm_,
-                               MPI_STATUS_IGNORE),
-                  "MPI_Sendrecv");
-        reduce_kernel(dst, recvp, own, counts[rc], dt, op);
-        continue;
-      }
-      rreq.clear();
+      char* dst = (s == n - 2) ? out : acc[s & 1];
       sreq.clear();
       int tag = 0;
-      for (int64_t off = 0; off < counts[rc]; off += seg, ++tag) {
-        rreq.emplace_back();
-        mpi_check(MPI_Irecv(recvp + off * es, static_cast<int>(std::min(seg, counts[rc] - off)), t,
-                            left, tag, ring_comm_, &rreq.back()),
-                  "MPI_Irecv");
-      }
-      tag = 0;
       for (int64_t off = 0; off < counts[sc]; off += seg, ++tag) {
         sreq.emplace_back();
         mpi_check(MPI_Isend(sendp + off * es, static_cast<int>(std::min(seg, counts[sc] - off)), t,
                             right, tag, ring_comm_, &sreq.back()),
                   "MPI_Isend");
       }
-      int64_t off = 0;
-      for (auto& req : rreq) {
-        mpi_check(MPI_Wait(&req, MPI_STATUS_IGNORE), "MPI_Wait");
-        int64_t cnt = std::min(seg, counts[rc] - off);
+      // Receive at most kWindow segments ahead into cache-sized slots and reduce each as
+      // soon as it lands, so the peer's data crosses main memory once.
+      const int64_t nseg = (counts[rc] + seg - 1) / seg;
+      auto post = [&](int64_t k) {
+        int64_t cnt = std::min(seg, counts[rc] - k * seg);
+        mpi_check(MPI_Irecv(slot(k), static_cast<int>(cnt), t, left, static_cast<int>(k),
+                            ring_comm_, &rreq[k % kWindow]),
+                  "MPI_Irecv");
+      };
+      for (int64_t k = 0; k < std::min<int64_t>(kWindow, nseg); ++k) post(k);
+      for (int64_t k = 0; k < nseg; ++k) {
+        mpi_check(MPI_Wait(&rreq[k % kWindow], MPI_STATUS_IGNORE), "MPI_Wait");
+        int64_t off = k * seg, cnt = std::min(seg, counts[rc] - off);
         // partial from the ranks before us, then our own contribution
-        reduce_kernel(dst + off * es, recvp + off * es, own + off * es, cnt, dt, op);
-        off += seg;
+        reduce_kernel(dst + off * es, slot(k), own + off * es, cnt, dt, op);
+        if (k + kWindow < nseg) post(k + kWindow);
       }
       if (!sreq.empty()) {
         mpi_check(MPI_Waitall(static_cast<int>(sreq.size()), sreq.data(), MPI_STATUSES_IGNORE),
@@ -337,6 +335,7 @@ class MpiTransport final : public Transport {
     }
   }
 
+  static constexpr int64_t kWindow = 2;  // receive segments in flight per ring step
   // bf16/fp16 all_reduce: MPI_Allreduce with our op below this size, our ring above
   // (measured in comm_bench, BENCHMARKS.md).
   static constexpr int64_t kHalfRingAllReduceBytes = 32 << 20;

@@ -16,7 +16,7 @@ const std::vector<Knob>& knobs() {
        "Compute threads per rank (libtorch and OpenBLAS); 0 = cores / ranks on this node"},
       {"HP_TRACE", "",
        "Directory for Chrome trace-event files (trace_rank<R>.json); empty = tracing off"},
-      {"HP_RS_SEGMENT_BYTES", "262144",
+      {"HP_RS_SEGMENT_BYTES", "131072",
        "Segment size of the pipelined ring reduce-scatter of the mpi backend"},
   };
   return kKnobs;
