@@ -53,6 +53,12 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
     std::shared_ptr<WorkState> ws;
     {
       std::unique_lock<std::mutex> lk(cs->mu);
+      if (cs->queue.empty() && !cs->stop) {
+        uint64_t seen = cs->enqueued.load();
+        lk.unlock();
+        spin_until([&] { return cs->enqueued.load() != seen; });
+        lk.lock();
+      }
       cs->work_cv.wait(lk, [&] { return cs->stop || !cs->queue.empty(); });
       if (cs->queue.empty()) return;
       ws = std::move(cs->queue.front());
@@ -64,6 +70,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
           ws->error = std::current_exception();
         }
         ws->done = true;
+        ws->finished = true;
         ws->run = nullptr;
         cs->done_cv.notify_all();
         continue;
@@ -88,6 +95,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       std::lock_guard<std::mutex> g(cs->mu);
       cs->running.reset();
       ws->done = true;
+      ws->finished = true;
       ws->error = err;
       // A failed collective leaves the group out of step: nothing later can run on it.
       if (err && !cs->broken) cs->broken = err;
@@ -394,6 +402,7 @@ class QueuedCommunicator final : public Communicator {
     HP_CHECK(!cs_->stop, where(op), "the communicator was shut down (hp::finalize ran)");
     if (!cs_->worker.joinable()) cs_->worker = std::thread(worker_loop, cs_);
     cs_->queue.push_back(ws);
+    cs_->enqueued.fetch_add(1);
     cs_->work_cv.notify_one();
     return Work(ws);
   }

@@ -66,6 +66,7 @@ bool Work::is_completed() const {
 
 void Work::wait() const {
   if (!state_) return;
+  detail::spin_until([&] { return state_->finished.load(); });
   detail::wait_until(*state_, nullptr);
 }
 

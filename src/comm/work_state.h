@@ -1,6 +1,7 @@
 // Private: the state shared by a queued communicator, its worker thread and its Works.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -29,6 +30,8 @@ struct WorkState {
   // Guarded by comm->mu.
   bool started = false;
   bool done = false;
+  // Mirrors `done` for the short lock-free spin in Work::wait.
+  std::atomic<bool> finished{false};
   Clock::time_point start;
   std::exception_ptr error;
   // The op itself; it holds the op's tensors and is released when the op completes.
@@ -46,6 +49,8 @@ struct CommShared {
   bool stop = false;
   std::thread worker;
   uint64_t next_seq = 1;
+  // Ops queued, for the worker's short lock-free spin before it sleeps.
+  std::atomic<uint64_t> enqueued{0};
 
   // Immutable after construction.
   std::unique_ptr<Transport> transport;  // used by the worker thread only
@@ -58,5 +63,20 @@ struct CommShared {
   // it ran. Call with mu held.
   [[noreturn]] void raise_broken(const WorkState& ws) const;
 };
+
+// Waking a sleeping thread costs several microseconds per op, a visible share of a
+// millisecond collective. The worker (for the next op) and a waiter (for completion)
+// first spin this long, yielding the core, before they block.
+constexpr std::chrono::microseconds kSpinBeforeSleep{50};
+
+template <typename Pred>
+bool spin_until(Pred ready) {
+  auto until = Clock::now() + kSpinBeforeSleep;
+  do {
+    if (ready()) return true;
+    std::this_thread::yield();
+  } while (Clock::now() < until);
+  return ready();
+}
 
 }  // namespace hp::detail
