@@ -26,31 +26,35 @@ void add_bytes(int64_t n) {
   }
 }
 
-// Keeps the wrapped allocator's DataPtr alive; destroying it frees the memory.
-struct Counted {
-  c10::DataPtr inner;
-  int64_t bytes;
-};
+// Each allocation carries a 64-byte header (keeping the data 64-byte aligned) holding its
+// size; the DataPtr's context is the data pointer itself, as libtorch's raw_allocate
+// requires, and the deleter finds the header from it.
+constexpr size_t kHeader = 64;
+c10::DeleterFnPtr g_inner_free = nullptr;
 
-void delete_counted(void* ctx) {
-  auto* c = static_cast<Counted*>(ctx);
-  int64_t n = c->bytes;
-  delete c;
+void counted_free(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  int64_t n = 0;
+  std::memcpy(&n, base, sizeof n);
   g_current.fetch_sub(n, std::memory_order_relaxed);
+  g_inner_free(base);
 }
 
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
   c10::DataPtr allocate(size_t n) HP_ALLOCATOR_ALLOCATE_CONST override {
-    c10::DataPtr p = inner_->allocate(n);
-    void* data = p.get();
+    c10::DataPtr p = inner_->allocate(n + kHeader);
     c10::Device dev = p.device();
-    auto* ctx = new Counted{std::move(p), static_cast<int64_t>(n)};
-    add_bytes(static_cast<int64_t>(n));
-    return c10::DataPtr(data, ctx, &delete_counted, dev);
+    char* base = static_cast<char*>(p.release_context());
+    int64_t bytes = static_cast<int64_t>(n);
+    std::memcpy(base, &bytes, sizeof bytes);
+    add_bytes(bytes);
+    void* data = base + kHeader;
+    return c10::DataPtr(data, data, &counted_free, dev);
   }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &counted_free; }
 #if HP_ALLOCATOR_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
@@ -78,7 +82,12 @@ int64_t read_status_kb(const char* key) {
 
 void install_counting_allocator() {
   std::call_once(g_install_once, [] {
-    static CountingAllocator alloc(c10::GetCPUAllocator());
+    c10::Allocator* inner = c10::GetCPUAllocator();
+    // The wrapped allocator must hand out plain pointers (context == data) with a raw
+    // deleter, as libtorch's default CPU allocator does.
+    g_inner_free = inner->raw_deleter();
+    if (g_inner_free == nullptr) return;  // cannot wrap it: leave accounting off
+    static CountingAllocator alloc(inner);
     // Priority above the default registration so libtorch's own code allocates through it.
     c10::SetCPUAllocator(&alloc, /*priority=*/100);
     g_installed = true;

@@ -14,17 +14,38 @@ struct Entry {
   ForwardHooks hooks;
 };
 
+// Hooks are keyed by the module's address; the weak owner tells a live module from a
+// dead one whose address was reused, so a new module never inherits stale hooks.
+struct Slot {
+  std::weak_ptr<torch::nn::Module> owner;
+  bool owned = false;  // false: the module is not held by a shared_ptr (no liveness check)
+  std::vector<Entry> entries;
+  bool expired() const { return owned && owner.expired(); }
+};
+
 std::mutex g_mu;
-std::map<const torch::nn::Module*, std::vector<Entry>> g_hooks;
+std::map<const torch::nn::Module*, Slot> g_hooks;
 HookHandle g_next = 1;
 thread_local std::vector<const torch::nn::Module*> t_in_call;
 
-std::vector<ForwardHooks> hooks_of(const torch::nn::Module& m) {
-  std::lock_guard<std::mutex> g(g_mu);
-  std::vector<ForwardHooks> out;
+// Call with g_mu held. Returns the live slot of m, dropping a stale one.
+Slot* find_slot(const torch::nn::Module& m, std::vector<Entry>* graveyard) {
   auto it = g_hooks.find(&m);
-  if (it != g_hooks.end()) {
-    for (const auto& e : it->second) out.push_back(e.hooks);
+  if (it == g_hooks.end()) return nullptr;
+  if (it->second.expired()) {
+    for (auto& e : it->second.entries) graveyard->push_back(std::move(e));
+    g_hooks.erase(it);
+    return nullptr;
+  }
+  return &it->second;
+}
+
+std::vector<ForwardHooks> hooks_of(const torch::nn::Module& m) {
+  std::vector<Entry> graveyard;  // destroyed after the lock is released
+  std::vector<ForwardHooks> out;
+  std::lock_guard<std::mutex> g(g_mu);
+  if (Slot* s = find_slot(m, &graveyard)) {
+    for (const auto& e : s->entries) out.push_back(e.hooks);
   }
   return out;
 }
@@ -32,18 +53,34 @@ std::vector<ForwardHooks> hooks_of(const torch::nn::Module& m) {
 }  // namespace
 
 HookHandle register_forward_hooks(torch::nn::Module& m, ForwardHooks hooks) {
+  std::vector<Entry> graveyard;
+  std::weak_ptr<torch::nn::Module> owner;
+  bool owned = false;
+  try {
+    owner = m.shared_from_this();
+    owned = true;
+  } catch (const std::bad_weak_ptr&) {
+  }
   std::lock_guard<std::mutex> g(g_mu);
+  Slot* s = find_slot(m, &graveyard);
+  if (s == nullptr) {
+    s = &g_hooks[&m];
+    s->owner = owner;
+    s->owned = owned;
+  }
   HookHandle h = g_next++;
-  g_hooks[&m].push_back(Entry{h, std::move(hooks)});
+  s->entries.push_back(Entry{h, std::move(hooks)});
   return h;
 }
 
 void remove_forward_hooks(HookHandle h) {
+  std::vector<Entry> graveyard;
   std::lock_guard<std::mutex> g(g_mu);
   for (auto it = g_hooks.begin(); it != g_hooks.end(); ++it) {
-    auto& v = it->second;
+    auto& v = it->second.entries;
     for (auto e = v.begin(); e != v.end(); ++e) {
       if (e->handle == h) {
+        graveyard.push_back(std::move(*e));
         v.erase(e);
         if (v.empty()) g_hooks.erase(it);
         return;
@@ -52,9 +89,23 @@ void remove_forward_hooks(HookHandle h) {
   }
 }
 
-bool has_forward_hooks(const torch::nn::Module& m) {
+void purge_expired_forward_hooks() {
+  std::vector<Entry> graveyard;
   std::lock_guard<std::mutex> g(g_mu);
-  return g_hooks.count(&m) != 0;
+  for (auto it = g_hooks.begin(); it != g_hooks.end();) {
+    if (it->second.expired()) {
+      for (auto& e : it->second.entries) graveyard.push_back(std::move(e));
+      it = g_hooks.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool has_forward_hooks(const torch::nn::Module& m) {
+  std::vector<Entry> graveyard;
+  std::lock_guard<std::mutex> g(g_mu);
+  return find_slot(m, &graveyard) != nullptr;
 }
 
 bool in_call(const torch::nn::Module& m) {
@@ -116,6 +167,12 @@ at::Tensor CallScope::cast_input(const at::Tensor& t) const {
 
 at::Tensor CallScope::cast_output(const at::Tensor& t) const {
   return has_casts_out_ ? apply_casts(m_, t, &ForwardHooks::cast_output) : t;
+}
+
+void CallScope::fail(const std::exception& e) {
+  for (const auto& h : hooks_of(m_)) {
+    if (h.on_error) h.on_error(m_, e);
+  }
 }
 
 void CallScope::finish() {

@@ -69,6 +69,16 @@ TEST(Call, CastsInputsAndOutputs) {
   EXPECT_TRUE(at::allclose(y, fc->forward(x.to(at::kDouble)).to(at::kFloat)));
 }
 
+TEST(Call, OnErrorMayReplaceTheException) {
+  torch::nn::Linear fc(3, 2);
+  hp::ForwardHooks h;
+  h.on_error = [](torch::nn::Module& m, const std::exception& e) {
+    throw hp::Error(std::string("while running ") + m.name() + ": " + e.what());
+  };
+  hp::register_forward_hooks(*fc, h);
+  hp::test::expect_error([&] { hp::call(fc, at::randn({5, 7})); }, {"while running", "Linear"});
+}
+
 TEST(Call, ExceptionInForwardLeavesNoStaleMarker) {
   torch::nn::Linear fc(3, 2);
   EXPECT_ANY_THROW(hp::call(fc, at::randn({5, 7})));  // wrong width

@@ -15,3 +15,16 @@
 #define HP_ALLOCATOR_ALLOCATE_CONST const
 #define HP_ALLOCATOR_HAS_COPY_DATA 0
 #endif
+
+#include <ATen/core/Tensor.h>
+#include <ATen/native/Resize.h>
+
+namespace hp::compat {
+
+// Resizes the storage under `t` in place to `bytes` (0 frees it): the StorageImpl, and so
+// every tensor sharing it (autograd's saved tensors included), sees the new allocation.
+inline void resize_storage_bytes(const at::Tensor& t, size_t bytes) {
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+}
+
+}  // namespace hp::compat

@@ -30,6 +30,9 @@ struct ForwardHooks {
   std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> cast_input;
   std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> cast_output;
   std::function<void(torch::nn::Module&)> post;
+  // Runs when forward (or a hook) throws inside the call; may throw a clearer error in
+  // place of the original (for example fully_shard naming a child that bypassed hp::call).
+  std::function<void(torch::nn::Module&, const std::exception&)> on_error;
 };
 
 using HookHandle = uint64_t;
@@ -38,6 +41,9 @@ HookHandle register_forward_hooks(torch::nn::Module& m, ForwardHooks hooks);
 // Removes hooks by handle; unknown handles are ignored.
 void remove_forward_hooks(HookHandle h);
 bool has_forward_hooks(const torch::nn::Module& m);
+// Drops the hooks of modules that no longer exist (and what the hooks hold). Done lazily
+// on lookup too; capabilities call it before they inspect their own registries.
+void purge_expired_forward_hooks();
 bool in_call(const torch::nn::Module& m);
 // "Block(name)" style description used in errors.
 std::string describe_module(const torch::nn::Module& m);
@@ -55,6 +61,8 @@ class CallScope {
   at::Tensor cast_input(const at::Tensor& t) const;
   at::Tensor cast_output(const at::Tensor& t) const;
   void finish();
+  // Gives on_error hooks the chance to replace the exception being propagated.
+  void fail(const std::exception& e);
 
  private:
   torch::nn::Module& m_;
@@ -79,10 +87,15 @@ template <typename M, typename... Args>
 auto call(M& m, Args&&... args) {
   torch::nn::Module& mod = *m.get();
   detail::CallScope scope(mod);
-  auto out = m->forward(detail::maybe_cast_input(scope, std::forward<Args>(args))...);
-  if constexpr (std::is_same_v<decltype(out), at::Tensor>) out = scope.cast_output(out);
-  scope.finish();
-  return out;
+  try {
+    auto out = m->forward(detail::maybe_cast_input(scope, std::forward<Args>(args))...);
+    if constexpr (std::is_same_v<decltype(out), at::Tensor>) out = scope.cast_output(out);
+    scope.finish();
+    return out;
+  } catch (const std::exception& e) {
+    scope.fail(e);
+    throw;
+  }
 }
 
 }  // namespace hp

@@ -1,0 +1,114 @@
+// fully_shard: FSDP and HSDP for libtorch modules.
+//
+// fully_shard(module, options) shards the parameters of `module` (those not already
+// managed by a fully_shard applied to one of its submodules, nor ignored) along dim 0
+// over the mesh's dp_shard ranks, and returns the module's FSDPModule handle. Apply it
+// bottom-up: each transformer block, then the root. Run the root, and every sharded
+// module, through hp::call (hp/hooks/call.h): its hooks all-gather the parameters before
+// forward (and again before backward when they were resharded), reduce-scatter the
+// gradients as each module's backward finishes (then all-reduce them over dp_replicate
+// for HSDP), and leave the reduced gradient on the sharded parameters by the time
+// backward() returns.
+//
+// Ownership: after fully_shard the module's parameter tensors keep their identity (module
+// fields and autograd's saved tensors stay valid) but their storage is managed by
+// fully_shard: allocated when unsharded, freed in place when resharded. Gradients that
+// autograd produces and tensors the user passes in are only read, never freed or resized;
+// fully_shard frees only buffers it allocated itself (OwnedBuffer in src/fsdp/buffers.h).
+//
+// The optimizer steps on handle->parameters(): one leaf per parameter holding this rank's
+// rows (dim0 / shards rows, fewer for the last ranks when dim 0 does not divide).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+#include "hp/fsdp/mixed_precision.h"
+#include "hp/mesh/device_mesh.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace hp {
+
+struct FullyShardOptions {
+  // 1-D: FSDP over its only dim. 2-D: HSDP, (dp_replicate, dp_shard) in that order.
+  // Null: FSDP over hp::world().
+  std::shared_ptr<DeviceMesh> mesh;
+  // Free the unsharded parameters after forward (all-gather again before backward).
+  bool reshard_after_forward = true;
+  // Resharding to a smaller group after forward (FSDP2's int form): not supported yet;
+  // any value other than 0 raises.
+  int reshard_after_forward_group_size = 0;
+  MixedPrecisionPolicy mp_policy;
+  // One all-gather / reduce-scatter per module (fused, aligned buffers) instead of one per
+  // parameter.
+  bool comm_fusion = false;
+  // Parameters of the module left alone (not sharded, not reduced).
+  std::vector<at::Tensor> ignored_params;
+};
+
+// One rank's shard of a parameter, as in a sharded state dict.
+struct ShardedTensor {
+  std::string name;             // the parameter's name in the fully_shard'ed module
+  at::Tensor local;             // this rank's real rows (may have 0 rows)
+  std::vector<int64_t> global_shape;
+  int64_t row_offset;           // first global dim-0 row of `local`
+};
+
+class FSDPModule;
+using FSDPHandle = std::shared_ptr<FSDPModule>;
+
+class FSDPModule {
+ public:
+  // The sharded parameters, in the module's parameter order (frozen ones included, with
+  // requires_grad false): give these to the optimizer.
+  std::vector<at::Tensor> parameters() const;
+  std::vector<ShardedTensor> state_dict() const;
+  const GroupDtypes& dtypes() const;
+  torch::nn::Module& module() const;
+
+  // Runtime controls. `recurse` also applies to the fully_shard'ed modules nested inside.
+  // Off: gradients accumulate unsharded (in the reduce dtype) until a backward with it on.
+  void set_requires_gradient_sync(bool on, bool recurse = true);
+  // HSDP: off = reduce-scatter but skip the dp_replicate all-reduce, accumulating the
+  // reduced shards until a backward with it on.
+  void set_requires_all_reduce(bool on, bool recurse = true);
+  void set_reshard_after_backward(bool on, bool recurse = true);
+  // False keeps the parameters unsharded after this backward (e.g. before another
+  // micro-batch); true (the default) reshards as configured.
+  void set_is_last_backward(bool last);
+  // Divide reduced gradients by `factor` instead of averaging (0 = average).
+  void set_gradient_divide_factor(double factor);
+  // AVG (default) or SUM over the data-parallel ranks.
+  void set_reduce_op(ReduceOp op);
+  // All-gather these modules' parameters right after this one's, in forward / backward.
+  void set_modules_to_forward_prefetch(const std::vector<FSDPHandle>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPHandle>& modules);
+
+  // Explicit all-gather: returns at once with the collectives in flight when async;
+  // wait_for_unshard() completes it (forward does so by itself).
+  void unshard(bool async = false);
+  void wait_for_unshard();
+  void reshard();
+  bool is_unsharded() const;
+
+  struct State;
+  explicit FSDPModule(std::unique_ptr<State> s);
+  ~FSDPModule();
+  State& state() const { return *state_; }
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
+// The handle of a module fully_shard was applied to, or null.
+FSDPHandle fsdp_handle(const torch::nn::Module& module);
+
+}  // namespace hp

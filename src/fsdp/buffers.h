@@ -1,0 +1,50 @@
+// Private: the storage fully_shard owns, with ownership in the types.
+//
+// OwnedBuffer holds a tensor fully_shard allocated itself; it alone may be released
+// (its storage freed in place). Tensors that autograd produced or the user passed in are
+// handled as plain at::Tensor and are never released or resized by fully_shard: a cast or
+// reshape of such a tensor that may alias it is always copied into an OwnedBuffer before
+// anything that will be released later (the seed system freed a caller's gradient because
+// a same-dtype cast aliased it).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "hp/core/compat.h"
+
+namespace hp::detail {
+
+class OwnedBuffer {
+ public:
+  OwnedBuffer() = default;
+  static OwnedBuffer zeros(at::IntArrayRef shape, at::ScalarType dt) {
+    return OwnedBuffer(at::zeros(shape, at::TensorOptions().dtype(dt)));
+  }
+  static OwnedBuffer empty(at::IntArrayRef shape, at::ScalarType dt) {
+    return OwnedBuffer(at::empty(shape, at::TensorOptions().dtype(dt)));
+  }
+  // Copies `src` (never aliases it) into a new buffer of dtype dt.
+  static OwnedBuffer copy_of(const at::Tensor& src, at::ScalarType dt) {
+    OwnedBuffer b = empty(src.sizes(), dt);
+    b.t_.copy_(src);
+    return b;
+  }
+  OwnedBuffer(OwnedBuffer&&) = default;
+  OwnedBuffer& operator=(OwnedBuffer&&) = default;
+  OwnedBuffer(const OwnedBuffer&) = delete;
+  OwnedBuffer& operator=(const OwnedBuffer&) = delete;
+
+  bool defined() const { return t_.defined(); }
+  const at::Tensor& tensor() const { return t_; }
+  // Frees the storage in place (every view of it becomes empty) and forgets the tensor.
+  void release() {
+    if (t_.defined()) compat::resize_storage_bytes(t_, 0);
+    t_ = at::Tensor();
+  }
+
+ private:
+  explicit OwnedBuffer(at::Tensor t) : t_(std::move(t)) {}
+  at::Tensor t_;
+};
+
+}  // namespace hp::detail

@@ -1,0 +1,738 @@
+// fully_shard: parameter shards, unshard/reshard in place, gradient reduction.
+//
+// Per module (one parameter group):
+//   forward   pre hook: all-gather (unless already unsharded or prefetched); explicit
+//             forward prefetch of the listed modules. post hook: reshard if configured;
+//             a hook on the output tensor runs pre_backward.
+//   backward  pre_backward (output's gradient arrives): all-gather again if resharded,
+//             prefetch the module that ran before this one in forward. AccumulateGrad post
+//             hooks count the group's gradients; when all arrived, post_backward copies them
+//             into owned buffers (reduce dtype), issues the reduce-scatter and reshards.
+//             HSDP all-reduces are issued in reduce-scatter order as those complete.
+//   end       an engine callback (queued by the first hook of the backward) reduces the
+//             groups whose gradients never all arrived (zeros for the missing ones), waits
+//             for every collective and leaves the reduced gradients on the sharded leaves.
+// Every dtype comes from the group's GroupDtypes (resolve_dtypes).
+#include "hp/fsdp/fully_shard.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "buffers.h"
+#include "hp/core/compat.h"
+#include "hp/core/error.h"
+#include "hp/core/trace.h"
+#include "hp/fsdp/shard_plan.h"
+#include "hp/hooks/call.h"
+#include "hp/runtime.h"
+
+namespace hp {
+
+using detail::OwnedBuffer;
+
+namespace {
+
+constexpr int64_t kFusedAlignBytes = 64;
+
+struct ParamInfo {
+  std::string name;
+  at::Tensor param;  // the module's own tensor: unsharded view, identity kept
+  std::vector<int64_t> shape;
+  ShardPlan plan;
+  bool requires_grad = false;
+  at::Tensor padded;   // [rows_per_shard, rest...] in the param dtype, owned
+  at::Tensor sharded;  // leaf view of the real rows of `padded`: the optimizer's
+  std::shared_ptr<torch::autograd::Node> accumulator;
+  bool grad_ready = false;
+  OwnedBuffer unsharded_acc;  // gradients kept across no-sync micro-steps
+  OwnedBuffer sharded_acc;    // reduced shards kept across steps without all-reduce
+  at::Tensor main_grad;       // fp32 main gradient of the real rows
+};
+
+struct PendingReduce {
+  int param = -1;      // -1: the whole group (fused)
+  OwnedBuffer input;   // reduce-scatter input, released once it completes
+  OwnedBuffer output;  // reduce-scatter output = all-reduce bucket
+  Work rs;
+  Work ar;
+  bool ar_issued = false;
+};
+
+std::mutex g_mu;
+std::map<const torch::nn::Module*, std::weak_ptr<FSDPModule>> g_handles;
+// Parameters already managed, by tensor; the weak handle tells a live manager from one
+// whose module was destroyed (the address may be reused by a new parameter).
+std::map<const c10::TensorImpl*, std::weak_ptr<FSDPModule>> g_managed;
+
+}  // namespace
+
+struct FSDPModule::State {
+  torch::nn::Module* module = nullptr;
+  std::string label;
+  CommPtr shard;
+  CommPtr replicate;  // null for FSDP
+  FullyShardOptions opts;
+  GroupDtypes dt;
+  std::vector<ParamInfo> params;
+  FusedLayout layout;
+  std::vector<State*> nested;  // fully_shard'ed modules inside this one
+
+  bool unsharded = false;
+  bool unshard_pending = false;
+  std::vector<Work> ag_works;
+  OwnedBuffer ag_in, ag_out;
+
+  bool requires_sync = true;
+  bool requires_all_reduce = true;
+  bool reshard_after_backward = true;
+  bool is_last_backward = true;
+  double divide_factor = 0;
+  ReduceOp reduce_op = ReduceOp::AVG;
+  std::vector<std::weak_ptr<FSDPModule>> fwd_prefetch, bwd_prefetch;
+
+  // Per iteration.
+  bool pre_backward_done = false;
+  bool post_backward_done = false;
+  int grads_pending = 0;
+  std::vector<PendingReduce> pending;
+
+  int shards() const { return shard->size(); }
+  bool has_grads() const {
+    for (const auto& p : params) {
+      if (p.requires_grad) return true;
+    }
+    return false;
+  }
+
+  void begin_unshard();
+  void finish_unshard();
+  void do_reshard();
+  void pre_forward();
+  void post_forward();
+  at::Tensor on_output(const at::Tensor& out, const std::shared_ptr<FSDPModule>& self);
+  void pre_backward();
+  void on_grad(size_t i);
+  void post_backward();
+  void issue_ready_all_reduces();
+  ReduceOp grad_reduce_op() const {
+    return (divide_factor > 0 || reduce_op == ReduceOp::SUM) ? ReduceOp::SUM : ReduceOp::AVG;
+  }
+  bool hsdp() const { return replicate && replicate->size() > 1; }
+  void issue_all_reduce(PendingReduce& pr);
+  void finish_reduce();
+  void translate_error(const std::exception& e);
+};
+
+namespace {
+
+// Backward bookkeeping of the process (CPU autograd runs hooks on the caller's thread).
+struct Iteration {
+  int forward_depth = 0;
+  bool callback_queued = false;
+  std::vector<FSDPModule::State*> forward_order;
+  std::vector<FSDPModule::State*> reduce_order;  // states in reduce-scatter issue order
+};
+Iteration& iteration() {
+  static Iteration it;
+  return it;
+}
+
+void finish_backward();
+
+void ensure_backward_callback() {
+  Iteration& it = iteration();
+  if (it.callback_queued) return;
+  it.callback_queued = true;
+  torch::autograd::Engine::get_default_engine().queue_callback(finish_backward);
+}
+
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(FSDPModule::State* s, size_t i) : s_(s), i_(i) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    s_->on_grad(i_);
+    return outputs;
+  }
+
+ private:
+  FSDPModule::State* s_;
+  size_t i_;
+};
+
+// A tensor over `t`'s storage that does not share its version counter or autograd
+// meta: writes through it do not look like in-place edits of the parameter to autograd.
+at::Tensor raw_view(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dt) {
+  return at::from_blob(t.data_ptr(), shape, at::TensorOptions().dtype(dt));
+}
+
+// Copies the flat gradient (numel elements) into dst [shards, shard_numel] as the padded
+// dim-0 layout would place it; dst is zero beforehand, so padding stays zero.
+void scatter_padded(const at::Tensor& dst, const at::Tensor& flat) {
+  const int64_t len = dst.size(1), numel = flat.numel();
+  for (int64_t j = 0; j * len < numel; ++j) {
+    int64_t n = std::min(len, numel - j * len);
+    dst[j].narrow(0, 0, n).copy_(flat.narrow(0, j * len, n));
+  }
+}
+
+}  // namespace
+
+void FSDPModule::State::begin_unshard() {
+  if (unsharded || unshard_pending) return;
+  trace::Span span("unshard " + label, "fsdp");
+  const at::ScalarType cd = dt.all_gather;
+  const int64_t es = c10::elementSize(cd);
+  for (auto& p : params) compat::resize_storage_bytes(p.param, p.plan.padded_numel() * es);
+  ag_works.clear();
+  if (opts.comm_fusion) {
+    ag_in = OwnedBuffer::zeros({layout.total}, cd);
+    for (size_t i = 0; i < params.size(); ++i) {
+      ag_in.tensor().narrow(0, layout.offsets[i], params[i].plan.shard_numel())
+          .copy_(params[i].padded.view(-1));
+    }
+    ag_out = OwnedBuffer::empty({shards() * layout.total}, cd);
+    ag_works.push_back(shard->all_gather(ag_out.tensor(), ag_in.tensor()));
+  } else {
+    for (auto& p : params) {
+      at::Tensor in = p.padded.view(-1);
+      if (in.scalar_type() != cd) in = in.to(cd);
+      at::Tensor out = raw_view(p.param, {p.plan.padded_numel()}, cd);
+      ag_works.push_back(shard->all_gather(out, in));
+    }
+  }
+  unshard_pending = true;
+}
+
+void FSDPModule::State::finish_unshard() {
+  if (!unshard_pending) return;
+  for (auto& w : ag_works) w.wait();
+  ag_works.clear();
+  if (opts.comm_fusion) {
+    at::Tensor all = ag_out.tensor().view({shards(), layout.total});
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      raw_view(p.param, {shards(), p.plan.shard_numel()}, dt.all_gather)
+          .copy_(all.narrow(1, layout.offsets[i], p.plan.shard_numel()));
+    }
+    ag_in.release();
+    ag_out.release();
+  }
+  unshard_pending = false;
+  unsharded = true;
+}
+
+void FSDPModule::State::do_reshard() {
+  finish_unshard();
+  if (!unsharded) return;
+  for (auto& p : params) compat::resize_storage_bytes(p.param, 0);
+  unsharded = false;
+}
+
+void FSDPModule::State::pre_forward() {
+  Iteration& it = iteration();
+  if (it.forward_depth == 0) {
+    // This module is the root of this forward: a new iteration starts.
+    it.forward_order.clear();
+  }
+  ++it.forward_depth;
+  it.forward_order.push_back(this);
+  pre_backward_done = false;
+  post_backward_done = false;
+  grads_pending = 0;
+  for (auto& p : params) {
+    p.grad_ready = false;
+    if (p.requires_grad) ++grads_pending;
+  }
+  begin_unshard();
+  finish_unshard();
+  for (auto& w : fwd_prefetch) {
+    if (auto h = w.lock()) h->state().begin_unshard();
+  }
+}
+
+void FSDPModule::State::post_forward() {
+  --iteration().forward_depth;
+  if (opts.reshard_after_forward) do_reshard();
+}
+
+at::Tensor FSDPModule::State::on_output(const at::Tensor& out,
+                                        const std::shared_ptr<FSDPModule>& self) {
+  if (out.requires_grad()) {
+    std::weak_ptr<FSDPModule> weak = self;
+    out.register_hook([weak](const at::Tensor&) {
+      if (auto h = weak.lock()) h->state().pre_backward();
+    });
+  }
+  if (dt.output && out.is_floating_point() && out.scalar_type() != *dt.output) {
+    return out.to(*dt.output);
+  }
+  return out;
+}
+
+void FSDPModule::State::pre_backward() {
+  if (pre_backward_done) return;
+  pre_backward_done = true;
+  ensure_backward_callback();
+  begin_unshard();
+  finish_unshard();
+  // Prefetch: the listed modules, else the module that ran just before this one.
+  bool listed = false;
+  for (auto& w : bwd_prefetch) {
+    if (auto h = w.lock()) {
+      h->state().begin_unshard();
+      listed = true;
+    }
+  }
+  if (!listed) {
+    auto& order = iteration().forward_order;
+    for (size_t i = 1; i < order.size(); ++i) {
+      if (order[i] == this && !order[i - 1]->post_backward_done) {
+        order[i - 1]->begin_unshard();
+        break;
+      }
+    }
+  }
+}
+
+void FSDPModule::State::on_grad(size_t i) {
+  ensure_backward_callback();
+  if (params[i].grad_ready) return;
+  params[i].grad_ready = true;
+  if (--grads_pending == 0) post_backward();
+}
+
+void FSDPModule::State::post_backward() {
+  if (post_backward_done) return;
+  post_backward_done = true;
+  issue_ready_all_reduces();
+  const bool reshard_now = reshard_after_backward && is_last_backward;
+  if (!has_grads()) {
+    if (reshard_now) do_reshard();
+    return;
+  }
+  trace::Span span("post_backward " + label, "fsdp");
+  const at::ScalarType rd = dt.reduce;
+  // The gradient of each parameter as a flat tensor (zeros when it got none), plus what
+  // earlier no-sync micro-steps accumulated. Borrowed: read only.
+  auto flat_grad = [&](ParamInfo& p) -> at::Tensor {
+    at::Tensor g = p.param.grad();
+    at::Tensor flat;
+    if (g.defined()) flat = g.reshape({-1});
+    if (p.unsharded_acc.defined()) {
+      flat = flat.defined() ? p.unsharded_acc.tensor().add(flat) : p.unsharded_acc.tensor();
+    }
+    return flat;
+  };
+  if (!requires_sync) {
+    for (auto& p : params) {
+      if (!p.requires_grad || !p.param.grad().defined()) continue;
+      if (!p.unsharded_acc.defined()) p.unsharded_acc = OwnedBuffer::zeros({p.plan.numel()}, dt.unsharded_accumulate);
+      p.unsharded_acc.tensor().add_(p.param.grad().reshape({-1}));
+      p.param.mutable_grad() = at::Tensor();  // drop our reference; autograd's tensor is not freed here
+    }
+    if (reshard_now) do_reshard();
+    return;
+  }
+  const ReduceOp op = grad_reduce_op();
+  const int n = shards();
+  Iteration& it = iteration();
+  if (opts.comm_fusion) {
+    PendingReduce pr;
+    pr.input = OwnedBuffer::zeros({n, layout.total}, rd);
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto& p = params[i];
+      if (!p.requires_grad) continue;
+      at::Tensor g = flat_grad(p);
+      if (g.defined()) scatter_padded(pr.input.tensor().narrow(1, layout.offsets[i], p.plan.shard_numel()), g);
+    }
+    pr.output = OwnedBuffer::empty({layout.total}, rd);
+    pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
+    pending.push_back(std::move(pr));
+  } else {
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto& p = params[i];
+      if (!p.requires_grad) continue;
+      PendingReduce pr;
+      pr.param = static_cast<int>(i);
+      pr.input = OwnedBuffer::zeros({p.plan.padded_numel()}, rd);
+      at::Tensor g = flat_grad(p);
+      if (g.defined()) pr.input.tensor().narrow(0, 0, p.plan.numel()).copy_(g);
+      pr.output = OwnedBuffer::empty({p.plan.shard_numel()}, rd);
+      pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
+      pending.push_back(std::move(pr));
+    }
+  }
+  for (auto& p : params) {
+    if (!p.requires_grad) continue;
+    p.param.mutable_grad() = at::Tensor();  // drop our reference only
+    p.unsharded_acc.release();
+  }
+  it.reduce_order.push_back(this);
+  if (reshard_now) do_reshard();
+}
+
+// Folds the partial shards kept by steps without all-reduce into this reduction, then
+// all-reduces it over dp_replicate.
+void FSDPModule::State::issue_all_reduce(PendingReduce& pr) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i];
+    if ((pr.param >= 0 && pr.param != static_cast<int>(i)) || !p.sharded_acc.defined()) continue;
+    at::Tensor seg = pr.param >= 0 ? pr.output.tensor()
+                                   : pr.output.tensor().narrow(0, layout.offsets[i], p.plan.shard_numel());
+    seg.add_(p.sharded_acc.tensor());
+    p.sharded_acc.release();
+  }
+  pr.ar = replicate->all_reduce(pr.output.tensor(), {grad_reduce_op()});
+  pr.ar_issued = true;
+}
+
+// Issues the dp_replicate all-reduce of every reduce-scatter that has completed, in issue
+// order across all groups (the same order on every rank), and frees their inputs.
+void FSDPModule::State::issue_ready_all_reduces() {
+  for (State* s : iteration().reduce_order) {
+    for (auto& pr : s->pending) {
+      if (!pr.rs.is_completed()) return;
+      pr.rs.wait();
+      pr.input.release();
+      if (!pr.ar_issued && s->hsdp() && s->requires_all_reduce) s->issue_all_reduce(pr);
+    }
+  }
+}
+
+// Waits for this group's collectives and leaves the reduced gradients on the shards.
+void FSDPModule::State::finish_reduce() {
+  for (auto& pr : pending) {
+    pr.rs.wait();
+    pr.input.release();
+    if (!pr.ar_issued && hsdp() && requires_all_reduce) issue_all_reduce(pr);
+  }
+  for (auto& pr : pending) {
+    pr.ar.wait();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (pr.param >= 0 && pr.param != static_cast<int>(i)) continue;
+      auto& p = params[i];
+      if (!p.requires_grad) continue;
+      at::Tensor seg = pr.param >= 0 ? pr.output.tensor()
+                                     : pr.output.tensor().narrow(0, layout.offsets[i], p.plan.shard_numel());
+      if (hsdp() && !requires_all_reduce) {
+        // Keep the partial (not yet all-reduced) shard for the next step that all-reduces.
+        if (!p.sharded_acc.defined()) {
+          p.sharded_acc = OwnedBuffer::zeros({p.plan.shard_numel()}, dt.sharded_accumulate);
+        }
+        p.sharded_acc.tensor().add_(seg);
+        continue;
+      }
+      at::Tensor g = seg.narrow(0, 0, p.plan.rows * p.plan.row_numel).view(p.sharded.sizes());
+      if (divide_factor > 0) g = g / divide_factor;
+      if (dt.main_grad) {
+        at::Tensor cur = p.sharded.grad();
+        if (!cur.defined() || !cur.is_same(p.main_grad)) p.main_grad.zero_();
+        p.main_grad.add_(g);
+        p.sharded.mutable_grad() = p.main_grad;
+      } else if (!p.sharded.grad().defined()) {
+        p.sharded.mutable_grad() = g.to(dt.sharded_grad, /*non_blocking=*/false, /*copy=*/true);
+      } else {
+        p.sharded.mutable_grad().add_(g);
+      }
+    }
+    pr.output.release();
+  }
+  pending.clear();
+}
+
+namespace {
+
+void finish_backward() {
+  Iteration& it = iteration();
+  it.callback_queued = false;
+  // Groups some of whose gradients never arrived reduce now (zeros for the missing), in
+  // reverse forward order: the same order on every rank.
+  for (auto r = it.forward_order.rbegin(); r != it.forward_order.rend(); ++r) {
+    FSDPModule::State* s = *r;
+    if (!s->post_backward_done) s->post_backward();
+  }
+  for (FSDPModule::State* s : it.reduce_order) s->finish_reduce();
+  it.reduce_order.clear();
+}
+
+}  // namespace
+
+void FSDPModule::State::translate_error(const std::exception& e) {
+  std::string what = e.what();
+  if (what.find("not allocated") == std::string::npos) return;
+  for (State* s : nested) {
+    if (!s->unsharded && !s->unshard_pending && !in_call(*s->module)) {
+      throw Error(detail::str_cat(
+          "module ", s->label, " is sharded by fully_shard and its forward ran outside hp::call, ",
+          "so its parameters were not gathered; call it as hp::call(module, inputs...) from ",
+          label, "'s forward"));
+    }
+  }
+}
+
+// ---- FSDPModule -------------------------------------------------------------------------
+
+FSDPModule::FSDPModule(std::unique_ptr<State> s) : state_(std::move(s)) {}
+FSDPModule::~FSDPModule() = default;
+
+std::vector<at::Tensor> FSDPModule::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : state_->params) out.push_back(p.sharded);
+  return out;
+}
+
+std::vector<ShardedTensor> FSDPModule::state_dict() const {
+  std::vector<ShardedTensor> out;
+  for (const auto& p : state_->params) {
+    out.push_back(ShardedTensor{p.name, p.sharded, p.shape, p.plan.row_offset});
+  }
+  return out;
+}
+
+const GroupDtypes& FSDPModule::dtypes() const { return state_->dt; }
+torch::nn::Module& FSDPModule::module() const { return *state_->module; }
+
+namespace {
+template <typename F>
+void for_self_and_nested(FSDPModule::State& s, bool recurse, F f) {
+  f(s);
+  if (recurse) {
+    for (auto* n : s.nested) f(*n);
+  }
+}
+}  // namespace
+
+void FSDPModule::set_requires_gradient_sync(bool on, bool recurse) {
+  for_self_and_nested(*state_, recurse, [&](State& s) { s.requires_sync = on; });
+}
+void FSDPModule::set_requires_all_reduce(bool on, bool recurse) {
+  for_self_and_nested(*state_, recurse, [&](State& s) { s.requires_all_reduce = on; });
+}
+void FSDPModule::set_reshard_after_backward(bool on, bool recurse) {
+  for_self_and_nested(*state_, recurse, [&](State& s) { s.reshard_after_backward = on; });
+}
+void FSDPModule::set_is_last_backward(bool last) {
+  for_self_and_nested(*state_, true, [&](State& s) { s.is_last_backward = last; });
+}
+void FSDPModule::set_gradient_divide_factor(double factor) {
+  HP_CHECK(factor >= 0, "gradient divide factor ", factor, " must be positive (0 = average)");
+  for_self_and_nested(*state_, true, [&](State& s) { s.divide_factor = factor; });
+}
+void FSDPModule::set_reduce_op(ReduceOp op) {
+  HP_CHECK(op == ReduceOp::AVG || op == ReduceOp::SUM, "fully_shard reduces gradients with avg or sum, not ",
+           to_string(op));
+  for_self_and_nested(*state_, true, [&](State& s) { s.reduce_op = op; });
+}
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPHandle>& modules) {
+  state_->fwd_prefetch.assign(modules.begin(), modules.end());
+}
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPHandle>& modules) {
+  state_->bwd_prefetch.assign(modules.begin(), modules.end());
+}
+void FSDPModule::unshard(bool async) {
+  state_->begin_unshard();
+  if (!async) state_->finish_unshard();
+}
+void FSDPModule::wait_for_unshard() { state_->finish_unshard(); }
+void FSDPModule::reshard() { state_->do_reshard(); }
+bool FSDPModule::is_unsharded() const { return state_->unsharded; }
+
+// ---- fully_shard ------------------------------------------------------------------------
+
+namespace {
+
+std::string describe(const torch::nn::Module& m) { return m.name(); }
+
+// Every rank must shard the same parameters: compare (count, then per parameter dtype,
+// ndim and dims) across `comm` before anything is sharded.
+void check_same_shapes(const CommPtr& comm, const std::vector<std::pair<std::string, at::Tensor>>& ps,
+                       const std::string& label) {
+  std::vector<int64_t> sig{static_cast<int64_t>(ps.size())};
+  for (const auto& [name, t] : ps) {
+    sig.push_back(static_cast<int64_t>(t.scalar_type()));
+    sig.push_back(t.dim());
+    for (int64_t d : t.sizes()) sig.push_back(d);
+  }
+  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), at::kLong);
+  comm->all_reduce(len, {ReduceOp::MAX}).wait();
+  const int64_t L = len.item<int64_t>();
+  at::Tensor mine = at::full({L}, -1, at::kLong);
+  for (size_t i = 0; i < sig.size(); ++i) mine[i] = sig[i];
+  at::Tensor mx = mine.clone(), mn = mine.clone();
+  Work a = comm->all_reduce(mx, {ReduceOp::MAX});
+  Work b = comm->all_reduce(mn, {ReduceOp::MIN});
+  a.wait();
+  b.wait();
+  if (at::equal(mx, mn)) return;
+  // Name the first parameter whose signature differs.
+  int64_t pos = 1;
+  for (const auto& [name, t] : ps) {
+    int64_t end = pos + 2 + t.dim();
+    if (!at::equal(mx.narrow(0, pos, end - pos), mn.narrow(0, pos, end - pos))) {
+      HP_CHECK(false, "fully_shard(", label, "): parameter '", name, "' is ", t.scalar_type(), t.sizes(),
+               " on rank ", comm->rank(), " but differs on other ranks of group '", comm->name(),
+               "': every rank must build the same model");
+    }
+    pos = end;
+  }
+  HP_CHECK(false, "fully_shard(", label, "): ranks of group '", comm->name(), "' have different ",
+           "parameter lists (", ps.size(), " parameters on rank ", comm->rank(), ")");
+}
+
+}  // namespace
+
+FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
+  const std::string label = describe(module);
+  purge_expired_forward_hooks();  // releases the handles of destroyed modules
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_handles.find(&module);
+    HP_CHECK(it == g_handles.end() || it->second.expired(), "fully_shard was already applied to module ",
+             label, "; apply it once per module");
+  }
+  if (o.reshard_after_forward_group_size != 0) {
+    HP_NOT_SUPPORTED("reshard_after_forward to a group of ", o.reshard_after_forward_group_size,
+                     " ranks (use true or false)");
+  }
+  auto st = std::make_unique<FSDPModule::State>();
+  st->module = &module;
+  st->label = label;
+  st->opts = o;
+  CommPtr world;
+  if (!o.mesh) {
+    world = hp::world();
+    st->shard = world;
+  } else {
+    const auto& names = o.mesh->names();
+    HP_CHECK(o.mesh->ndim() == 1 || o.mesh->ndim() == 2, "fully_shard(", label,
+             ") takes a 1-D mesh (dp_shard) or a 2-D mesh (dp_replicate, dp_shard), got ", o.mesh->ndim(),
+             " dims");
+    world = o.mesh->world();
+    if (o.mesh->ndim() == 1) {
+      st->shard = o.mesh->group(names[0]);
+    } else {
+      st->replicate = o.mesh->group(names[0]);
+      st->shard = o.mesh->group(names[1]);
+    }
+  }
+
+  // The parameters this call manages: not ignored, not already managed by a nested call,
+  // each tensor once (shared parameters appear under several names).
+  std::set<const c10::TensorImpl*> ignored;
+  for (const auto& t : o.ignored_params) ignored.insert(t.unsafeGetTensorImpl());
+  std::vector<std::pair<std::string, at::Tensor>> mine;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    std::set<const c10::TensorImpl*> seen;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
+      auto managed = g_managed.find(impl);
+      bool taken = managed != g_managed.end() && !managed->second.expired();
+      if (ignored.count(impl) || taken || !seen.insert(impl).second) continue;
+      mine.emplace_back(item.key(), item.value());
+    }
+  }
+  check_same_shapes(world, mine, label);
+  at::ScalarType pdt = mine.empty() ? at::kFloat : mine[0].second.scalar_type();
+  for (const auto& [name, t] : mine) {
+    HP_CHECK(t.scalar_type() == pdt, "not supported yet: parameters of different dtypes in one fully_shard ",
+             "group (", label, ": '", mine[0].first, "' is ", pdt, ", '", name, "' is ", t.scalar_type(),
+             "); apply fully_shard to a submodule so each group has one dtype");
+    HP_CHECK(t.device().is_cpu(), "not supported yet: fully_shard of parameter '", name, "' on ", t.device());
+  }
+  st->dt = resolve_dtypes(o.mp_policy, pdt);
+  if (st->dt.main_grad && pdt != at::kFloat) {
+    HP_NOT_SUPPORTED("apply_grad_on_fp32_main_grad with ", pdt, " parameters (needs the fp32 master-weight ",
+                     "optimizer wrapper)");
+  }
+
+  const int n = st->shard->size(), k = st->shard->rank();
+  at::NoGradGuard no_grad;
+  for (auto& [name, t] : mine) {
+    ParamInfo p;
+    p.name = name;
+    p.param = t;
+    p.shape = t.sizes().vec();
+    p.plan = plan_shard(p.shape, n, k);
+    p.requires_grad = t.requires_grad();
+    std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
+    shard_shape[0] = p.plan.rows_per_shard;
+    p.padded = at::zeros(shard_shape, at::TensorOptions().dtype(pdt));
+    if (p.plan.rows > 0) {
+      at::Tensor src = t.detach().reshape({p.plan.dim0, p.plan.row_numel});
+      p.padded.view({p.plan.rows_per_shard, p.plan.row_numel})
+          .narrow(0, 0, p.plan.rows)
+          .copy_(src.narrow(0, p.plan.row_offset, p.plan.rows));
+    }
+    p.sharded = p.padded.narrow(0, 0, p.plan.rows).detach();
+    p.sharded.set_requires_grad(p.requires_grad);
+    if (st->dt.main_grad) p.main_grad = at::zeros(p.sharded.sizes(), at::kFloat);
+    // The module's tensor becomes the unsharded parameter: compute dtype, global shape,
+    // no storage until unshard. Its identity (module fields, autograd meta) is kept.
+    at::Tensor unsharded = at::empty(p.shape, at::TensorOptions().dtype(st->dt.compute));
+    compat::resize_storage_bytes(unsharded, 0);
+    t.set_data(unsharded);
+    if (t.grad().defined()) t.mutable_grad() = at::Tensor();
+    st->params.push_back(std::move(p));
+  }
+  std::vector<ShardPlan> plans;
+  for (const auto& p : st->params) plans.push_back(p.plan);
+  st->layout = plan_fused(plans, std::max<int64_t>(1, kFusedAlignBytes / static_cast<int64_t>(c10::elementSize(st->dt.reduce))));
+  // The all-gather buffer uses the same layout in its own dtype; offsets are in elements.
+
+  auto handle = std::make_shared<FSDPModule>(std::move(st));
+  FSDPModule::State* s = &handle->state();
+  for (size_t i = 0; i < s->params.size(); ++i) {
+    auto& p = s->params[i];
+    if (!p.requires_grad) continue;
+    // Held here so the same accumulator (and its hook) serves every backward.
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.param);
+    p.accumulator->add_post_hook(std::make_unique<GradReadyHook>(s, i));
+  }
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (const auto& p : s->params) g_managed[p.param.unsafeGetTensorImpl()] = handle;
+    for (const auto& sub : module.modules(/*include_self=*/false)) {
+      auto it = g_handles.find(sub.get());
+      if (it != g_handles.end()) {
+        if (auto h = it->second.lock()) s->nested.push_back(&h->state());
+      }
+    }
+    g_handles[&module] = handle;
+  }
+  ForwardHooks hooks;
+  hooks.pre = [handle](torch::nn::Module&) { handle->state().pre_forward(); };
+  if (s->dt.input) {
+    at::ScalarType in_dt = *s->dt.input;
+    hooks.cast_input = [in_dt](torch::nn::Module&, const at::Tensor& x) {
+      return x.is_floating_point() && x.scalar_type() != in_dt ? x.to(in_dt) : x;
+    };
+  }
+  hooks.cast_output = [handle](torch::nn::Module&, const at::Tensor& out) {
+    return handle->state().on_output(out, handle);
+  };
+  hooks.post = [handle](torch::nn::Module&) { handle->state().post_forward(); };
+  hooks.on_error = [handle](torch::nn::Module&, const std::exception& e) {
+    --iteration().forward_depth;
+    handle->state().translate_error(e);
+  };
+  register_forward_hooks(module, std::move(hooks));
+  return handle;
+}
+
+FSDPHandle fsdp_handle(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_handles.find(&module);
+  return it == g_handles.end() ? nullptr : it->second.lock();
+}
+
+}  // namespace hp
