@@ -55,6 +55,10 @@ struct ParamInfo {
   OwnedBuffer unsharded_acc;  // gradients kept across no-sync micro-steps
   OwnedBuffer sharded_acc;    // reduced shards kept across steps without all-reduce
   at::Tensor main_grad;       // fp32 main gradient of the real rows
+  // The gradient tensor last set on `sharded` and its version then: if the optimizer
+  // cleared or zeroed it since, the main gradient starts again from zero.
+  at::Tensor grad_set;
+  int64_t grad_set_version = -1;
 };
 
 struct PendingReduce {
@@ -435,9 +439,17 @@ void FSDPModule::State::finish_reduce() {
       if (divide_factor > 0) g = g / divide_factor;
       if (dt.main_grad) {
         at::Tensor cur = p.sharded.grad();
-        if (!cur.defined() || !cur.is_same(p.main_grad)) p.main_grad.zero_();
+        if (!cur.defined() || !cur.is_same(p.grad_set) || cur._version() != p.grad_set_version) {
+          p.main_grad.zero_();
+        }
         p.main_grad.add_(g);
-        p.sharded.mutable_grad() = p.main_grad;
+        // fp32 shards step with the main gradient itself; lower-precision shards get a
+        // rounded copy (FP32MasterOptimizer steps fp32 masters with the main gradient).
+        p.grad_set = p.sharded.scalar_type() == at::kFloat
+                         ? p.main_grad
+                         : p.main_grad.to(p.sharded.scalar_type(), false, /*copy=*/true);
+        p.sharded.mutable_grad() = p.grad_set;
+        p.grad_set_version = p.grad_set._version();
       } else if (!p.sharded.grad().defined()) {
         p.sharded.mutable_grad() = g.to(dt.sharded_grad, /*non_blocking=*/false, /*copy=*/true);
       } else {
@@ -499,6 +511,12 @@ std::vector<ShardedTensor> FSDPModule::state_dict() const {
 }
 
 const GroupDtypes& FSDPModule::dtypes() const { return state_->dt; }
+
+std::vector<at::Tensor> FSDPModule::main_grads() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : state_->params) out.push_back(p.main_grad);
+  return out;
+}
 torch::nn::Module& FSDPModule::module() const { return *state_->module; }
 
 namespace {
@@ -650,10 +668,6 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     HP_CHECK(t.device().is_cpu(), "not supported yet: fully_shard of parameter '", name, "' on ", t.device());
   }
   st->dt = resolve_dtypes(o.mp_policy, pdt);
-  if (st->dt.main_grad && pdt != at::kFloat) {
-    HP_NOT_SUPPORTED("apply_grad_on_fp32_main_grad with ", pdt, " parameters (needs the fp32 master-weight ",
-                     "optimizer wrapper)");
-  }
 
   const int n = st->shard->size(), k = st->shard->rank();
   at::NoGradGuard no_grad;

@@ -11,6 +11,7 @@
 
 #include "fsdp_model.h"
 #include "hp/fsdp/fully_shard.h"
+#include "hp/fsdp/master_weights.h"
 #include "hp/runtime.h"
 #include "test_util.h"
 
@@ -18,6 +19,28 @@ using hp::test::TinyConfig;
 using hp::test::TinyModel;
 
 namespace {
+
+// Mixed-precision policies of the correctness matrix.
+enum class Policy {
+  kFp32,              // everything fp32
+  kBf16Fp32Reduce,    // fp32 model, bf16 compute, fp32 reduce
+  kBf16ReduceUnset,   // fp32 model, bf16 compute, reduce unset (= bf16)
+  kFp32MainGrad,      // fp32 model, fp32 reduce, fp32 main grad (the seed-001 setting)
+  kBf16Master,        // bf16 model, fp32 main grad, fp32 master weights
+  kPureBf16,          // bf16 model, compute and reduce unset (the seed-000 setting)
+};
+
+const char* policy_name(Policy p) {
+  switch (p) {
+    case Policy::kFp32: return "fp32";
+    case Policy::kBf16Fp32Reduce: return "bf16+fp32-reduce";
+    case Policy::kBf16ReduceUnset: return "bf16+reduce-unset";
+    case Policy::kFp32MainGrad: return "fp32+fp32-reduce+main-grad";
+    case Policy::kBf16Master: return "bf16-params+main-grad+master";
+    case Policy::kPureBf16: return "pure-bf16";
+  }
+  return "?";
+}
 
 struct Case {
   bool hsdp = false;
@@ -27,11 +50,12 @@ struct Case {
   int micro_steps = 1;           // gradient accumulation
   bool no_sync_first = false;    // set_requires_gradient_sync(false) on the first micro-step
   bool no_all_reduce_first = false;
+  Policy policy = Policy::kFp32;
   std::string name() const {
     return std::string(hsdp ? "hsdp" : "fsdp") + (reshard ? " reshard" : " keep") +
            (fusion ? " fused" : " unfused") + (frozen ? " frozen" : "") +
            (micro_steps > 1 ? " accum" : "") + (no_sync_first ? " no-sync" : "") +
-           (no_all_reduce_first ? " no-all-reduce" : "");
+           (no_all_reduce_first ? " no-all-reduce" : "") + " " + policy_name(policy);
   }
 };
 
@@ -47,35 +71,78 @@ std::pair<at::Tensor, at::Tensor> batch(const TinyConfig& c, int step) {
 
 torch::optim::AdamWOptions adam() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
 
-// Full parameters of a handle, reassembled from every rank's rows.
-std::vector<at::Tensor> gather_full(const hp::FSDPHandle& h, const hp::CommPtr& shard_group) {
-  std::vector<at::Tensor> out;
-  for (const auto& st : h->state_dict()) {
-    at::Tensor full = at::zeros(st.global_shape, st.local.options());
-    at::Tensor rows = full.dim() == 0 ? full.view({1}) : full;
-    if (st.local.size(0) > 0) rows.narrow(0, st.row_offset, st.local.size(0)).copy_(st.local.detach());
-    shard_group->all_reduce(full).wait();  // each row lives on exactly one shard rank
-    out.push_back(full);
-  }
-  return out;
+// The full tensor (fp32) of a sharded parameter from every shard rank's rows `local`.
+at::Tensor reassemble(const hp::ShardedTensor& st, const at::Tensor& local, const hp::CommPtr& shard_group) {
+  at::Tensor full = at::zeros(st.global_shape, at::kFloat);
+  at::Tensor rows = full.dim() == 0 ? full.view({1}) : full;
+  if (local.size(0) > 0) rows.narrow(0, st.row_offset, local.size(0)).copy_(local.detach());
+  shard_group->all_reduce(full).wait();  // each row lives on exactly one shard rank
+  return full;
 }
 
 struct Result {
   std::vector<at::Tensor> params;  // reassembled, in handle order
-  double max_rel = 0;
+  double max_rel = 0;              // parameters after the steps
+  double grad_rel = 0;             // gradients of the first step
+  bool ownership_ok = true;        // autograd's gradients and the user's inputs intact
 };
+
+// Largest |a - b| relative to the largest |b|, over matching lists.
+double max_rel(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
+  double worst = 0;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    at::Tensor a = got[i].to(at::kDouble), b = want[i].to(at::kDouble);
+    double scale = b.abs().max().item<double>() + 1e-12;
+    worst = std::max(worst, (a - b).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+// Parameters (or their gradients) of a reference model, in the handles' order: each
+// block's, then the rest.
+std::vector<at::Tensor> in_handle_order(TinyModel& model, bool grads) {
+  std::vector<at::Tensor> out;
+  auto take = [&](const at::Tensor& t) {
+    if (!grads) out.push_back(t.detach());
+    else if (t.requires_grad()) out.push_back(t.grad().defined() ? t.grad() : at::zeros_like(t));
+  };
+  for (auto& b : model->blocks) {
+    for (auto& t : b->parameters()) take(t);
+  }
+  for (const auto& item : model->named_parameters()) {
+    if (item.key().rfind("blocks_", 0) != 0) take(item.value());
+  }
+  return out;
+}
 
 Result train(const Case& c) {
   auto world = hp::world();
   const int n = world->size(), r = world->rank();
+  const bool bf16_model = c.policy == Policy::kBf16Master || c.policy == Policy::kPureBf16;
+  const bool bf16_compute = c.policy != Policy::kFp32 && c.policy != Policy::kFp32MainGrad;
   TinyConfig cfg;
+  // The reference: `ref` holds what the optimizer steps (fp32, or bf16 for pure bf16);
+  // `work` runs forward/backward in the compute dtype when that differs, with the same
+  // casts fully_shard applies.
   torch::manual_seed(0);
   TinyModel ref(cfg);
   torch::manual_seed(0);
   TinyModel m(cfg);
+  torch::manual_seed(0);
+  TinyModel work(cfg);
+  if (bf16_model) {
+    m->to(at::kBFloat16);
+    if (c.policy == Policy::kPureBf16) {
+      ref->to(at::kBFloat16);
+    } else {
+      at::NoGradGuard g;
+      for (auto& t : ref->parameters()) t.copy_(t.to(at::kBFloat16));  // masters start rounded
+    }
+  }
+  const bool use_work = bf16_compute && c.policy != Policy::kPureBf16;
+  if (use_work) work->to(at::kBFloat16);
   if (c.frozen) {
-    ref->nf->bias.set_requires_grad(false);
-    m->nf->bias.set_requires_grad(false);
+    for (TinyModel* mm : {&ref, &m, &work}) (*mm)->nf->bias.set_requires_grad(false);
   }
   std::shared_ptr<hp::DeviceMesh> mesh;
   if (c.hsdp) {
@@ -87,6 +154,19 @@ Result train(const Case& c) {
   o.mesh = mesh;
   o.reshard_after_forward = c.reshard;
   o.comm_fusion = c.fusion;
+  switch (c.policy) {
+    case Policy::kFp32: case Policy::kPureBf16: break;
+    case Policy::kBf16Fp32Reduce: o.mp_policy.param_dtype = at::kBFloat16; o.mp_policy.reduce_dtype = at::kFloat; break;
+    case Policy::kBf16ReduceUnset: o.mp_policy.param_dtype = at::kBFloat16; break;
+    case Policy::kFp32MainGrad:
+      o.mp_policy.reduce_dtype = at::kFloat;
+      o.mp_policy.apply_grad_on_fp32_main_grad = true;
+      break;
+    case Policy::kBf16Master:
+      o.mp_policy.reduce_dtype = at::kFloat;
+      o.mp_policy.apply_grad_on_fp32_main_grad = true;
+      break;
+  }
   std::vector<hp::FSDPHandle> handles;
   for (auto& b : m->blocks) handles.push_back(hp::fully_shard(*b, o));
   hp::FSDPHandle root = hp::fully_shard(*m, o);
@@ -95,18 +175,66 @@ Result train(const Case& c) {
   for (auto& h : handles) {
     for (auto& t : h->parameters()) sharded.push_back(t);
   }
-  torch::optim::AdamW opt(sharded, adam());
+  std::unique_ptr<hp::FP32MasterOptimizer> master;
+  std::unique_ptr<torch::optim::AdamW> opt;
+  if (c.policy == Policy::kBf16Master) {
+    master = std::make_unique<hp::FP32MasterOptimizer>(handles, [](std::vector<at::Tensor> ps) {
+      return std::make_unique<torch::optim::AdamW>(ps, adam());
+    });
+  } else {
+    opt = std::make_unique<torch::optim::AdamW>(sharded, adam());
+  }
   torch::optim::AdamW ref_opt(ref->parameters(), adam());
-
   const int64_t local = kGlobalBatch / n;
+
+  // Seed-001 check: keep the gradients autograd produces for the module's parameters
+  // (and copies of their values) through the first step.
+  std::vector<std::pair<at::Tensor, at::Tensor>> autograd_grads;
+  bool capture = true;
+  for (auto& t : m->parameters()) {
+    if (!t.requires_grad()) continue;
+    t.register_hook([&autograd_grads, &capture](const at::Tensor& g) {
+      if (capture) autograd_grads.emplace_back(g, g.clone());
+    });
+  }
+
+  Result res;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(cfg, step);
     ref_opt.zero_grad();
-    ref->forward(x, y).backward();
-    ref_opt.step();
+    if (use_work) {
+      at::NoGradGuard g;
+      auto wp = work->parameters();
+      auto rp = ref->parameters();
+      for (size_t i = 0; i < wp.size(); ++i) wp[i].copy_(rp[i]);
+    }
+    if (use_work || c.policy == Policy::kPureBf16) {
+      // The same casts as the sharded run: each rank's slice computes bf16 gradients,
+      // which are averaged over the ranks (in fp32 here) and given to the optimizer in
+      // its parameters' dtype.
+      TinyModel& fwd = use_work ? work : ref;
+      auto wp = fwd->parameters();
+      auto rp = ref->parameters();
+      std::vector<at::Tensor> acc(wp.size());
+      for (int rr = 0; rr < n; ++rr) {
+        for (auto& t : wp) t.mutable_grad() = at::Tensor();
+        fwd->forward(x.narrow(0, rr * local, local), y.narrow(0, rr * local, local)).backward();
+        for (size_t i = 0; i < wp.size(); ++i) {
+          if (!wp[i].grad().defined()) continue;
+          at::Tensor g = wp[i].grad().to(at::kFloat);
+          acc[i] = acc[i].defined() ? acc[i] + g : g;
+        }
+      }
+      for (size_t i = 0; i < wp.size(); ++i) {
+        if (acc[i].defined()) rp[i].mutable_grad() = (acc[i] / n).to(rp[i].scalar_type());
+      }
+    } else {
+      ref->forward(x, y).backward();
+    }
 
-    opt.zero_grad();
+    if (master) master->zero_grad(); else opt->zero_grad();
     at::Tensor lx = x.narrow(0, r * local, local), ly = y.narrow(0, r * local, local);
+    at::Tensor lx_copy = lx.clone(), ly_copy = ly.clone();
     const int64_t mb = local / c.micro_steps;
     for (int k = 0; k < c.micro_steps; ++k) {
       bool first = k == 0 && c.micro_steps > 1;
@@ -115,27 +243,55 @@ Result train(const Case& c) {
       at::Tensor loss = hp::call(m, lx.narrow(0, k * mb, mb), ly.narrow(0, k * mb, mb));
       (loss / c.micro_steps).backward();
     }
-    opt.step();
+    if (step == 0) {
+      // Gradients of the first step, reassembled, against the reference's.
+      std::vector<at::Tensor> got;
+      for (auto& h : handles) {
+        auto params = h->parameters();
+        auto mains = h->main_grads();
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (!params[i].requires_grad()) continue;
+          at::Tensor g = mains[i].defined() ? mains[i] : params[i].grad();
+          got.push_back(g);
+        }
+      }
+      std::vector<at::Tensor> gathered;
+      size_t gi = 0;
+      for (auto& h : handles) {
+        for (const auto& st : h->state_dict()) {
+          if (!st.local.requires_grad()) continue;
+          gathered.push_back(reassemble(st, got[gi++], mesh->group(mesh->names().back())));
+        }
+      }
+      res.grad_rel = max_rel(gathered, in_handle_order(ref, /*grads=*/true));
+    }
+    ref_opt.step();
+    if (master) master->step(); else opt->step();
+    if (step == 0) {
+      capture = false;
+      for (auto& [g, copy] : autograd_grads) {
+        bool intact = g.storage().nbytes() >= static_cast<size_t>(g.numel()) * g.element_size() &&
+                      at::equal(g, copy);
+        res.ownership_ok = res.ownership_ok && intact;
+      }
+      res.ownership_ok = res.ownership_ok && !autograd_grads.empty() && at::equal(lx, lx_copy) &&
+                         at::equal(ly, ly_copy);
+      autograd_grads.clear();
+    }
   }
 
-  // Reference parameters in the same order as the handles': each block's, then the rest.
-  std::vector<at::Tensor> want;
-  for (auto& b : ref->blocks) {
-    for (auto& t : b->parameters()) want.push_back(t.detach());
+  // With master weights the fp32 masters are what is trained; compare those.
+  size_t mi = 0;
+  for (auto& h : handles) {
+    for (const auto& st : h->state_dict()) {
+      at::Tensor local = master && st.local.requires_grad() ? master->masters()[mi++] : st.local;
+      res.params.push_back(reassemble(st, local, mesh->group(mesh->names().back())));
+    }
   }
-  for (const auto& item : ref->named_parameters()) {
-    if (item.key().rfind("blocks_", 0) != 0) want.push_back(item.value().detach());
-  }
-  Result res;
-  for (size_t hi = 0; hi < handles.size(); ++hi) {
-    for (auto& t : gather_full(handles[hi], mesh->group(mesh->names().back()))) res.params.push_back(t);
-  }
+  std::vector<at::Tensor> want = in_handle_order(ref, /*grads=*/false);
+  for (auto& w : want) w = w.to(at::kFloat);
   EXPECT_EQ(res.params.size(), want.size()) << c.name();
-  for (size_t i = 0; i < std::min(res.params.size(), want.size()); ++i) {
-    double scale = want[i].abs().max().item<double>() + 1e-12;
-    double rel = (res.params[i] - want[i]).abs().max().item<double>() / scale;
-    res.max_rel = std::max(res.max_rel, rel);
-  }
+  res.max_rel = max_rel(res.params, want);
   return res;
 }
 
@@ -154,6 +310,7 @@ TEST(FullyShard, MatchesSingleProcessTraining) {
         c.fusion = fusion;
         Result res = train(c);
         EXPECT_LE(res.max_rel, 1e-5) << c.name() << " on " << n << " ranks";
+        EXPECT_LE(res.grad_rel, 1e-5) << c.name() << " on " << n << " ranks (gradients)";
         by_case[c.name()] = res.params;
       }
     }
@@ -196,5 +353,48 @@ TEST(FullyShard, FrozenParametersAndGradientAccumulation) {
   for (const auto& c : cases) {
     Result res = train(c);
     EXPECT_LE(res.max_rel, 1e-5) << c.name() << " on " << n << " ranks";
+    EXPECT_LE(res.grad_rel, 1e-5) << c.name() << " on " << n << " ranks (gradients)";
   }
+}
+
+// Every policy, fused and unfused, against a single-process reference applying the same
+// casts: bf16 forward/backward of each rank's slice, gradients cast to the reduce dtype
+// and averaged. With an fp32 reduction that is the same arithmetic up to summation order;
+// a bf16 reduction (reduce unset) rounds each pairwise step in an order the reference does
+// not copy, so it is compared within bf16 precision. The gradients autograd produced and
+// the user's inputs must be intact after the step (seed defect 001), for every policy.
+TEST(FullyShard, MixedPrecisionPoliciesAndOwnership) {
+  const int n = hp::world()->size();
+  for (Policy pol : {Policy::kFp32, Policy::kBf16Fp32Reduce, Policy::kBf16ReduceUnset, Policy::kFp32MainGrad,
+                     Policy::kBf16Master}) {
+    for (bool fusion : {false, true}) {
+      Case c;
+      c.policy = pol;
+      c.fusion = fusion;
+      c.hsdp = n == 4;
+      Result res = train(c);
+      bool bf16_reduce = pol == Policy::kBf16ReduceUnset;
+      double tol = (bf16_reduce && n > 1) ? 5e-2 : 1e-4;
+      double gtol = bf16_reduce ? 2e-2 : 1e-4;
+      EXPECT_LE(res.max_rel, tol) << c.name() << " on " << n << " ranks";
+      EXPECT_LE(res.grad_rel, gtol) << c.name() << " on " << n << " ranks (gradients)";
+      EXPECT_TRUE(res.ownership_ok) << c.name() << ": a gradient autograd produced, or an input, was freed or changed";
+    }
+  }
+}
+
+// Seed defect 000: bf16 parameters and compute, reduce_dtype unset, HSDP with fused
+// collectives. Every buffer resolves to bf16 (no default fp32), the reduction runs in
+// bf16, and training follows a pure-bf16 single-process run within bf16 precision.
+TEST(FullyShard, PureBf16HsdpFusedReduceUnset) {
+  const int n = hp::world()->size();
+  if (n % 2 != 0) GTEST_SKIP() << "HSDP needs an even world";
+  Case c;
+  c.policy = Policy::kPureBf16;
+  c.hsdp = true;
+  c.fusion = true;
+  Result res = train(c);
+  EXPECT_LE(res.grad_rel, 3e-2) << c.name();
+  EXPECT_LE(res.max_rel, 5e-2) << c.name();
+  EXPECT_TRUE(res.ownership_ok);
 }

@@ -71,6 +71,9 @@ class FSDPModule {
   std::vector<at::Tensor> parameters() const;
   std::vector<ShardedTensor> state_dict() const;
   const GroupDtypes& dtypes() const;
+  // With apply_grad_on_fp32_main_grad: the fp32 main gradient of each parameter() (same
+  // order; undefined for frozen ones). Otherwise all undefined.
+  std::vector<at::Tensor> main_grads() const;
   torch::nn::Module& module() const;
 
   // Runtime controls. `recurse` also applies to the fully_shard'ed modules nested inside.
