@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <set>
@@ -132,7 +133,6 @@ struct FSDPModule::State {
   bool hsdp() const { return replicate && replicate->size() > 1; }
   void issue_all_reduce(PendingReduce& pr);
   void finish_reduce();
-  void translate_error(const std::exception& e);
 };
 
 namespace {
@@ -478,18 +478,35 @@ void finish_backward() {
 
 }  // namespace
 
-void FSDPModule::State::translate_error(const std::exception& e) {
-  std::string what = e.what();
-  if (what.find("not allocated") == std::string::npos) return;
-  for (State* s : nested) {
-    if (!s->unsharded && !s->unshard_pending && !in_call(*s->module)) {
+namespace {
+
+// A parameter used while its module is resharded has no storage, and ATen raises "...data
+// is not allocated yet". Name the sharded module whose forward ran outside hp::call.
+void translate_unallocated(torch::nn::Module& failing, const std::exception& e) {
+  if (std::string(e.what()).find("not allocated") == std::string::npos) return;
+  std::set<const c10::TensorImpl*> used;
+  for (const auto& t : failing.parameters(/*recurse=*/true)) used.insert(t.unsafeGetTensorImpl());
+  std::vector<FSDPHandle> live;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (auto& [mod, w] : g_handles) {
+      if (auto h = w.lock()) live.push_back(h);
+    }
+  }
+  for (const auto& h : live) {
+    FSDPModule::State& s = h->state();
+    if (s.unsharded || s.unshard_pending || in_call(*s.module)) continue;
+    for (const auto& p : s.params) {
+      if (!used.count(p.param.unsafeGetTensorImpl())) continue;
       throw Error(detail::str_cat(
-          "module ", s->label, " is sharded by fully_shard and its forward ran outside hp::call, ",
-          "so its parameters were not gathered; call it as hp::call(module, inputs...) from ",
-          label, "'s forward"));
+          "module ", s.label, " is sharded by fully_shard and its forward ran outside hp::call, so its ",
+          "parameters (here '", p.name, "', used by ", failing.name(), ") were not gathered; call it as ",
+          "hp::call(module, inputs...)"));
     }
   }
 }
+
+}  // namespace
 
 // ---- FSDPModule -------------------------------------------------------------------------
 
@@ -563,12 +580,18 @@ void FSDPModule::unshard(bool async) {
 void FSDPModule::wait_for_unshard() { state_->finish_unshard(); }
 void FSDPModule::reshard() { state_->do_reshard(); }
 bool FSDPModule::is_unsharded() const { return state_->unsharded; }
+bool FSDPModule::gradients_in_flight() const { return !state_->pending.empty(); }
 
 // ---- fully_shard ------------------------------------------------------------------------
 
 namespace {
 
-std::string describe(const torch::nn::Module& m) { return m.name(); }
+// "ClassName (fully_shard #k)": k counts fully_shard calls, so equal blocks differ in
+// errors and traces.
+std::string describe(const torch::nn::Module& m) {
+  static std::atomic<int> count{0};
+  return detail::str_cat(m.name(), " (fully_shard #", ++count, ")");
+}
 
 // Every rank must shard the same parameters: compare (count, then per parameter dtype,
 // ndim and dims) across `comm` before anything is sharded.
@@ -611,6 +634,8 @@ void check_same_shapes(const CommPtr& comm, const std::vector<std::pair<std::str
 FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   const std::string label = describe(module);
   purge_expired_forward_hooks();  // releases the handles of destroyed modules
+  static std::once_flag translator_once;
+  std::call_once(translator_once, [] { register_error_translator(translate_unallocated); });
   {
     std::lock_guard<std::mutex> g(g_mu);
     auto it = g_handles.find(&module);
@@ -735,10 +760,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     return handle->state().on_output(out, handle);
   };
   hooks.post = [handle](torch::nn::Module&) { handle->state().post_forward(); };
-  hooks.on_error = [handle](torch::nn::Module&, const std::exception& e) {
-    --iteration().forward_depth;
-    handle->state().translate_error(e);
-  };
+  hooks.on_error = [handle](torch::nn::Module&, const std::exception&) { --iteration().forward_depth; };
   register_forward_hooks(module, std::move(hooks));
   return handle;
 }

@@ -26,6 +26,7 @@ struct Slot {
 std::mutex g_mu;
 std::map<const torch::nn::Module*, Slot> g_hooks;
 HookHandle g_next = 1;
+std::vector<ErrorTranslator> g_translators;
 thread_local std::vector<const torch::nn::Module*> t_in_call;
 
 // Call with g_mu held. Returns the live slot of m, dropping a stale one.
@@ -87,6 +88,11 @@ void remove_forward_hooks(HookHandle h) {
       }
     }
   }
+}
+
+void register_error_translator(ErrorTranslator t) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_translators.push_back(std::move(t));
 }
 
 void purge_expired_forward_hooks() {
@@ -173,6 +179,12 @@ void CallScope::fail(const std::exception& e) {
   for (const auto& h : hooks_of(m_)) {
     if (h.on_error) h.on_error(m_, e);
   }
+  std::vector<ErrorTranslator> ts;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    ts = g_translators;
+  }
+  for (const auto& t : ts) t(m_, e);
 }
 
 void CallScope::finish() {

@@ -100,6 +100,9 @@ class FSDPModule {
   void wait_for_unshard();
   void reshard();
   bool is_unsharded() const;
+  // Whether a gradient reduction of this module is still running (only ever true inside
+  // backward: the end-of-backward callback waits for all of them).
+  bool gradients_in_flight() const;
 
   struct State;
   explicit FSDPModule(std::unique_ptr<State> s);

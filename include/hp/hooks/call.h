@@ -41,6 +41,12 @@ HookHandle register_forward_hooks(torch::nn::Module& m, ForwardHooks hooks);
 // Removes hooks by handle; unknown handles are ignored.
 void remove_forward_hooks(HookHandle h);
 bool has_forward_hooks(const torch::nn::Module& m);
+// A translator sees every exception thrown inside any hp::call, with the module being
+// called, and may throw a clearer error instead (fully_shard names a sharded module whose
+// parameters were used while not gathered). Translators run innermost call first.
+using ErrorTranslator = std::function<void(torch::nn::Module&, const std::exception&)>;
+void register_error_translator(ErrorTranslator t);
+
 // Drops the hooks of modules that no longer exist (and what the hooks hold). Done lazily
 // on lookup too; capabilities call it before they inspect their own registries.
 void purge_expired_forward_hooks();

@@ -1,0 +1,75 @@
+// fully_shard's bad-input errors: each raised clearly, before a hang or a crash.
+#include <gtest/gtest.h>
+
+#include "fsdp_model.h"
+#include "hp/fsdp/fully_shard.h"
+#include "hp/runtime.h"
+#include "test_util.h"
+
+using hp::test::expect_error;
+using hp::test::TinyConfig;
+using hp::test::TinyModel;
+
+TEST(FullyShardErrors, ShapesThatDifferAcrossRanksAreCaughtAtFullyShard) {
+  auto w = hp::world();
+  if (w->size() == 1) GTEST_SKIP() << "needs two ranks";
+  TinyConfig c;
+  c.ffn = 26 + w->rank();  // every rank builds a different MLP
+  TinyModel m(c);
+  expect_error([&] { hp::fully_shard(*m->blocks[0]); }, {"fc1.weight", "differs on other ranks"});
+}
+
+TEST(FullyShardErrors, AppliedTwiceToOneModule) {
+  TinyModel m(TinyConfig{});
+  hp::fully_shard(*m->blocks[0]);
+  expect_error([&] { hp::fully_shard(*m->blocks[0]); }, {"already applied", "BlockImpl"});
+}
+
+TEST(FullyShardErrors, MeshOfThreeDims) {
+  auto w = hp::world();
+  auto mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"pp", 1}, {"dp_replicate", 1}, {"dp_shard", -1}});
+  TinyModel m(TinyConfig{});
+  hp::FullyShardOptions o;
+  o.mesh = mesh;
+  expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"1-D mesh", "2-D mesh", "got 3 dims"});
+  o.mesh = nullptr;
+  o.reshard_after_forward_group_size = 2;
+  expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"not supported yet", "group of 2"});
+}
+
+namespace {
+// A root whose forward calls a sharded block without hp::call.
+struct BypassImpl : torch::nn::Module {
+  explicit BypassImpl(const TinyConfig& c) { block = register_module("block", hp::test::Block(c)); }
+  at::Tensor forward(const at::Tensor& x) { return block->forward(x); }
+  hp::test::Block block{nullptr};
+};
+TORCH_MODULE(Bypass);
+}  // namespace
+
+TEST(FullyShardErrors, SharedModuleRunOutsideTheCallBoundaryIsNamed) {
+  TinyConfig c;
+  Bypass root(c);
+  hp::fully_shard(*root->block);
+  hp::fully_shard(*root);
+  at::Tensor x = at::randn({2, c.seq, c.dim});
+  expect_error([&] { hp::call(root, x); }, {"BlockImpl (fully_shard #", "outside hp::call", "n1.weight"});
+  // Through hp::call it works.
+  EXPECT_EQ(hp::call(root->block, x).sizes(), x.sizes());
+}
+
+TEST(FullyShardErrors, NoGradientIsInFlightWhenBackwardReturns) {
+  // Reductions finish inside backward (an end-of-backward callback waits for them), so an
+  // optimizer step can never see a gradient that is still being reduced.
+  TinyConfig c;
+  TinyModel m(c);
+  std::vector<hp::FSDPHandle> hs;
+  for (auto& b : m->blocks) hs.push_back(hp::fully_shard(*b));
+  hs.push_back(hp::fully_shard(*m));
+  at::Tensor x = at::randint(c.vocab, {2, c.seq}, at::kLong);
+  hp::call(m, x, x).backward();
+  for (auto& h : hs) {
+    EXPECT_FALSE(h->gradients_in_flight());
+    for (auto& p : h->parameters()) EXPECT_TRUE(p.grad().defined());
+  }
+}
