@@ -105,6 +105,7 @@ struct FSDPModule::State {
 
   // Per iteration.
   bool pre_backward_done = false;
+  int64_t backward_start_us = 0;  // for the trace span of this module's backward
   bool post_backward_done = false;
   int grads_pending = 0;
   std::vector<PendingReduce> pending;
@@ -285,6 +286,7 @@ at::Tensor FSDPModule::State::on_output(const at::Tensor& out,
 void FSDPModule::State::pre_backward() {
   if (pre_backward_done) return;
   pre_backward_done = true;
+  if (trace::enabled()) backward_start_us = trace::now_us();
   ensure_backward_callback();
   begin_unshard();
   finish_unshard();
@@ -317,6 +319,11 @@ void FSDPModule::State::on_grad(size_t i) {
 void FSDPModule::State::post_backward() {
   if (post_backward_done) return;
   post_backward_done = true;
+  if (trace::enabled() && pre_backward_done) {
+    int64_t now = trace::now_us();
+    trace::record(trace::Event{"backward " + label, "compute", backward_start_us, now - backward_start_us,
+                               trace::current_tid(), false, 0, ""});
+  }
   issue_ready_all_reduces();
   const bool reshard_now = reshard_after_backward && is_last_backward;
   if (!has_grads()) {
