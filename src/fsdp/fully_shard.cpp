@@ -587,6 +587,7 @@ void FSDPModule::unshard(bool async) {
 void FSDPModule::wait_for_unshard() { state_->finish_unshard(); }
 void FSDPModule::reshard() { state_->do_reshard(); }
 bool FSDPModule::is_unsharded() const { return state_->unsharded; }
+bool FSDPModule::unshard_in_flight() const { return state_->unshard_pending; }
 bool FSDPModule::gradients_in_flight() const { return !state_->pending.empty(); }
 
 // ---- fully_shard ------------------------------------------------------------------------

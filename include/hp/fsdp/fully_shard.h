@@ -28,11 +28,8 @@
 
 #include "hp/comm/communicator.h"
 #include "hp/fsdp/mixed_precision.h"
+#include "hp/hooks/call.h"  // sharded modules run through hp::call
 #include "hp/mesh/device_mesh.h"
-
-namespace torch::nn {
-class Module;
-}
 
 namespace hp {
 
@@ -100,6 +97,8 @@ class FSDPModule {
   void wait_for_unshard();
   void reshard();
   bool is_unsharded() const;
+  // An all-gather was issued (unshard(async) or a prefetch) and not yet completed.
+  bool unshard_in_flight() const;
   // Whether a gradient reduction of this module is still running (only ever true inside
   // backward: the end-of-backward callback waits for all of them).
   bool gradients_in_flight() const;

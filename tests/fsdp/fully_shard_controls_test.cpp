@@ -1,0 +1,106 @@
+// fully_shard's runtime controls and corner shapes, against references computed here.
+#include <gtest/gtest.h>
+
+#include <torch/nn/modules/linear.h>
+
+#include "hp/fsdp/fully_shard.h"
+#include "hp/runtime.h"
+#include "test_util.h"
+
+namespace {
+
+// y = b(a(x)) plus an unused branch c: c's parameters get no gradient.
+struct TwoLayerImpl : torch::nn::Module {
+  TwoLayerImpl() {
+    a = register_module("a", torch::nn::Linear(5, 3));  // weight dim 0 = 3 < 4 ranks
+    b = register_module("b", torch::nn::Linear(3, 2));
+    c = register_module("c", torch::nn::Linear(3, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return hp::call(b, hp::call(a, x)); }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(TwoLayer);
+
+// Gradient of sum(model(x)) over the global batch, computed in one process.
+std::vector<at::Tensor> reference_grads(const at::Tensor& x) {
+  torch::manual_seed(3);
+  TwoLayer ref;
+  hp::call(ref, x).sum().backward();
+  std::vector<at::Tensor> g;
+  for (auto& p : ref->parameters()) g.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+  return g;
+}
+
+std::vector<at::Tensor> full_grads(const hp::FSDPHandle& h) {
+  auto w = hp::world();
+  std::vector<at::Tensor> out;
+  auto params = h->parameters();
+  auto sd = h->state_dict();
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor full = at::zeros(sd[i].global_shape);
+    if (params[i].size(0) > 0) full.narrow(0, sd[i].row_offset, params[i].size(0)).copy_(params[i].grad());
+    w->all_reduce(full).wait();
+    out.push_back(full);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(FullyShardControls, ReduceOpSumDivideFactorAndUnusedParameters) {
+  auto w = hp::world();
+  const int n = w->size(), r = w->rank();
+  torch::manual_seed(11);
+  at::Tensor x = at::randn({4 * n, 5});
+  std::vector<at::Tensor> want = reference_grads(x);  // sum over the global batch
+  for (int mode = 0; mode < 3; ++mode) {
+    torch::manual_seed(3);
+    TwoLayer m;
+    hp::FSDPHandle h = hp::fully_shard(*m);
+    if (mode == 1) h->set_reduce_op(hp::ReduceOp::SUM);
+    if (mode == 2) h->set_gradient_divide_factor(0.5);
+    hp::call(m, x.narrow(0, 4 * r, 4)).sum().backward();
+    auto got = full_grads(h);
+    // Each rank's loss is a sum over its rows: SUM over ranks gives the global gradient,
+    // AVG divides it by n, a divide factor f divides the SUM by f.
+    double scale = mode == 0 ? 1.0 / n : mode == 1 ? 1.0 : 2.0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(at::allclose(got[i], want[i] * scale, 1e-5, 1e-6)) << "mode " << mode << " param " << i;
+    }
+    // c never got a gradient: it is reduced as zeros, on every rank alike.
+    EXPECT_TRUE(at::equal(got[4], at::zeros_like(got[4])));
+  }
+}
+
+TEST(FullyShardControls, ExplicitUnshardReshardAndPrefetch) {
+  torch::manual_seed(3);
+  TwoLayer m;
+  hp::FSDPHandle ha = hp::fully_shard(*m->a);
+  hp::FSDPHandle hb = hp::fully_shard(*m->b);
+  hp::FSDPHandle root = hp::fully_shard(*m);
+  EXPECT_FALSE(ha->is_unsharded());
+  ha->unshard(/*async=*/true);
+  ha->wait_for_unshard();
+  EXPECT_TRUE(ha->is_unsharded());
+  EXPECT_EQ(m->a->weight.sizes(), (std::vector<int64_t>{3, 5}));
+  EXPECT_GT(m->a->weight.storage().nbytes(), 0u);
+  ha->reshard();
+  EXPECT_FALSE(ha->is_unsharded());
+  EXPECT_EQ(m->a->weight.storage().nbytes(), 0u);
+  // a prefetches b in forward: when b's forward starts, b was gathered by a's pre hook.
+  ha->set_modules_to_forward_prefetch({hb});
+  bool b_ready_before_its_hook = false;
+  hp::ForwardHooks probe;
+  probe.pre = [&](torch::nn::Module&) { b_ready_before_its_hook = hb->unshard_in_flight() || hb->is_unsharded(); };
+  hp::register_forward_hooks(*m->a, probe);  // runs after a's own pre hook (and its prefetch)
+  at::Tensor x = at::randn({4, 5});
+  at::Tensor y = hp::call(m, x);
+  EXPECT_TRUE(b_ready_before_its_hook);
+  // The forward is the plain computation on the full parameters.
+  ha->unshard();
+  hb->unshard();
+  at::Tensor want = m->b->forward(m->a->forward(x));
+  EXPECT_TRUE(at::allclose(y, want));
+  ha->reshard();
+  hb->reshard();
+}
