@@ -16,6 +16,9 @@ const std::vector<Knob>& knobs() {
        "Compute threads per rank (libtorch and OpenBLAS); 0 = cores / ranks on this node"},
       {"HP_TRACE", "",
        "Directory for Chrome trace-event files (trace_rank<R>.json); empty = tracing off"},
+      {"HP_FSDP_OVERLAP", "1",
+       "fully_shard overlap: 1 = prefetch all-gathers and reduce while backward goes on; 0 = every "
+       "collective waited for where it is issued (for measuring what overlap hides)"},
       {"HP_RS_SEGMENT_BYTES", "131072",
        "Segment size of the pipelined ring reduce-scatter of the mpi backend"},
   };

@@ -29,6 +29,7 @@
 
 #include "buffers.h"
 #include "hp/core/compat.h"
+#include "hp/core/env.h"
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
 #include "hp/fsdp/shard_plan.h"
@@ -111,6 +112,10 @@ struct FSDPModule::State {
   std::vector<PendingReduce> pending;
 
   int shards() const { return shard->size(); }
+  static bool overlap() {
+    static const bool on = env::get_int("HP_FSDP_OVERLAP") != 0;
+    return on;
+  }
   bool has_grads() const {
     for (const auto& p : params) {
       if (p.requires_grad) return true;
@@ -134,6 +139,10 @@ struct FSDPModule::State {
   bool hsdp() const { return replicate && replicate->size() > 1; }
   void issue_all_reduce(PendingReduce& pr);
   void finish_reduce();
+  void apply_reduced(ParamInfo& p, at::Tensor g);
+  // One shard holding everything and the compute dtype equal to the parameters': the
+  // module's tensors alias the shards, so there is nothing to gather or free.
+  bool aliased() const { return shards() == 1 && dt.compute == dt.param; }
 };
 
 namespace {
@@ -193,6 +202,10 @@ void scatter_padded(const at::Tensor& dst, const at::Tensor& flat) {
 
 void FSDPModule::State::begin_unshard() {
   if (unsharded || unshard_pending) return;
+  if (aliased()) {
+    unsharded = true;
+    return;
+  }
   trace::Span span("unshard " + label, "fsdp");
   const at::ScalarType cd = dt.all_gather;
   const int64_t es = c10::elementSize(cd);
@@ -219,7 +232,10 @@ void FSDPModule::State::begin_unshard() {
 
 void FSDPModule::State::finish_unshard() {
   if (!unshard_pending) return;
-  for (auto& w : ag_works) w.wait();
+  {
+    trace::Span wait("wait all_gather " + label, "wait");
+    for (auto& w : ag_works) w.wait();
+  }
   ag_works.clear();
   if (opts.comm_fusion) {
     at::Tensor all = ag_out.tensor().view({shards(), layout.total});
@@ -237,7 +253,7 @@ void FSDPModule::State::finish_unshard() {
 
 void FSDPModule::State::do_reshard() {
   finish_unshard();
-  if (!unsharded) return;
+  if (!unsharded || aliased()) return;
   for (auto& p : params) compat::resize_storage_bytes(p.param, 0);
   unsharded = false;
 }
@@ -259,6 +275,7 @@ void FSDPModule::State::pre_forward() {
   }
   begin_unshard();
   finish_unshard();
+  if (!overlap()) return;
   for (auto& w : fwd_prefetch) {
     if (auto h = w.lock()) h->state().begin_unshard();
   }
@@ -290,6 +307,7 @@ void FSDPModule::State::pre_backward() {
   ensure_backward_callback();
   begin_unshard();
   finish_unshard();
+  if (!overlap()) return;
   // Prefetch: the listed modules, else the module that ran just before this one.
   bool listed = false;
   for (auto& w : bwd_prefetch) {
@@ -356,6 +374,19 @@ void FSDPModule::State::post_backward() {
   const ReduceOp op = grad_reduce_op();
   const int n = shards();
   Iteration& it = iteration();
+  if (n == 1 && !hsdp()) {
+    // A world of one data-parallel rank: the reduction is the cast to the reduce dtype.
+    for (auto& p : params) {
+      if (!p.requires_grad) continue;
+      at::Tensor g = flat_grad(p);
+      if (!g.defined()) g = at::zeros({p.plan.numel()}, at::TensorOptions().dtype(rd));
+      apply_reduced(p, g.to(rd).view(p.sharded.sizes()));
+      p.param.mutable_grad() = at::Tensor();  // drop our reference only
+      p.unsharded_acc.release();
+    }
+    if (reshard_now) do_reshard();
+    return;
+  }
   if (opts.comm_fusion) {
     PendingReduce pr;
     pr.input = OwnedBuffer::zeros({n, layout.total}, rd);
@@ -388,6 +419,10 @@ void FSDPModule::State::post_backward() {
     p.unsharded_acc.release();
   }
   it.reduce_order.push_back(this);
+  if (!overlap()) {
+    trace::Span wait("wait reduce_scatter " + label, "wait");
+    for (auto& pr : pending) pr.rs.wait();
+  }
   if (reshard_now) do_reshard();
 }
 
@@ -420,7 +455,32 @@ void FSDPModule::State::issue_ready_all_reduces() {
 }
 
 // Waits for this group's collectives and leaves the reduced gradients on the shards.
+// Leaves a reduced gradient (this rank's real rows, any dtype) on the sharded parameter:
+// in its main gradient, or added to its .grad (a copy: `g` may be a borrowed tensor).
+void FSDPModule::State::apply_reduced(ParamInfo& p, at::Tensor g) {
+  if (divide_factor > 0) g = g / divide_factor;
+  if (dt.main_grad) {
+    at::Tensor cur = p.sharded.grad();
+    if (!cur.defined() || !cur.is_same(p.grad_set) || cur._version() != p.grad_set_version) {
+      p.main_grad.zero_();
+    }
+    p.main_grad.add_(g);
+    // fp32 shards step with the main gradient itself; lower-precision shards get a
+    // rounded copy (FP32MasterOptimizer steps fp32 masters with the main gradient).
+    p.grad_set = p.sharded.scalar_type() == at::kFloat
+                     ? p.main_grad
+                     : p.main_grad.to(p.sharded.scalar_type(), false, /*copy=*/true);
+    p.sharded.mutable_grad() = p.grad_set;
+    p.grad_set_version = p.grad_set._version();
+  } else if (!p.sharded.grad().defined()) {
+    p.sharded.mutable_grad() = g.to(dt.sharded_grad, /*non_blocking=*/false, /*copy=*/true);
+  } else {
+    p.sharded.mutable_grad().add_(g);
+  }
+}
+
 void FSDPModule::State::finish_reduce() {
+  trace::Span wait("wait reduce " + label, "wait");
   for (auto& pr : pending) {
     pr.rs.wait();
     pr.input.release();
@@ -442,26 +502,7 @@ void FSDPModule::State::finish_reduce() {
         p.sharded_acc.tensor().add_(seg);
         continue;
       }
-      at::Tensor g = seg.narrow(0, 0, p.plan.rows * p.plan.row_numel).view(p.sharded.sizes());
-      if (divide_factor > 0) g = g / divide_factor;
-      if (dt.main_grad) {
-        at::Tensor cur = p.sharded.grad();
-        if (!cur.defined() || !cur.is_same(p.grad_set) || cur._version() != p.grad_set_version) {
-          p.main_grad.zero_();
-        }
-        p.main_grad.add_(g);
-        // fp32 shards step with the main gradient itself; lower-precision shards get a
-        // rounded copy (FP32MasterOptimizer steps fp32 masters with the main gradient).
-        p.grad_set = p.sharded.scalar_type() == at::kFloat
-                         ? p.main_grad
-                         : p.main_grad.to(p.sharded.scalar_type(), false, /*copy=*/true);
-        p.sharded.mutable_grad() = p.grad_set;
-        p.grad_set_version = p.grad_set._version();
-      } else if (!p.sharded.grad().defined()) {
-        p.sharded.mutable_grad() = g.to(dt.sharded_grad, /*non_blocking=*/false, /*copy=*/true);
-      } else {
-        p.sharded.mutable_grad().add_(g);
-      }
+      apply_reduced(p, seg.narrow(0, 0, p.plan.rows * p.plan.row_numel).view(p.sharded.sizes()));
     }
     pr.output.release();
   }
@@ -725,9 +766,14 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     if (st->dt.main_grad) p.main_grad = at::zeros(p.sharded.sizes(), at::kFloat);
     // The module's tensor becomes the unsharded parameter: compute dtype, global shape,
     // no storage until unshard. Its identity (module fields, autograd meta) is kept.
-    at::Tensor unsharded = at::empty(p.shape, at::TensorOptions().dtype(st->dt.compute));
-    compat::resize_storage_bytes(unsharded, 0);
-    t.set_data(unsharded);
+    // With one shard in the parameters' dtype it simply aliases the shard.
+    if (st->aliased()) {
+      t.set_data(p.padded.view(p.shape));
+    } else {
+      at::Tensor unsharded = at::empty(p.shape, at::TensorOptions().dtype(st->dt.compute));
+      compat::resize_storage_bytes(unsharded, 0);
+      t.set_data(unsharded);
+    }
     if (t.grad().defined()) t.mutable_grad() = at::Tensor();
     st->params.push_back(std::move(p));
   }

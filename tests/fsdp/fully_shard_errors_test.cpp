@@ -48,6 +48,10 @@ TORCH_MODULE(Bypass);
 }  // namespace
 
 TEST(FullyShardErrors, SharedModuleRunOutsideTheCallBoundaryIsNamed) {
+  if (hp::world()->size() == 1) {
+    GTEST_SKIP() << "with one shard the module's parameters alias their shards and are never freed, "
+                    "so a direct forward is correct";
+  }
   TinyConfig c;
   Bypass root(c);
   hp::fully_shard(*root->block);
