@@ -70,6 +70,8 @@ struct PendingReduce {
   Work rs;
   Work ar;
   bool ar_issued = false;
+  bool rs_done = false;  // reduce-scatter waited for, input released
+  bool applied = false;  // gradients left on the shards, output released
 };
 
 std::mutex g_mu;
@@ -138,7 +140,7 @@ struct FSDPModule::State {
   }
   bool hsdp() const { return replicate && replicate->size() > 1; }
   void issue_all_reduce(PendingReduce& pr);
-  void finish_reduce();
+  void apply_pending(PendingReduce& pr);
   void apply_reduced(ParamInfo& p, at::Tensor g);
   // One shard holding everything and the compute dtype equal to the parameters': the
   // module's tensors alias the shards, so there is nothing to gather or free.
@@ -160,6 +162,7 @@ Iteration& iteration() {
 }
 
 void finish_backward();
+void drain_reductions(bool wait);
 
 void ensure_backward_callback() {
   Iteration& it = iteration();
@@ -441,20 +444,42 @@ void FSDPModule::State::issue_all_reduce(PendingReduce& pr) {
   pr.ar_issued = true;
 }
 
-// Issues the dp_replicate all-reduce of every reduce-scatter that has completed, in issue
-// order across all groups (the same order on every rank), and frees their inputs.
-void FSDPModule::State::issue_ready_all_reduces() {
-  for (State* s : iteration().reduce_order) {
+// Moves every group's reductions forward, in reduce-scatter issue order (the same on
+// every rank): a completed reduce-scatter frees its input and gets its dp_replicate
+// all-reduce issued; a completed reduction leaves its gradients on the shards and frees
+// its output. With `wait`, waits for all of it (the end of backward).
+namespace {
+void drain_reductions(bool wait) {
+  auto& order = iteration().reduce_order;
+  bool blocked = false;
+  for (FSDPModule::State* s : order) {
     for (auto& pr : s->pending) {
-      if (!pr.rs.is_completed()) return;
+      if (pr.rs_done) continue;
+      if (blocked || (!wait && !pr.rs.is_completed())) {
+        blocked = true;  // later all-reduces must not overtake this one
+        continue;
+      }
       pr.rs.wait();
       pr.input.release();
-      if (!pr.ar_issued && s->hsdp() && s->requires_all_reduce) s->issue_all_reduce(pr);
+      pr.rs_done = true;
+      if (s->hsdp() && s->requires_all_reduce) s->issue_all_reduce(pr);
+    }
+  }
+  for (FSDPModule::State* s : order) {
+    for (auto& pr : s->pending) {
+      if (pr.applied || !pr.rs_done) continue;
+      if (pr.ar_issued && !wait && !pr.ar.is_completed()) continue;
+      pr.ar.wait();
+      s->apply_pending(pr);
+      pr.output.release();
+      pr.applied = true;
     }
   }
 }
+}  // namespace
 
-// Waits for this group's collectives and leaves the reduced gradients on the shards.
+void FSDPModule::State::issue_ready_all_reduces() { drain_reductions(/*wait=*/false); }
+
 // Leaves a reduced gradient (this rank's real rows, any dtype) on the sharded parameter:
 // in its main gradient, or added to its .grad (a copy: `g` may be a borrowed tensor).
 void FSDPModule::State::apply_reduced(ParamInfo& p, at::Tensor g) {
@@ -479,34 +504,25 @@ void FSDPModule::State::apply_reduced(ParamInfo& p, at::Tensor g) {
   }
 }
 
-void FSDPModule::State::finish_reduce() {
-  trace::Span wait("wait reduce " + label, "wait");
-  for (auto& pr : pending) {
-    pr.rs.wait();
-    pr.input.release();
-    if (!pr.ar_issued && hsdp() && requires_all_reduce) issue_all_reduce(pr);
-  }
-  for (auto& pr : pending) {
-    pr.ar.wait();
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (pr.param >= 0 && pr.param != static_cast<int>(i)) continue;
-      auto& p = params[i];
-      if (!p.requires_grad) continue;
-      at::Tensor seg = pr.param >= 0 ? pr.output.tensor()
-                                     : pr.output.tensor().narrow(0, layout.offsets[i], p.plan.shard_numel());
-      if (hsdp() && !requires_all_reduce) {
-        // Keep the partial (not yet all-reduced) shard for the next step that all-reduces.
-        if (!p.sharded_acc.defined()) {
-          p.sharded_acc = OwnedBuffer::zeros({p.plan.shard_numel()}, dt.sharded_accumulate);
-        }
-        p.sharded_acc.tensor().add_(seg);
-        continue;
+// Leaves one completed reduction's gradients on the shards (or keeps them as partials
+// when the dp_replicate all-reduce is skipped this step).
+void FSDPModule::State::apply_pending(PendingReduce& pr) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (pr.param >= 0 && pr.param != static_cast<int>(i)) continue;
+    auto& p = params[i];
+    if (!p.requires_grad) continue;
+    at::Tensor seg = pr.param >= 0 ? pr.output.tensor()
+                                   : pr.output.tensor().narrow(0, layout.offsets[i], p.plan.shard_numel());
+    if (hsdp() && !requires_all_reduce) {
+      // Keep the partial (not yet all-reduced) shard for the next step that all-reduces.
+      if (!p.sharded_acc.defined()) {
+        p.sharded_acc = OwnedBuffer::zeros({p.plan.shard_numel()}, dt.sharded_accumulate);
       }
-      apply_reduced(p, seg.narrow(0, 0, p.plan.rows * p.plan.row_numel).view(p.sharded.sizes()));
+      p.sharded_acc.tensor().add_(seg);
+      continue;
     }
-    pr.output.release();
+    apply_reduced(p, seg.narrow(0, 0, p.plan.rows * p.plan.row_numel).view(p.sharded.sizes()));
   }
-  pending.clear();
 }
 
 namespace {
@@ -520,7 +536,11 @@ void finish_backward() {
     FSDPModule::State* s = *r;
     if (!s->post_backward_done) s->post_backward();
   }
-  for (FSDPModule::State* s : it.reduce_order) s->finish_reduce();
+  {
+    trace::Span wait("wait reductions", "wait");
+    drain_reductions(/*wait=*/true);
+  }
+  for (FSDPModule::State* s : it.reduce_order) s->pending.clear();
   it.reduce_order.clear();
 }
 
