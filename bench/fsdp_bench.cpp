@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "fsdp/fsdp_model.h"
@@ -87,22 +88,35 @@ int overhead() {
     plain.step(x, y);
     fsdp.step(x, y);
   }
+  // One step of each, alternating, many times: the minimum is the least disturbed step
+  // (this machine is shared), the median shows the spread.
   std::vector<double> tp, tf;
-  for (int round = 0; round < 7; ++round) {
+  for (int round = 0; round < 15; ++round) {
     double t0 = now_s();
-    for (int i = 0; i < 3; ++i) plain.step(x, y);
+    plain.step(x, y);
     double t1 = now_s();
-    for (int i = 0; i < 3; ++i) fsdp.step(x, y);
+    fsdp.step(x, y);
     double t2 = now_s();
-    tp.push_back((t1 - t0) / 3);
-    tf.push_back((t2 - t1) / 3);
+    tp.push_back(t1 - t0);
+    tf.push_back(t2 - t1);
   }
   std::sort(tp.begin(), tp.end());
   std::sort(tf.begin(), tf.end());
-  double p = tp[tp.size() / 2], f = tf[tf.size() / 2];
-  std::printf("overhead (world size 1, %lld layers d=%lld, batch 8 x %lld): plain %.2f ms, fully_shard %.2f ms, "
-              "ratio %.3f (overhead %+.1f%%)\n",
-              (long long)c.layers, (long long)c.dim, (long long)c.seq, p * 1e3, f * 1e3, f / p, (f / p - 1) * 100);
+  double p = tp.front(), f = tf.front(), pm = tp[tp.size() / 2], fm = tf[tf.size() / 2];
+  std::printf("overhead (world size 1, %lld layers d=%lld, batch 8 x %lld): fastest step plain %.2f ms, "
+              "fully_shard %.2f ms, ratio %.3f (%+.1f%%); median ratio %.3f\n",
+              (long long)c.layers, (long long)c.dim, (long long)c.seq, p * 1e3, f * 1e3, f / p, (f / p - 1) * 100,
+              fm / pm);
+  return 0;
+}
+
+// `steps` steps of one loop only (for instruction counts under callgrind, which are
+// repeatable on a shared machine where wall time is not).
+int steps_only(bool sharded, int steps) {
+  TinyConfig c = model_config();
+  Trainer t(c, sharded, false);
+  auto [x, y] = data(c, 8);
+  for (int i = 0; i < steps; ++i) t.step(x, y);
   return 0;
 }
 
@@ -191,6 +205,7 @@ int main(int argc, char** argv) {
   if (mode == "overhead") rc = overhead();
   else if (mode == "overlap") rc = overlap();
   else if (mode == "memory") rc = memory();
+  else if (mode == "steps-plain" || mode == "steps-fsdp") rc = steps_only(mode == "steps-fsdp", argc > 2 ? std::atoi(argv[2]) : 1);
   else std::fprintf(stderr, "usage: fsdp_bench overhead|overlap|memory\n");
   hp::finalize();
   return rc;
