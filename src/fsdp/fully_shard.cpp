@@ -66,6 +66,7 @@ struct ParamInfo {
 struct PendingReduce {
   int param = -1;      // -1: the whole group (fused)
   OwnedBuffer input;   // reduce-scatter input, released once it completes
+  at::Tensor borrowed_input;  // or autograd's gradient itself: never released, only let go
   OwnedBuffer output;  // reduce-scatter output = all-reduce bucket
   Work rs;
   Work ar;
@@ -162,7 +163,8 @@ Iteration& iteration() {
 }
 
 void finish_backward();
-void drain_reductions(bool wait);
+void drain_reductions(size_t keep);
+constexpr size_t kReductionsInFlight = 2;  // reduce-scatters kept in flight during backward
 
 void ensure_backward_callback() {
   Iteration& it = iteration();
@@ -408,11 +410,19 @@ void FSDPModule::State::post_backward() {
       if (!p.requires_grad) continue;
       PendingReduce pr;
       pr.param = static_cast<int>(i);
-      pr.input = OwnedBuffer::zeros({p.plan.padded_numel()}, rd);
       at::Tensor g = flat_grad(p);
-      if (g.defined()) pr.input.tensor().narrow(0, 0, p.plan.numel()).copy_(g);
       pr.output = OwnedBuffer::empty({p.plan.shard_numel()}, rd);
-      pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
+      if (g.defined() && !p.unsharded_acc.defined() && g.scalar_type() == rd && g.is_contiguous() &&
+          p.plan.padded_numel() == p.plan.numel()) {
+        // Already the reduce-scatter's input (right dtype, no padding): borrow it. It is
+        // only read, and the reference is dropped when the collective completes.
+        pr.borrowed_input = g;
+        pr.rs = shard->reduce_scatter(pr.output.tensor(), g, {op});
+      } else {
+        pr.input = OwnedBuffer::zeros({p.plan.padded_numel()}, rd);
+        if (g.defined()) pr.input.tensor().narrow(0, 0, p.plan.numel()).copy_(g);
+        pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
+      }
       pending.push_back(std::move(pr));
     }
   }
@@ -447,20 +457,29 @@ void FSDPModule::State::issue_all_reduce(PendingReduce& pr) {
 // Moves every group's reductions forward, in reduce-scatter issue order (the same on
 // every rank): a completed reduce-scatter frees its input and gets its dp_replicate
 // all-reduce issued; a completed reduction leaves its gradients on the shards and frees
-// its output. With `wait`, waits for all of it (the end of backward).
+// its output. Waits for the oldest reduce-scatters until at most `keep` are in flight
+// (0: all of it, at the end of backward): when communication falls behind backward,
+// their inputs (one module's gradients each) would otherwise pile up.
 namespace {
-void drain_reductions(bool wait) {
+void drain_reductions(size_t keep) {
   auto& order = iteration().reduce_order;
+  size_t in_flight = 0;
+  for (FSDPModule::State* s : order) {
+    for (auto& pr : s->pending) in_flight += pr.rs_done ? 0 : 1;
+  }
+  const bool wait = keep == 0;
   bool blocked = false;
   for (FSDPModule::State* s : order) {
     for (auto& pr : s->pending) {
       if (pr.rs_done) continue;
-      if (blocked || (!wait && !pr.rs.is_completed())) {
+      if (blocked || (in_flight <= keep && !pr.rs.is_completed())) {
         blocked = true;  // later all-reduces must not overtake this one
         continue;
       }
+      --in_flight;
       pr.rs.wait();
       pr.input.release();
+      pr.borrowed_input = at::Tensor();
       pr.rs_done = true;
       if (s->hsdp() && s->requires_all_reduce) s->issue_all_reduce(pr);
     }
@@ -478,7 +497,7 @@ void drain_reductions(bool wait) {
 }
 }  // namespace
 
-void FSDPModule::State::issue_ready_all_reduces() { drain_reductions(/*wait=*/false); }
+void FSDPModule::State::issue_ready_all_reduces() { drain_reductions(kReductionsInFlight - 1); }
 
 // Leaves a reduced gradient (this rank's real rows, any dtype) on the sharded parameter:
 // in its main gradient, or added to its .grad (a copy: `g` may be a borrowed tensor).
@@ -538,7 +557,7 @@ void finish_backward() {
   }
   {
     trace::Span wait("wait reductions", "wait");
-    drain_reductions(/*wait=*/true);
+    drain_reductions(/*keep=*/0);
   }
   for (FSDPModule::State* s : it.reduce_order) s->pending.clear();
   it.reduce_order.clear();
