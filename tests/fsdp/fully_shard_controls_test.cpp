@@ -109,3 +109,64 @@ TEST(FullyShardControls, ExplicitUnshardReshardAndPrefetch) {
   ha->reshard();
   hb->reshard();
 }
+
+namespace {
+// A module with a buffer (running statistics kind) and a parameter to ignore.
+struct WithBufferImpl : torch::nn::Module {
+  WithBufferImpl() {
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+    scale = register_buffer("scale", at::full({4}, 2.0));
+    keep = register_parameter("keep", at::ones({3}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return hp::call(lin, x) * scale + keep.sum(); }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor scale, keep;
+};
+TORCH_MODULE(WithBuffer);
+}  // namespace
+
+TEST(FullyShardControls, IgnoredParametersAndBuffersStayWhole) {
+  WithBuffer m;
+  hp::FullyShardOptions o;
+  o.ignored_params = {m->keep};
+  hp::FSDPHandle h = hp::fully_shard(*m, o);
+  // lin.weight and lin.bias are sharded; keep and the buffer are left alone.
+  EXPECT_EQ(h->parameters().size(), 2u);
+  EXPECT_EQ(m->keep.storage().nbytes(), 3u * 4);
+  EXPECT_TRUE(at::equal(m->scale, at::full({4}, 2.0)));
+  at::Tensor y = hp::call(m, at::ones({2, 4}));
+  y.sum().backward();
+  EXPECT_TRUE(at::equal(m->scale, at::full({4}, 2.0)));
+  // The ignored parameter keeps its ordinary, unreduced local gradient.
+  ASSERT_TRUE(m->keep.grad().defined());
+  EXPECT_TRUE(at::equal(m->keep.grad(), at::full({3}, 8.0)));  // d(sum over 2x4 outputs of keep.sum())
+}
+
+TEST(FullyShardControls, ReshardAfterBackwardAndLastBackward) {
+  if (hp::world()->size() == 1) GTEST_SKIP() << "one shard aliases its parameters: nothing to reshard";
+  torch::manual_seed(3);
+  TwoLayer m;
+  hp::FSDPHandle ha = hp::fully_shard(*m->a);
+  hp::FSDPHandle root = hp::fully_shard(*m);
+  at::Tensor x = at::randn({4, 5});
+  // Defaults: resharded after backward.
+  hp::call(m, x).sum().backward();
+  EXPECT_FALSE(ha->is_unsharded());
+  // Not the last backward: stay gathered for the next micro-batch.
+  root->set_is_last_backward(false);
+  hp::call(m, x).sum().backward();
+  EXPECT_TRUE(ha->is_unsharded());
+  root->set_is_last_backward(true);
+  ha->reshard();
+  // reshard_after_backward off on a, with reshard after forward off too.
+  ha->set_reshard_after_backward(false);
+  hp::call(m, x).sum().backward();
+  EXPECT_TRUE(ha->is_unsharded());
+  ha->reshard();
+  // Explicit backward prefetch of a from the root: gathered before a's backward starts.
+  ha->set_reshard_after_backward(true);
+  root->set_modules_to_backward_prefetch({ha});
+  hp::call(m, x).sum().backward();
+  EXPECT_FALSE(ha->is_unsharded());
+  for (auto& p : ha->parameters()) EXPECT_TRUE(p.grad().defined());
+}
