@@ -1,0 +1,99 @@
+// Llama-style decoder: RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP,
+// optional tied embeddings. Blocks call their children through hp::call, so fully_shard
+// (and later tensor parallel) apply per block.
+//
+// Initialization is deterministic and layout-independent: init_weights(seed) draws each
+// parameter from a generator seeded by (seed, the parameter's name), so a parameter's
+// values never depend on how many ranks there are or what else was built before it.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hp::models {
+
+struct LlamaConfig {
+  int64_t vocab = 256;
+  int64_t dim = 64;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;       // grouped-query attention: heads % kv_heads == 0
+  int64_t ffn_dim = 0;        // 0: 8/3 * dim rounded up to a multiple of 32
+  int64_t max_seq = 256;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tie_embeddings = false;
+
+  int64_t head_dim() const { return dim / heads; }
+  int64_t hidden_dim() const;
+  // Parameters of the model, computed from the config alone (nothing allocated).
+  int64_t num_params() const;
+  int64_t block_params() const;
+  // Raises hp::Error naming the offending field.
+  void validate() const;
+
+  static LlamaConfig tiny();
+  static LlamaConfig llama3_8b();
+};
+
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+// cos and sin tables [seq, head_dim / 2] for positions 0..seq-1.
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta);
+// Rotates consecutive pairs (x[2i], x[2i+1]) of the last dim of x [B, H, T, D] by the
+// position's angle.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+struct LlamaAttentionImpl : torch::nn::Module {
+  explicit LlamaAttentionImpl(const LlamaConfig& c);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  int64_t heads, kv_heads, head_dim;
+  torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+};
+TORCH_MODULE(LlamaAttention);
+
+struct SwiGLUImpl : torch::nn::Module {
+  SwiGLUImpl(int64_t dim, int64_t hidden);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+};
+TORCH_MODULE(SwiGLU);
+
+struct LlamaBlockImpl : torch::nn::Module {
+  explicit LlamaBlockImpl(const LlamaConfig& c);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  RMSNorm attn_norm{nullptr}, ffn_norm{nullptr};
+  LlamaAttention attn{nullptr};
+  SwiGLU mlp{nullptr};
+};
+TORCH_MODULE(LlamaBlock);
+
+struct LlamaImpl : torch::nn::Module {
+  explicit LlamaImpl(const LlamaConfig& c);
+  // Logits [B, T, vocab] of tokens [B, T].
+  at::Tensor forward(const at::Tensor& tokens);
+  // Mean next-token cross-entropy (computed in fp32).
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
+  // Deterministic, layout-independent initialization (see the file comment).
+  void init_weights(uint64_t seed);
+
+  LlamaConfig config;
+  torch::nn::Embedding tok_emb{nullptr};
+  std::vector<LlamaBlock> blocks;
+  RMSNorm norm{nullptr};
+  torch::nn::Linear output{nullptr};  // null when tied to tok_emb
+};
+TORCH_MODULE(Llama);
+
+}  // namespace hp::models

@@ -1,0 +1,179 @@
+#include "hp/models/llama.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+
+#include <cmath>
+#include <limits>
+
+#include "hp/core/error.h"
+#include "hp/hooks/call.h"
+
+namespace hp::models {
+
+int64_t LlamaConfig::hidden_dim() const {
+  if (ffn_dim > 0) return ffn_dim;
+  int64_t h = (8 * dim) / 3;
+  return (h + 31) / 32 * 32;
+}
+
+int64_t LlamaConfig::block_params() const {
+  const int64_t hd = head_dim();
+  const int64_t attn = dim * heads * hd + 2 * dim * kv_heads * hd + heads * hd * dim;
+  const int64_t mlp = 3 * dim * hidden_dim();
+  return attn + mlp + 2 * dim;  // two RMSNorm weights
+}
+
+int64_t LlamaConfig::num_params() const {
+  return vocab * dim * (tie_embeddings ? 1 : 2) + layers * block_params() + dim;
+}
+
+void LlamaConfig::validate() const {
+  HP_CHECK(vocab > 0 && dim > 0 && layers > 0 && heads > 0 && kv_heads > 0 && max_seq > 0,
+           "llama config: vocab, dim, layers, heads, kv_heads and max_seq must be positive (got vocab=", vocab,
+           " dim=", dim, " layers=", layers, " heads=", heads, " kv_heads=", kv_heads, " max_seq=", max_seq, ")");
+  HP_CHECK(dim % heads == 0, "llama config: dim=", dim, " is not divisible by heads=", heads);
+  HP_CHECK(head_dim() % 2 == 0, "llama config: head_dim=", head_dim(), " must be even for rotary embeddings");
+  HP_CHECK(heads % kv_heads == 0, "llama config: heads=", heads, " is not divisible by kv_heads=", kv_heads);
+}
+
+LlamaConfig LlamaConfig::tiny() { return LlamaConfig{}; }
+
+LlamaConfig LlamaConfig::llama3_8b() {
+  LlamaConfig c;
+  c.vocab = 128256;
+  c.dim = 4096;
+  c.layers = 32;
+  c.heads = 32;
+  c.kv_heads = 8;
+  c.ffn_dim = 14336;
+  c.max_seq = 8192;
+  c.rope_theta = 500000.0;
+  return c;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double e) : eps(e) { weight = register_parameter("weight", at::ones({dim})); }
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return y.to(x.scalar_type()) * weight;
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta) {
+  at::Tensor i = at::arange(0, head_dim / 2, at::kDouble);
+  at::Tensor inv_freq = at::pow(theta, -2.0 * i / head_dim);
+  at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
+  return {angles.cos().to(at::kFloat), angles.sin().to(at::kFloat)};
+}
+
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t T = x.size(-2), D = x.size(-1);
+  at::Tensor pairs = x.to(at::kFloat).reshape({x.size(0), x.size(1), T, D / 2, 2});
+  at::Tensor a = pairs.select(-1, 0), b = pairs.select(-1, 1);
+  at::Tensor c = cos.narrow(0, 0, T), s = sin.narrow(0, 0, T);
+  at::Tensor out = at::stack({a * c - b * s, a * s + b * c}, -1);
+  return out.reshape(x.sizes()).to(x.scalar_type());
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
+    : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
+  auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  wq = register_module("wq", lin(c.dim, heads * head_dim));
+  wk = register_module("wk", lin(c.dim, kv_heads * head_dim));
+  wv = register_module("wv", lin(c.dim, kv_heads * head_dim));
+  wo = register_module("wo", lin(heads * head_dim, c.dim));
+}
+
+at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t B = x.size(0), T = x.size(1);
+  auto split = [&](const at::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
+  at::Tensor q = apply_rotary(split(hp::call(wq, x), heads), cos, sin);
+  at::Tensor k = apply_rotary(split(hp::call(wk, x), kv_heads), cos, sin);
+  at::Tensor v = split(hp::call(wv, x), kv_heads);
+  // Each group of heads / kv_heads query heads shares one key/value head.
+  const int64_t group = heads / kv_heads;
+  k = k.repeat_interleave(group, 1);
+  v = v.repeat_interleave(group, 1);
+  at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+  at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  at::Tensor att = scores.to(at::kFloat).softmax(-1).to(v.scalar_type());
+  at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, heads * head_dim});
+  return hp::call(wo, o);
+}
+
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden) {
+  auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  w1 = register_module("w1", lin(dim, hidden));
+  w2 = register_module("w2", lin(hidden, dim));
+  w3 = register_module("w3", lin(dim, hidden));
+}
+
+at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
+  return hp::call(w2, torch::nn::functional::silu(hp::call(w1, x)) * hp::call(w3, x));
+}
+
+LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& c) {
+  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
+  attn = register_module("attn", LlamaAttention(c));
+  ffn_norm = register_module("ffn_norm", RMSNorm(c.dim, c.norm_eps));
+  mlp = register_module("mlp", SwiGLU(c.dim, c.hidden_dim()));
+}
+
+at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor h = x + hp::call(attn, hp::call(attn_norm, x), cos, sin);
+  return h + hp::call(mlp, hp::call(ffn_norm, h));
+}
+
+LlamaImpl::LlamaImpl(const LlamaConfig& c) : config(c) {
+  c.validate();
+  tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  for (int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("layers_" + std::to_string(i), LlamaBlock(c)));
+  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+  if (!c.tie_embeddings) {
+    output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
+  }
+  init_weights(0);
+}
+
+at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
+  const int64_t T = tokens.size(1);
+  HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
+  auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope_theta);
+  at::Tensor h = hp::call(tok_emb, tokens);
+  for (auto& b : blocks) h = hp::call(b, h, cos, sin);
+  h = hp::call(norm, h);
+  return output ? hp::call(output, h) : h.matmul(tok_emb->weight.t());
+}
+
+at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
+  at::Tensor logits = forward(tokens);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                              targets.reshape({-1}));
+}
+
+void LlamaImpl::init_weights(uint64_t seed) {
+  at::NoGradGuard no_grad;
+  const double std = 0.02;
+  for (const auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    at::Tensor p = item.value();
+    if (name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0 &&
+        name.find("norm") != std::string::npos) {
+      p.fill_(1.0);  // RMSNorm scales
+      continue;
+    }
+    // One generator per parameter, seeded from (seed, name): independent of everything else.
+    uint64_t h = 1469598103934665603ULL;  // FNV-1a of the name: the same on every machine
+    for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
+    h ^= seed * 0x9E3779B97F4A7C15ULL;
+    at::Generator gen = at::detail::createCPUGenerator(h);
+    at::Tensor v = at::empty(p.sizes(), at::kFloat).normal_(0.0, std, gen);
+    p.copy_(v);
+  }
+}
+
+}  // namespace hp::models

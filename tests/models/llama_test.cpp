@@ -1,0 +1,126 @@
+// The Llama-style model against naive implementations written here.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "hp/models/llama.h"
+#include "test_util.h"
+
+using hp::models::LlamaConfig;
+
+TEST(Llama, ParameterCountFromTheConfigMatchesTheModel) {
+  for (bool tied : {false, true}) {
+    LlamaConfig c = LlamaConfig::tiny();
+    c.tie_embeddings = tied;
+    hp::models::Llama m(c);
+    int64_t n = 0;
+    for (const auto& p : m->parameters()) n += p.numel();
+    EXPECT_EQ(n, c.num_params()) << "tied=" << tied;
+  }
+  // Published size, from the config alone: Llama 3 8B has 8.03 B parameters.
+  EXPECT_NEAR(LlamaConfig::llama3_8b().num_params() / 1e9, 8.03, 0.01);
+}
+
+TEST(Llama, RmsNormMatchesTheFormula) {
+  hp::models::RMSNorm n(6, 1e-5);
+  {
+    at::NoGradGuard g;
+    n->weight.copy_(at::arange(1, 7, at::kFloat));
+  }
+  at::Tensor x = at::randn({3, 6});
+  at::Tensor got = n->forward(x);
+  for (int r = 0; r < 3; ++r) {
+    double ms = 0;
+    for (int i = 0; i < 6; ++i) ms += x[r][i].item<double>() * x[r][i].item<double>() / 6;
+    for (int i = 0; i < 6; ++i) {
+      double want = x[r][i].item<double>() / std::sqrt(ms + 1e-5) * (i + 1);
+      EXPECT_NEAR(got[r][i].item<double>(), want, 1e-5);
+    }
+  }
+}
+
+TEST(Llama, RotaryRotatesEachPairByItsAngle) {
+  const int64_t T = 5, D = 8;
+  const double theta = 10000;
+  auto [cos, sin] = hp::models::rotary_tables(T, D, theta);
+  at::Tensor x = at::randn({1, 2, T, D});
+  at::Tensor got = hp::models::apply_rotary(x, cos, sin);
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < T; ++t) {
+      for (int i = 0; i < D / 2; ++i) {
+        double ang = t * std::pow(theta, -2.0 * i / D);
+        double a = x[0][h][t][2 * i].item<double>(), b = x[0][h][t][2 * i + 1].item<double>();
+        EXPECT_NEAR(got[0][h][t][2 * i].item<double>(), a * std::cos(ang) - b * std::sin(ang), 1e-5);
+        EXPECT_NEAR(got[0][h][t][2 * i + 1].item<double>(), a * std::sin(ang) + b * std::cos(ang), 1e-5);
+      }
+    }
+  }
+}
+
+TEST(Llama, GroupedQueryAttentionMatchesANaiveLoop) {
+  LlamaConfig c = LlamaConfig::tiny();  // 4 query heads share 2 key/value heads
+  hp::models::LlamaAttention att(c);
+  const int64_t B = 2, T = 5, hd = c.head_dim();
+  at::Tensor x = at::randn({B, T, c.dim});
+  auto [cos, sin] = hp::models::rotary_tables(T, hd, c.rope_theta);
+  at::Tensor got = att->forward(x, cos, sin);
+  // Naive: per head h, its kv head is h / (heads / kv_heads); causal softmax by loops.
+  at::Tensor q = hp::models::apply_rotary(att->wq->forward(x).view({B, T, c.heads, hd}).transpose(1, 2), cos, sin);
+  at::Tensor k = hp::models::apply_rotary(att->wk->forward(x).view({B, T, c.kv_heads, hd}).transpose(1, 2), cos, sin);
+  at::Tensor v = att->wv->forward(x).view({B, T, c.kv_heads, hd}).transpose(1, 2);
+  at::Tensor o = at::zeros({B, T, c.heads * hd});
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < c.heads; ++h) {
+      int64_t kvh = h / (c.heads / c.kv_heads);
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<double> w;
+        double mx = -1e300, z = 0;
+        for (int64_t s = 0; s <= t; ++s) {
+          double dot = (q[b][h][t] * k[b][kvh][s]).sum().item<double>() / std::sqrt(double(hd));
+          w.push_back(dot);
+          mx = std::max(mx, dot);
+        }
+        for (auto& e : w) z += (e = std::exp(e - mx));
+        at::Tensor acc = at::zeros({hd});
+        for (int64_t s = 0; s <= t; ++s) acc += v[b][kvh][s] * (w[s] / z);
+        o[b][t].narrow(0, h * hd, hd).copy_(acc);
+      }
+    }
+  }
+  at::Tensor want = att->wo->forward(o);
+  EXPECT_TRUE(at::allclose(got, want, 1e-4, 1e-5)) << (got - want).abs().max().item<double>();
+}
+
+TEST(Llama, InitIsDeterministicAndIndependentOfWhatElseIsBuilt) {
+  LlamaConfig two = LlamaConfig::tiny(), three = LlamaConfig::tiny();
+  three.layers = 3;
+  hp::models::Llama a(two), b(three);
+  a->init_weights(42);
+  b->init_weights(42);
+  // Layer 1's weights do not depend on how many layers there are.
+  for (const auto& item : a->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), b->named_parameters()[item.key()])) << item.key();
+  }
+  hp::models::Llama c(two);
+  c->init_weights(43);
+  EXPECT_FALSE(at::equal(a->blocks[0]->attn->wq->weight, c->blocks[0]->attn->wq->weight));
+}
+
+TEST(Llama, ForwardShapesTiedAndBadConfigs) {
+  LlamaConfig c = LlamaConfig::tiny();
+  c.tie_embeddings = true;
+  hp::models::Llama m(c);
+  at::Tensor tokens = at::randint(c.vocab, {2, 7}, at::kLong);
+  EXPECT_EQ(m->forward(tokens).sizes(), (std::vector<int64_t>{2, 7, c.vocab}));
+  at::Tensor targets = at::randint(c.vocab, {2, 7}, at::kLong);
+  at::Tensor loss = m->loss(tokens, targets);
+  EXPECT_NEAR(loss.item<double>(), std::log(double(c.vocab)), 0.5);  // near-uniform at init
+  LlamaConfig bad = LlamaConfig::tiny();
+  bad.kv_heads = 3;
+  hp::test::expect_error([&] { bad.validate(); }, {"heads=4", "kv_heads=3"});
+  bad = LlamaConfig::tiny();
+  bad.dim = 66;
+  hp::test::expect_error([&] { bad.validate(); }, {"dim=66", "heads=4"});
+}
