@@ -155,10 +155,9 @@ at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) 
                                               targets.reshape({-1}));
 }
 
-void LlamaImpl::init_weights(uint64_t seed) {
+void init_parameters(torch::nn::Module& m, uint64_t seed, double std) {
   at::NoGradGuard no_grad;
-  const double std = 0.02;
-  for (const auto& item : named_parameters()) {
+  for (const auto& item : m.named_parameters()) {
     const std::string& name = item.key();
     at::Tensor p = item.value();
     if (name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0 &&
@@ -166,14 +165,14 @@ void LlamaImpl::init_weights(uint64_t seed) {
       p.fill_(1.0);  // RMSNorm scales
       continue;
     }
-    // One generator per parameter, seeded from (seed, name): independent of everything else.
     uint64_t h = 1469598103934665603ULL;  // FNV-1a of the name: the same on every machine
     for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
     h ^= seed * 0x9E3779B97F4A7C15ULL;
     at::Generator gen = at::detail::createCPUGenerator(h);
-    at::Tensor v = at::empty(p.sizes(), at::kFloat).normal_(0.0, std, gen);
-    p.copy_(v);
+    p.copy_(at::empty(p.sizes(), at::kFloat).normal_(0.0, std, gen));
   }
 }
+
+void LlamaImpl::init_weights(uint64_t seed) { init_parameters(*this, seed); }
 
 }  // namespace hp::models

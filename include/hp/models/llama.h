@@ -41,6 +41,11 @@ struct LlamaConfig {
   static LlamaConfig llama3_8b();
 };
 
+// Deterministic, layout-independent initialization of every parameter of `m`: each is
+// drawn from its own generator seeded by (seed, FNV-1a of its name), N(0, std); norm
+// scales ("...norm....weight") are set to 1. Shared by all reference models.
+void init_parameters(torch::nn::Module& m, uint64_t seed, double std = 0.02);
+
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);

@@ -1,0 +1,97 @@
+// DeepSeek-V3-style decoder: Multi-head Latent Attention and a mixture-of-experts
+// feed-forward, as far as training needs them (no KV cache).
+//
+// MLA: queries come from a low-rank latent (W_dq, RMSNorm, W_uq); keys and values from a
+// compressed latent (W_dkv, RMSNorm, W_ukv) plus one decoupled rotary key shared by all
+// heads. MoE: sigmoid affinity scores; each token picks its top-k routed experts by score
+// plus a per-expert balancing bias (the bias only selects; weights are the chosen scores
+// normalized to sum 1); shared experts always run. The bias is a buffer updated from
+// expert load after each step (update_balancing_bias), never by gradient. The first
+// `dense_layers` layers use a dense SwiGLU instead of the MoE.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include "hp/models/llama.h"
+
+namespace hp::models {
+
+struct DeepSeekConfig {
+  int64_t vocab = 256;
+  int64_t dim = 64;
+  int64_t layers = 3;
+  int64_t dense_layers = 1;
+  int64_t heads = 4;
+  int64_t q_lora_rank = 32;
+  int64_t kv_lora_rank = 24;
+  int64_t qk_nope_dim = 16;
+  int64_t qk_rope_dim = 8;
+  int64_t v_head_dim = 16;
+  int64_t dense_hidden = 128;
+  int64_t experts = 8;
+  int64_t experts_per_token = 2;
+  int64_t shared_experts = 1;
+  int64_t expert_hidden = 32;
+  double bias_update_rate = 1e-3;
+  int64_t max_seq = 256;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-6;
+
+  int64_t num_params() const;
+  void validate() const;
+  static DeepSeekConfig tiny();
+  static DeepSeekConfig deepseek_v3();  // the published 671B configuration
+};
+
+struct MLAImpl : torch::nn::Module {
+  explicit MLAImpl(const DeepSeekConfig& c);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  DeepSeekConfig c;
+  torch::nn::Linear wq_a{nullptr}, wq_b{nullptr}, wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};
+  RMSNorm q_norm{nullptr}, kv_norm{nullptr};
+};
+TORCH_MODULE(MLA);
+
+struct MoEImpl : torch::nn::Module {
+  explicit MoEImpl(const DeepSeekConfig& c);
+  at::Tensor forward(const at::Tensor& x);
+  // Chosen experts [tokens, k] and their weights [tokens, k] for x [tokens, dim].
+  std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x) const;
+  // bias[e] += rate * sign(mean load - load[e]) from the tokens routed since the last
+  // call (all tokens of the step; call after the optimizer step).
+  void update_balancing_bias(double rate);
+  DeepSeekConfig c;
+  torch::nn::Linear gate{nullptr};
+  torch::nn::ModuleList experts{nullptr};  // registers expert_list under experts.<e>
+  std::vector<SwiGLU> expert_list;
+  SwiGLU shared{nullptr};
+  at::Tensor bias;  // buffer [experts]
+  at::Tensor load;  // buffer [experts]: tokens routed since the last bias update
+};
+TORCH_MODULE(MoE);
+
+struct DeepSeekBlockImpl : torch::nn::Module {
+  DeepSeekBlockImpl(const DeepSeekConfig& c, bool dense);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  RMSNorm attn_norm{nullptr}, ffn_norm{nullptr};
+  MLA attn{nullptr};
+  SwiGLU dense{nullptr};  // the first dense_layers blocks
+  MoE moe{nullptr};       // the others
+};
+TORCH_MODULE(DeepSeekBlock);
+
+struct DeepSeekImpl : torch::nn::Module {
+  explicit DeepSeekImpl(const DeepSeekConfig& c);
+  at::Tensor forward(const at::Tensor& tokens);
+  void init_weights(uint64_t seed) { init_parameters(*this, seed); }
+  void update_balancing_bias();
+  DeepSeekConfig config;
+  torch::nn::Embedding tok_emb{nullptr};
+  std::vector<DeepSeekBlock> blocks;
+  RMSNorm norm{nullptr};
+  torch::nn::Linear output{nullptr};
+};
+TORCH_MODULE(DeepSeek);
+
+}  // namespace hp::models

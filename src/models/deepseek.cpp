@@ -1,0 +1,182 @@
+#include "hp/models/deepseek.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/activation.h>
+
+#include <cmath>
+#include <limits>
+
+#include "hp/core/error.h"
+#include "hp/hooks/call.h"
+
+namespace hp::models {
+namespace {
+torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+}  // namespace
+
+int64_t DeepSeekConfig::num_params() const {
+  const int64_t qk = qk_nope_dim + qk_rope_dim;
+  const int64_t mla = dim * q_lora_rank + q_lora_rank + q_lora_rank * heads * qk + dim * (kv_lora_rank + qk_rope_dim) +
+                      kv_lora_rank + kv_lora_rank * heads * (qk_nope_dim + v_head_dim) + heads * v_head_dim * dim;
+  const int64_t dense_ffn = 3 * dim * dense_hidden;
+  const int64_t moe = dim * experts + (experts + shared_experts) * 3 * dim * expert_hidden;
+  return 2 * vocab * dim + dim + layers * (mla + 2 * dim) + dense_layers * dense_ffn + (layers - dense_layers) * moe;
+}
+
+void DeepSeekConfig::validate() const {
+  HP_CHECK(dense_layers >= 0 && dense_layers <= layers, "deepseek config: dense_layers=", dense_layers,
+           " must be in [0, layers=", layers, "]");
+  HP_CHECK(experts_per_token >= 1 && experts_per_token <= experts, "deepseek config: experts_per_token=",
+           experts_per_token, " must be in [1, experts=", experts, "]");
+  HP_CHECK(qk_rope_dim % 2 == 0, "deepseek config: qk_rope_dim=", qk_rope_dim, " must be even");
+  HP_CHECK(heads > 0 && dim > 0 && vocab > 0, "deepseek config: heads, dim and vocab must be positive");
+}
+
+DeepSeekConfig DeepSeekConfig::tiny() { return DeepSeekConfig{}; }
+
+DeepSeekConfig DeepSeekConfig::deepseek_v3() {
+  DeepSeekConfig c;
+  c.vocab = 129280;
+  c.dim = 7168;
+  c.layers = 61;
+  c.dense_layers = 3;
+  c.heads = 128;
+  c.q_lora_rank = 1536;
+  c.kv_lora_rank = 512;
+  c.qk_nope_dim = 128;
+  c.qk_rope_dim = 64;
+  c.v_head_dim = 128;
+  c.dense_hidden = 18432;
+  c.experts = 256;
+  c.experts_per_token = 8;
+  c.shared_experts = 1;
+  c.expert_hidden = 2048;
+  c.max_seq = 4096;
+  return c;
+}
+
+MLAImpl::MLAImpl(const DeepSeekConfig& cfg) : c(cfg) {
+  const int64_t qk = c.qk_nope_dim + c.qk_rope_dim;
+  wq_a = register_module("wq_a", linear(c.dim, c.q_lora_rank));
+  q_norm = register_module("q_norm", RMSNorm(c.q_lora_rank, c.norm_eps));
+  wq_b = register_module("wq_b", linear(c.q_lora_rank, c.heads * qk));
+  wkv_a = register_module("wkv_a", linear(c.dim, c.kv_lora_rank + c.qk_rope_dim));
+  kv_norm = register_module("kv_norm", RMSNorm(c.kv_lora_rank, c.norm_eps));
+  wkv_b = register_module("wkv_b", linear(c.kv_lora_rank, c.heads * (c.qk_nope_dim + c.v_head_dim)));
+  wo = register_module("wo", linear(c.heads * c.v_head_dim, c.dim));
+}
+
+at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t B = x.size(0), T = x.size(1), H = c.heads, qk = c.qk_nope_dim + c.qk_rope_dim;
+  at::Tensor q = hp::call(wq_b, hp::call(q_norm, hp::call(wq_a, x))).view({B, T, H, qk}).transpose(1, 2);
+  at::Tensor q_nope = q.narrow(-1, 0, c.qk_nope_dim);
+  at::Tensor q_rope = apply_rotary(q.narrow(-1, c.qk_nope_dim, c.qk_rope_dim).contiguous(), cos, sin);
+  at::Tensor kv_a = hp::call(wkv_a, x);
+  at::Tensor latent = hp::call(kv_norm, kv_a.narrow(-1, 0, c.kv_lora_rank));
+  // The decoupled rotary key: one per token, shared by all heads.
+  at::Tensor k_rope = apply_rotary(kv_a.narrow(-1, c.kv_lora_rank, c.qk_rope_dim).unsqueeze(1).contiguous(), cos, sin);
+  at::Tensor kv = hp::call(wkv_b, latent).view({B, T, H, c.qk_nope_dim + c.v_head_dim}).transpose(1, 2);
+  at::Tensor k_nope = kv.narrow(-1, 0, c.qk_nope_dim);
+  at::Tensor v = kv.narrow(-1, c.qk_nope_dim, c.v_head_dim);
+  at::Tensor scores = (q_nope.matmul(k_nope.transpose(-2, -1)) + q_rope.matmul(k_rope.transpose(-2, -1))) /
+                      std::sqrt(static_cast<double>(qk));
+  at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  at::Tensor att = scores.to(at::kFloat).softmax(-1).to(v.scalar_type());
+  at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, H * c.v_head_dim});
+  return hp::call(wo, o);
+}
+
+MoEImpl::MoEImpl(const DeepSeekConfig& cfg) : c(cfg) {
+  gate = register_module("gate", linear(c.dim, c.experts));
+  experts = register_module("experts", torch::nn::ModuleList());
+  for (int64_t e = 0; e < c.experts; ++e) {
+    expert_list.push_back(SwiGLU(c.dim, c.expert_hidden));
+    experts->push_back(expert_list.back());
+  }
+  shared = register_module("shared", SwiGLU(c.dim, c.shared_experts * c.expert_hidden));
+  bias = register_buffer("bias", at::zeros({c.experts}));
+  load = register_buffer("load", at::zeros({c.experts}));
+}
+
+std::pair<at::Tensor, at::Tensor> MoEImpl::route(const at::Tensor& x) const {
+  at::Tensor scores = hp::call(const_cast<torch::nn::Linear&>(gate), x).to(at::kFloat).sigmoid();
+  // The bias steers which experts are chosen, not how much they weigh.
+  at::Tensor chosen = std::get<1>((scores.detach() + bias).topk(c.experts_per_token, -1));
+  at::Tensor w = scores.gather(-1, chosen);
+  return {chosen, w / w.sum(-1, /*keepdim=*/true)};
+}
+
+at::Tensor MoEImpl::forward(const at::Tensor& x) {
+  const auto shape = x.sizes().vec();
+  at::Tensor flat = x.reshape({-1, c.dim});
+  auto [chosen, weights] = route(flat);
+  at::Tensor out = hp::call(shared, flat);
+  {
+    at::NoGradGuard g;
+    load += at::bincount(chosen.reshape({-1}), {}, c.experts).to(at::kFloat);
+  }
+  for (int64_t e = 0; e < c.experts; ++e) {
+    at::Tensor hit = (chosen == e);                       // [tokens, k]
+    at::Tensor rows = hit.any(-1).nonzero().squeeze(-1);  // tokens routed to e
+    if (rows.numel() == 0) continue;
+    at::Tensor w = (weights * hit.to(weights.scalar_type())).sum(-1).index_select(0, rows);
+    at::Tensor y = hp::call(expert_list[e], flat.index_select(0, rows));
+    out = out.index_add(0, rows, y * w.unsqueeze(-1).to(y.scalar_type()));
+  }
+  return out.view(shape);
+}
+
+void MoEImpl::update_balancing_bias(double rate) {
+  at::NoGradGuard g;
+  at::Tensor mean = load.mean();
+  bias += rate * at::sign(mean - load);
+  load.zero_();
+}
+
+DeepSeekBlockImpl::DeepSeekBlockImpl(const DeepSeekConfig& c, bool is_dense) {
+  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
+  attn = register_module("attn", MLA(c));
+  ffn_norm = register_module("ffn_norm", RMSNorm(c.dim, c.norm_eps));
+  if (is_dense) {
+    dense = register_module("mlp", SwiGLU(c.dim, c.dense_hidden));
+  } else {
+    moe = register_module("moe", MoE(c));
+  }
+}
+
+at::Tensor DeepSeekBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor h = x + hp::call(attn, hp::call(attn_norm, x), cos, sin);
+  at::Tensor n = hp::call(ffn_norm, h);
+  return h + (dense ? hp::call(dense, n) : hp::call(moe, n));
+}
+
+DeepSeekImpl::DeepSeekImpl(const DeepSeekConfig& c) : config(c) {
+  c.validate();
+  tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    blocks.push_back(register_module("layers_" + std::to_string(i), DeepSeekBlock(c, i < c.dense_layers)));
+  }
+  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+  output = register_module("output", linear(c.dim, c.vocab));
+  init_weights(0);
+}
+
+at::Tensor DeepSeekImpl::forward(const at::Tensor& tokens) {
+  const int64_t T = tokens.size(1);
+  HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
+  auto [cos, sin] = rotary_tables(T, config.qk_rope_dim, config.rope_theta);
+  at::Tensor h = hp::call(tok_emb, tokens);
+  for (auto& b : blocks) h = hp::call(b, h, cos, sin);
+  return hp::call(output, hp::call(norm, h));
+}
+
+void DeepSeekImpl::update_balancing_bias() {
+  for (auto& b : blocks) {
+    if (b->moe) b->moe->update_balancing_bias(config.bias_update_rate);
+  }
+}
+
+}  // namespace hp::models
