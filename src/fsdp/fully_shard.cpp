@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -155,6 +156,7 @@ struct Iteration {
   int forward_depth = 0;
   bool callback_queued = false;
   std::vector<FSDPModule::State*> forward_order;
+  std::vector<FSDPModule::State*> forward_end_order;  // by when their forward finished
   std::vector<FSDPModule::State*> reduce_order;  // states in reduce-scatter issue order
 };
 Iteration& iteration() {
@@ -268,6 +270,7 @@ void FSDPModule::State::pre_forward() {
   if (it.forward_depth == 0) {
     // This module is the root of this forward: a new iteration starts.
     it.forward_order.clear();
+    it.forward_end_order.clear();
   }
   ++it.forward_depth;
   it.forward_order.push_back(this);
@@ -288,6 +291,7 @@ void FSDPModule::State::pre_forward() {
 
 void FSDPModule::State::post_forward() {
   --iteration().forward_depth;
+  iteration().forward_end_order.push_back(this);
   if (opts.reshard_after_forward) do_reshard();
 }
 
@@ -310,6 +314,21 @@ void FSDPModule::State::pre_backward() {
   pre_backward_done = true;
   if (trace::enabled()) backward_start_us = trace::now_us();
   ensure_backward_callback();
+  // Backward runs in reverse forward order: when this module's backward starts, every
+  // module whose forward finished after this one's (and that does not contain it) has
+  // finished its backward. Reduce those now even if some parameter got no gradient
+  // (which can differ between ranks, as with MoE experts): reductions are then issued in
+  // the same order on every rank.
+  auto& ends = iteration().forward_end_order;
+  auto self = std::find(ends.begin(), ends.end(), this);
+  if (self != ends.end()) {
+    for (auto it = ends.end(); it != self + 1;) {
+      State* later = *--it;
+      if (later->post_backward_done) continue;
+      if (std::find(later->nested.begin(), later->nested.end(), this) != later->nested.end()) continue;
+      later->post_backward();
+    }
+  }
   begin_unshard();
   finish_unshard();
   if (!overlap()) return;

@@ -129,8 +129,9 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   return out.view(shape);
 }
 
-void MoEImpl::update_balancing_bias(double rate) {
+void MoEImpl::update_balancing_bias(double rate, const CommPtr& dp) {
   at::NoGradGuard g;
+  if (dp) dp->all_reduce(load).wait();
   at::Tensor mean = load.mean();
   bias += rate * at::sign(mean - load);
   load.zero_();
@@ -173,9 +174,9 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& tokens) {
   return hp::call(output, hp::call(norm, h));
 }
 
-void DeepSeekImpl::update_balancing_bias() {
+void DeepSeekImpl::update_balancing_bias(const CommPtr& dp) {
   for (auto& b : blocks) {
-    if (b->moe) b->moe->update_balancing_bias(config.bias_update_rate);
+    if (b->moe) b->moe->update_balancing_bias(config.bias_update_rate, dp);
   }
 }
 

@@ -13,6 +13,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 
+#include "hp/comm/communicator.h"
 #include "hp/models/llama.h"
 
 namespace hp::models {
@@ -59,8 +60,10 @@ struct MoEImpl : torch::nn::Module {
   // Chosen experts [tokens, k] and their weights [tokens, k] for x [tokens, dim].
   std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x) const;
   // bias[e] += rate * sign(mean load - load[e]) from the tokens routed since the last
-  // call (all tokens of the step; call after the optimizer step).
-  void update_balancing_bias(double rate);
+  // call (call after the optimizer step). With `dp`, the load is summed over the
+  // data-parallel ranks first, so every replica (and a one-process run on the global
+  // batch) makes the same update.
+  void update_balancing_bias(double rate, const CommPtr& dp = nullptr);
   DeepSeekConfig c;
   torch::nn::Linear gate{nullptr};
   torch::nn::ModuleList experts{nullptr};  // registers expert_list under experts.<e>
@@ -85,7 +88,7 @@ struct DeepSeekImpl : torch::nn::Module {
   explicit DeepSeekImpl(const DeepSeekConfig& c);
   at::Tensor forward(const at::Tensor& tokens);
   void init_weights(uint64_t seed) { init_parameters(*this, seed); }
-  void update_balancing_bias();
+  void update_balancing_bias(const CommPtr& dp = nullptr);
   DeepSeekConfig config;
   torch::nn::Embedding tok_emb{nullptr};
   std::vector<DeepSeekBlock> blocks;
