@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional/activation.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -15,6 +16,20 @@ torch::nn::Linear linear(int64_t in, int64_t out) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 }  // namespace
+
+int64_t DeepSeekConfig::largest_block_params() const {
+  // A one-layer model of each kind, less the embedding, output head and final norm.
+  auto block = [&](bool dense) {
+    DeepSeekConfig one = *this;
+    one.layers = 1;
+    one.dense_layers = dense ? 1 : 0;
+    return one.num_params() - 2 * vocab * dim - dim;
+  };
+  int64_t biggest = 0;
+  if (dense_layers > 0) biggest = block(true);
+  if (layers > dense_layers) biggest = std::max(biggest, block(false));
+  return biggest;
+}
 
 int64_t DeepSeekConfig::num_params() const {
   const int64_t qk = qk_nope_dim + qk_rope_dim;

@@ -147,3 +147,12 @@ TEST(DeepSeek, FirstLayersDenseAndForwardShape) {
   bad.experts_per_token = 9;
   hp::test::expect_error([&] { bad.validate(); }, {"experts_per_token=9", "experts=8"});
 }
+
+TEST(DeepSeek, LargestBlockIsAnMoEBlockCountedByHand) {
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  hp::models::DeepSeek m(c);
+  int64_t moe = 0, dense = 0;
+  for (const auto& p : m->blocks[1]->parameters()) moe += p.numel();
+  for (const auto& p : m->blocks[0]->parameters()) dense += p.numel();
+  EXPECT_EQ(c.largest_block_params(), std::max(moe, dense));
+}

@@ -40,6 +40,7 @@ struct DeepSeekConfig {
   double norm_eps = 1e-6;
 
   int64_t num_params() const;
+  int64_t largest_block_params() const;  // a MoE block (or a dense one when all are dense)
   void validate() const;
   static DeepSeekConfig tiny();
   static DeepSeekConfig deepseek_v3();  // the published 671B configuration

@@ -1,0 +1,38 @@
+// Per-rank memory of training a model under fully_shard, from its sizes alone: nothing
+// is allocated. The terms match what BENCHMARKS.md measures with the counting allocator:
+// the sharded state (parameters, gradients, optimizer state, fp32 masters) divided over
+// dp_shard, plus what backward holds at its peak (two unsharded blocks, the current
+// block's full gradients and up to two in-flight reduce-scatter inputs). Activations
+// are not included (they depend on batch and sequence).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "hp/fsdp/mixed_precision.h"
+
+namespace hp::models {
+
+struct ParallelLayout {
+  int64_t dp_replicate = 1;
+  int64_t dp_shard = 1;
+};
+
+struct MemoryEstimate {
+  int64_t params = 0;          // whole model
+  int64_t sharded_params = 0;  // bytes per rank
+  int64_t sharded_grads = 0;
+  int64_t optimizer_state = 0;  // AdamW: two moments, in the parameters' dtype
+  int64_t fp32_masters = 0;     // FP32MasterOptimizer, for low-precision shards with main grads
+  int64_t backward_peak_extra = 0;
+  int64_t total() const {
+    return sharded_params + sharded_grads + optimizer_state + fp32_masters + backward_peak_extra;
+  }
+  std::string to_string() const;
+};
+
+// `largest_block_params`: the largest fully_shard group (a transformer block).
+MemoryEstimate estimate_memory(int64_t params, int64_t largest_block_params, at::ScalarType param_dtype,
+                               const MixedPrecisionPolicy& policy, const ParallelLayout& layout);
+
+}  // namespace hp::models

@@ -1,0 +1,39 @@
+#include "hp/models/memory_estimate.h"
+
+#include "hp/core/error.h"
+
+namespace hp::models {
+
+MemoryEstimate estimate_memory(int64_t params, int64_t block, at::ScalarType param_dtype,
+                               const MixedPrecisionPolicy& policy, const ParallelLayout& layout) {
+  HP_CHECK(layout.dp_shard >= 1 && layout.dp_replicate >= 1, "layout: dp_shard=", layout.dp_shard,
+           " and dp_replicate=", layout.dp_replicate, " must be positive");
+  HP_CHECK(params >= 0 && block >= 0 && block <= params, "estimate_memory: block of ", block,
+           " parameters in a model of ", params);
+  const GroupDtypes d = resolve_dtypes(policy, param_dtype);
+  auto bytes = [](at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); };
+  const int64_t N = layout.dp_shard;
+  const int64_t shard = (params + N - 1) / N;  // padding rounds up per parameter; at most N-1 each
+  MemoryEstimate m;
+  m.params = params;
+  m.sharded_params = shard * bytes(d.param);
+  m.sharded_grads = shard * bytes(d.sharded_grad);
+  m.optimizer_state = 2 * shard * bytes(d.param);
+  m.fp32_masters = (d.main_grad && d.param != at::kFloat) ? shard * 4 : 0;
+  // Backward peak: two unsharded blocks (current + prefetched) in the compute dtype, the
+  // current block's gradients in the gradient dtype, two reduce-scatter inputs in the
+  // reduce dtype. With one shard and an unchanged dtype parameters alias their shards.
+  const bool aliased = N == 1 && d.compute == d.param;
+  m.backward_peak_extra = (aliased ? 0 : 2 * block * bytes(d.compute)) + block * bytes(d.grad) +
+                          (N == 1 ? 0 : 2 * block * bytes(d.reduce));
+  return m;
+}
+
+std::string MemoryEstimate::to_string() const {
+  auto mb = [](int64_t b) { return detail::str_cat(static_cast<double>(b) / 1e6, " MB"); };
+  return detail::str_cat("params ", params, "; per rank: sharded params ", mb(sharded_params), ", grads ",
+                         mb(sharded_grads), ", optimizer ", mb(optimizer_state), ", fp32 masters ", mb(fp32_masters),
+                         ", backward peak extra ", mb(backward_peak_extra), ", total ", mb(total()));
+}
+
+}  // namespace hp::models

@@ -1,0 +1,42 @@
+// The memory estimate against values computed by hand.
+#include <gtest/gtest.h>
+
+#include "hp/models/llama.h"
+#include "hp/models/memory_estimate.h"
+#include "test_util.h"
+
+using hp::models::estimate_memory;
+
+TEST(MemoryEstimate, Fp32FsdpOverFourRanks) {
+  // 1000 params, blocks of 100, fp32 everything, 4 shards: 250 per rank.
+  auto m = estimate_memory(1000, 100, at::kFloat, {}, {1, 4});
+  EXPECT_EQ(m.sharded_params, 250 * 4);
+  EXPECT_EQ(m.sharded_grads, 250 * 4);
+  EXPECT_EQ(m.optimizer_state, 2 * 250 * 4);
+  EXPECT_EQ(m.fp32_masters, 0);
+  // 2 unsharded blocks + block grads + 2 reduce-scatter inputs, all fp32.
+  EXPECT_EQ(m.backward_peak_extra, (2 * 100 + 100 + 2 * 100) * 4);
+  EXPECT_EQ(m.total(), 1000 + 1000 + 2000 + 2000);
+}
+
+TEST(MemoryEstimate, Bf16ShardsWithMainGradsAndMasters) {
+  hp::MixedPrecisionPolicy p;
+  p.reduce_dtype = at::kFloat;
+  p.apply_grad_on_fp32_main_grad = true;
+  auto m = estimate_memory(800, 100, at::kBFloat16, p, {2, 2});  // HSDP: shards over 2
+  EXPECT_EQ(m.sharded_params, 400 * 2);
+  EXPECT_EQ(m.sharded_grads, 400 * 4);     // fp32 main grads
+  EXPECT_EQ(m.optimizer_state, 2 * 400 * 2);
+  EXPECT_EQ(m.fp32_masters, 400 * 4);
+  EXPECT_EQ(m.backward_peak_extra, 2 * 100 * 2 + 100 * 2 + 2 * 100 * 4);
+}
+
+TEST(MemoryEstimate, OneShardAliasesAndBadLayouts) {
+  auto m = estimate_memory(1000, 100, at::kFloat, {}, {1, 1});
+  EXPECT_EQ(m.backward_peak_extra, 100 * 4);  // only the block's gradients
+  hp::test::expect_error([] { estimate_memory(1000, 100, at::kFloat, {}, {1, 0}); }, {"dp_shard=0"});
+  // From a published config, without allocating it: Llama 3 8B over 8 shards, fp32 AdamW.
+  auto c = hp::models::LlamaConfig::llama3_8b();
+  auto e = estimate_memory(c.num_params(), c.block_params(), at::kFloat, {}, {1, 8});
+  EXPECT_NEAR(e.sharded_params / 1e9, 8.03 * 4 / 8, 0.01);
+}
