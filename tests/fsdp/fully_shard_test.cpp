@@ -10,6 +10,7 @@
 #include <map>
 
 #include "fsdp_model.h"
+#include "fsdp_test_util.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/fsdp/master_weights.h"
 #include "hp/runtime.h"
@@ -71,14 +72,6 @@ std::pair<at::Tensor, at::Tensor> batch(const TinyConfig& c, int step) {
 
 torch::optim::AdamWOptions adam() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
 
-// The full tensor (fp32) of a sharded parameter from every shard rank's rows `local`.
-at::Tensor reassemble(const hp::ShardedTensor& st, const at::Tensor& local, const hp::CommPtr& shard_group) {
-  at::Tensor full = at::zeros(st.global_shape, at::kFloat);
-  at::Tensor rows = full.dim() == 0 ? full.view({1}) : full;
-  if (local.size(0) > 0) rows.narrow(0, st.row_offset, local.size(0)).copy_(local.detach());
-  shard_group->all_reduce(full).wait();  // each row lives on exactly one shard rank
-  return full;
-}
 
 struct Result {
   std::vector<at::Tensor> params;  // reassembled, in handle order
@@ -260,7 +253,7 @@ Result train(const Case& c) {
       for (auto& h : handles) {
         for (const auto& st : h->state_dict()) {
           if (!st.local.requires_grad()) continue;
-          gathered.push_back(reassemble(st, got[gi++], mesh->group(mesh->names().back())));
+          gathered.push_back(hp::test::reassemble(st, got[gi++], mesh->group(mesh->names().back())));
         }
       }
       res.grad_rel = max_rel(gathered, in_handle_order(ref, /*grads=*/true));
@@ -285,7 +278,7 @@ Result train(const Case& c) {
   for (auto& h : handles) {
     for (const auto& st : h->state_dict()) {
       at::Tensor local = master && st.local.requires_grad() ? master->masters()[mi++] : st.local;
-      res.params.push_back(reassemble(st, local, mesh->group(mesh->names().back())));
+      res.params.push_back(hp::test::reassemble(st, local, mesh->group(mesh->names().back())));
     }
   }
   std::vector<at::Tensor> want = in_handle_order(ref, /*grads=*/false);

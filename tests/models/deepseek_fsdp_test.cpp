@@ -9,6 +9,7 @@
 #include "hp/fsdp/fully_shard.h"
 #include "hp/models/deepseek.h"
 #include "hp/runtime.h"
+#include "fsdp/fsdp_test_util.h"
 
 TEST(DeepSeekFsdp, MatchesSingleProcessTrainingWithBalancingBias) {
   auto w = hp::world();
@@ -50,25 +51,6 @@ TEST(DeepSeekFsdp, MatchesSingleProcessTrainingWithBalancingBias) {
   for (size_t i = 1; i < m->blocks.size(); ++i) {
     EXPECT_TRUE(at::equal(m->blocks[i]->moe->bias, ref->blocks[i]->moe->bias)) << "block " << i;
   }
-  double worst = 0;
-  size_t i = 0;
-  std::vector<at::Tensor> want;
-  for (auto& b : ref->blocks) {
-    for (auto& t : b->parameters()) want.push_back(t.detach());
-  }
-  for (const auto& item : ref->named_parameters()) {
-    if (item.key().rfind("layers_", 0) != 0) want.push_back(item.value().detach());
-  }
-  for (auto& h : hs) {
-    for (const auto& st : h->state_dict()) {
-      at::Tensor full = at::zeros(st.global_shape);
-      if (st.local.size(0) > 0) full.narrow(0, st.row_offset, st.local.size(0)).copy_(st.local.detach());
-      w->all_reduce(full).wait();
-      ASSERT_LT(i, want.size());
-      worst = std::max(worst, (full - want[i]).abs().max().item<double>() / (want[i].abs().max().item<double>() + 1e-12));
-      ++i;
-    }
-  }
-  EXPECT_EQ(i, want.size());
+  double worst = hp::test::max_rel_to_reference(hs, hp::test::reference_in_handle_order(ref, "layers_"), w);
   EXPECT_LE(worst, 1e-5);
 }

@@ -11,6 +11,7 @@
 #include "hp/fsdp/fully_shard.h"
 #include "hp/models/llama.h"
 #include "hp/runtime.h"
+#include "fsdp/fsdp_test_util.h"
 
 TEST(LlamaFsdp, MatchesSingleProcessTraining) {
   auto w = hp::world();
@@ -46,27 +47,6 @@ TEST(LlamaFsdp, MatchesSingleProcessTraining) {
         .backward();
     opt.step();
   }
-  // Reassemble and compare every parameter, block by block, then the rest.
-  std::vector<at::Tensor> want;
-  for (auto& b : ref->blocks) {
-    for (auto& t : b->parameters()) want.push_back(t.detach());
-  }
-  for (const auto& item : ref->named_parameters()) {
-    if (item.key().rfind("layers_", 0) != 0) want.push_back(item.value().detach());
-  }
-  size_t i = 0;
-  double worst = 0;
-  for (auto& h : hs) {
-    for (const auto& st : h->state_dict()) {
-      at::Tensor full = at::zeros(st.global_shape);
-      if (st.local.size(0) > 0) full.narrow(0, st.row_offset, st.local.size(0)).copy_(st.local.detach());
-      w->all_reduce(full).wait();
-      ASSERT_LT(i, want.size());
-      double rel = (full - want[i]).abs().max().item<double>() / want[i].abs().max().item<double>();
-      worst = std::max(worst, rel);
-      ++i;
-    }
-  }
-  EXPECT_EQ(i, want.size());
+  double worst = hp::test::max_rel_to_reference(hs, hp::test::reference_in_handle_order(ref, "layers_"), w);
   EXPECT_LE(worst, 1e-5);
 }

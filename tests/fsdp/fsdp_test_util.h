@@ -1,0 +1,53 @@
+// Helpers of the fully_shard tests: sharded parameters reassembled and compared with a
+// one-process reference.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "hp/fsdp/fully_shard.h"
+
+namespace hp::test {
+
+// The full tensor (fp32) of a sharded parameter from every shard rank's rows `local`.
+inline at::Tensor reassemble(const ShardedTensor& st, const at::Tensor& local, const CommPtr& shard_group) {
+  at::Tensor full = at::zeros(st.global_shape, at::kFloat);
+  at::Tensor rows = full.dim() == 0 ? full.view({1}) : full;
+  if (local.size(0) > 0) rows.narrow(0, st.row_offset, local.size(0)).copy_(local.detach());
+  shard_group->all_reduce(full).wait();  // each row lives on exactly one shard rank
+  return full;
+}
+
+// A reference model's parameters in the order of handles made block by block, then the
+// root: each block's parameters, then those whose names do not start with `block_prefix`.
+template <typename Model>
+std::vector<at::Tensor> reference_in_handle_order(Model& model, const std::string& block_prefix) {
+  std::vector<at::Tensor> out;
+  for (auto& b : model->blocks) {
+    for (auto& t : b->parameters()) out.push_back(t.detach());
+  }
+  for (const auto& item : model->named_parameters()) {
+    if (item.key().rfind(block_prefix, 0) != 0) out.push_back(item.value().detach());
+  }
+  return out;
+}
+
+// Largest |a - b| / max |b| between every handle's reassembled parameters and `want`.
+inline double max_rel_to_reference(const std::vector<FSDPHandle>& handles, const std::vector<at::Tensor>& want,
+                                   const CommPtr& shard_group) {
+  double worst = 0;
+  size_t i = 0;
+  for (const auto& h : handles) {
+    for (const auto& st : h->state_dict()) {
+      if (i >= want.size()) return 1e30;  // more parameters than the reference
+      at::Tensor full = reassemble(st, st.local, shard_group);
+      at::Tensor b = want[i++].to(at::kFloat);
+      worst = std::max(worst, (full - b).abs().max().item<double>() / (b.abs().max().item<double>() + 1e-12));
+    }
+  }
+  return i == want.size() ? worst : 1e30;
+}
+
+}  // namespace hp::test
