@@ -21,10 +21,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "hp/core/env.h"
 #include "reduce_kernels.h"
@@ -240,7 +242,20 @@ class MpiTransport final : public Transport {
              " but the receive tensor has ", x.numel());
   }
 
-  void barrier() override { mpi_check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  // Nonblocking and polled with growing sleeps: a rank that waits long at a barrier (for
+  // another rank's single-process work, say) leaves the cores to the ranks that compute,
+  // where MPI_Barrier would spin.
+  void barrier() override {
+    MPI_Request req;
+    mpi_check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier");
+    auto sleep = std::chrono::microseconds(20);
+    for (int done = 0;;) {
+      mpi_check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::microseconds(2000));
+    }
+  }
 
   std::unique_ptr<Transport> split(int color, int key) override {
     MPI_Comm nc = MPI_COMM_NULL;

@@ -1,0 +1,236 @@
+// hp-train: trains a reference model (DeepSeek-V3-style or Llama-style) under fully_shard.
+//
+//   mpirun -np 4 hp-train --config configs/deepseek_tiny.yaml [--set key=value]... [--verify]
+//   hp-train --config configs/deepseek_tiny.yaml        (one process, no mpirun)
+//   hp-train --list-keys
+//
+// Rank 0 prints one progress line per step (figures reduced over all ranks) and a
+// summary; metrics go to <output_dir>/metrics.jsonl and the loss curve to
+// <output_dir>/loss.svg. --verify first trains the same config in one process on the
+// global batch (rank 0; the other ranks wait without spinning) and shows each step's
+// loss difference against it. See docs/train.md.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <thread>
+
+#include "hp/core/error.h"
+#include "hp/core/memory.h"
+#include "hp/models/memory_estimate.h"
+#include "hp/runtime.h"
+#include "hp/train/config.h"
+#include "hp/train/report.h"
+#include "hp/train/trainer.h"
+
+namespace {
+
+struct Args {
+  std::string config;
+  std::vector<std::string> overrides;
+  bool verify = false, list_keys = false, help = false;
+};
+
+const char* kUsage =
+    "usage: hp-train --config FILE [--set key=value]... [--verify]\n"
+    "       hp-train --list-keys\n"
+    "  --config FILE    YAML config (configs/*.yaml)\n"
+    "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
+    "  --verify         also train in one process on the global batch and compare losses\n"
+    "  --list-keys      print every config key with its default\n"
+    "Run under mpirun for several ranks; see docs/train.md.\n";
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    auto value = [&]() -> std::string {
+      HP_CHECK(i + 1 < argc, "hp-train: ", s, " needs a value\n", kUsage);
+      return argv[++i];
+    };
+    if (s == "--config") {
+      a.config = value();
+    } else if (s.rfind("--config=", 0) == 0) {
+      a.config = s.substr(9);
+    } else if (s == "--set") {
+      a.overrides.push_back(value());
+    } else if (s.rfind("--set=", 0) == 0) {
+      a.overrides.push_back(s.substr(6));
+    } else if (s == "--verify") {
+      a.verify = true;
+    } else if (s == "--list-keys") {
+      a.list_keys = true;
+    } else if (s == "--help" || s == "-h") {
+      a.help = true;
+    } else {
+      throw hp::Error("hp-train: unknown argument '" + s + "'\n" + kUsage);
+    }
+  }
+  if (!a.help && !a.list_keys) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
+  return a;
+}
+
+// True on every rank when `ok` is true on every rank. Otherwise the lowest failing rank
+// prints its message, and all return false together (no rank is left waiting).
+bool all_ok(const hp::CommPtr& world, bool ok, const std::string& message) {
+  at::Tensor first_bad = at::full({1}, ok ? world->size() : world->rank(), at::kInt);
+  world->all_reduce(first_bad, {hp::ReduceOp::MIN}).wait();
+  const int bad = first_bad.item<int>();
+  if (bad == world->size()) return true;
+  if (bad == world->rank()) {
+    std::cerr << "hp-train: error" << (world->size() > 1 ? " (rank " + std::to_string(bad) + ")" : "") << ": "
+              << message << std::endl;
+  }
+  return false;
+}
+
+int run(const Args& args, const hp::CommPtr& world) {
+  using namespace hp::train;
+  const int rank = world->rank();
+  const bool lead = rank == 0;
+  auto say = [&](const std::string& s) {
+    if (lead) std::cout << s << std::endl;
+  };
+
+  // Every check before training starts; all ranks agree on the outcome.
+  TrainConfig c;
+  std::string error;
+  try {
+    c = load_config(args.config, args.overrides);
+    c.validate(world->size());
+    if (lead && !c.output_dir.empty()) std::filesystem::create_directories(c.output_dir);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!all_ok(world, error.empty(), error)) return 1;
+
+  say("hp-train: " + args.config + " on " + std::to_string(world->size()) + " rank(s), backend " + world->backend() +
+      ", " + std::to_string(at::get_num_threads()) + " compute thread(s) per rank");
+  say(describe(c));
+  {
+    hp::models::ParallelLayout layout{c.data_parallel, c.data_parallel_shard};
+    auto est = hp::models::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
+                                           mixed_precision(c), layout);
+    say("memory estimate per rank (without activations): " + format_bytes(est.total()));
+  }
+
+  // --verify: the single-process reference first, so each progress line can show its
+  // difference. The other ranks wait in a barrier that sleeps.
+  std::vector<double> ref_loss;
+  if (args.verify) {
+    double secs = 0;
+    error.clear();
+    if (lead) {
+      const int threads = at::get_num_threads();
+      hp::set_compute_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+      std::cout << "verify: training the single-process reference on the global batch ("
+                << c.train_steps << " steps)..." << std::flush;
+      try {
+        ReferenceTrainer ref(c);
+        for (int64_t s = 0; s < c.train_steps; ++s) {
+          StepStats st = ref.step();
+          ref_loss.push_back(st.loss);
+          secs += st.step_time_s;
+        }
+      } catch (const std::exception& e) {
+        error = std::string("--verify reference: ") + e.what();
+      }
+      hp::set_compute_threads(threads);
+      std::cout << " done in " << format_duration(secs) << std::endl;
+    }
+    world->barrier().wait();
+    if (!all_ok(world, error.empty(), error)) return 1;
+  }
+
+  Trainer trainer(c, world);
+  say("data: " + trainer.describe_data());
+  std::unique_ptr<MetricsLog> metrics;
+  if (lead && !c.output_dir.empty()) metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl");
+
+  std::vector<double> losses;
+  double total_s = 0, first_s = 0, worst_diff = 0, worst_rel = 0;
+  int64_t worst_step = 0, peak = 0;
+  for (int64_t s = 0; s < c.train_steps; ++s) {
+    StepStats st = trainer.step();
+    losses.push_back(st.loss);
+    total_s += st.step_time_s;
+    if (s == 0) first_s = st.step_time_s;
+    peak = std::max(peak, st.peak_bytes);
+    const double ref = args.verify && lead ? ref_loss[s] : std::numeric_limits<double>::quiet_NaN();
+    if (!std::isnan(ref)) {
+      const double d = std::fabs(st.loss - ref);
+      if (d > worst_diff || s == 0) worst_diff = d, worst_step = st.step, worst_rel = d / std::fabs(ref);
+    }
+    if (metrics) metrics->step(st, ref);
+    if (lead && (st.step % c.log_interval == 0 || st.step == 1 || st.step == c.train_steps)) {
+      const double eta = total_s / st.step * (c.train_steps - st.step);
+      std::cout << progress_line(st, c.train_steps, eta, ref) << std::endl;
+    }
+  }
+
+  // Summary: the first step (warm-up of allocations and caches) is left out of the rate.
+  const double tokens = static_cast<double>(c.global_batch_size * c.seq_length);
+  const double rate = c.train_steps > 1 ? tokens * (c.train_steps - 1) / (total_s - first_s) : tokens / total_s;
+  char line[512];
+  std::snprintf(line, sizeof line, "done: %lld steps in %s | loss %.4f -> %.4f | %s tok/s | peak %s per rank",
+                static_cast<long long>(c.train_steps), format_duration(total_s).c_str(), losses.front(),
+                losses.back(), format_rate(rate).c_str(), format_bytes(peak).c_str());
+  say(line);
+  if (args.verify) {
+    std::snprintf(line, sizeof line,
+                  "verify: largest |loss - single-process loss| over %lld steps: %.2e at step %lld (relative %.2e)",
+                  static_cast<long long>(c.train_steps), worst_diff, static_cast<long long>(worst_step), worst_rel);
+    say(line);
+  }
+  if (metrics) {
+    std::vector<std::pair<std::string, double>> fields = {
+        {"steps", static_cast<double>(c.train_steps)}, {"seconds", total_s},        {"first_loss", losses.front()},
+        {"final_loss", losses.back()},                 {"tokens_per_s", rate},      {"peak_bytes", static_cast<double>(peak)},
+        {"ranks", static_cast<double>(world->size())}};
+    if (args.verify) {
+      fields.push_back({"verify_max_abs_diff", worst_diff});
+      fields.push_back({"verify_max_rel_diff", worst_rel});
+    }
+    metrics->summary(fields);
+    write_loss_svg(c.output_dir + "/loss.svg", losses, ref_loss,
+                   c.model.type + " " + c.model.preset + ", " + std::to_string(world->size()) + " rank(s)");
+    say("wrote " + c.output_dir + "/metrics.jsonl and " + c.output_dir + "/loss.svg");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    args = parse_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 2;
+  }
+  if (args.help) {
+    std::cout << kUsage;
+    return 0;
+  }
+  if (args.list_keys) {
+    for (const auto& k : hp::train::config_keys()) {
+      std::printf("%-36s %-36s default %-14s %s\n", k.key.c_str(), k.type.c_str(), k.default_value.c_str(),
+                  k.help.c_str());
+    }
+    return 0;
+  }
+  hp::CommPtr world = hp::init();
+  try {
+    return run(args, world);
+  } catch (const std::exception& e) {
+    // A failure after the agreed checks may leave other ranks inside a collective: exit at
+    // once (mpirun then stops them) rather than finalize and wait.
+    std::cerr << "hp-train: error (rank " << world->rank() << "): " << e.what() << std::endl;
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }
+}

@@ -1,0 +1,110 @@
+// hp-train's configuration: a YAML file (plus --set overrides) read into TrainConfig.
+//
+// Training keys follow the seed system's names where they apply (params_dtype,
+// data_parallel_shard, micro_batch_num, ...); the model and the data have their own
+// sections. Every key is declared once, in src/train/config.cpp, with its type, default
+// and help (`hp-train --list-keys` prints them; docs/train.md explains them). Reading
+// rejects, before anything else happens and naming the key: unknown keys (with the
+// nearest known key suggested), values of the wrong type or outside their choices, keys
+// of the other model type. validate() rejects impossible combinations against the world
+// size, and raises "not supported yet" for capabilities not built (tensor_parallel > 1,
+// pipeline_parallel > 1, fp16, ZeRO-1).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hp/models/deepseek.h"
+#include "hp/models/llama.h"
+
+namespace hp::train {
+
+struct ModelSpec {
+  std::string type = "deepseek";  // deepseek | llama
+  std::string preset = "tiny";    // tiny | deepseek_v3 (deepseek) | llama3_8b (llama)
+  models::DeepSeekConfig deepseek = models::DeepSeekConfig::tiny();
+  models::LlamaConfig llama = models::LlamaConfig::tiny();
+  int64_t vocab() const;
+  int64_t max_seq() const;
+  int64_t num_params() const;
+  int64_t largest_block_params() const;
+};
+
+struct DataSpec {
+  std::string type = "synthetic";  // synthetic | binary | text
+  std::string path;                // binary and text
+  std::string token_dtype = "uint16";  // binary: uint16 | uint32
+  int64_t num_samples = 4096;          // synthetic corpus size
+  bool shuffle = true;                 // a new order every epoch
+};
+
+struct TrainConfig {
+  ModelSpec model;
+  DataSpec data;
+
+  at::ScalarType params_dtype = at::kFloat;
+  at::ScalarType compute_dtype = at::kFloat;  // defaults to params_dtype
+  bool accumulate_allreduce_grads_in_fp32 = false;
+
+  int64_t data_parallel = 1;         // dp_replicate
+  int64_t data_parallel_shard = -1;  // dp_shard; -1 = the rest of the world
+  std::string data_parallel_shard_strategy = "optim_grads_params";
+  bool comm_fusion = true;
+  int64_t tensor_parallel = 1;
+  bool sequence_parallel = false;
+  int64_t pipeline_parallel = 1;
+  int64_t pipeline_parallel_interleave_num = 1;
+
+  int64_t micro_batch_num = 1;
+  int64_t global_batch_size = 8;
+  int64_t seq_length = 64;
+
+  double lr = 1e-3;
+  double min_lr = 0.0;
+  int64_t lr_warmup_steps = 0;
+  std::string lr_decay_style = "cosine";  // cosine | linear | constant
+  double weight_decay = 0.0;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.95;
+  double adam_eps = 1e-8;
+  double clip_grad = 1.0;  // global grad-norm limit; 0 = off
+
+  int64_t train_steps = 20;
+  uint64_t seed = 1234;
+  int64_t log_interval = 1;
+  std::string output_dir = "hp-train-out";  // metrics.jsonl and loss.svg; "" = none
+
+  // Where the config came from (for messages).
+  std::string source;
+
+  // Checks the combinations against `world_size` and resolves data_parallel_shard = -1.
+  // Raises hp::Error naming the key; "not supported yet" for capabilities not built.
+  void validate(int world_size);
+
+  int64_t dp_size() const { return data_parallel * data_parallel_shard; }
+  // Samples one data-parallel rank runs per micro-batch (valid after validate()).
+  int64_t micro_batch_size() const { return global_batch_size / (dp_size() * micro_batch_num); }
+  // fp32 main gradients and fp32 master weights (low-precision params, fp32 accumulation).
+  bool fp32_master() const { return accumulate_allreduce_grads_in_fp32 && params_dtype != at::kFloat; }
+};
+
+// Parses YAML text, then applies overrides ("key=value", dotted keys for sections, e.g.
+// "model.dim=128"). `source` names the text in errors.
+TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides = {},
+                         const std::string& source = "<config>");
+// Reads the file at `path`; raises naming the path when it cannot be read.
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+struct KeyInfo {
+  std::string key, type, default_value, help;
+};
+// Every key, in the order the docs list them.
+std::vector<KeyInfo> config_keys();
+
+// One line per setting, for the start of a run.
+std::string describe(const TrainConfig& c);
+
+}  // namespace hp::train

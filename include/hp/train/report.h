@@ -1,0 +1,38 @@
+// What hp-train shows and writes: progress lines, the JSON-lines metrics file and the
+// loss-curve SVG. Pure formatting; the figures come reduced over ranks (StepStats).
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "hp/train/trainer.h"
+
+namespace hp::train {
+
+std::string format_bytes(int64_t bytes);     // "12.3 MiB"
+std::string format_duration(double seconds);  // "1:05", "1:02:03"
+std::string format_rate(double per_second);   // "12.3k"
+
+// "step  12/50 | loss 3.2145 | lr 2.10e-03 | grad norm 0.873 | 12.3k tok/s | peak 45.2 MiB
+//  | ETA 0:32", plus " | ref diff 1.2e-05" when `ref_loss` is given (not NaN).
+std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss);
+
+// One JSON object per line: every step's figures, then a summary object.
+class MetricsLog {
+ public:
+  explicit MetricsLog(const std::string& path);  // truncates; raises naming the path
+  void step(const StepStats& s, double ref_loss);
+  void summary(const std::vector<std::pair<std::string, double>>& fields);
+
+ private:
+  std::ofstream f_;
+  std::string path_;
+};
+
+// Loss against step; `ref` (may be empty) drawn dashed as the single-process reference.
+void write_loss_svg(const std::string& path, const std::vector<double>& loss, const std::vector<double>& ref,
+                    const std::string& title);
+
+}  // namespace hp::train

@@ -1,0 +1,96 @@
+// hp-train's training loop, in two forms that must agree:
+//   Trainer          the config's layout: one process per rank, the model's blocks and
+//                    root under fully_shard on the (dp_replicate, dp_shard) mesh.
+//   ReferenceTrainer the same config in one process on the global batch, no fully_shard
+//                    (what --verify compares against).
+// A step: for each micro-batch, forward, next-token cross-entropy (in fp32) scaled by
+// 1 / micro_batch_num, backward (gradients reduced over the data-parallel ranks every
+// micro-batch); then the global gradient norm (over every shard), clipping to clip_grad,
+// the scheduled learning rate, AdamW (weight decay on matrices only), and the DeepSeek
+// balancing-bias update from the expert load of all data-parallel ranks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+#include "hp/fsdp/mixed_precision.h"
+#include "hp/train/config.h"
+#include "hp/train/data.h"
+
+namespace hp::train {
+
+// fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
+// (and fp32 main gradients for low-precision parameters) with
+// accumulate_allreduce_grads_in_fp32.
+MixedPrecisionPolicy mixed_precision(const TrainConfig& c);
+
+// Learning rate of optimizer step `step` (0-based): linear warmup to lr over
+// lr_warmup_steps, then lr_decay_style from lr to min_lr over the remaining steps.
+double lr_at(const TrainConfig& c, int64_t step);
+
+// sqrt of the sum of squares of every element of `grads` over the ranks of `shards`
+// (each rank holding different elements); null `shards`: this process only. fp64 sums.
+double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& shards);
+// Scales `grads` by max_norm / (norm + 1e-6) when norm > max_norm > 0; returns the scale.
+double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm);
+
+struct StepStats {
+  int64_t step = 0;           // 1-based
+  double loss = 0;            // mean over the global batch
+  double lr = 0;
+  double grad_norm = 0;       // before clipping
+  double step_time_s = 0;     // slowest rank
+  double tokens_per_s = 0;    // global batch tokens / step_time_s
+  int64_t peak_bytes = 0;     // largest tensor-memory peak over ranks
+};
+
+// A model hp-train can train: the reference models behind one interface.
+class TrainModel {
+ public:
+  virtual ~TrainModel() = default;
+  virtual torch::nn::Module& root() = 0;
+  virtual std::vector<torch::nn::Module*> blocks() = 0;
+  // Logits [B, T, vocab]; through hp::call (so fully_shard's hooks run) when `hooked`.
+  virtual at::Tensor forward(const at::Tensor& tokens, bool hooked) = 0;
+  // DeepSeek: balancing bias from the load since the last call (summed over `dp`).
+  virtual void after_step(const CommPtr& dp) = 0;
+};
+// Built in fp32, initialized from the seed (layout-independent), then cast to params_dtype.
+std::unique_ptr<TrainModel> make_model(const TrainConfig& c);
+
+class Trainer {
+ public:
+  // `world` must have data_parallel x data_parallel_shard ranks; `c` validated.
+  Trainer(const TrainConfig& c, CommPtr world);
+  ~Trainer();
+  StepStats step();  // the next step
+  int64_t steps_done() const;
+  // This rank's sharded parameters and what the optimizer steps them with.
+  std::vector<at::Tensor> sharded_params() const;
+  std::vector<at::Tensor> sharded_grads() const;
+  std::string describe_data() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class ReferenceTrainer {
+ public:
+  explicit ReferenceTrainer(const TrainConfig& c);  // `c` validated for the real layout
+  ~ReferenceTrainer();
+  StepStats step();
+  TrainModel& model();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hp::train

@@ -1,0 +1,448 @@
+#include "hp/train/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "hp/core/error.h"
+
+namespace hp::train {
+
+int64_t ModelSpec::vocab() const { return type == "llama" ? llama.vocab : deepseek.vocab; }
+int64_t ModelSpec::max_seq() const { return type == "llama" ? llama.max_seq : deepseek.max_seq; }
+int64_t ModelSpec::num_params() const {
+  return type == "llama" ? llama.num_params() : deepseek.num_params();
+}
+int64_t ModelSpec::largest_block_params() const {
+  return type == "llama" ? llama.block_params() : deepseek.largest_block_params();
+}
+
+namespace {
+
+// One key's value as written, with where it came from.
+struct Value {
+  std::string key, text, origin;
+
+  template <typename... A>
+  [[noreturn]] void fail(const A&... what) const {
+    std::ostringstream os;
+    os << origin << ": " << key << "=" << text << ": ";
+    (os << ... << what);
+    throw Error(os.str());
+  }
+};
+
+int64_t as_int(const Value& v, int64_t min = INT64_MIN) {
+  size_t used = 0;
+  int64_t x = 0;
+  try {
+    x = std::stoll(v.text, &used);
+  } catch (const std::exception&) {
+    v.fail("expected an integer");
+  }
+  if (used != v.text.size()) v.fail("expected an integer");
+  if (x < min) v.fail("must be >= ", min);
+  return x;
+}
+
+double as_double(const Value& v) {
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v.text, &used);
+  } catch (const std::exception&) {
+    v.fail("expected a number");
+  }
+  if (used != v.text.size() || !std::isfinite(x)) v.fail("expected a finite number");
+  return x;
+}
+
+bool as_bool(const Value& v) {
+  if (v.text == "true" || v.text == "True" || v.text == "yes" || v.text == "on") return true;
+  if (v.text == "false" || v.text == "False" || v.text == "no" || v.text == "off") return false;
+  v.fail("expected true or false");
+}
+
+std::string as_choice(const Value& v, const std::vector<std::string>& choices) {
+  if (std::find(choices.begin(), choices.end(), v.text) != choices.end()) return v.text;
+  std::string all;
+  for (auto& c : choices) all += (all.empty() ? "" : ", ") + c;
+  v.fail("expected one of: ", all);
+}
+
+at::ScalarType as_dtype(const Value& v) {
+  static const std::map<std::string, at::ScalarType> names = {
+      {"float32", at::kFloat}, {"fp32", at::kFloat},     {"bfloat16", at::kBFloat16},
+      {"bf16", at::kBFloat16}, {"float16", at::kHalf}, {"fp16", at::kHalf}};
+  auto it = names.find(v.text);
+  if (it == names.end()) v.fail("expected float32, bfloat16 or float16");
+  return it->second;
+}
+
+using Setter = std::function<void(TrainConfig&, const Value&)>;
+
+struct Key {
+  std::string name, type, def, help;
+  Setter set;
+  std::string model_type;  // non-empty: a key of that model type only
+};
+
+using DS = models::DeepSeekConfig;
+using LL = models::LlamaConfig;
+
+// Model fields: of one model type, or (same name) of both.
+Key ds_int(const char* name, int64_t DS::*f, int64_t min, const char* help) {
+  return {std::string("model.") + name, "int", "preset", help,
+          [f, min](TrainConfig& c, const Value& v) { c.model.deepseek.*f = as_int(v, min); }, "deepseek"};
+}
+Key ll_int(const char* name, int64_t LL::*f, int64_t min, const char* help) {
+  return {std::string("model.") + name, "int", "preset", help,
+          [f, min](TrainConfig& c, const Value& v) { c.model.llama.*f = as_int(v, min); }, "llama"};
+}
+Key both_int(const char* name, int64_t DS::*d, int64_t LL::*l, const char* help) {
+  return {std::string("model.") + name, "int", "preset", help,
+          [d, l](TrainConfig& c, const Value& v) {
+            c.model.deepseek.*d = c.model.llama.*l = as_int(v, 1);
+          },
+          ""};
+}
+Key both_double(const char* name, double DS::*d, double LL::*l, const char* help) {
+  return {std::string("model.") + name, "float", "preset", help,
+          [d, l](TrainConfig& c, const Value& v) {
+            double x = as_double(v);
+            if (x <= 0) v.fail("must be > 0");
+            c.model.deepseek.*d = c.model.llama.*l = x;
+          },
+          ""};
+}
+
+const std::vector<Key>& keys() {
+  static const std::vector<Key> k = [] {
+    std::vector<Key> k;
+    auto top = [&](const char* name, const char* type, const char* def, const char* help, Setter s) {
+      k.push_back({name, type, def, help, std::move(s), ""});
+    };
+    // model: type and preset are applied first, then the fields override the preset.
+    top("model.type", "deepseek|llama", "deepseek", "reference model",
+        [](TrainConfig& c, const Value& v) { c.model.type = as_choice(v, {"deepseek", "llama"}); });
+    top("model.preset", "name", "tiny", "base sizes: tiny; deepseek_v3 (deepseek); llama3_8b (llama)",
+        [](TrainConfig& c, const Value& v) {
+          if (c.model.type == "deepseek") {
+            c.model.preset = as_choice(v, {"tiny", "deepseek_v3"});
+            c.model.deepseek = c.model.preset == "tiny" ? DS::tiny() : DS::deepseek_v3();
+          } else {
+            c.model.preset = as_choice(v, {"tiny", "llama3_8b"});
+            c.model.llama = c.model.preset == "tiny" ? LL::tiny() : LL::llama3_8b();
+          }
+        });
+    k.push_back(both_int("vocab", &DS::vocab, &LL::vocab, "vocabulary size"));
+    k.push_back(both_int("dim", &DS::dim, &LL::dim, "hidden size"));
+    k.push_back(both_int("layers", &DS::layers, &LL::layers, "transformer blocks"));
+    k.push_back(both_int("heads", &DS::heads, &LL::heads, "attention heads"));
+    k.push_back(both_int("max_seq", &DS::max_seq, &LL::max_seq, "longest sequence (rotary table)"));
+    k.push_back(both_double("rope_theta", &DS::rope_theta, &LL::rope_theta, "rotary base"));
+    k.push_back(both_double("norm_eps", &DS::norm_eps, &LL::norm_eps, "RMSNorm epsilon"));
+    k.push_back(ll_int("kv_heads", &LL::kv_heads, 1, "grouped-query key/value heads"));
+    k.push_back(ll_int("ffn_dim", &LL::ffn_dim, 0, "SwiGLU hidden size (0: 8/3 dim, rounded)"));
+    k.push_back({"model.tie_embeddings", "bool", "preset", "output head shares the embedding",
+                 [](TrainConfig& c, const Value& v) { c.model.llama.tie_embeddings = as_bool(v); }, "llama"});
+    k.push_back(ds_int("dense_layers", &DS::dense_layers, 0, "first blocks with a dense feed-forward"));
+    k.push_back(ds_int("q_lora_rank", &DS::q_lora_rank, 1, "MLA query latent rank"));
+    k.push_back(ds_int("kv_lora_rank", &DS::kv_lora_rank, 1, "MLA key/value latent rank"));
+    k.push_back(ds_int("qk_nope_dim", &DS::qk_nope_dim, 1, "MLA per-head non-rotary query/key dims"));
+    k.push_back(ds_int("qk_rope_dim", &DS::qk_rope_dim, 2, "MLA decoupled rotary key dims"));
+    k.push_back(ds_int("v_head_dim", &DS::v_head_dim, 1, "MLA per-head value dims"));
+    k.push_back(ds_int("dense_hidden", &DS::dense_hidden, 1, "dense feed-forward hidden size"));
+    k.push_back(ds_int("experts", &DS::experts, 1, "routed experts per MoE block"));
+    k.push_back(ds_int("experts_per_token", &DS::experts_per_token, 1, "routed experts each token uses"));
+    k.push_back(ds_int("shared_experts", &DS::shared_experts, 0, "always-on experts"));
+    k.push_back(ds_int("expert_hidden", &DS::expert_hidden, 1, "expert hidden size"));
+    k.push_back({"model.bias_update_rate", "float", "preset", "balancing-bias step per update",
+                 [](TrainConfig& c, const Value& v) {
+                   double x = as_double(v);
+                   if (x < 0) v.fail("must be >= 0");
+                   c.model.deepseek.bias_update_rate = x;
+                 },
+                 "deepseek"});
+
+    top("data.type", "synthetic|binary|text", "synthetic",
+        "synthetic corpus, a file of token ids, or UTF-8 text (byte tokens)",
+        [](TrainConfig& c, const Value& v) { c.data.type = as_choice(v, {"synthetic", "binary", "text"}); });
+    top("data.path", "path", "", "the binary or text file",
+        [](TrainConfig& c, const Value& v) { c.data.path = v.text; });
+    top("data.token_dtype", "uint16|uint32", "uint16", "token id width of a binary file",
+        [](TrainConfig& c, const Value& v) { c.data.token_dtype = as_choice(v, {"uint16", "uint32"}); });
+    top("data.num_samples", "int", "4096", "samples in the synthetic corpus",
+        [](TrainConfig& c, const Value& v) { c.data.num_samples = as_int(v, 1); });
+    top("data.shuffle", "bool", "true", "a new sample order each epoch",
+        [](TrainConfig& c, const Value& v) { c.data.shuffle = as_bool(v); });
+
+    top("params_dtype", "dtype", "float32", "dtype of the (sharded) parameters",
+        [](TrainConfig& c, const Value& v) { c.params_dtype = as_dtype(v); });
+    top("compute_dtype", "dtype", "params_dtype", "dtype of forward/backward (the all-gather)",
+        [](TrainConfig& c, const Value& v) { c.compute_dtype = as_dtype(v); });
+    top("accumulate_allreduce_grads_in_fp32", "bool", "false",
+        "reduce gradients in fp32; with low-precision params, fp32 main grads and master weights",
+        [](TrainConfig& c, const Value& v) { c.accumulate_allreduce_grads_in_fp32 = as_bool(v); });
+    top("data_parallel", "int", "1", "replicas (HSDP dp_replicate)",
+        [](TrainConfig& c, const Value& v) { c.data_parallel = as_int(v, 1); });
+    top("data_parallel_shard", "int", "-1", "ranks a replica is sharded over; -1 = the rest",
+        [](TrainConfig& c, const Value& v) {
+          c.data_parallel_shard = as_int(v, -1);
+          if (c.data_parallel_shard == 0) v.fail("must be >= 1 or -1");
+        });
+    top("data_parallel_shard_strategy", "optim_grads_params|optim_grads", "optim_grads_params",
+        "ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters until backward)",
+        [](TrainConfig& c, const Value& v) {
+          if (v.text == "optim") v.fail("sharding only the optimizer state (ZeRO-1) is not supported yet");
+          c.data_parallel_shard_strategy = as_choice(v, {"optim_grads_params", "optim_grads"});
+        });
+    top("comm_fusion", "bool", "true", "one fused all-gather/reduce-scatter per block",
+        [](TrainConfig& c, const Value& v) { c.comm_fusion = as_bool(v); });
+    top("tensor_parallel", "int", "1", "tensor-parallel size (only 1 yet)",
+        [](TrainConfig& c, const Value& v) { c.tensor_parallel = as_int(v, 1); });
+    top("sequence_parallel", "bool", "false", "sequence parallel (needs tensor_parallel > 1)",
+        [](TrainConfig& c, const Value& v) { c.sequence_parallel = as_bool(v); });
+    top("pipeline_parallel", "int", "1", "pipeline stages (only 1 yet)",
+        [](TrainConfig& c, const Value& v) { c.pipeline_parallel = as_int(v, 1); });
+    top("pipeline_parallel_interleave_num", "int", "1", "virtual stages per pipeline rank",
+        [](TrainConfig& c, const Value& v) { c.pipeline_parallel_interleave_num = as_int(v, 1); });
+    top("micro_batch_num", "int", "1", "micro-batches per step (gradient accumulation)",
+        [](TrainConfig& c, const Value& v) { c.micro_batch_num = as_int(v, 1); });
+    top("global_batch_size", "int", "8", "samples per optimizer step, all ranks together",
+        [](TrainConfig& c, const Value& v) { c.global_batch_size = as_int(v, 1); });
+    top("seq_length", "int", "64", "tokens per sample", [](TrainConfig& c, const Value& v) {
+      c.seq_length = as_int(v, 1);
+    });
+    auto nonneg = [](const Value& v) {
+      double x = as_double(v);
+      if (x < 0) v.fail("must be >= 0");
+      return x;
+    };
+    top("lr", "float", "1e-3", "peak learning rate", [](TrainConfig& c, const Value& v) {
+      c.lr = as_double(v);
+      if (c.lr <= 0) v.fail("must be > 0");
+    });
+    top("min_lr", "float", "0", "learning rate at the end of the decay",
+        [nonneg](TrainConfig& c, const Value& v) { c.min_lr = nonneg(v); });
+    top("lr_warmup_steps", "int", "0", "steps of linear warmup",
+        [](TrainConfig& c, const Value& v) { c.lr_warmup_steps = as_int(v, 0); });
+    top("lr_decay_style", "cosine|linear|constant", "cosine", "decay from lr to min_lr after warmup",
+        [](TrainConfig& c, const Value& v) { c.lr_decay_style = as_choice(v, {"cosine", "linear", "constant"}); });
+    top("weight_decay", "float", "0", "AdamW decoupled weight decay (matrices only)",
+        [nonneg](TrainConfig& c, const Value& v) { c.weight_decay = nonneg(v); });
+    auto beta = [](const Value& v) {
+      double x = as_double(v);
+      if (x < 0 || x >= 1) v.fail("must be in [0, 1)");
+      return x;
+    };
+    top("adam_beta1", "float", "0.9", "AdamW beta1", [beta](TrainConfig& c, const Value& v) { c.adam_beta1 = beta(v); });
+    top("adam_beta2", "float", "0.95", "AdamW beta2", [beta](TrainConfig& c, const Value& v) { c.adam_beta2 = beta(v); });
+    top("adam_eps", "float", "1e-8", "AdamW epsilon", [](TrainConfig& c, const Value& v) {
+      c.adam_eps = as_double(v);
+      if (c.adam_eps <= 0) v.fail("must be > 0");
+    });
+    top("clip_grad", "float", "1.0", "global gradient-norm limit; 0 = no clipping",
+        [nonneg](TrainConfig& c, const Value& v) { c.clip_grad = nonneg(v); });
+    top("train_steps", "int", "20", "optimizer steps", [](TrainConfig& c, const Value& v) {
+      c.train_steps = as_int(v, 1);
+    });
+    top("seed", "int", "1234", "initialization and data order", [](TrainConfig& c, const Value& v) {
+      c.seed = static_cast<uint64_t>(as_int(v, 0));
+    });
+    top("log_interval", "int", "1", "steps between progress lines", [](TrainConfig& c, const Value& v) {
+      c.log_interval = as_int(v, 1);
+    });
+    top("output_dir", "path", "hp-train-out", "metrics.jsonl and loss.svg go here; empty = none",
+        [](TrainConfig& c, const Value& v) { c.output_dir = v.text; });
+    return k;
+  }();
+  return k;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+const Key& find_key(const Value& v) {
+  const Key* best = nullptr;
+  size_t best_d = SIZE_MAX;
+  for (const Key& k : keys()) {
+    if (k.name == v.key) return k;
+    size_t d = edit_distance(k.name, v.key);
+    if (d < best_d) best_d = d, best = &k;
+  }
+  std::ostringstream os;
+  os << v.origin << ": unknown config key '" << v.key << "'";
+  if (best && best_d <= std::max<size_t>(2, v.key.size() / 4)) os << " (did you mean '" << best->name << "'?)";
+  os << "; hp-train --list-keys lists them all";
+  throw Error(os.str());
+}
+
+// Flattens YAML maps into dotted keys (model: {dim: 64} -> model.dim).
+void flatten(const YAML::Node& n, const std::string& prefix, const std::string& origin, std::vector<Value>& out) {
+  for (const auto& kv : n) {
+    std::string key = prefix + kv.first.as<std::string>();
+    const YAML::Node& v = kv.second;
+    if (v.IsMap()) {
+      flatten(v, key + ".", origin, out);
+    } else if (v.IsScalar()) {
+      out.push_back({key, v.Scalar(), origin});
+    } else if (v.IsNull()) {
+      throw Error(origin + ": config key '" + key + "' has no value");
+    } else {
+      throw Error(origin + ": config key '" + key + "' is a list; every key takes a single value");
+    }
+  }
+}
+
+}  // namespace
+
+TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                         const std::string& source) {
+  std::vector<Value> values;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw Error(source + ": not valid YAML: " + e.what());
+  }
+  if (root.IsMap()) {
+    flatten(root, "", source, values);
+  } else if (!root.IsNull()) {
+    throw Error(source + ": the config must be a map of keys to values");
+  }
+  for (const std::string& o : overrides) {
+    auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw Error("--set " + o + ": expected key=value");
+    }
+    Value v{o.substr(0, eq), o.substr(eq + 1), "--set"};
+    auto same = [&](const Value& x) { return x.key == v.key; };
+    values.erase(std::remove_if(values.begin(), values.end(), same), values.end());
+    values.push_back(v);
+  }
+
+  // Unknown keys first, then the model type and preset, then everything else.
+  for (const Value& v : values) find_key(v);
+  TrainConfig c;
+  c.source = source;
+  bool compute_given = false;
+  for (const char* first : {"model.type", "model.preset"}) {
+    for (const Value& v : values) {
+      if (v.key == first) find_key(v).set(c, v);
+    }
+  }
+  for (const Value& v : values) {
+    if (v.key == "model.type" || v.key == "model.preset") continue;
+    const Key& k = find_key(v);
+    if (!k.model_type.empty() && k.model_type != c.model.type) {
+      v.fail("a key of model.type ", k.model_type, ", but model.type is ", c.model.type);
+    }
+    k.set(c, v);
+    compute_given |= v.key == "compute_dtype";
+  }
+  if (!compute_given) c.compute_dtype = c.params_dtype;
+  return c;
+}
+
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream f(path);
+  HP_CHECK(f.good(), "cannot read config file '", path, "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_config(ss.str(), overrides, path);
+}
+
+void TrainConfig::validate(int world_size) {
+  const std::string& s = source;
+  HP_CHECK(tensor_parallel == 1, s, ": tensor_parallel=", tensor_parallel,
+           ": tensor parallelism is not supported yet (use 1)");
+  HP_CHECK(!sequence_parallel, s, ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=",
+           tensor_parallel, ")");
+  HP_CHECK(pipeline_parallel == 1, s, ": pipeline_parallel=", pipeline_parallel,
+           ": pipeline parallelism is not supported yet (use 1)");
+  HP_CHECK(pipeline_parallel_interleave_num == 1, s, ": pipeline_parallel_interleave_num=",
+           pipeline_parallel_interleave_num, " needs pipeline_parallel > 1 (pipeline_parallel=",
+           pipeline_parallel, ")");
+  const int64_t others = data_parallel * tensor_parallel * pipeline_parallel;
+  if (data_parallel_shard == -1) {
+    HP_CHECK(world_size % others == 0, s, ": data_parallel=", data_parallel,
+             " does not divide the world size ", world_size, " (so data_parallel_shard=-1 has no value)");
+    data_parallel_shard = world_size / others;
+  }
+  HP_CHECK(others * data_parallel_shard == world_size, s, ": data_parallel=", data_parallel,
+           " x data_parallel_shard=", data_parallel_shard, " x tensor_parallel=", tensor_parallel,
+           " x pipeline_parallel=", pipeline_parallel, " = ", others * data_parallel_shard,
+           " ranks, but the world has ", world_size);
+  HP_CHECK(params_dtype != at::kHalf, s, ": params_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
+  HP_CHECK(compute_dtype != at::kHalf, s, ": compute_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
+  HP_CHECK(global_batch_size % (dp_size() * micro_batch_num) == 0, s, ": global_batch_size=", global_batch_size,
+           " must be a multiple of data-parallel ranks (", dp_size(), ") x micro_batch_num (", micro_batch_num, ")");
+  HP_CHECK(seq_length <= model.max_seq(), s, ": seq_length=", seq_length, " is longer than model.max_seq=",
+           model.max_seq());
+  HP_CHECK(min_lr <= lr, s, ": min_lr=", min_lr, " is above lr=", lr);
+  HP_CHECK(lr_warmup_steps <= train_steps, s, ": lr_warmup_steps=", lr_warmup_steps, " exceeds train_steps=",
+           train_steps);
+  if (data.type == "synthetic") {
+    HP_CHECK(data.path.empty(), s, ": data.path='", data.path, "' is only read when data.type is binary or text");
+  } else {
+    HP_CHECK(!data.path.empty(), s, ": data.type=", data.type, " needs data.path");
+  }
+  HP_CHECK(data.type != "text" || model.vocab() >= 256, s, ": data.type=text uses byte tokens 0..255 but model.vocab=",
+           model.vocab());
+  try {
+    if (model.type == "llama") {
+      model.llama.validate();
+    } else {
+      model.deepseek.validate();
+    }
+  } catch (const Error& e) {
+    throw Error(s + ": model: " + e.what());
+  }
+}
+
+std::vector<KeyInfo> config_keys() {
+  std::vector<KeyInfo> out;
+  for (const Key& k : keys()) {
+    std::string help = k.help;
+    if (!k.model_type.empty()) help += " [" + k.model_type + "]";
+    out.push_back({k.name, k.type, k.def, help});
+  }
+  return out;
+}
+
+std::string describe(const TrainConfig& c) {
+  std::ostringstream os;
+  os << "model " << c.model.type << " (" << c.model.preset << " preset, " << c.model.num_params()
+     << " parameters); data " << c.data.type << (c.data.path.empty() ? "" : " " + c.data.path) << "\n";
+  os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
+     << (c.data_parallel > 1 ? " (HSDP)" : " (FSDP)") << ", " << c.data_parallel_shard_strategy
+     << ", comm_fusion " << (c.comm_fusion ? "on" : "off") << "\n";
+  os << "dtypes: params " << c10::toString(c.params_dtype) << ", compute " << c10::toString(c.compute_dtype)
+     << ", gradient reduction " << (c.accumulate_allreduce_grads_in_fp32 ? "Float" : c10::toString(c.compute_dtype))
+     << (c.fp32_master() ? ", fp32 main grads and master weights" : "") << "\n";
+  os << "batch: " << c.global_batch_size << " samples x " << c.seq_length << " tokens, " << c.micro_batch_num
+     << " micro-batch(es) of " << c.micro_batch_size() << " per rank; " << c.train_steps << " steps, lr " << c.lr
+     << " (" << c.lr_warmup_steps << " warmup, " << c.lr_decay_style << " to " << c.min_lr << "), clip_grad "
+     << c.clip_grad << ", weight_decay " << c.weight_decay;
+  return os.str();
+}
+
+}  // namespace hp::train

@@ -1,0 +1,204 @@
+#include "hp/train/data.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "hp/core/error.h"
+
+namespace hp::train {
+namespace {
+
+uint64_t mix(uint64_t x) {  // splitmix64 finalizer
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+uint64_t hash(uint64_t a, uint64_t b, uint64_t c = 0) { return mix(mix(mix(a) ^ b) ^ c); }
+
+class SyntheticDataset : public TokenDataset {
+ public:
+  SyntheticDataset(int64_t samples, int64_t seq, int64_t vocab, uint64_t seed)
+      : n_(samples), seq_(seq), vocab_(vocab), seed_(seed) {}
+  int64_t size() const override { return n_; }
+  void read(int64_t index, int64_t* out) const override {
+    uint64_t tok = hash(seed_, 1, static_cast<uint64_t>(index)) % vocab_;
+    for (int64_t t = 0; t <= seq_; ++t) {
+      out[t] = static_cast<int64_t>(tok);
+      // Successor choice: 0 half the time, else 1..3; successor k of token a is fixed.
+      uint64_t r = hash(seed_ ^ 0x5eedULL, static_cast<uint64_t>(index), static_cast<uint64_t>(t)) % 6;
+      uint64_t k = r < 3 ? 0 : r - 2;
+      tok = hash(seed_, 2 + k, tok) % vocab_;
+    }
+  }
+  std::string describe() const override {
+    return "synthetic Markov corpus, " + std::to_string(n_) + " samples";
+  }
+
+ private:
+  int64_t n_, seq_, vocab_;
+  uint64_t seed_;
+};
+
+// A read-only mapping of a whole file.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) : path_(path) {
+    int fd = ::open(path.c_str(), O_RDONLY);
+    HP_CHECK(fd >= 0, "data.path '", path, "': cannot open: ", std::strerror(errno));
+    struct stat st;
+    ::fstat(fd, &st);
+    size_ = static_cast<size_t>(st.st_size);
+    if (size_ > 0) {
+      data_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+      int err = errno;
+      ::close(fd);
+      HP_CHECK(data_ != MAP_FAILED, "data.path '", path, "': cannot map: ", std::strerror(err));
+    } else {
+      ::close(fd);
+    }
+  }
+  ~MappedFile() {
+    if (data_ && data_ != MAP_FAILED) ::munmap(data_, size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const uint8_t* bytes() const { return static_cast<const uint8_t*>(data_); }
+  size_t size() const { return size_; }
+
+ private:
+  std::string path_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Byte offset of the first invalid UTF-8 sequence, or -1.
+int64_t invalid_utf8_at(const uint8_t* s, size_t n) {
+  size_t i = 0;
+  while (i < n) {
+    uint8_t c = s[i];
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    if (len == 0 || i + len > n) return static_cast<int64_t>(i);
+    for (size_t k = 1; k < len; ++k) {
+      if ((s[i + k] & 0xc0) != 0x80) return static_cast<int64_t>(i);
+    }
+    if (len == 2 && c < 0xc2) return static_cast<int64_t>(i);  // overlong
+    i += len;
+  }
+  return -1;
+}
+
+// Token ids from a mapped file: bytes (text), uint16 or uint32.
+class FileDataset : public TokenDataset {
+ public:
+  FileDataset(const DataSpec& spec, int64_t seq, int64_t vocab)
+      : file_(spec.path), seq_(seq), kind_(spec.type) {
+    width_ = spec.type == "text" ? 1 : spec.token_dtype == "uint32" ? 4 : 2;
+    const std::string& p = spec.path;
+    HP_CHECK(file_.size() % width_ == 0, "data.path '", p, "': ", file_.size(),
+             " bytes is not a whole number of ", spec.token_dtype, " tokens");
+    tokens_ = static_cast<int64_t>(file_.size() / width_);
+    if (spec.type == "text") {
+      int64_t bad = invalid_utf8_at(file_.bytes(), file_.size());
+      HP_CHECK(bad < 0, "data.path '", p, "': not valid UTF-8 at byte offset ", bad);
+    } else {
+      for (int64_t i = 0; i < tokens_; ++i) {
+        int64_t t = token(i);
+        HP_CHECK(t < vocab, "data.path '", p, "': token ", i, " is ", t, ", not below model.vocab=", vocab);
+      }
+    }
+    n_ = tokens_ > seq ? (tokens_ - 1) / seq : 0;
+    HP_CHECK(n_ > 0, "data.path '", p, "': ", tokens_, " tokens, but one sample needs seq_length + 1 = ", seq + 1);
+  }
+  int64_t size() const override { return n_; }
+  void read(int64_t index, int64_t* out) const override {
+    for (int64_t t = 0; t <= seq_; ++t) out[t] = token(index * seq_ + t);
+  }
+  std::string describe() const override {
+    return kind_ + " file, " + std::to_string(tokens_) + " tokens, " + std::to_string(n_) + " samples";
+  }
+
+ private:
+  int64_t token(int64_t i) const {
+    const uint8_t* b = file_.bytes() + i * width_;
+    if (width_ == 1) return b[0];
+    if (width_ == 2) {
+      uint16_t v;
+      std::memcpy(&v, b, 2);
+      return v;
+    }
+    uint32_t v;
+    std::memcpy(&v, b, 4);
+    return v;
+  }
+  MappedFile file_;
+  int64_t seq_, width_, tokens_, n_;
+  std::string kind_;
+};
+
+}  // namespace
+
+std::unique_ptr<TokenDataset> make_dataset(const DataSpec& spec, int64_t seq_length, int64_t vocab,
+                                           uint64_t seed) {
+  if (spec.type == "synthetic") return std::make_unique<SyntheticDataset>(spec.num_samples, seq_length, vocab, seed);
+  HP_CHECK(spec.type == "binary" || spec.type == "text", "data.type=", spec.type,
+           ": expected synthetic, binary or text");
+  return std::make_unique<FileDataset>(spec, seq_length, vocab);
+}
+
+DataSharder::DataSharder(int64_t num_samples, int64_t global_batch_size, int64_t micro_batch_num, int64_t dp_size,
+                         uint64_t seed, bool shuffle)
+    : n_(num_samples), g_(global_batch_size), mb_num_(micro_batch_num), dp_(dp_size), seed_(seed), shuffle_(shuffle) {
+  HP_CHECK(n_ > 0 && dp_ > 0 && mb_num_ > 0 && g_ % (dp_ * mb_num_) == 0, "DataSharder: global_batch_size=", g_,
+           " must be a positive multiple of dp (", dp_, ") x micro_batch_num (", mb_num_, "), samples=", n_);
+  m_ = g_ / (dp_ * mb_num_);
+}
+
+int64_t DataSharder::sample_at(int64_t position) const {
+  const int64_t epoch = position / n_, i = position % n_;
+  if (!shuffle_) return i;
+  if (epoch != cached_epoch_) {
+    perm_.resize(n_);
+    for (int64_t k = 0; k < n_; ++k) perm_[k] = k;
+    for (int64_t k = n_ - 1; k > 0; --k) {  // Fisher-Yates from our own hash: the same everywhere
+      auto j = static_cast<int64_t>(hash(seed_ ^ 0xda7aULL, static_cast<uint64_t>(epoch), k) % (k + 1));
+      std::swap(perm_[k], perm_[j]);
+    }
+    cached_epoch_ = epoch;
+  }
+  return perm_[i];
+}
+
+std::vector<int64_t> DataSharder::samples(int64_t step, int64_t micro, int64_t dp_rank) const {
+  HP_CHECK(micro >= 0 && micro < mb_num_ && dp_rank >= 0 && dp_rank < dp_, "DataSharder: micro=", micro,
+           " dp_rank=", dp_rank, " out of range");
+  std::vector<int64_t> out(m_);
+  const int64_t base = step * g_ + micro * dp_ * m_ + dp_rank * m_;
+  for (int64_t i = 0; i < m_; ++i) out[i] = sample_at(base + i);
+  return out;
+}
+
+std::vector<int64_t> DataSharder::global_samples(int64_t step, int64_t micro) const {
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < dp_; ++r) {
+    auto s = samples(step, micro, r);
+    out.insert(out.end(), s.begin(), s.end());
+  }
+  return out;
+}
+
+at::Tensor load_batch(const TokenDataset& d, const std::vector<int64_t>& samples, int64_t seq_length) {
+  at::Tensor out = at::empty({static_cast<int64_t>(samples.size()), seq_length + 1}, at::kLong);
+  int64_t* p = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < samples.size(); ++i) d.read(samples[i], p + i * (seq_length + 1));
+  return out;
+}
+
+}  // namespace hp::train

@@ -1,0 +1,151 @@
+#include "hp/train/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "hp/core/error.h"
+
+namespace hp::train {
+namespace {
+
+std::string fmt(const char* f, double x) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, x);
+  return b;
+}
+
+// JSON has no NaN or infinity.
+std::string json_number(double x) { return std::isfinite(x) ? fmt("%.9g", x) : "null"; }
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    if (ch == '&') out += "&amp;";
+    else if (ch == '<') out += "&lt;";
+    else if (ch == '>') out += "&gt;";
+    else out += ch;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double x = static_cast<double>(bytes);
+  int u = 0;
+  while (std::fabs(x) >= 1024 && u < 4) x /= 1024, ++u;
+  return u == 0 ? std::to_string(bytes) + " B" : fmt("%.1f ", x) + units[u];
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  auto t = static_cast<int64_t>(std::llround(seconds));
+  char b[32];
+  if (t >= 3600) {
+    std::snprintf(b, sizeof b, "%lld:%02lld:%02lld", static_cast<long long>(t / 3600),
+                  static_cast<long long>(t / 60 % 60), static_cast<long long>(t % 60));
+  } else {
+    std::snprintf(b, sizeof b, "%lld:%02lld", static_cast<long long>(t / 60), static_cast<long long>(t % 60));
+  }
+  return b;
+}
+
+std::string format_rate(double x) {
+  if (x >= 1e6) return fmt("%.2fM", x / 1e6);
+  if (x >= 1e3) return fmt("%.1fk", x / 1e3);
+  return fmt("%.0f", x);
+}
+
+std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss) {
+  const int w = static_cast<int>(std::to_string(total_steps).size());
+  std::ostringstream os;
+  char step[64];
+  std::snprintf(step, sizeof step, "step %*lld/%lld", w, static_cast<long long>(s.step),
+                static_cast<long long>(total_steps));
+  os << step << " | loss " << fmt("%.4f", s.loss) << " | lr " << fmt("%.2e", s.lr) << " | grad norm "
+     << fmt("%.3f", s.grad_norm) << " | " << format_rate(s.tokens_per_s) << " tok/s | peak "
+     << format_bytes(s.peak_bytes) << " | ETA " << format_duration(eta_s);
+  if (!std::isnan(ref_loss)) os << " | ref diff " << fmt("%.1e", std::fabs(s.loss - ref_loss));
+  return os.str();
+}
+
+MetricsLog::MetricsLog(const std::string& path) : f_(path, std::ios::trunc), path_(path) {
+  HP_CHECK(f_.good(), "cannot write the metrics file '", path, "'");
+}
+
+void MetricsLog::step(const StepStats& s, double ref_loss) {
+  f_ << "{\"step\":" << s.step << ",\"loss\":" << json_number(s.loss) << ",\"lr\":" << json_number(s.lr)
+     << ",\"grad_norm\":" << json_number(s.grad_norm) << ",\"step_time_s\":" << json_number(s.step_time_s)
+     << ",\"tokens_per_s\":" << json_number(s.tokens_per_s) << ",\"peak_bytes\":" << s.peak_bytes;
+  if (!std::isnan(ref_loss)) f_ << ",\"reference_loss\":" << json_number(ref_loss);
+  f_ << "}\n";
+  f_.flush();
+}
+
+void MetricsLog::summary(const std::vector<std::pair<std::string, double>>& fields) {
+  f_ << "{\"summary\":{";
+  for (size_t i = 0; i < fields.size(); ++i) {
+    f_ << (i ? "," : "") << "\"" << fields[i].first << "\":" << json_number(fields[i].second);
+  }
+  f_ << "}}\n";
+  f_.flush();
+}
+
+void write_loss_svg(const std::string& path, const std::vector<double>& loss, const std::vector<double>& ref,
+                    const std::string& title) {
+  std::ofstream f(path, std::ios::trunc);
+  HP_CHECK(f.good(), "cannot write the loss curve '", path, "'");
+  const double W = 720, H = 420, L = 70, R = 20, T = 40, B = 50;
+  double lo = INFINITY, hi = -INFINITY;
+  for (const auto* v : {&loss, &ref}) {
+    for (double x : *v) {
+      if (std::isfinite(x)) lo = std::min(lo, x), hi = std::max(hi, x);
+    }
+  }
+  if (!std::isfinite(lo)) lo = 0, hi = 1;
+  if (hi - lo < 1e-9) hi = lo + 1;
+  const size_t n = std::max<size_t>(2, std::max(loss.size(), ref.size()));
+  auto X = [&](size_t i) { return L + (W - L - R) * static_cast<double>(i) / static_cast<double>(n - 1); };
+  auto Y = [&](double v) { return T + (H - T - B) * (hi - v) / (hi - lo); };
+  f << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << xml_escape(title) << "</text>\n";
+  for (int k = 0; k <= 4; ++k) {  // horizontal grid with loss labels
+    const double v = lo + (hi - lo) * k / 4.0, y = Y(v);
+    f << "<line x1=\"" << L << "\" y1=\"" << y << "\" x2=\"" << W - R << "\" y2=\"" << y
+      << "\" stroke=\"#ddd\"/>\n<text x=\"" << L - 6 << "\" y=\"" << y + 4 << "\" text-anchor=\"end\">"
+      << fmt("%.3g", v) << "</text>\n";
+  }
+  for (int k = 0; k <= 4; ++k) {  // step labels
+    const size_t i = (n - 1) * k / 4;
+    f << "<text x=\"" << X(i) << "\" y=\"" << H - B + 18 << "\" text-anchor=\"middle\">" << i + 1 << "</text>\n";
+  }
+  f << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 12 << "\" text-anchor=\"middle\">step</text>\n"
+    << "<text x=\"16\" y=\"" << (T + H - B) / 2 << "\" transform=\"rotate(-90 16 " << (T + H - B) / 2
+    << ")\" text-anchor=\"middle\">loss</text>\n"
+    << "<rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << W - L - R << "\" height=\"" << H - T - B
+    << "\" fill=\"none\" stroke=\"#444\"/>\n";
+  auto polyline = [&](const std::vector<double>& v, const char* style) {
+    if (v.empty()) return;
+    f << "<polyline fill=\"none\" " << style << " points=\"";
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (std::isfinite(v[i])) f << fmt("%.1f", X(i)) << "," << fmt("%.1f", Y(v[i])) << " ";
+    }
+    f << "\"/>\n";
+  };
+  polyline(loss, "stroke=\"#1f77b4\" stroke-width=\"2\"");
+  polyline(ref, "stroke=\"#ff7f0e\" stroke-width=\"1.5\" stroke-dasharray=\"6 4\"");
+  f << "<text x=\"" << W - R - 8 << "\" y=\"" << T + 16 << "\" text-anchor=\"end\" fill=\"#1f77b4\">hp-train</text>\n";
+  if (!ref.empty()) {
+    f << "<text x=\"" << W - R - 8 << "\" y=\"" << T + 32
+      << "\" text-anchor=\"end\" fill=\"#ff7f0e\">single process (--verify)</text>\n";
+  }
+  f << "</svg>\n";
+  HP_CHECK(f.good(), "writing the loss curve '", path, "' failed");
+}
+
+}  // namespace hp::train

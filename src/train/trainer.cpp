@@ -1,0 +1,338 @@
+#include "hp/train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "hp/core/error.h"
+#include "hp/core/memory.h"
+#include "hp/fsdp/fully_shard.h"
+#include "hp/fsdp/master_weights.h"
+#include "hp/models/deepseek.h"
+#include "hp/models/llama.h"
+
+namespace hp::train {
+
+MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
+  MixedPrecisionPolicy p;
+  if (c.compute_dtype != c.params_dtype) p.param_dtype = c.compute_dtype;
+  if (c.accumulate_allreduce_grads_in_fp32) p.reduce_dtype = at::kFloat;
+  p.apply_grad_on_fp32_main_grad = c.fp32_master();
+  return p;
+}
+
+double lr_at(const TrainConfig& c, int64_t step) {
+  if (step < c.lr_warmup_steps) return c.lr * static_cast<double>(step + 1) / c.lr_warmup_steps;
+  const int64_t decay_steps = std::max<int64_t>(1, c.train_steps - c.lr_warmup_steps);
+  const double progress = std::min(1.0, static_cast<double>(step - c.lr_warmup_steps) / decay_steps);
+  if (c.lr_decay_style == "constant") return c.lr;
+  if (c.lr_decay_style == "linear") return c.lr - (c.lr - c.min_lr) * progress;
+  return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& shards) {
+  at::Tensor sum = at::zeros({1}, at::kDouble);
+  for (const at::Tensor& g : grads) {
+    if (g.defined() && g.numel() > 0) sum += g.to(at::kDouble).square().sum();
+  }
+  if (shards && shards->size() > 1) shards->all_reduce(sum).wait();
+  return std::sqrt(sum.item<double>());
+}
+
+double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm) {
+  if (max_norm <= 0 || norm <= max_norm) return 1.0;
+  const double scale = max_norm / (norm + 1e-6);
+  for (const at::Tensor& g : grads) {
+    if (g.defined()) g.mul_(scale);
+  }
+  return scale;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void cast_params(torch::nn::Module& m, at::ScalarType dtype) {
+  // Parameters only: buffers such as the MoE balancing bias and load stay fp32.
+  torch::NoGradGuard ng;
+  for (auto& p : m.parameters()) {
+    if (p.scalar_type() != dtype) p.set_data(p.to(dtype));
+  }
+}
+
+template <typename Holder>
+class ModelOf : public TrainModel {
+ public:
+  explicit ModelOf(Holder m) : m_(std::move(m)) {}
+  torch::nn::Module& root() override { return *m_; }
+  std::vector<torch::nn::Module*> blocks() override {
+    std::vector<torch::nn::Module*> out;
+    for (auto& b : m_->blocks) out.push_back(b.get());
+    return out;
+  }
+  at::Tensor forward(const at::Tensor& tokens, bool hooked) override {
+    return hooked ? hp::call(m_, tokens) : m_->forward(tokens);
+  }
+  void after_step(const CommPtr& dp) override {
+    if constexpr (std::is_same_v<Holder, models::DeepSeek>) m_->update_balancing_bias(dp);
+  }
+
+ private:
+  Holder m_;
+};
+
+// AdamW with weight decay on matrices (dim >= 2) and none on norm scales and vectors.
+std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> decay, plain;
+  for (const at::Tensor& p : params) {
+    if (!p.requires_grad()) continue;
+    (p.dim() >= 2 ? decay : plain).push_back(p);
+  }
+  auto opts = [&](double wd) {
+    return torch::optim::AdamWOptions(c.lr).betas({c.adam_beta1, c.adam_beta2}).eps(c.adam_eps).weight_decay(wd);
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!decay.empty()) groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts(c.weight_decay)));
+  if (!plain.empty()) groups.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(opts(0.0)));
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), opts(c.weight_decay));
+}
+
+void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+}
+
+at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, int64_t vocab, bool hooked) {
+  at::Tensor x = batch.narrow(1, 0, seq), y = batch.narrow(1, 1, seq);
+  at::Tensor logits = m.forward(x, hooked);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}).to(at::kFloat), y.reshape({-1}));
+}
+
+}  // namespace
+
+std::unique_ptr<TrainModel> make_model(const TrainConfig& c) {
+  std::unique_ptr<TrainModel> out;
+  if (c.model.type == "llama") {
+    models::Llama m(c.model.llama);
+    m->init_weights(c.seed);
+    out = std::make_unique<ModelOf<models::Llama>>(m);
+  } else {
+    models::DeepSeek m(c.model.deepseek);
+    m->init_weights(c.seed);
+    out = std::make_unique<ModelOf<models::DeepSeek>>(m);
+  }
+  cast_params(out->root(), c.params_dtype);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+
+struct Trainer::Impl {
+  TrainConfig c;
+  CommPtr world, dp, shards;
+  std::shared_ptr<DeviceMesh> mesh;
+  std::unique_ptr<TrainModel> model;
+  std::vector<FSDPHandle> handles;
+  std::unique_ptr<TokenDataset> data;
+  std::unique_ptr<DataSharder> sharder;
+  int64_t dp_rank = 0;
+  std::vector<at::Tensor> params;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::unique_ptr<FP32MasterOptimizer> master;
+  int64_t steps = 0;
+
+  std::vector<at::Tensor> grads() const {
+    std::vector<at::Tensor> out;
+    if (master) {
+      for (auto& h : handles) {
+        for (auto& g : h->main_grads()) {
+          if (g.defined()) out.push_back(g);
+        }
+      }
+    } else {
+      for (auto& p : params) {
+        if (p.requires_grad() && p.grad().defined()) out.push_back(p.grad());
+      }
+    }
+    return out;
+  }
+};
+
+Trainer::Trainer(const TrainConfig& cfg, CommPtr world) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.c = cfg;
+  s.world = std::move(world);
+  const TrainConfig& c = s.c;
+  HP_CHECK(c.dp_size() == s.world->size(), "Trainer: the config's data-parallel layout (", c.data_parallel, " x ",
+           c.data_parallel_shard, ") does not cover the world of ", s.world->size(), " (validate the config first)");
+  if (c.data_parallel > 1) {
+    s.mesh = std::make_shared<DeviceMesh>(
+        s.world, std::vector<MeshDim>{{"dp_replicate", c.data_parallel}, {"dp_shard", c.data_parallel_shard}});
+    s.dp = s.mesh->group({"dp_replicate", "dp_shard"});
+  } else {
+    s.mesh = std::make_shared<DeviceMesh>(s.world, std::vector<MeshDim>{{"dp_shard", c.data_parallel_shard}});
+    s.dp = s.mesh->group("dp_shard");
+  }
+  s.shards = s.mesh->group("dp_shard");
+  s.dp_rank = s.dp->rank();
+
+  s.model = make_model(c);
+  FullyShardOptions o;
+  o.mesh = s.mesh;
+  o.reshard_after_forward = c.data_parallel_shard_strategy == "optim_grads_params";
+  o.comm_fusion = c.comm_fusion;
+  o.mp_policy = mixed_precision(c);
+  for (torch::nn::Module* b : s.model->blocks()) s.handles.push_back(fully_shard(*b, o));
+  s.handles.push_back(fully_shard(s.model->root(), o));
+  for (auto& h : s.handles) {
+    for (auto& p : h->parameters()) s.params.push_back(p);
+  }
+  if (c.fp32_master()) {
+    s.master = std::make_unique<FP32MasterOptimizer>(
+        s.handles, [&c](std::vector<at::Tensor> masters) { return make_adamw(c, masters); });
+  } else {
+    s.opt = make_adamw(c, s.params);
+  }
+
+  s.data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
+  s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
+                                            c.seed, c.data.shuffle);
+}
+
+Trainer::~Trainer() = default;
+
+StepStats Trainer::step() {
+  Impl& s = *impl_;
+  const TrainConfig& c = s.c;
+  memory::reset_peak();
+  const auto t0 = Clock::now();
+  double loss_sum = 0;
+  for (int64_t j = 0; j < c.micro_batch_num; ++j) {
+    at::Tensor batch = load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length);
+    at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, c.model.vocab(), /*hooked=*/true);
+    (loss / static_cast<double>(c.micro_batch_num)).backward();
+    loss_sum += loss.item<double>();
+  }
+  StepStats st;
+  st.step = s.steps + 1;
+  std::vector<at::Tensor> grads = s.grads();
+  st.grad_norm = global_grad_norm(grads, s.shards);
+  clip_grads_(grads, c.clip_grad, st.grad_norm);
+  st.lr = lr_at(c, s.steps);
+  if (s.master) {
+    set_lr(s.master->inner(), st.lr);
+    s.master->step();
+    s.master->zero_grad();
+  } else {
+    set_lr(*s.opt, st.lr);
+    s.opt->step();
+    s.opt->zero_grad();
+  }
+  s.model->after_step(s.dp);
+
+  at::Tensor loss = at::full({1}, loss_sum / c.micro_batch_num, at::kDouble);
+  s.dp->all_reduce(loss, {ReduceOp::AVG}).wait();
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  at::Tensor worst = at::tensor({secs, static_cast<double>(memory::peak_bytes())}, at::kDouble);
+  s.world->all_reduce(worst, {ReduceOp::MAX}).wait();
+  st.loss = loss.item<double>();
+  st.step_time_s = worst[0].item<double>();
+  st.peak_bytes = static_cast<int64_t>(worst[1].item<double>());
+  st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
+  ++s.steps;
+  return st;
+}
+
+int64_t Trainer::steps_done() const { return impl_->steps; }
+std::vector<at::Tensor> Trainer::sharded_params() const { return impl_->params; }
+std::vector<at::Tensor> Trainer::sharded_grads() const { return impl_->grads(); }
+std::string Trainer::describe_data() const { return impl_->data->describe(); }
+
+// ---------------------------------------------------------------------------------------
+// The reference: the model in compute dtype, gradients accumulated in the dtype fully_shard
+// reduces in, the optimizer on fp32 masters (or on the parameters' dtype), parameters
+// rounded to params_dtype after each step, as the sharded run does.
+
+struct ReferenceTrainer::Impl {
+  TrainConfig c;
+  std::unique_ptr<TrainModel> model;
+  std::vector<at::Tensor> model_params, opt_params, acc;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::unique_ptr<TokenDataset> data;
+  std::unique_ptr<DataSharder> sharder;
+  at::ScalarType acc_dtype;
+  int64_t steps = 0;
+};
+
+ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.c = cfg;
+  const TrainConfig& c = s.c;
+  s.model = make_model(c);  // parameters in params_dtype
+  const at::ScalarType opt_dtype = c.fp32_master() ? at::kFloat : c.params_dtype;
+  s.acc_dtype = c.accumulate_allreduce_grads_in_fp32 ? at::kFloat : c.compute_dtype;
+  torch::NoGradGuard ng;
+  for (auto& p : s.model->root().parameters()) {
+    s.opt_params.push_back(p.detach().to(opt_dtype).clone().set_requires_grad(true));
+    p.set_data(p.to(c.compute_dtype));
+    s.model_params.push_back(p);
+    s.acc.push_back(at::zeros_like(p, p.options().dtype(s.acc_dtype)));
+  }
+  s.opt = make_adamw(c, s.opt_params);
+  s.data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
+  s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
+                                            c.seed, c.data.shuffle);
+}
+
+ReferenceTrainer::~ReferenceTrainer() = default;
+TrainModel& ReferenceTrainer::model() { return *impl_->model; }
+
+StepStats ReferenceTrainer::step() {
+  Impl& s = *impl_;
+  const TrainConfig& c = s.c;
+  const auto t0 = Clock::now();
+  double loss_sum = 0;
+  for (int64_t j = 0; j < c.micro_batch_num; ++j) {
+    at::Tensor batch = load_batch(*s.data, s.sharder->global_samples(s.steps, j), c.seq_length);
+    at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, c.model.vocab(), /*hooked=*/false);
+    (loss / static_cast<double>(c.micro_batch_num)).backward();
+    loss_sum += loss.item<double>();
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < s.model_params.size(); ++i) {
+      at::Tensor& g = s.model_params[i].mutable_grad();
+      if (g.defined()) s.acc[i] += g.to(s.acc_dtype);
+      g = at::Tensor();
+    }
+  }
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < s.opt_params.size(); ++i) {
+    s.opt_params[i].mutable_grad() = s.acc[i].to(s.opt_params[i].scalar_type()).clone();
+    grads.push_back(s.opt_params[i].grad());
+  }
+  StepStats st;
+  st.step = s.steps + 1;
+  st.grad_norm = global_grad_norm(grads, nullptr);
+  clip_grads_(grads, c.clip_grad, st.grad_norm);
+  st.lr = lr_at(c, s.steps);
+  set_lr(*s.opt, st.lr);
+  s.opt->step();
+  s.opt->zero_grad();
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < s.opt_params.size(); ++i) {
+      s.model_params[i].copy_(s.opt_params[i].to(c.params_dtype));
+      s.acc[i].zero_();
+    }
+  }
+  s.model->after_step(nullptr);
+  st.loss = loss_sum / c.micro_batch_num;
+  st.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
+  st.peak_bytes = memory::peak_bytes();
+  ++s.steps;
+  return st;
+}
+
+}  // namespace hp::train
