@@ -248,6 +248,8 @@ StepStats Trainer::step() {
 int64_t Trainer::steps_done() const { return impl_->steps; }
 std::vector<at::Tensor> Trainer::sharded_params() const { return impl_->params; }
 std::vector<at::Tensor> Trainer::sharded_grads() const { return impl_->grads(); }
+const std::vector<FSDPHandle>& Trainer::handles() const { return impl_->handles; }
+const CommPtr& Trainer::shard_group() const { return impl_->shards; }
 std::string Trainer::describe_data() const { return impl_->data->describe(); }
 
 // ---------------------------------------------------------------------------------------

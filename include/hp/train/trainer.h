@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
-#include "hp/fsdp/mixed_precision.h"
+#include "hp/fsdp/fully_shard.h"
 #include "hp/train/config.h"
 #include "hp/train/data.h"
 
@@ -72,6 +72,10 @@ class Trainer {
   // This rank's sharded parameters and what the optimizer steps them with.
   std::vector<at::Tensor> sharded_params() const;
   std::vector<at::Tensor> sharded_grads() const;
+  // fully_shard's handles: each block's, then the root's.
+  const std::vector<FSDPHandle>& handles() const;
+  // The ranks one replica's parameters are sharded over (dp_shard).
+  const CommPtr& shard_group() const;
   std::string describe_data() const;
 
   struct Impl;

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# hp-train as a user runs it: key listing, config errors (exit status, the key named, one
+# message for all ranks), a 2-rank run with --verify and its output files, text data.
+# Usage: cli_test.sh <hp-train> <source dir> [mpirun]
+set -uo pipefail
+bin=$1 src=$2 mpirun=${3:-}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+run_np() {  # run_np N args...: under mpirun when there is one, else N must be 1
+  local n=$1; shift
+  if [ -n "$mpirun" ]; then
+    "$mpirun" -np "$n" --oversubscribe --bind-to none "$bin" "$@"
+  else
+    [ "$n" = 1 ] || { echo "SKIP: no mpirun for $n ranks"; return 0; }
+    "$bin" "$@"
+  fi
+}
+
+"$bin" --list-keys > "$work/keys" || fail "--list-keys exited $?"
+grep -q '^params_dtype ' "$work/keys" || fail "--list-keys lacks params_dtype"
+grep -q '^model.kv_lora_rank ' "$work/keys" || fail "--list-keys lacks model.kv_lora_rank"
+
+"$bin" --bogus > "$work/out" 2>&1 && fail "an unknown argument was accepted"
+grep -q "unknown argument '--bogus'" "$work/out" || fail "unknown argument not named: $(cat "$work/out")"
+
+cfg=$src/configs/deepseek_tiny.yaml
+"$bin" --config "$cfg" --set nope=1 > "$work/out" 2>&1
+[ $? = 1 ] || fail "an unknown key did not exit 1"
+grep -q "unknown config key 'nope'" "$work/out" || fail "unknown key not named: $(cat "$work/out")"
+
+if [ -n "$mpirun" ]; then
+  run_np 2 --config "$cfg" --set tensor_parallel=2 > "$work/out" 2>&1 && fail "tensor_parallel=2 was accepted"
+  [ "$(grep -c 'tensor_parallel=2: tensor parallelism is not supported yet' "$work/out")" = 1 ] ||
+    fail "expected one 'not supported yet' message: $(cat "$work/out")"
+fi
+
+# 2 ranks (FSDP), fp32, --verify: losses match one process to rounding.
+out=$work/run
+n=2; [ -n "$mpirun" ] || n=1
+run_np $n --config "$cfg" --verify --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 \
+  --set params_dtype=float32 --set compute_dtype=float32 --set output_dir="$out" > "$work/out" 2>&1 ||
+  fail "training run failed: $(cat "$work/out")"
+grep -q '^step 6/6 | loss ' "$work/out" || fail "no progress line for step 6: $(cat "$work/out")"
+grep -q '^done: 6 steps' "$work/out" || fail "no summary"
+diff=$(sed -n 's/^verify: largest |loss - single-process loss| over 6 steps: \([0-9.e+-]*\) .*/\1/p' "$work/out")
+[ -n "$diff" ] || fail "no verify line: $(cat "$work/out")"
+python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "verify difference $diff >= 1e-5"
+[ "$(grep -c '"step":' "$out/metrics.jsonl")" = 6 ] || fail "metrics.jsonl should have 6 step lines"
+grep -q '"summary":{"steps":6' "$out/metrics.jsonl" || fail "metrics.jsonl has no summary"
+grep -q '<polyline' "$out/loss.svg" || fail "loss.svg has no curve"
+
+# Text data through the byte tokenizer, one process.
+python3 -c "print('the quick brown fox jumps over the lazy dog. ' * 200)" > "$work/corpus.txt"
+"$bin" --config "$cfg" --set data.type=text --set data.path="$work/corpus.txt" --set data_parallel=1 \
+  --set train_steps=3 --set lr_warmup_steps=1 --set output_dir= > "$work/out" 2>&1 || fail "text run failed: $(cat "$work/out")"
+grep -q 'data: text file, 9001 tokens' "$work/out" || fail "text data not described: $(cat "$work/out")"
+echo "PASS"

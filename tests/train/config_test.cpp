@@ -1,0 +1,185 @@
+// hp-train's config: the shipped configs parse to what they say; every bad config is
+// rejected before training with an error naming the offending key.
+#include <gtest/gtest.h>
+
+#include "hp/core/error.h"
+#include "hp/train/config.h"
+#include "hp/train/trainer.h"
+
+namespace ht = hp::train;
+
+namespace {
+
+// The error text of parsing (and validating at `world`) `yaml` with `overrides`, or "".
+std::string error_of(const std::string& yaml, const std::vector<std::string>& overrides = {}, int world = 4) {
+  try {
+    ht::TrainConfig c = ht::parse_config(yaml, overrides, "test.yaml");
+    c.validate(world);
+  } catch (const hp::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(TrainConfig, ShippedDemoConfigReadsAsWritten) {
+  ht::TrainConfig c = ht::load_config(HP_SOURCE_DIR "/configs/deepseek_tiny.yaml");
+  c.validate(4);
+  EXPECT_EQ(c.model.type, "deepseek");
+  EXPECT_EQ(c.params_dtype, at::kBFloat16);
+  EXPECT_EQ(c.compute_dtype, at::kBFloat16);
+  EXPECT_TRUE(c.accumulate_allreduce_grads_in_fp32);
+  EXPECT_TRUE(c.fp32_master());
+  EXPECT_EQ(c.data_parallel, 2);
+  EXPECT_EQ(c.data_parallel_shard, 2);  // -1 resolved: 4 ranks / 2 replicas
+  EXPECT_EQ(c.micro_batch_size(), 16 / (4 * 2));
+  EXPECT_EQ(c.train_steps, 50);
+  // The resolved policy: bf16 compute (no cast needed), fp32 reduction and main grads.
+  hp::MixedPrecisionPolicy p = ht::mixed_precision(c);
+  EXPECT_FALSE(p.param_dtype.has_value());
+  ASSERT_TRUE(p.reduce_dtype.has_value());
+  EXPECT_EQ(*p.reduce_dtype, at::kFloat);
+  EXPECT_TRUE(p.apply_grad_on_fp32_main_grad);
+}
+
+TEST(TrainConfig, DefaultsOverridesAndPresets) {
+  ht::TrainConfig c = ht::parse_config("params_dtype: bf16\nmodel:\n  dim: 96\n", {"model.dim=128", "lr=0.5"});
+  EXPECT_EQ(c.model.deepseek.dim, 128);  // --set wins over the file
+  EXPECT_EQ(c.lr, 0.5);
+  EXPECT_EQ(c.compute_dtype, at::kBFloat16);  // compute_dtype defaults to params_dtype
+  EXPECT_FALSE(c.accumulate_allreduce_grads_in_fp32);
+  EXPECT_EQ(c.model.deepseek.experts, hp::models::DeepSeekConfig::tiny().experts);
+
+  ht::TrainConfig big = ht::parse_config("model:\n  type: deepseek\n  preset: deepseek_v3\n  layers: 4\n");
+  EXPECT_EQ(big.model.deepseek.dim, 7168);
+  EXPECT_EQ(big.model.deepseek.layers, 4);  // fields override the preset whatever their order
+
+  ht::TrainConfig ll = ht::parse_config("model:\n  kv_heads: 1\n  type: llama\n");
+  EXPECT_EQ(ll.model.type, "llama");
+  EXPECT_EQ(ll.model.llama.kv_heads, 1);
+  ll.validate(1);
+  EXPECT_EQ(ll.data_parallel_shard, 1);
+
+  ht::TrainConfig empty = ht::parse_config("");
+  empty.validate(2);
+  EXPECT_EQ(empty.data_parallel_shard, 2);
+}
+
+TEST(TrainConfig, EveryBadConfigNamesItsKey) {
+  struct Case {
+    std::string yaml;
+    std::vector<std::string> overrides;
+    int world;
+    std::vector<std::string> expect;  // substrings of the error
+  };
+  const std::vector<Case> cases = {
+      {"lr_warmup_step: 3\n", {}, 4, {"unknown config key 'lr_warmup_step'", "did you mean 'lr_warmup_steps'"}},
+      {"model:\n  dimm: 3\n", {}, 4, {"unknown config key 'model.dimm'", "'model.dim'"}},
+      {"", {"nonsense=1"}, 4, {"unknown config key 'nonsense'", "--set"}},
+      {"", {"lr"}, 4, {"--set lr", "key=value"}},
+      {"train_steps: ten\n", {}, 4, {"train_steps=ten", "integer"}},
+      {"train_steps: 0\n", {}, 4, {"train_steps=0", ">= 1"}},
+      {"lr: -1\n", {}, 4, {"lr=-1", "> 0"}},
+      {"adam_beta2: 1.0\n", {}, 4, {"adam_beta2=1.0", "[0, 1)"}},
+      {"comm_fusion: maybe\n", {}, 4, {"comm_fusion=maybe", "true or false"}},
+      {"params_dtype: int8\n", {}, 4, {"params_dtype=int8", "bfloat16"}},
+      {"lr_decay_style: step\n", {}, 4, {"lr_decay_style=step", "cosine"}},
+      {"data_parallel_shard: 0\n", {}, 4, {"data_parallel_shard=0"}},
+      {"seq_length:\n", {}, 4, {"'seq_length' has no value"}},
+      {"seq_length: [1, 2]\n", {}, 4, {"'seq_length' is a list"}},
+      {"model: [1\n", {}, 4, {"not valid YAML"}},
+      {"- 1\n- 2\n", {}, 4, {"must be a map"}},
+      {"model:\n  type: gpt\n", {}, 4, {"model.type=gpt", "deepseek, llama"}},
+      {"model:\n  type: llama\n  experts: 4\n", {}, 4, {"model.experts=4", "model.type deepseek"}},
+      {"model:\n  kv_heads: 2\n", {}, 4, {"model.kv_heads=2", "model.type llama"}},
+      {"model:\n  type: llama\n  preset: deepseek_v3\n", {}, 4, {"model.preset=deepseek_v3", "tiny, llama3_8b"}},
+      {"model:\n  experts_per_token: 9\n", {}, 4, {"model:", "experts_per_token=9"}},
+      // impossible combinations, checked against the world size
+      {"data_parallel: 3\n", {}, 4, {"data_parallel=3", "world size 4"}},
+      {"data_parallel: 2\ndata_parallel_shard: 4\n", {}, 4, {"data_parallel=2", "data_parallel_shard=4", "8 ranks"}},
+      {"global_batch_size: 6\n", {}, 4, {"global_batch_size=6", "micro_batch_num"}},
+      {"global_batch_size: 8\nmicro_batch_num: 3\n", {}, 4, {"global_batch_size=8", "micro_batch_num (3)"}},
+      {"seq_length: 300\n", {}, 4, {"seq_length=300", "model.max_seq=256"}},
+      {"min_lr: 0.1\nlr: 0.01\n", {}, 4, {"min_lr=0.1", "lr=0.01"}},
+      {"lr_warmup_steps: 30\ntrain_steps: 10\n", {}, 4, {"lr_warmup_steps=30", "train_steps=10"}},
+      {"data:\n  type: binary\n", {}, 4, {"data.type=binary", "data.path"}},
+      {"data:\n  path: x.bin\n", {}, 4, {"data.path='x.bin'", "binary or text"}},
+      {"data:\n  type: text\n  path: a.txt\nmodel:\n  vocab: 100\n", {}, 4, {"data.type=text", "model.vocab=100"}},
+      {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
+      {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},
+      // capabilities not built yet
+      {"tensor_parallel: 2\n", {}, 4, {"tensor_parallel=2", "not supported yet"}},
+      {"pipeline_parallel: 2\n", {}, 4, {"pipeline_parallel=2", "not supported yet"}},
+      {"params_dtype: float16\n", {}, 4, {"params_dtype=float16", "not supported yet"}},
+      {"compute_dtype: fp16\n", {}, 4, {"compute_dtype=float16", "not supported yet"}},
+      {"data_parallel_shard_strategy: optim\n", {}, 4, {"data_parallel_shard_strategy=optim", "not supported yet"}},
+  };
+  for (const Case& k : cases) {
+    std::string err = error_of(k.yaml, k.overrides, k.world);
+    ASSERT_FALSE(err.empty()) << "accepted:\n" << k.yaml;
+    for (const std::string& want : k.expect) {
+      EXPECT_NE(err.find(want), std::string::npos) << "error for\n" << k.yaml << "is: " << err << "\nmissing: " << want;
+    }
+  }
+}
+
+TEST(TrainConfig, UnreadableFileIsNamed) {
+  try {
+    ht::load_config("/nonexistent/x.yaml");
+    FAIL() << "no error";
+  } catch (const hp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/x.yaml"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TrainConfig, EveryKeyIsListedOnce) {
+  auto keys = ht::config_keys();
+  std::set<std::string> seen;
+  for (const auto& k : keys) {
+    EXPECT_TRUE(seen.insert(k.key).second) << k.key;
+    EXPECT_FALSE(k.help.empty()) << k.key;
+  }
+  for (const char* want : {"params_dtype", "compute_dtype", "accumulate_allreduce_grads_in_fp32", "data_parallel",
+                           "data_parallel_shard", "data_parallel_shard_strategy", "comm_fusion", "tensor_parallel",
+                           "sequence_parallel", "pipeline_parallel", "pipeline_parallel_interleave_num",
+                           "micro_batch_num", "global_batch_size", "seq_length", "lr", "min_lr", "lr_warmup_steps",
+                           "lr_decay_style", "weight_decay", "clip_grad", "train_steps", "seed", "model.type"}) {
+    EXPECT_TRUE(seen.count(want)) << want;
+  }
+}
+
+// The schedule against values computed by hand.
+TEST(TrainSchedule, WarmupThenCosineOrLinear) {
+  ht::TrainConfig c;
+  c.lr = 1.0;
+  c.min_lr = 0.1;
+  c.lr_warmup_steps = 4;
+  c.train_steps = 14;
+  EXPECT_DOUBLE_EQ(ht::lr_at(c, 0), 0.25);
+  EXPECT_DOUBLE_EQ(ht::lr_at(c, 3), 1.0);
+  EXPECT_DOUBLE_EQ(ht::lr_at(c, 4), 1.0);             // decay progress 0
+  EXPECT_NEAR(ht::lr_at(c, 9), 0.1 + 0.9 * 0.5, 1e-12);  // progress 1/2: cos = 0
+  EXPECT_NEAR(ht::lr_at(c, 14), 0.1, 1e-12);           // progress 1
+  c.lr_decay_style = "linear";
+  EXPECT_NEAR(ht::lr_at(c, 6), 1.0 - 0.9 * 0.2, 1e-12);
+  c.lr_decay_style = "constant";
+  EXPECT_DOUBLE_EQ(ht::lr_at(c, 12), 1.0);
+  c.lr_warmup_steps = 0;
+  c.lr_decay_style = "cosine";
+  EXPECT_DOUBLE_EQ(ht::lr_at(c, 0), 1.0);
+}
+
+// Clipping in one process against a hand-computed norm: grads (3, 4) and (12) have norm 13.
+TEST(TrainClip, NormAndScaleByHand) {
+  std::vector<at::Tensor> g = {at::tensor({3.0f, 4.0f}), at::tensor({12.0f})};
+  const double norm = ht::global_grad_norm(g, nullptr);
+  EXPECT_DOUBLE_EQ(norm, 13.0);
+  EXPECT_DOUBLE_EQ(ht::clip_grads_(g, 20.0, norm), 1.0);  // under the limit: untouched
+  EXPECT_FLOAT_EQ(g[1].item<float>(), 12.0f);
+  const double s = ht::clip_grads_(g, 6.5, norm);
+  EXPECT_NEAR(s, 0.5, 1e-7);
+  EXPECT_NEAR(g[0][1].item<float>(), 2.0f, 1e-6);
+  EXPECT_NEAR(ht::global_grad_norm(g, nullptr), 6.5, 1e-5);
+  EXPECT_DOUBLE_EQ(ht::clip_grads_(g, 0.0, 100.0), 1.0);  // 0 = off
+}

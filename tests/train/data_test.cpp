@@ -1,0 +1,179 @@
+// hp-train's data: the three sources read what the files hold, bad files are rejected
+// with the offending offset, and the sharder gives every sample exactly once per epoch.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "hp/core/error.h"
+#include "hp/train/data.h"
+#include "hp/train/report.h"
+
+namespace ht = hp::train;
+
+namespace {
+
+std::string temp_file(const std::string& name, const std::string& bytes) {
+  std::string path = ::testing::TempDir() + "/hp_data_test_" + name;
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+template <typename T>
+std::string raw(const std::vector<T>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+std::string error_of(const ht::DataSpec& d, int64_t seq, int64_t vocab) {
+  try {
+    ht::make_dataset(d, seq, vocab, 1);
+  } catch (const hp::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(TrainData, BinaryFileSamplesAreConsecutiveWindows) {
+  std::vector<uint16_t> toks(23);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(1000 + i);
+  ht::DataSpec d;
+  d.type = "binary";
+  d.path = temp_file("u16.bin", raw(toks));
+  auto ds = ht::make_dataset(d, 5, 2000, 0);
+  ASSERT_EQ(ds->size(), (23 - 1) / 5);  // 4 windows of 6 tokens, each starting 5 later
+  at::Tensor b = ht::load_batch(*ds, {3, 0}, 5);
+  for (int t = 0; t <= 5; ++t) {
+    EXPECT_EQ(b[0][t].item<int64_t>(), 1000 + 15 + t);
+    EXPECT_EQ(b[1][t].item<int64_t>(), 1000 + t);
+  }
+  std::vector<uint32_t> wide = {70000, 1, 2, 3};
+  d.path = temp_file("u32.bin", raw(wide));
+  d.token_dtype = "uint32";
+  auto ds32 = ht::make_dataset(d, 3, 80000, 0);
+  EXPECT_EQ(ht::load_batch(*ds32, {0}, 3)[0][0].item<int64_t>(), 70000);
+}
+
+TEST(TrainData, TextIsBytes) {
+  ht::DataSpec d;
+  d.type = "text";
+  d.path = temp_file("a.txt", "h\xc3\xa9llo!");  // "héllo!" in UTF-8: 7 bytes
+  auto ds = ht::make_dataset(d, 3, 256, 0);
+  ASSERT_EQ(ds->size(), 2);
+  at::Tensor b = ht::load_batch(*ds, {0, 1}, 3);
+  EXPECT_EQ(b[0][0].item<int64_t>(), 'h');
+  EXPECT_EQ(b[0][1].item<int64_t>(), 0xc3);
+  EXPECT_EQ(b[0][2].item<int64_t>(), 0xa9);
+  EXPECT_EQ(b[1][0].item<int64_t>(), 'l');
+}
+
+TEST(TrainData, BadFilesNameTheProblem) {
+  ht::DataSpec d;
+  d.type = "binary";
+  d.path = "/nonexistent/tokens.bin";
+  EXPECT_NE(error_of(d, 4, 100).find("/nonexistent/tokens.bin"), std::string::npos);
+  d.path = temp_file("odd.bin", std::string(7, '\1'));
+  EXPECT_NE(error_of(d, 2, 1000).find("7 bytes"), std::string::npos) << error_of(d, 2, 1000);
+  std::vector<uint16_t> toks = {1, 2, 300, 4, 5, 6};
+  d.path = temp_file("big.bin", raw(toks));
+  std::string e = error_of(d, 2, 256);
+  EXPECT_NE(e.find("token 2 is 300"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.vocab=256"), std::string::npos) << e;
+  d.path = temp_file("short.bin", raw(std::vector<uint16_t>{1, 2, 3}));
+  EXPECT_NE(error_of(d, 4, 256).find("3 tokens"), std::string::npos) << error_of(d, 4, 256);
+  d.type = "text";
+  d.path = temp_file("bad.txt", std::string("ok\xff" "abc"));
+  EXPECT_NE(error_of(d, 2, 256).find("byte offset 2"), std::string::npos) << error_of(d, 2, 256);
+}
+
+TEST(TrainData, SyntheticIsDeterministicAndLearnable) {
+  ht::DataSpec d;
+  auto a = ht::make_dataset(d, 32, 256, 7), b = ht::make_dataset(d, 32, 256, 7), c = ht::make_dataset(d, 32, 256, 8);
+  at::Tensor x = ht::load_batch(*a, {5, 9}, 32);
+  EXPECT_TRUE(at::equal(x, ht::load_batch(*b, {5, 9}, 32)));
+  EXPECT_FALSE(at::equal(x, ht::load_batch(*c, {5, 9}, 32)));
+  EXPECT_TRUE((x >= 0).all().item<bool>() && (x < 256).all().item<bool>());
+  // Learnable: each token is followed by at most 4 distinct tokens across the corpus.
+  std::map<int64_t, std::set<int64_t>> next;
+  at::Tensor all = ht::load_batch(*a, [] { std::vector<int64_t> v(200); for (int i = 0; i < 200; ++i) v[i] = i; return v; }(), 32);
+  for (int64_t i = 0; i < all.size(0); ++i) {
+    for (int64_t t = 0; t < 32; ++t) next[all[i][t].item<int64_t>()].insert(all[i][t + 1].item<int64_t>());
+  }
+  size_t most = 0;
+  for (auto& kv : next) most = std::max(most, kv.second.size());
+  EXPECT_LE(most, 4u);
+  EXPECT_GT(next.size(), 100u);  // yet the corpus uses most of the vocabulary
+}
+
+// Every sample exactly once per epoch, the ranks' micro-batches partition the global
+// batch, and rank r's part is the r-th slice of a single process's micro-batch.
+TEST(TrainData, SharderGivesEachSampleOncePerEpoch) {
+  for (bool shuffle : {true, false}) {
+    const int64_t N = 36, G = 8, M = 2, dp = 2;  // 36 samples: epochs end mid-step
+    ht::DataSharder s(N, G, M, dp, 3, shuffle);
+    std::vector<int64_t> stream;
+    for (int64_t step = 0; step < 9; ++step) {  // 72 positions: two whole epochs
+      for (int64_t j = 0; j < M; ++j) {
+        std::vector<int64_t> glob = s.global_samples(step, j);
+        std::vector<int64_t> joined;
+        for (int64_t r = 0; r < dp; ++r) {
+          auto part = s.samples(step, j, r);
+          EXPECT_EQ(static_cast<int64_t>(part.size()), G / (M * dp));
+          joined.insert(joined.end(), part.begin(), part.end());
+        }
+        EXPECT_EQ(joined, glob);
+        stream.insert(stream.end(), glob.begin(), glob.end());
+      }
+    }
+    ASSERT_EQ(stream.size(), 72u);
+    for (int e = 0; e < 2; ++e) {
+      std::set<int64_t> seen(stream.begin() + e * N, stream.begin() + (e + 1) * N);
+      EXPECT_EQ(seen.size(), static_cast<size_t>(N)) << "epoch " << e;
+      EXPECT_EQ(*seen.begin(), 0);
+      EXPECT_EQ(*seen.rbegin(), N - 1);
+    }
+    const bool reordered = !std::equal(stream.begin(), stream.begin() + N, stream.begin() + N);
+    EXPECT_EQ(reordered, shuffle);
+  }
+}
+
+TEST(TrainReport, LinesAndFiles) {
+  ht::StepStats st;
+  st.step = 3;
+  st.loss = 2.5;
+  st.lr = 1e-3;
+  st.grad_norm = 0.5;
+  st.tokens_per_s = 12345;
+  st.peak_bytes = 3 << 20;
+  std::string line = ht::progress_line(st, 50, 65, 2.5001);
+  for (const char* want : {"step  3/50", "loss 2.5000", "lr 1.00e-03", "grad norm 0.500", "12.3k tok/s",
+                           "peak 3.0 MiB", "ETA 1:05", "ref diff 1.0e-04"}) {
+    EXPECT_NE(line.find(want), std::string::npos) << line << " lacks " << want;
+  }
+  EXPECT_EQ(ht::format_duration(3723), "1:02:03");
+  std::string jsonl = ::testing::TempDir() + "/hp_metrics.jsonl", svg = ::testing::TempDir() + "/hp_loss.svg";
+  {
+    ht::MetricsLog m(jsonl);
+    m.step(st, std::nan(""));
+    m.summary({{"final_loss", 2.5}, {"bad", std::nan("")}});
+  }
+  std::ifstream f(jsonl);
+  std::string l1, l2;
+  std::getline(f, l1);
+  std::getline(f, l2);
+  EXPECT_EQ(l1.rfind("{\"step\":3,\"loss\":2.5,", 0), 0u) << l1;
+  EXPECT_EQ(l1.find("reference_loss"), std::string::npos);
+  EXPECT_EQ(l2, "{\"summary\":{\"final_loss\":2.5,\"bad\":null}}");
+  ht::write_loss_svg(svg, {3, 2, 1}, {3, 2.1, 1.1}, "a <b>");
+  std::ifstream g(svg);
+  std::string text((std::istreambuf_iterator<char>(g)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text.rfind("<svg", 0), 0u);
+  EXPECT_NE(text.find("a &lt;b&gt;"), std::string::npos);
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n') > 10, true);
+  EXPECT_NE(text.find("stroke-dasharray"), std::string::npos);  // the reference curve
+  EXPECT_THROW(ht::MetricsLog("/nonexistent/dir/m.jsonl"), hp::Error);
+}
