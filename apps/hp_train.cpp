@@ -31,15 +31,20 @@ namespace {
 struct Args {
   std::string config;
   std::vector<std::string> overrides;
-  bool verify = false, list_keys = false, help = false;
+  bool verify = false, list_keys = false, help = false, estimate = false;
+  int world = 0;  // --world: the rank count --estimate assumes (0 = this run's)
 };
 
 const char* kUsage =
     "usage: hp-train --config FILE [--set key=value]... [--verify]\n"
+    "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --list-keys\n"
     "  --config FILE    YAML config (configs/*.yaml)\n"
     "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
     "  --verify         also train in one process on the global batch and compare losses\n"
+    "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
+    "                   and exit, allocating nothing (any size, deepseek_v3 included)\n"
+    "  --world N        the number of ranks --estimate assumes (default: this run's)\n"
     "  --list-keys      print every config key with its default\n"
     "Run under mpirun for several ranks; see docs/train.md.\n";
 
@@ -61,6 +66,16 @@ Args parse_args(int argc, char** argv) {
       a.overrides.push_back(s.substr(6));
     } else if (s == "--verify") {
       a.verify = true;
+    } else if (s == "--estimate") {
+      a.estimate = true;
+    } else if (s == "--world") {
+      std::string v = value();
+      try {
+        a.world = std::stoi(v);
+      } catch (const std::exception&) {
+        a.world = 0;
+      }
+      HP_CHECK(a.world > 0, "hp-train: --world ", v, ": expected a positive number of ranks");
     } else if (s == "--list-keys") {
       a.list_keys = true;
     } else if (s == "--help" || s == "-h") {
@@ -70,6 +85,7 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (!a.help && !a.list_keys) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
+  HP_CHECK(a.world == 0 || a.estimate, "hp-train: --world only goes with --estimate");
   return a;
 }
 
@@ -97,25 +113,46 @@ int run(const Args& args, const hp::CommPtr& world) {
 
   // Every check before training starts; all ranks agree on the outcome.
   TrainConfig c;
+  hp::models::MemoryEstimate est;
   std::string error;
   try {
     c = load_config(args.config, args.overrides);
-    c.validate(world->size());
-    if (lead && !c.output_dir.empty()) std::filesystem::create_directories(c.output_dir);
+    c.validate(args.world > 0 ? args.world : world->size());
+    est = hp::models::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
+                                      mixed_precision(c), {c.data_parallel, c.data_parallel_shard});
+    if (!args.estimate) {
+      // Every rank builds the whole model in fp32 before sharding it.
+      const int64_t need = std::max<int64_t>(c.model.num_params() * 4, est.total());
+      const int64_t avail = hp::memory::available_bytes(), ranks = hp::local_world_size();
+      HP_CHECK(avail == 0 || need * ranks < avail, "the model (", c.model.num_params(), " parameters) needs about ",
+               format_bytes(need), " per rank (the whole model in fp32 while building, then ", format_bytes(est.total()),
+               " sharded, without activations), but this node has ", format_bytes(avail), " available for ", ranks,
+               " rank(s); see hp-train --estimate");
+      if (lead && !c.output_dir.empty()) std::filesystem::create_directories(c.output_dir);
+    }
   } catch (const std::exception& e) {
     error = e.what();
   }
   if (!all_ok(world, error.empty(), error)) return 1;
 
+  if (args.estimate) {
+    say(describe(c));
+    char line[256];
+    std::snprintf(line, sizeof line, "parameters: %lld (%.3g B); largest block %lld",
+                  static_cast<long long>(c.model.num_params()), c.model.num_params() / 1e9,
+                  static_cast<long long>(c.model.largest_block_params()));
+    say(line);
+    say("per rank, without activations: sharded params " + format_bytes(est.sharded_params) + ", grads " +
+        format_bytes(est.sharded_grads) + ", optimizer " + format_bytes(est.optimizer_state) + ", fp32 masters " +
+        format_bytes(est.fp32_masters) + ", backward peak " + format_bytes(est.backward_peak_extra) + "; total " +
+        format_bytes(est.total()));
+    return 0;
+  }
+
   say("hp-train: " + args.config + " on " + std::to_string(world->size()) + " rank(s), backend " + world->backend() +
       ", " + std::to_string(at::get_num_threads()) + " compute thread(s) per rank");
   say(describe(c));
-  {
-    hp::models::ParallelLayout layout{c.data_parallel, c.data_parallel_shard};
-    auto est = hp::models::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
-                                           mixed_precision(c), layout);
-    say("memory estimate per rank (without activations): " + format_bytes(est.total()));
-  }
+  say("memory estimate per rank (without activations): " + format_bytes(est.total()));
 
   // --verify: the single-process reference first, so each progress line can show its
   // difference. The other ranks wait in a barrier that sleeps.

@@ -68,8 +68,8 @@ class CountingAllocator final : public c10::Allocator {
 std::once_flag g_install_once;
 std::atomic<bool> g_installed{false};
 
-int64_t read_status_kb(const char* key) {
-  std::ifstream f("/proc/self/status");
+int64_t read_kb(const char* file, const char* key) {
+  std::ifstream f(file);
   std::string line;
   const std::string k = key;
   while (std::getline(f, line)) {
@@ -98,7 +98,8 @@ bool counting_allocator_installed() { return g_installed; }
 int64_t current_bytes() { return g_current.load(); }
 int64_t peak_bytes() { return g_peak.load(); }
 void reset_peak() { g_peak.store(g_current.load()); }
-int64_t process_rss_bytes() { return read_status_kb("VmRSS:"); }
-int64_t process_peak_rss_bytes() { return read_status_kb("VmHWM:"); }
+int64_t process_rss_bytes() { return read_kb("/proc/self/status", "VmRSS:"); }
+int64_t process_peak_rss_bytes() { return read_kb("/proc/self/status", "VmHWM:"); }
+int64_t available_bytes() { return read_kb("/proc/meminfo", "MemAvailable:"); }
 
 }  // namespace hp::memory

@@ -18,8 +18,10 @@ MemoryEstimate estimate_memory(int64_t params, int64_t block, at::ScalarType par
   m.params = params;
   m.sharded_params = shard * bytes(d.param);
   m.sharded_grads = shard * bytes(d.sharded_grad);
-  m.optimizer_state = 2 * shard * bytes(d.param);
   m.fp32_masters = (d.main_grad && d.param != at::kFloat) ? shard * 4 : 0;
+  // AdamW's two moments take the dtype of what it steps: the fp32 masters when there are
+  // any (FP32MasterOptimizer), else the sharded parameters.
+  m.optimizer_state = 2 * shard * (m.fp32_masters ? 4 : bytes(d.param));
   // Backward peak: two unsharded blocks (current + prefetched) in the compute dtype, the
   // current block's gradients in the gradient dtype, two reduce-scatter inputs in the
   // reduce dtype. With one shard and an unchanged dtype parameters alias their shards.

@@ -26,7 +26,7 @@ TEST(MemoryEstimate, Bf16ShardsWithMainGradsAndMasters) {
   auto m = estimate_memory(800, 100, at::kBFloat16, p, {2, 2});  // HSDP: shards over 2
   EXPECT_EQ(m.sharded_params, 400 * 2);
   EXPECT_EQ(m.sharded_grads, 400 * 4);     // fp32 main grads
-  EXPECT_EQ(m.optimizer_state, 2 * 400 * 2);
+  EXPECT_EQ(m.optimizer_state, 2 * 400 * 4);  // AdamW steps the fp32 masters
   EXPECT_EQ(m.fp32_masters, 400 * 4);
   EXPECT_EQ(m.backward_peak_extra, 2 * 100 * 2 + 100 * 2 + 2 * 100 * 4);
 }

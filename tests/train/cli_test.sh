@@ -35,6 +35,15 @@ if [ -n "$mpirun" ]; then
     fail "expected one 'not supported yet' message: $(cat "$work/out")"
 fi
 
+# The published DeepSeek-V3 size: estimated without allocating, refused for training here.
+printf 'model:\n  preset: deepseek_v3\n  max_seq: 4096\nparams_dtype: bfloat16\naccumulate_allreduce_grads_in_fp32: true\ndata_parallel: 8\nglobal_batch_size: 1024\n' > "$work/v3.yaml"
+"$bin" --config "$work/v3.yaml" --estimate --world 1024 > "$work/out" 2>&1 || fail "--estimate failed: $(cat "$work/out")"
+grep -q 'parameters: 671026404352' "$work/out" || fail "--estimate: wrong parameter count: $(cat "$work/out")"
+grep -q 'data_parallel 8 x data_parallel_shard 128' "$work/out" || fail "--estimate: layout not resolved"
+"$bin" --config "$work/v3.yaml" --set data_parallel=1 --set global_batch_size=8 > "$work/out" 2>&1 &&
+  fail "a 671B model was not refused"
+grep -q 'needs about .* per rank' "$work/out" || fail "no memory error: $(cat "$work/out")"
+
 # 2 ranks (FSDP), fp32, --verify: losses match one process to rounding.
 out=$work/run
 n=2; [ -n "$mpirun" ] || n=1

@@ -23,5 +23,7 @@ void reset_peak();
 // Resident set size of this process, and its high-water mark, in bytes (0 if unknown).
 int64_t process_rss_bytes();
 int64_t process_peak_rss_bytes();
+// Memory the node can still give to new allocations (MemAvailable), in bytes (0 if unknown).
+int64_t available_bytes();
 
 }  // namespace hp::memory

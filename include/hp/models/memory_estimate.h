@@ -22,7 +22,7 @@ struct MemoryEstimate {
   int64_t params = 0;          // whole model
   int64_t sharded_params = 0;  // bytes per rank
   int64_t sharded_grads = 0;
-  int64_t optimizer_state = 0;  // AdamW: two moments, in the parameters' dtype
+  int64_t optimizer_state = 0;  // AdamW: two moments, fp32 with masters, else the parameters' dtype
   int64_t fp32_masters = 0;     // FP32MasterOptimizer, for low-precision shards with main grads
   int64_t backward_peak_extra = 0;
   int64_t total() const {
