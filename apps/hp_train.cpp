@@ -11,6 +11,7 @@
 // loss difference against it. See docs/train.md.
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -70,11 +71,13 @@ Args parse_args(int argc, char** argv) {
       a.estimate = true;
     } else if (s == "--world") {
       std::string v = value();
+      size_t used = 0;
       try {
-        a.world = std::stoi(v);
+        a.world = std::stoi(v, &used);
       } catch (const std::exception&) {
         a.world = 0;
       }
+      if (used != v.size()) a.world = 0;
       HP_CHECK(a.world > 0, "hp-train: --world ", v, ": expected a positive number of ranks");
     } else if (s == "--list-keys") {
       a.list_keys = true;
@@ -86,6 +89,7 @@ Args parse_args(int argc, char** argv) {
   }
   if (!a.help && !a.list_keys) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
   HP_CHECK(a.world == 0 || a.estimate, "hp-train: --world only goes with --estimate");
+  HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
   return a;
 }
 
@@ -114,6 +118,8 @@ int run(const Args& args, const hp::CommPtr& world) {
   // Every check before training starts; all ranks agree on the outcome.
   TrainConfig c;
   hp::models::MemoryEstimate est;
+  std::shared_ptr<const TokenDataset> data;
+  std::unique_ptr<MetricsLog> metrics;
   std::string error;
   try {
     c = load_config(args.config, args.overrides);
@@ -122,13 +128,19 @@ int run(const Args& args, const hp::CommPtr& world) {
                                       mixed_precision(c), {c.data_parallel, c.data_parallel_shard});
     if (!args.estimate) {
       // Every rank builds the whole model in fp32 before sharding it.
-      const int64_t need = std::max<int64_t>(c.model.num_params() * 4, est.total());
-      const int64_t avail = hp::memory::available_bytes(), ranks = hp::local_world_size();
+      const double need = std::max(4.0 * static_cast<double>(c.model.num_params()), static_cast<double>(est.total()));
+      const double avail = static_cast<double>(hp::memory::available_bytes());
+      const int ranks = hp::local_world_size();
       HP_CHECK(avail == 0 || need * ranks < avail, "the model (", c.model.num_params(), " parameters) needs about ",
-               format_bytes(need), " per rank (the whole model in fp32 while building, then ", format_bytes(est.total()),
-               " sharded, without activations), but this node has ", format_bytes(avail), " available for ", ranks,
+               format_bytes(static_cast<int64_t>(std::min(need, 9e18))), " per rank (the whole model in fp32 while building, then ", format_bytes(est.total()),
+               " sharded, without activations), but this node has ", format_bytes(static_cast<int64_t>(avail)),
+               " available for ", ranks,
                " rank(s); see hp-train --estimate");
-      if (lead && !c.output_dir.empty()) std::filesystem::create_directories(c.output_dir);
+      data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);  // checks the file
+      if (lead && !c.output_dir.empty()) {
+        std::filesystem::create_directories(c.output_dir);
+        metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl");
+      }
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -166,32 +178,37 @@ int run(const Args& args, const hp::CommPtr& world) {
       std::cout << "verify: training the single-process reference on the global batch ("
                 << c.train_steps << " steps)..." << std::flush;
       try {
-        ReferenceTrainer ref(c);
+        ReferenceTrainer ref(c, data);
         for (int64_t s = 0; s < c.train_steps; ++s) {
           StepStats st = ref.step();
           ref_loss.push_back(st.loss);
           secs += st.step_time_s;
         }
       } catch (const std::exception& e) {
-        error = std::string("--verify reference: ") + e.what();
+        error = std::string("--verify: the single-process reference: ") + e.what();
       }
       hp::set_compute_threads(threads);
       std::cout << " done in " << format_duration(secs) << std::endl;
     }
-    world->barrier().wait();
+    // No timeout worth the name: the reference may take as long as the run itself.
+    world->barrier({std::chrono::hours(24 * 365)}).wait();
     if (!all_ok(world, error.empty(), error)) return 1;
   }
 
-  Trainer trainer(c, world);
+  Trainer trainer(c, world, data);
   say("data: " + trainer.describe_data());
-  std::unique_ptr<MetricsLog> metrics;
-  if (lead && !c.output_dir.empty()) metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl");
 
   std::vector<double> losses;
   double total_s = 0, first_s = 0, worst_diff = 0, worst_rel = 0;
   int64_t worst_step = 0, peak = 0;
   for (int64_t s = 0; s < c.train_steps; ++s) {
-    StepStats st = trainer.step();
+    StepStats st;
+    try {
+      st = trainer.step();
+    } catch (const TrainingDiverged& e) {  // every rank raises it alike: report once, exit cleanly
+      if (lead) std::cerr << "hp-train: error: " << e.what() << std::endl;
+      return 1;
+    }
     losses.push_back(st.loss);
     total_s += st.step_time_s;
     if (s == 0) first_s = st.step_time_s;
@@ -199,7 +216,7 @@ int run(const Args& args, const hp::CommPtr& world) {
     const double ref = args.verify && lead ? ref_loss[s] : std::numeric_limits<double>::quiet_NaN();
     if (!std::isnan(ref)) {
       const double d = std::fabs(st.loss - ref);
-      if (d > worst_diff || s == 0) worst_diff = d, worst_step = st.step, worst_rel = d / std::fabs(ref);
+      if (s == 0 || std::isnan(d) || (!std::isnan(worst_diff) && d > worst_diff)) worst_diff = d, worst_step = st.step, worst_rel = d / std::fabs(ref);
     }
     if (metrics) metrics->step(st, ref);
     if (lead && (st.step % c.log_interval == 0 || st.step == 1 || st.step == c.train_steps)) {

@@ -31,14 +31,22 @@ int64_t DeepSeekConfig::largest_block_params() const {
   return biggest;
 }
 
-int64_t DeepSeekConfig::num_params() const {
-  const int64_t qk = qk_nope_dim + qk_rope_dim;
-  const int64_t mla = dim * q_lora_rank + q_lora_rank + q_lora_rank * heads * qk + dim * (kv_lora_rank + qk_rope_dim) +
-                      kv_lora_rank + kv_lora_rank * heads * (qk_nope_dim + v_head_dim) + heads * v_head_dim * dim;
-  const int64_t dense_ffn = 3 * dim * dense_hidden;
-  const int64_t moe = dim * experts + (experts + shared_experts) * 3 * dim * expert_hidden;
-  return 2 * vocab * dim + dim + layers * (mla + 2 * dim) + dense_layers * dense_ffn + (layers - dense_layers) * moe;
+namespace {
+// The parameter count in T: int64_t for the value, double to detect overflow.
+template <typename T>
+T count_params(const DeepSeekConfig& c) {
+  const T dim = c.dim, heads = c.heads, ql = c.q_lora_rank, kvl = c.kv_lora_rank, nope = c.qk_nope_dim,
+          rope = c.qk_rope_dim, vd = c.v_head_dim, experts = c.experts;
+  const T mla = dim * ql + ql + ql * heads * (nope + rope) + dim * (kvl + rope) + kvl + kvl * heads * (nope + vd) +
+                heads * vd * dim;
+  const T dense_ffn = T(3) * dim * T(c.dense_hidden);
+  const T moe = dim * experts + (experts + T(c.shared_experts)) * T(3) * dim * T(c.expert_hidden);
+  return T(2) * T(c.vocab) * dim + dim + T(c.layers) * (mla + T(2) * dim) + T(c.dense_layers) * dense_ffn +
+         T(c.layers - c.dense_layers) * moe;
 }
+}  // namespace
+
+int64_t DeepSeekConfig::num_params() const { return count_params<int64_t>(*this); }
 
 void DeepSeekConfig::validate() const {
   HP_CHECK(dense_layers >= 0 && dense_layers <= layers, "deepseek config: dense_layers=", dense_layers,
@@ -46,6 +54,8 @@ void DeepSeekConfig::validate() const {
   HP_CHECK(experts_per_token >= 1 && experts_per_token <= experts, "deepseek config: experts_per_token=",
            experts_per_token, " must be in [1, experts=", experts, "]");
   HP_CHECK(qk_rope_dim % 2 == 0, "deepseek config: qk_rope_dim=", qk_rope_dim, " must be even");
+  HP_CHECK(count_params<double>(*this) < 4e18, "deepseek config: ", count_params<double>(*this),
+           " parameters is too many to count");
   HP_CHECK(heads > 0 && dim > 0 && vocab > 0, "deepseek config: heads, dim and vocab must be positive");
 }
 

@@ -19,16 +19,22 @@ int64_t LlamaConfig::hidden_dim() const {
   return (h + 31) / 32 * 32;
 }
 
-int64_t LlamaConfig::block_params() const {
-  const int64_t hd = head_dim();
-  const int64_t attn = dim * heads * hd + 2 * dim * kv_heads * hd + heads * hd * dim;
-  const int64_t mlp = 3 * dim * hidden_dim();
-  return attn + mlp + 2 * dim;  // two RMSNorm weights
+namespace {
+// One block's and the whole model's parameter counts in T (double detects overflow).
+template <typename T>
+T count_block(const LlamaConfig& c) {
+  const T dim = c.dim, hd = c.head_dim();
+  const T attn = dim * T(c.heads) * hd + T(2) * dim * T(c.kv_heads) * hd + T(c.heads) * hd * dim;
+  return attn + T(3) * dim * T(c.hidden_dim()) + T(2) * dim;  // two RMSNorm weights
 }
+template <typename T>
+T count_params(const LlamaConfig& c) {
+  return T(c.vocab) * T(c.dim) * T(c.tie_embeddings ? 1 : 2) + T(c.layers) * count_block<T>(c) + T(c.dim);
+}
+}  // namespace
 
-int64_t LlamaConfig::num_params() const {
-  return vocab * dim * (tie_embeddings ? 1 : 2) + layers * block_params() + dim;
-}
+int64_t LlamaConfig::block_params() const { return count_block<int64_t>(*this); }
+int64_t LlamaConfig::num_params() const { return count_params<int64_t>(*this); }
 
 void LlamaConfig::validate() const {
   HP_CHECK(vocab > 0 && dim > 0 && layers > 0 && heads > 0 && kv_heads > 0 && max_seq > 0,
@@ -37,6 +43,8 @@ void LlamaConfig::validate() const {
   HP_CHECK(dim % heads == 0, "llama config: dim=", dim, " is not divisible by heads=", heads);
   HP_CHECK(head_dim() % 2 == 0, "llama config: head_dim=", head_dim(), " must be even for rotary embeddings");
   HP_CHECK(heads % kv_heads == 0, "llama config: heads=", heads, " is not divisible by kv_heads=", kv_heads);
+  HP_CHECK(count_params<double>(*this) < 4e18, "llama config: ", count_params<double>(*this),
+           " parameters is too many to count");
 }
 
 LlamaConfig LlamaConfig::tiny() { return LlamaConfig{}; }

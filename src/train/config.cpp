@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -37,7 +38,7 @@ struct Value {
   }
 };
 
-int64_t as_int(const Value& v, int64_t min = INT64_MIN) {
+int64_t as_int(const Value& v, int64_t min = INT64_MIN, int64_t max = INT64_MAX) {
   size_t used = 0;
   int64_t x = 0;
   try {
@@ -47,6 +48,7 @@ int64_t as_int(const Value& v, int64_t min = INT64_MIN) {
   }
   if (used != v.text.size()) v.fail("expected an integer");
   if (x < min) v.fail("must be >= ", min);
+  if (x > max) v.fail("must be <= ", max);
   return x;
 }
 
@@ -86,6 +88,11 @@ at::ScalarType as_dtype(const Value& v) {
 
 using Setter = std::function<void(TrainConfig&, const Value&)>;
 
+// Upper bounds that keep every product of sizes far from int64 overflow.
+constexpr int64_t kMaxModelInt = int64_t(1) << 31;
+constexpr int64_t kMaxRanks = int64_t(1) << 24;
+constexpr int64_t kMaxCount = int64_t(1) << 40;
+
 struct Key {
   std::string name, type, def, help;
   Setter set;
@@ -98,16 +105,16 @@ using LL = models::LlamaConfig;
 // Model fields: of one model type, or (same name) of both.
 Key ds_int(const char* name, int64_t DS::*f, int64_t min, const char* help) {
   return {std::string("model.") + name, "int", "preset", help,
-          [f, min](TrainConfig& c, const Value& v) { c.model.deepseek.*f = as_int(v, min); }, "deepseek"};
+          [f, min](TrainConfig& c, const Value& v) { c.model.deepseek.*f = as_int(v, min, kMaxModelInt); }, "deepseek"};
 }
 Key ll_int(const char* name, int64_t LL::*f, int64_t min, const char* help) {
   return {std::string("model.") + name, "int", "preset", help,
-          [f, min](TrainConfig& c, const Value& v) { c.model.llama.*f = as_int(v, min); }, "llama"};
+          [f, min](TrainConfig& c, const Value& v) { c.model.llama.*f = as_int(v, min, kMaxModelInt); }, "llama"};
 }
 Key both_int(const char* name, int64_t DS::*d, int64_t LL::*l, const char* help) {
   return {std::string("model.") + name, "int", "preset", help,
           [d, l](TrainConfig& c, const Value& v) {
-            c.model.deepseek.*d = c.model.llama.*l = as_int(v, 1);
+            c.model.deepseek.*d = c.model.llama.*l = as_int(v, 1, kMaxModelInt);
           },
           ""};
 }
@@ -178,7 +185,7 @@ const std::vector<Key>& keys() {
     top("data.token_dtype", "uint16|uint32", "uint16", "token id width of a binary file",
         [](TrainConfig& c, const Value& v) { c.data.token_dtype = as_choice(v, {"uint16", "uint32"}); });
     top("data.num_samples", "int", "4096", "samples in the synthetic corpus",
-        [](TrainConfig& c, const Value& v) { c.data.num_samples = as_int(v, 1); });
+        [](TrainConfig& c, const Value& v) { c.data.num_samples = as_int(v, 1, kMaxCount); });
     top("data.shuffle", "bool", "true", "a new sample order each epoch",
         [](TrainConfig& c, const Value& v) { c.data.shuffle = as_bool(v); });
 
@@ -190,10 +197,10 @@ const std::vector<Key>& keys() {
         "reduce gradients in fp32; with low-precision params, fp32 main grads and master weights",
         [](TrainConfig& c, const Value& v) { c.accumulate_allreduce_grads_in_fp32 = as_bool(v); });
     top("data_parallel", "int", "1", "replicas (HSDP dp_replicate)",
-        [](TrainConfig& c, const Value& v) { c.data_parallel = as_int(v, 1); });
+        [](TrainConfig& c, const Value& v) { c.data_parallel = as_int(v, 1, kMaxRanks); });
     top("data_parallel_shard", "int", "-1", "ranks a replica is sharded over; -1 = the rest",
         [](TrainConfig& c, const Value& v) {
-          c.data_parallel_shard = as_int(v, -1);
+          c.data_parallel_shard = as_int(v, -1, kMaxRanks);
           if (c.data_parallel_shard == 0) v.fail("must be >= 1 or -1");
         });
     top("data_parallel_shard_strategy", "optim_grads_params|optim_grads", "optim_grads_params",
@@ -205,19 +212,19 @@ const std::vector<Key>& keys() {
     top("comm_fusion", "bool", "true", "one fused all-gather/reduce-scatter per block",
         [](TrainConfig& c, const Value& v) { c.comm_fusion = as_bool(v); });
     top("tensor_parallel", "int", "1", "tensor-parallel size (only 1 yet)",
-        [](TrainConfig& c, const Value& v) { c.tensor_parallel = as_int(v, 1); });
+        [](TrainConfig& c, const Value& v) { c.tensor_parallel = as_int(v, 1, kMaxRanks); });
     top("sequence_parallel", "bool", "false", "sequence parallel (needs tensor_parallel > 1)",
         [](TrainConfig& c, const Value& v) { c.sequence_parallel = as_bool(v); });
     top("pipeline_parallel", "int", "1", "pipeline stages (only 1 yet)",
-        [](TrainConfig& c, const Value& v) { c.pipeline_parallel = as_int(v, 1); });
+        [](TrainConfig& c, const Value& v) { c.pipeline_parallel = as_int(v, 1, kMaxRanks); });
     top("pipeline_parallel_interleave_num", "int", "1", "virtual stages per pipeline rank",
-        [](TrainConfig& c, const Value& v) { c.pipeline_parallel_interleave_num = as_int(v, 1); });
+        [](TrainConfig& c, const Value& v) { c.pipeline_parallel_interleave_num = as_int(v, 1, kMaxRanks); });
     top("micro_batch_num", "int", "1", "micro-batches per step (gradient accumulation)",
-        [](TrainConfig& c, const Value& v) { c.micro_batch_num = as_int(v, 1); });
+        [](TrainConfig& c, const Value& v) { c.micro_batch_num = as_int(v, 1, kMaxRanks); });
     top("global_batch_size", "int", "8", "samples per optimizer step, all ranks together",
-        [](TrainConfig& c, const Value& v) { c.global_batch_size = as_int(v, 1); });
+        [](TrainConfig& c, const Value& v) { c.global_batch_size = as_int(v, 1, kMaxRanks); });
     top("seq_length", "int", "64", "tokens per sample", [](TrainConfig& c, const Value& v) {
-      c.seq_length = as_int(v, 1);
+      c.seq_length = as_int(v, 1, kMaxModelInt);
     });
     auto nonneg = [](const Value& v) {
       double x = as_double(v);
@@ -231,7 +238,7 @@ const std::vector<Key>& keys() {
     top("min_lr", "float", "0", "learning rate at the end of the decay",
         [nonneg](TrainConfig& c, const Value& v) { c.min_lr = nonneg(v); });
     top("lr_warmup_steps", "int", "0", "steps of linear warmup",
-        [](TrainConfig& c, const Value& v) { c.lr_warmup_steps = as_int(v, 0); });
+        [](TrainConfig& c, const Value& v) { c.lr_warmup_steps = as_int(v, 0, kMaxCount); });
     top("lr_decay_style", "cosine|linear|constant", "cosine", "decay from lr to min_lr after warmup",
         [](TrainConfig& c, const Value& v) { c.lr_decay_style = as_choice(v, {"cosine", "linear", "constant"}); });
     top("weight_decay", "float", "0", "AdamW decoupled weight decay (matrices only)",
@@ -250,13 +257,13 @@ const std::vector<Key>& keys() {
     top("clip_grad", "float", "1.0", "global gradient-norm limit; 0 = no clipping",
         [nonneg](TrainConfig& c, const Value& v) { c.clip_grad = nonneg(v); });
     top("train_steps", "int", "20", "optimizer steps", [](TrainConfig& c, const Value& v) {
-      c.train_steps = as_int(v, 1);
+      c.train_steps = as_int(v, 1, kMaxCount);
     });
     top("seed", "int", "1234", "initialization and data order", [](TrainConfig& c, const Value& v) {
       c.seed = static_cast<uint64_t>(as_int(v, 0));
     });
     top("log_interval", "int", "1", "steps between progress lines", [](TrainConfig& c, const Value& v) {
-      c.log_interval = as_int(v, 1);
+      c.log_interval = as_int(v, 1, kMaxCount);
     });
     top("output_dir", "path", "hp-train-out", "metrics.jsonl and loss.svg go here; empty = none",
         [](TrainConfig& c, const Value& v) { c.output_dir = v.text; });
@@ -298,7 +305,10 @@ const Key& find_key(const Value& v) {
 // Flattens YAML maps into dotted keys (model: {dim: 64} -> model.dim).
 void flatten(const YAML::Node& n, const std::string& prefix, const std::string& origin, std::vector<Value>& out) {
   for (const auto& kv : n) {
-    std::string key = prefix + kv.first.as<std::string>();
+    if (!kv.first.IsScalar()) {
+      throw Error(origin + ": a key under '" + prefix + "' is not a plain name");
+    }
+    std::string key = prefix + kv.first.Scalar();
     const YAML::Node& v = kv.second;
     if (v.IsMap()) {
       flatten(v, key + ".", origin, out);
@@ -317,16 +327,22 @@ void flatten(const YAML::Node& n, const std::string& prefix, const std::string& 
 TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
                          const std::string& source) {
   std::vector<Value> values;
-  YAML::Node root;
   try {
-    root = YAML::Load(yaml_text);
+    std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text);
+    if (docs.size() > 1) throw Error(source + ": holds " + std::to_string(docs.size()) + " YAML documents; expected one");
+    YAML::Node root = docs.empty() ? YAML::Node() : docs[0];
+    if (root.IsMap()) {
+      flatten(root, "", source, values);
+    } else if (!root.IsNull()) {
+      throw Error(source + ": the config must be a map of keys to values");
+    }
   } catch (const YAML::Exception& e) {
     throw Error(source + ": not valid YAML: " + e.what());
   }
-  if (root.IsMap()) {
-    flatten(root, "", source, values);
-  } else if (!root.IsNull()) {
-    throw Error(source + ": the config must be a map of keys to values");
+  for (size_t i = 0; i < values.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (values[i].key == values[j].key) throw Error(source + ": config key '" + values[i].key + "' is given twice");
+    }
   }
   for (const std::string& o : overrides) {
     auto eq = o.find('=');
@@ -343,6 +359,7 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
   for (const Value& v : values) find_key(v);
   TrainConfig c;
   c.source = source;
+  for (const Value& v : values) c.given.insert(v.key);
   bool compute_given = false;
   for (const char* first : {"model.type", "model.preset"}) {
     for (const Value& v : values) {
@@ -363,10 +380,14 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
 }
 
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  HP_CHECK(std::filesystem::is_regular_file(path, ec), "config file '", path, "' ",
+           std::filesystem::exists(path, ec) ? "is not a regular file" : "does not exist");
   std::ifstream f(path);
   HP_CHECK(f.good(), "cannot read config file '", path, "'");
   std::stringstream ss;
   ss << f.rdbuf();
+  HP_CHECK(!f.bad(), "reading config file '", path, "' failed");
   return parse_config(ss.str(), overrides, path);
 }
 
@@ -381,19 +402,26 @@ void TrainConfig::validate(int world_size) {
   HP_CHECK(pipeline_parallel_interleave_num == 1, s, ": pipeline_parallel_interleave_num=",
            pipeline_parallel_interleave_num, " needs pipeline_parallel > 1 (pipeline_parallel=",
            pipeline_parallel, ")");
-  const int64_t others = data_parallel * tensor_parallel * pipeline_parallel;
+  // Products checked step by step against the world size, so none can overflow.
+  auto layout_error = [&] {
+    return detail::str_cat(s, ": data_parallel=", data_parallel, " x data_parallel_shard=", data_parallel_shard,
+                           " x tensor_parallel=", tensor_parallel, " x pipeline_parallel=", pipeline_parallel,
+                           " does not match the world of ", world_size, " ranks");
+  };
+  int64_t others = 1;
+  for (int64_t f : {data_parallel, tensor_parallel, pipeline_parallel}) {
+    HP_CHECK(f <= world_size / others, layout_error());
+    others *= f;
+  }
   if (data_parallel_shard == -1) {
     HP_CHECK(world_size % others == 0, s, ": data_parallel=", data_parallel,
              " does not divide the world size ", world_size, " (so data_parallel_shard=-1 has no value)");
     data_parallel_shard = world_size / others;
   }
-  HP_CHECK(others * data_parallel_shard == world_size, s, ": data_parallel=", data_parallel,
-           " x data_parallel_shard=", data_parallel_shard, " x tensor_parallel=", tensor_parallel,
-           " x pipeline_parallel=", pipeline_parallel, " = ", others * data_parallel_shard,
-           " ranks, but the world has ", world_size);
+  HP_CHECK(data_parallel_shard <= world_size / others && others * data_parallel_shard == world_size, layout_error());
   HP_CHECK(params_dtype != at::kHalf, s, ": params_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
   HP_CHECK(compute_dtype != at::kHalf, s, ": compute_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
-  HP_CHECK(global_batch_size % (dp_size() * micro_batch_num) == 0, s, ": global_batch_size=", global_batch_size,
+  HP_CHECK(global_batch_size % micro_batch_num == 0 && (global_batch_size / micro_batch_num) % dp_size() == 0, s, ": global_batch_size=", global_batch_size,
            " must be a multiple of data-parallel ranks (", dp_size(), ") x micro_batch_num (", micro_batch_num, ")");
   HP_CHECK(seq_length <= model.max_seq(), s, ": seq_length=", seq_length, " is longer than model.max_seq=",
            model.max_seq());
@@ -404,7 +432,11 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(data.path.empty(), s, ": data.path='", data.path, "' is only read when data.type is binary or text");
   } else {
     HP_CHECK(!data.path.empty(), s, ": data.type=", data.type, " needs data.path");
+    HP_CHECK(!given.count("data.num_samples"), s, ": data.num_samples=", data.num_samples,
+             " is only read for synthetic data (a file's samples are its tokens / seq_length)");
   }
+  HP_CHECK(data.type == "binary" || !given.count("data.token_dtype"), s, ": data.token_dtype=", data.token_dtype,
+           " is only read when data.type is binary");
   HP_CHECK(data.type != "text" || model.vocab() >= 256, s, ": data.type=text uses byte tokens 0..255 but model.vocab=",
            model.vocab());
   try {

@@ -54,7 +54,10 @@ class MappedFile {
     int fd = ::open(path.c_str(), O_RDONLY);
     HP_CHECK(fd >= 0, "data.path '", path, "': cannot open: ", std::strerror(errno));
     struct stat st;
-    ::fstat(fd, &st);
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw Error("data.path '" + path + "' is not a regular file");
+    }
     size_ = static_cast<size_t>(st.st_size);
     if (size_ > 0) {
       data_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -79,17 +82,32 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// Byte offset of the first invalid UTF-8 sequence, or -1.
+// Byte offset of the first invalid UTF-8 sequence, or -1: overlong forms, surrogates
+// (U+D800..DFFF), code points above U+10FFFF and truncated sequences are all invalid.
 int64_t invalid_utf8_at(const uint8_t* s, size_t n) {
   size_t i = 0;
   while (i < n) {
-    uint8_t c = s[i];
-    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    const uint8_t c = s[i];
+    size_t len = 0;
+    uint8_t lo = 0x80, hi = 0xbf;  // allowed range of the second byte
+    if (c < 0x80) {
+      len = 1;
+    } else if (c >= 0xc2 && c <= 0xdf) {
+      len = 2;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      len = 3;
+      if (c == 0xe0) lo = 0xa0;  // overlong
+      if (c == 0xed) hi = 0x9f;  // surrogates
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      len = 4;
+      if (c == 0xf0) lo = 0x90;  // overlong
+      if (c == 0xf4) hi = 0x8f;  // above U+10FFFF
+    }
     if (len == 0 || i + len > n) return static_cast<int64_t>(i);
-    for (size_t k = 1; k < len; ++k) {
+    if (len > 1 && (s[i + 1] < lo || s[i + 1] > hi)) return static_cast<int64_t>(i);
+    for (size_t k = 2; k < len; ++k) {
       if ((s[i + k] & 0xc0) != 0x80) return static_cast<int64_t>(i);
     }
-    if (len == 2 && c < 0xc2) return static_cast<int64_t>(i);  // overlong
     i += len;
   }
   return -1;
@@ -163,17 +181,26 @@ DataSharder::DataSharder(int64_t num_samples, int64_t global_batch_size, int64_t
 
 int64_t DataSharder::sample_at(int64_t position) const {
   const int64_t epoch = position / n_, i = position % n_;
-  if (!shuffle_) return i;
-  if (epoch != cached_epoch_) {
-    perm_.resize(n_);
-    for (int64_t k = 0; k < n_; ++k) perm_[k] = k;
-    for (int64_t k = n_ - 1; k > 0; --k) {  // Fisher-Yates from our own hash: the same everywhere
-      auto j = static_cast<int64_t>(hash(seed_ ^ 0xda7aULL, static_cast<uint64_t>(epoch), k) % (k + 1));
-      std::swap(perm_[k], perm_[j]);
+  if (!shuffle_ || n_ == 1) return i;
+  // A random permutation of [0, n) without storing it: a 4-round Feistel network over
+  // the smallest even-width power of two >= n, keyed by (seed, epoch), applied until the
+  // value falls inside [0, n) (cycle walking; under 4 rounds of it on average).
+  int bits = 2;
+  while ((int64_t(1) << bits) < n_) bits += 2;
+  const int half = bits / 2;
+  const uint64_t mask = (uint64_t(1) << half) - 1;
+  uint64_t x = static_cast<uint64_t>(i);
+  do {
+    uint64_t l = x >> half, r = x & mask;
+    for (uint64_t round = 0; round < 4; ++round) {
+      const uint64_t f = hash(seed_ ^ 0xda7aULL, static_cast<uint64_t>(epoch) * 4 + round, r) & mask;
+      const uint64_t next = l ^ f;
+      l = r;
+      r = next;
     }
-    cached_epoch_ = epoch;
-  }
-  return perm_[i];
+    x = (l << half) | r;
+  } while (x >= static_cast<uint64_t>(n_));
+  return static_cast<int64_t>(x);
 }
 
 std::vector<int64_t> DataSharder::samples(int64_t step, int64_t micro, int64_t dp_rank) const {

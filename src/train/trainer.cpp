@@ -27,7 +27,7 @@ MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
 double lr_at(const TrainConfig& c, int64_t step) {
   if (step < c.lr_warmup_steps) return c.lr * static_cast<double>(step + 1) / c.lr_warmup_steps;
   const int64_t decay_steps = std::max<int64_t>(1, c.train_steps - c.lr_warmup_steps);
-  const double progress = std::min(1.0, static_cast<double>(step - c.lr_warmup_steps) / decay_steps);
+  const double progress = std::min(1.0, static_cast<double>(step - c.lr_warmup_steps + 1) / decay_steps);
   if (c.lr_decay_style == "constant") return c.lr;
   if (c.lr_decay_style == "linear") return c.lr - (c.lr - c.min_lr) * progress;
   return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(M_PI * progress));
@@ -100,6 +100,13 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const 
   return std::make_unique<torch::optim::AdamW>(std::move(groups), opts(c.weight_decay));
 }
 
+void check_finite(int64_t step, const char* what, double x) {
+  if (!std::isfinite(x)) {
+    throw TrainingDiverged(detail::str_cat("step ", step, ": the ", what, " is ", x,
+                                           ": training diverged (try a lower lr, or clip_grad > 0)"));
+  }
+}
+
 void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
 }
@@ -135,7 +142,7 @@ struct Trainer::Impl {
   std::shared_ptr<DeviceMesh> mesh;
   std::unique_ptr<TrainModel> model;
   std::vector<FSDPHandle> handles;
-  std::unique_ptr<TokenDataset> data;
+  std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<DataSharder> sharder;
   int64_t dp_rank = 0;
   std::vector<at::Tensor> params;
@@ -160,7 +167,8 @@ struct Trainer::Impl {
   }
 };
 
-Trainer::Trainer(const TrainConfig& cfg, CommPtr world) : impl_(std::make_unique<Impl>()) {
+Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const TokenDataset> data)
+    : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.c = cfg;
   s.world = std::move(world);
@@ -196,7 +204,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world) : impl_(std::make_unique
     s.opt = make_adamw(c, s.params);
   }
 
-  s.data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
+  s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
 }
@@ -218,7 +226,8 @@ StepStats Trainer::step() {
   StepStats st;
   st.step = s.steps + 1;
   std::vector<at::Tensor> grads = s.grads();
-  st.grad_norm = global_grad_norm(grads, s.shards);
+  st.grad_norm = global_grad_norm(grads, s.shards);  // the same on every rank
+  check_finite(st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
   if (s.master) {
@@ -238,6 +247,7 @@ StepStats Trainer::step() {
   at::Tensor worst = at::tensor({secs, static_cast<double>(memory::peak_bytes())}, at::kDouble);
   s.world->all_reduce(worst, {ReduceOp::MAX}).wait();
   st.loss = loss.item<double>();
+  check_finite(st.step, "loss", st.loss);
   st.step_time_s = worst[0].item<double>();
   st.peak_bytes = static_cast<int64_t>(worst[1].item<double>());
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
@@ -262,13 +272,14 @@ struct ReferenceTrainer::Impl {
   std::unique_ptr<TrainModel> model;
   std::vector<at::Tensor> model_params, opt_params, acc;
   std::unique_ptr<torch::optim::Optimizer> opt;
-  std::unique_ptr<TokenDataset> data;
+  std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<DataSharder> sharder;
   at::ScalarType acc_dtype;
   int64_t steps = 0;
 };
 
-ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg) : impl_(std::make_unique<Impl>()) {
+ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const TokenDataset> data)
+    : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.c = cfg;
   const TrainConfig& c = s.c;
@@ -283,7 +294,7 @@ ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg) : impl_(std::make_uni
     s.acc.push_back(at::zeros_like(p, p.options().dtype(s.acc_dtype)));
   }
   s.opt = make_adamw(c, s.opt_params);
-  s.data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
+  s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
 }
@@ -316,6 +327,7 @@ StepStats ReferenceTrainer::step() {
   StepStats st;
   st.step = s.steps + 1;
   st.grad_norm = global_grad_norm(grads, nullptr);
+  check_finite(st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
   set_lr(*s.opt, st.lr);
@@ -330,6 +342,7 @@ StepStats ReferenceTrainer::step() {
   }
   s.model->after_step(nullptr);
   st.loss = loss_sum / c.micro_batch_num;
+  check_finite(st.step, "loss", st.loss);
   st.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
   st.peak_bytes = memory::peak_bytes();

@@ -35,6 +35,22 @@ if [ -n "$mpirun" ]; then
     fail "expected one 'not supported yet' message: $(cat "$work/out")"
 fi
 
+"$bin" --config "$src/configs" > "$work/out" 2>&1 && fail "a directory was accepted as --config"
+grep -q "is not a regular file" "$work/out" || fail "directory config not named: $(cat "$work/out")"
+"$bin" --config "$cfg" --estimate --verify > "$work/out" 2>&1 && fail "--estimate --verify was accepted"
+
+# Divergence stops the run with an error naming the step (every rank agrees; one message).
+n=2; [ -n "$mpirun" ] || n=1
+run_np $n --config "$cfg" --set data_parallel=1 --set lr=1e30 --set clip_grad=0 --set train_steps=20 \
+  --set lr_warmup_steps=0 --set output_dir= > "$work/out" 2>&1 && fail "a diverging run exited 0"
+[ "$(grep -c 'training diverged' "$work/out")" = 1 ] || fail "expected one divergence message: $(cat "$work/out")"
+
+# A bad data file is reported before training, once.
+run_np $n --config "$src/configs/llama_tiny.yaml" --set data.type=binary --set data.path=/tmp --set output_dir= \
+  > "$work/out" 2>&1 && fail "a directory was accepted as data.path"
+[ "$(grep -c "data.path '/tmp' is not a regular file" "$work/out")" = 1 ] || fail "data.path error: $(cat "$work/out")"
+grep -q '^step ' "$work/out" && fail "training started despite a bad data file"
+
 # The published DeepSeek-V3 size: estimated without allocating, refused for training here.
 printf 'model:\n  preset: deepseek_v3\n  max_seq: 4096\nparams_dtype: bfloat16\naccumulate_allreduce_grads_in_fp32: true\ndata_parallel: 8\nglobal_batch_size: 1024\n' > "$work/v3.yaml"
 "$bin" --config "$work/v3.yaml" --estimate --world 1024 > "$work/out" 2>&1 || fail "--estimate failed: $(cat "$work/out")"

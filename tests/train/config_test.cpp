@@ -2,6 +2,8 @@
 // rejected before training with an error naming the offending key.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "hp/core/error.h"
 #include "hp/train/config.h"
 #include "hp/train/trainer.h"
@@ -97,7 +99,18 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"model:\n  experts_per_token: 9\n", {}, 4, {"model:", "experts_per_token=9"}},
       // impossible combinations, checked against the world size
       {"data_parallel: 3\n", {}, 4, {"data_parallel=3", "world size 4"}},
-      {"data_parallel: 2\ndata_parallel_shard: 4\n", {}, 4, {"data_parallel=2", "data_parallel_shard=4", "8 ranks"}},
+      {"data_parallel: 2\ndata_parallel_shard: 4\n", {}, 4, {"data_parallel=2", "data_parallel_shard=4", "world of 4"}},
+      {"data_parallel: 16777216\ndata_parallel_shard: 16777216\n", {}, 4, {"data_parallel=16777216", "world of 4"}},
+      {"micro_batch_num: 4611686018427387904\n", {}, 4, {"micro_batch_num=4611686018427387904", "<= "}},
+      {"global_batch_size: 12\nmicro_batch_num: 16\n", {}, 4, {"global_batch_size=12", "micro_batch_num (16)"}},
+      {"model:\n  vocab: 36028797018963968\n", {}, 4, {"model.vocab=36028797018963968", "<= 2147483648"}},
+      {"model:\n  experts: 2147483648\n  expert_hidden: 2147483648\n  dim: 2147483648\n", {}, 4,
+       {"model:", "too many to count"}},
+      {"lr: 0.1\nlr: 0.2\n", {}, 4, {"'lr' is given twice"}},
+      {"lr: 0.1\n---\nlr: 0.2\n", {}, 4, {"2 YAML documents"}},
+      {"? [a, b]\n: 1\n", {}, 4, {"not a plain name"}},
+      {"data:\n  token_dtype: uint32\n", {}, 4, {"data.token_dtype=uint32", "binary"}},
+      {"data:\n  type: binary\n  path: x.bin\n  num_samples: 5\n", {}, 4, {"data.num_samples=5", "synthetic"}},
       {"global_batch_size: 6\n", {}, 4, {"global_batch_size=6", "micro_batch_num"}},
       {"global_batch_size: 8\nmicro_batch_num: 3\n", {}, 4, {"global_batch_size=8", "micro_batch_num (3)"}},
       {"seq_length: 300\n", {}, 4, {"seq_length=300", "model.max_seq=256"}},
@@ -125,11 +138,13 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
 }
 
 TEST(TrainConfig, UnreadableFileIsNamed) {
-  try {
-    ht::load_config("/nonexistent/x.yaml");
-    FAIL() << "no error";
-  } catch (const hp::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("/nonexistent/x.yaml"), std::string::npos) << e.what();
+  for (std::string path : {"/nonexistent/x.yaml", "/tmp"}) {
+    try {
+      ht::load_config(path);
+      FAIL() << "no error for " << path;
+    } catch (const hp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + path + "'"), std::string::npos) << e.what();
+    }
   }
 }
 
@@ -155,19 +170,22 @@ TEST(TrainSchedule, WarmupThenCosineOrLinear) {
   c.lr = 1.0;
   c.min_lr = 0.1;
   c.lr_warmup_steps = 4;
-  c.train_steps = 14;
+  c.train_steps = 14;  // steps 0..13: 4 of warmup, 10 of decay
   EXPECT_DOUBLE_EQ(ht::lr_at(c, 0), 0.25);
-  EXPECT_DOUBLE_EQ(ht::lr_at(c, 3), 1.0);
-  EXPECT_DOUBLE_EQ(ht::lr_at(c, 4), 1.0);             // decay progress 0
-  EXPECT_NEAR(ht::lr_at(c, 9), 0.1 + 0.9 * 0.5, 1e-12);  // progress 1/2: cos = 0
-  EXPECT_NEAR(ht::lr_at(c, 14), 0.1, 1e-12);           // progress 1
+  EXPECT_DOUBLE_EQ(ht::lr_at(c, 3), 1.0);                // the peak, at the end of warmup
+  EXPECT_NEAR(ht::lr_at(c, 4), 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 0.1)), 1e-12);  // decay 1/10
+  EXPECT_NEAR(ht::lr_at(c, 8), 0.1 + 0.9 * 0.5, 1e-12);  // decay 5/10: cos = 0
+  EXPECT_NEAR(ht::lr_at(c, 13), 0.1, 1e-12);             // the last step runs at min_lr
   c.lr_decay_style = "linear";
-  EXPECT_NEAR(ht::lr_at(c, 6), 1.0 - 0.9 * 0.2, 1e-12);
+  EXPECT_NEAR(ht::lr_at(c, 5), 1.0 - 0.9 * 0.2, 1e-12);
+  EXPECT_NEAR(ht::lr_at(c, 13), 0.1, 1e-12);
   c.lr_decay_style = "constant";
   EXPECT_DOUBLE_EQ(ht::lr_at(c, 12), 1.0);
   c.lr_warmup_steps = 0;
   c.lr_decay_style = "cosine";
-  EXPECT_DOUBLE_EQ(ht::lr_at(c, 0), 1.0);
+  c.train_steps = 2;
+  EXPECT_NEAR(ht::lr_at(c, 0), 0.1 + 0.9 * 0.5, 1e-12);  // two steps: halfway, then the end
+  EXPECT_NEAR(ht::lr_at(c, 1), 0.1, 1e-12);
 }
 
 // Clipping in one process against a hand-computed norm: grads (3, 4) and (12) have norm 13.

@@ -85,9 +85,19 @@ TEST(TrainData, BadFilesNameTheProblem) {
   EXPECT_NE(e.find("model.vocab=256"), std::string::npos) << e;
   d.path = temp_file("short.bin", raw(std::vector<uint16_t>{1, 2, 3}));
   EXPECT_NE(error_of(d, 4, 256).find("3 tokens"), std::string::npos) << error_of(d, 4, 256);
+  d.path = "/tmp";
+  EXPECT_NE(error_of(d, 2, 256).find("not a regular file"), std::string::npos) << error_of(d, 2, 256);
   d.type = "text";
-  d.path = temp_file("bad.txt", std::string("ok\xff" "abc"));
-  EXPECT_NE(error_of(d, 2, 256).find("byte offset 2"), std::string::npos) << error_of(d, 2, 256);
+  // Each invalid sequence sits at byte offset 2: a stray byte, a truncated sequence, an
+  // overlong of each length, a surrogate, beyond U+10FFFF, a lead byte past F4.
+  for (const char* bad : {"ok\xff" "abc", "ok\xc3", "ok\xc0\xaf", "ok\xe0\x80\xaf", "ok\xf0\x80\x80\xaf",
+                          "ok\xed\xa0\x80", "ok\xf4\x90\x80\x80", "ok\xf5\x80\x80\x80"}) {
+    d.path = temp_file("bad.txt", bad);
+    EXPECT_NE(error_of(d, 1, 256).find("byte offset 2"), std::string::npos) << error_of(d, 1, 256);
+  }
+  // The largest valid forms of each length pass: U+7FF, U+D7FF, U+FFFF, U+10FFFF.
+  d.path = temp_file("good.txt", "ab\xdf\xbf\xed\x9f\xbf\xef\xbf\xbf\xf4\x8f\xbf\xbf");
+  EXPECT_EQ(error_of(d, 1, 256), "");
 }
 
 TEST(TrainData, SyntheticIsDeterministicAndLearnable) {
@@ -113,7 +123,7 @@ TEST(TrainData, SyntheticIsDeterministicAndLearnable) {
 // batch, and rank r's part is the r-th slice of a single process's micro-batch.
 TEST(TrainData, SharderGivesEachSampleOncePerEpoch) {
   for (bool shuffle : {true, false}) {
-    const int64_t N = 36, G = 8, M = 2, dp = 2;  // 36 samples: epochs end mid-step
+    const int64_t N = 36, G = 8, M = 2, dp = 2;  // 36 samples: epochs end mid-step; 64-wide domain
     ht::DataSharder s(N, G, M, dp, 3, shuffle);
     std::vector<int64_t> stream;
     for (int64_t step = 0; step < 9; ++step) {  // 72 positions: two whole epochs
@@ -138,6 +148,23 @@ TEST(TrainData, SharderGivesEachSampleOncePerEpoch) {
     }
     const bool reordered = !std::equal(stream.begin(), stream.begin() + N, stream.begin() + N);
     EXPECT_EQ(reordered, shuffle);
+  }
+  // Large corpora cost no memory: a permutation of 10^12 samples, checked on a window.
+  ht::DataSharder big(1000000000000, 4, 1, 1, 5, true);
+  std::set<int64_t> seen;
+  for (int64_t p = 0; p < 1000; ++p) {
+    int64_t x = big.sample_at(p);
+    EXPECT_TRUE(x >= 0 && x < 1000000000000);
+    seen.insert(x);
+  }
+  EXPECT_EQ(seen.size(), 1000u);
+  // Every size from 1 to 70 is a permutation (odd powers of two, n = 1, exact powers).
+  for (int64_t n = 1; n <= 70; ++n) {
+    ht::DataSharder s(n, 1, 1, 1, 9, true);
+    std::set<int64_t> all;
+    for (int64_t p = 0; p < n; ++p) all.insert(s.sample_at(p));
+    EXPECT_EQ(static_cast<int64_t>(all.size()), n);
+    EXPECT_EQ(*all.rbegin(), n - 1);
   }
 }
 

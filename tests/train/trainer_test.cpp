@@ -128,7 +128,8 @@ std::vector<double> naive_losses(const ht::TrainConfig& c, std::unique_ptr<ht::T
     }
     losses.push_back(sum / c.micro_batch_num);
     torch::nn::utils::clip_grad_norm_(all, c.clip_grad);
-    const double progress = static_cast<double>(step - c.lr_warmup_steps) / (c.train_steps - c.lr_warmup_steps);
+    // Warmup to lr, then cosine to min_lr, reached at the last step.
+    const double progress = static_cast<double>(step - c.lr_warmup_steps + 1) / (c.train_steps - c.lr_warmup_steps);
     const double lr = step < c.lr_warmup_steps ? c.lr * (step + 1) / c.lr_warmup_steps
                                                : c.min_lr + (c.lr - c.min_lr) * 0.5 * (1 + std::cos(M_PI * progress));
     for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);

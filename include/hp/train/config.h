@@ -14,6 +14,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -77,8 +78,9 @@ struct TrainConfig {
   int64_t log_interval = 1;
   std::string output_dir = "hp-train-out";  // metrics.jsonl and loss.svg; "" = none
 
-  // Where the config came from (for messages).
+  // Where the config came from (for messages), and the keys it set.
   std::string source;
+  std::set<std::string> given;
 
   // Checks the combinations against `world_size` and resolves data_parallel_shard = -1.
   // Raises hp::Error naming the key; "not supported yet" for capabilities not built.

@@ -13,7 +13,8 @@
 // sample; errors name the file and the offending offset and value.
 //
 // DataSharder walks an endless stream of sample positions: epoch e is a permutation of
-// all samples (seeded by (seed, e); the identity without shuffle), and step s consumes
+// all samples (seeded by (seed, e), computed per position without storing it; the
+// identity without shuffle), and step s consumes
 // positions [s * G, (s + 1) * G) for G = global_batch_size. Within a step, position
 // j * (dp * m) + r * m + i belongs to micro-batch j of data-parallel rank r (m samples per
 // micro-batch), so the concatenation of every rank's micro-batch j is micro-batch j of a
@@ -60,8 +61,6 @@ class DataSharder {
   int64_t n_, g_, mb_num_, dp_, m_;
   uint64_t seed_;
   bool shuffle_;
-  mutable int64_t cached_epoch_ = -1;
-  mutable std::vector<int64_t> perm_;
 };
 
 // [samples, seq_length + 1] int64 tokens of the given samples.

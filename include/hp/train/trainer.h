@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
+#include "hp/core/error.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/train/config.h"
 #include "hp/train/data.h"
@@ -28,8 +29,9 @@ namespace hp::train {
 // accumulate_allreduce_grads_in_fp32.
 MixedPrecisionPolicy mixed_precision(const TrainConfig& c);
 
-// Learning rate of optimizer step `step` (0-based): linear warmup to lr over
-// lr_warmup_steps, then lr_decay_style from lr to min_lr over the remaining steps.
+// Learning rate of optimizer step `step` (0-based): linear warmup, lr (k + 1) / W for
+// k < W = lr_warmup_steps, then lr_decay_style from lr to min_lr over the remaining
+// steps, progress (k - W + 1) / (train_steps - W): the last step uses min_lr.
 double lr_at(const TrainConfig& c, int64_t step);
 
 // sqrt of the sum of squares of every element of `grads` over the ranks of `shards`
@@ -37,6 +39,12 @@ double lr_at(const TrainConfig& c, int64_t step);
 double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& shards);
 // Scales `grads` by max_norm / (norm + 1e-6) when norm > max_norm > 0; returns the scale.
 double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm);
+
+// Raised (on every rank alike) when a step's loss or gradient norm is not finite.
+class TrainingDiverged : public Error {
+ public:
+  using Error::Error;
+};
 
 struct StepStats {
   int64_t step = 0;           // 1-based
@@ -64,8 +72,9 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c);
 
 class Trainer {
  public:
-  // `world` must have data_parallel x data_parallel_shard ranks; `c` validated.
-  Trainer(const TrainConfig& c, CommPtr world);
+  // `world` must have data_parallel x data_parallel_shard ranks; `c` validated. `data`:
+  // the config's dataset when already opened (null: opened here).
+  Trainer(const TrainConfig& c, CommPtr world, std::shared_ptr<const TokenDataset> data = nullptr);
   ~Trainer();
   StepStats step();  // the next step
   int64_t steps_done() const;
@@ -86,7 +95,8 @@ class Trainer {
 
 class ReferenceTrainer {
  public:
-  explicit ReferenceTrainer(const TrainConfig& c);  // `c` validated for the real layout
+  // `c` validated for the real layout.
+  explicit ReferenceTrainer(const TrainConfig& c, std::shared_ptr<const TokenDataset> data = nullptr);
   ~ReferenceTrainer();
   StepStats step();
   TrainModel& model();
