@@ -355,6 +355,12 @@ void FSDPModule::State::on_grad(size_t i) {
   ensure_backward_callback();
   if (params[i].grad_ready) return;
   params[i].grad_ready = true;
+  // Autograd accumulates a parameter's gradient only after every node that used it has
+  // run its backward, so nothing reads the unsharded values any more: free them now
+  // rather than with the rest of the module, when the module reshards after this backward.
+  if (unsharded && !unshard_pending && !aliased() && reshard_after_backward && is_last_backward) {
+    compat::resize_storage_bytes(params[i].param, 0);
+  }
   if (--grads_pending == 0) post_backward();
 }
 
