@@ -38,29 +38,31 @@ struct Value {
   }
 };
 
-int64_t as_int(const Value& v, int64_t min = INT64_MIN, int64_t max = INT64_MAX) {
+// The whole text as one number (std::stoll / std::stod), else an error naming `kind`.
+template <typename T>
+T parse_whole(const Value& v, T (*parse)(const std::string&, size_t*), const char* kind) {
   size_t used = 0;
-  int64_t x = 0;
+  T x{};
   try {
-    x = std::stoll(v.text, &used);
+    x = parse(v.text, &used);
   } catch (const std::exception&) {
-    v.fail("expected an integer");
+    v.fail("expected ", kind);
   }
-  if (used != v.text.size()) v.fail("expected an integer");
+  if (used != v.text.size()) v.fail("expected ", kind);
+  return x;
+}
+
+int64_t as_int(const Value& v, int64_t min = INT64_MIN, int64_t max = INT64_MAX) {
+  const int64_t x = parse_whole<long long>(v, [](const std::string& t, size_t* n) { return std::stoll(t, n); },
+                                           "an integer");
   if (x < min) v.fail("must be >= ", min);
   if (x > max) v.fail("must be <= ", max);
   return x;
 }
 
 double as_double(const Value& v) {
-  size_t used = 0;
-  double x = 0;
-  try {
-    x = std::stod(v.text, &used);
-  } catch (const std::exception&) {
-    v.fail("expected a number");
-  }
-  if (used != v.text.size() || !std::isfinite(x)) v.fail("expected a finite number");
+  const double x = parse_whole<double>(v, [](const std::string& t, size_t* n) { return std::stod(t, n); }, "a number");
+  if (!std::isfinite(x)) v.fail("expected a finite number");
   return x;
 }
 
