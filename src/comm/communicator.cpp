@@ -177,6 +177,7 @@ class QueuedCommunicator final : public Communicator {
   int size() const override { return cs_->size; }
   const std::string& name() const override { return cs_->name; }
   std::string backend() const override { return backend_; }
+  bool supports_device(const c10::Device& d) const override { return cs_->transport->supports_device(d); }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
   Timeout default_timeout() const override { return timeout_; }
 

@@ -17,15 +17,15 @@ namespace hp::detail {
 class OwnedBuffer {
  public:
   OwnedBuffer() = default;
-  static OwnedBuffer zeros(at::IntArrayRef shape, at::ScalarType dt) {
-    return OwnedBuffer(at::zeros(shape, at::TensorOptions().dtype(dt)));
+  static OwnedBuffer zeros(at::IntArrayRef shape, at::ScalarType dt, c10::Device dev) {
+    return OwnedBuffer(at::zeros(shape, at::TensorOptions().dtype(dt).device(dev)));
   }
-  static OwnedBuffer empty(at::IntArrayRef shape, at::ScalarType dt) {
-    return OwnedBuffer(at::empty(shape, at::TensorOptions().dtype(dt)));
+  static OwnedBuffer empty(at::IntArrayRef shape, at::ScalarType dt, c10::Device dev) {
+    return OwnedBuffer(at::empty(shape, at::TensorOptions().dtype(dt).device(dev)));
   }
-  // Copies `src` (never aliases it) into a new buffer of dtype dt.
+  // Copies `src` (never aliases it) into a new buffer of dtype dt on src's device.
   static OwnedBuffer copy_of(const at::Tensor& src, at::ScalarType dt) {
-    OwnedBuffer b = empty(src.sizes(), dt);
+    OwnedBuffer b = empty(src.sizes(), dt, src.device());
     b.t_.copy_(src);
     return b;
   }

@@ -92,6 +92,7 @@ struct FSDPModule::State {
   FullyShardOptions opts;
   GroupDtypes dt;
   std::vector<ParamInfo> params;
+  c10::Device device = c10::kCPU;  // of every parameter of the group
   FusedLayout layout;
   std::vector<State*> nested;  // fully_shard'ed modules inside this one
 
@@ -192,7 +193,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 // A tensor over `t`'s storage that does not share its version counter or autograd
 // meta: writes through it do not look like in-place edits of the parameter to autograd.
 at::Tensor raw_view(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dt) {
-  return at::from_blob(t.data_ptr(), shape, at::TensorOptions().dtype(dt));
+  return at::from_blob(t.data_ptr(), shape, at::TensorOptions().dtype(dt).device(t.device()));
 }
 
 // Copies the flat gradient (numel elements) into dst [shards, shard_numel] as the padded
@@ -219,12 +220,12 @@ void FSDPModule::State::begin_unshard() {
   for (auto& p : params) compat::resize_storage_bytes(p.param, p.plan.padded_numel() * es);
   ag_works.clear();
   if (opts.comm_fusion) {
-    ag_in = OwnedBuffer::zeros({layout.total}, cd);
+    ag_in = OwnedBuffer::zeros({layout.total}, cd, device);
     for (size_t i = 0; i < params.size(); ++i) {
       ag_in.tensor().narrow(0, layout.offsets[i], params[i].plan.shard_numel())
           .copy_(params[i].padded.view(-1));
     }
-    ag_out = OwnedBuffer::empty({shards() * layout.total}, cd);
+    ag_out = OwnedBuffer::empty({shards() * layout.total}, cd, device);
     ag_works.push_back(shard->all_gather(ag_out.tensor(), ag_in.tensor()));
   } else {
     for (auto& p : params) {
@@ -394,7 +395,7 @@ void FSDPModule::State::post_backward() {
   if (!requires_sync) {
     for (auto& p : params) {
       if (!p.requires_grad || !p.param.grad().defined()) continue;
-      if (!p.unsharded_acc.defined()) p.unsharded_acc = OwnedBuffer::zeros({p.plan.numel()}, dt.unsharded_accumulate);
+      if (!p.unsharded_acc.defined()) p.unsharded_acc = OwnedBuffer::zeros({p.plan.numel()}, dt.unsharded_accumulate, device);
       p.unsharded_acc.tensor().add_(p.param.grad().reshape({-1}));
       p.param.mutable_grad() = at::Tensor();  // drop our reference; autograd's tensor is not freed here
     }
@@ -409,7 +410,7 @@ void FSDPModule::State::post_backward() {
     for (auto& p : params) {
       if (!p.requires_grad) continue;
       at::Tensor g = flat_grad(p);
-      if (!g.defined()) g = at::zeros({p.plan.numel()}, at::TensorOptions().dtype(rd));
+      if (!g.defined()) g = at::zeros({p.plan.numel()}, at::TensorOptions().dtype(rd).device(device));
       apply_reduced(p, g.to(rd).view(p.sharded.sizes()));
       p.param.mutable_grad() = at::Tensor();  // drop our reference only
       p.unsharded_acc.release();
@@ -419,14 +420,14 @@ void FSDPModule::State::post_backward() {
   }
   if (opts.comm_fusion) {
     PendingReduce pr;
-    pr.input = OwnedBuffer::zeros({n, layout.total}, rd);
+    pr.input = OwnedBuffer::zeros({n, layout.total}, rd, device);
     for (size_t i = 0; i < params.size(); ++i) {
       auto& p = params[i];
       if (!p.requires_grad) continue;
       at::Tensor g = flat_grad(p);
       if (g.defined()) scatter_padded(pr.input.tensor().narrow(1, layout.offsets[i], p.plan.shard_numel()), g);
     }
-    pr.output = OwnedBuffer::empty({layout.total}, rd);
+    pr.output = OwnedBuffer::empty({layout.total}, rd, device);
     pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
     pending.push_back(std::move(pr));
   } else {
@@ -436,7 +437,7 @@ void FSDPModule::State::post_backward() {
       PendingReduce pr;
       pr.param = static_cast<int>(i);
       at::Tensor g = flat_grad(p);
-      pr.output = OwnedBuffer::empty({p.plan.shard_numel()}, rd);
+      pr.output = OwnedBuffer::empty({p.plan.shard_numel()}, rd, device);
       if (g.defined() && !p.unsharded_acc.defined() && g.scalar_type() == rd && g.is_contiguous() &&
           p.plan.padded_numel() == p.plan.numel()) {
         // Already the reduce-scatter's input (right dtype, no padding): borrow it. It is
@@ -444,7 +445,7 @@ void FSDPModule::State::post_backward() {
         pr.borrowed_input = g;
         pr.rs = shard->reduce_scatter(pr.output.tensor(), g, {op});
       } else {
-        pr.input = OwnedBuffer::zeros({p.plan.padded_numel()}, rd);
+        pr.input = OwnedBuffer::zeros({p.plan.padded_numel()}, rd, device);
         if (g.defined()) pr.input.tensor().narrow(0, 0, p.plan.numel()).copy_(g);
         pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
       }
@@ -560,7 +561,7 @@ void FSDPModule::State::apply_pending(PendingReduce& pr) {
     if (hsdp() && !requires_all_reduce) {
       // Keep the partial (not yet all-reduced) shard for the next step that all-reduces.
       if (!p.sharded_acc.defined()) {
-        p.sharded_acc = OwnedBuffer::zeros({p.plan.shard_numel()}, dt.sharded_accumulate);
+        p.sharded_acc = OwnedBuffer::zeros({p.plan.shard_numel()}, dt.sharded_accumulate, device);
       }
       p.sharded_acc.tensor().add_(seg);
       continue;
@@ -803,8 +804,15 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     HP_CHECK(t.scalar_type() == pdt, "not supported yet: parameters of different dtypes in one fully_shard ",
              "group (", label, ": '", mine[0].first, "' is ", pdt, ", '", name, "' is ", t.scalar_type(),
              "); apply fully_shard to a submodule so each group has one dtype");
-    HP_CHECK(t.device().is_cpu(), "not supported yet: fully_shard of parameter '", name, "' on ", t.device());
+    HP_CHECK(t.device() == mine[0].second.device(), "not supported yet: parameters on different devices in one ",
+             "fully_shard group (", label, ": '", mine[0].first, "' is on ", mine[0].second.device(), ", '", name,
+             "' on ", t.device(), ")");
   }
+  if (!mine.empty()) st->device = mine[0].second.device();
+  HP_CHECK(st->shard->supports_device(st->device) && (!st->replicate || st->replicate->supports_device(st->device)),
+           "fully_shard(", label, "): parameter '", mine.empty() ? std::string() : mine[0].first, "' is on ",
+           st->device, ", which the ", st->shard->backend(), " backend of communicator '", st->shard->name(),
+           "' does not support");
   st->dt = resolve_dtypes(o.mp_policy, pdt);
 
   const int n = st->shard->size(), k = st->shard->rank();
@@ -818,7 +826,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     p.requires_grad = t.requires_grad();
     std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
     shard_shape[0] = p.plan.rows_per_shard;
-    p.padded = at::zeros(shard_shape, at::TensorOptions().dtype(pdt));
+    p.padded = at::zeros(shard_shape, at::TensorOptions().dtype(pdt).device(st->device));
     if (p.plan.rows > 0) {
       at::Tensor src = t.detach().reshape({p.plan.dim0, p.plan.row_numel});
       p.padded.view({p.plan.rows_per_shard, p.plan.row_numel})
@@ -827,14 +835,14 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     }
     p.sharded = p.padded.narrow(0, 0, p.plan.rows).detach();
     p.sharded.set_requires_grad(p.requires_grad);
-    if (st->dt.main_grad) p.main_grad = at::zeros(p.sharded.sizes(), at::kFloat);
+    if (st->dt.main_grad) p.main_grad = at::zeros(p.sharded.sizes(), at::TensorOptions().dtype(at::kFloat).device(st->device));
     // The module's tensor becomes the unsharded parameter: compute dtype, global shape,
     // no storage until unshard. Its identity (module fields, autograd meta) is kept.
     // With one shard in the parameters' dtype it simply aliases the shard.
     if (st->aliased()) {
       t.set_data(p.padded.view(p.shape));
     } else {
-      at::Tensor unsharded = at::empty(p.shape, at::TensorOptions().dtype(st->dt.compute));
+      at::Tensor unsharded = at::empty(p.shape, at::TensorOptions().dtype(st->dt.compute).device(st->device));
       compat::resize_storage_bytes(unsharded, 0);
       t.set_data(unsharded);
     }

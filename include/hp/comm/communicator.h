@@ -81,6 +81,8 @@ class Communicator {
   // "dp_shard" or "dp_replicate+dp_shard"; see CommOptions::name).
   virtual const std::string& name() const = 0;
   virtual std::string backend() const = 0;
+  // Whether this backend moves tensors on `d` (mpi and local: CPU only).
+  virtual bool supports_device(const c10::Device& d) const = 0;
   // The world rank of each member, indexed by rank in this communicator.
   virtual const std::vector<int>& world_ranks() const = 0;
   virtual Timeout default_timeout() const = 0;

@@ -19,11 +19,26 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/native/Resize.h>
 
+#include "hp/config.h"
+#include "hp/core/error.h"
+#if HP_HAVE_CUDA
+#include <ATen/native/cuda/Resize.h>
+#endif
+
 namespace hp::compat {
 
 // Resizes the storage under `t` in place to `bytes` (0 frees it): the StorageImpl, and so
 // every tensor sharing it (autograd's saved tensors included), sees the new allocation.
+// On CUDA the allocation goes through the caching allocator on the current stream.
 inline void resize_storage_bytes(const at::Tensor& t, size_t bytes) {
+  if (t.is_cuda()) {
+#if HP_HAVE_CUDA
+    at::native::resize_bytes_cuda(t.storage().unsafeGetStorageImpl(), bytes);
+    return;
+#else
+    HP_CHECK(false, "a CUDA tensor in a build without CUDA");
+#endif
+  }
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
 }
 
