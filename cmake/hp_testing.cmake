@@ -5,7 +5,20 @@
 #   named <name>.np<N>, run under mpirun (oversubscribed, allowed as root).
 #   Without RANKS, registers a plain single-process test.
 
-find_package(GTest REQUIRED)
+# GoogleTest: the installed package (Debian's googletest), else its sources at
+# HP_GTEST_SOURCE_DIR (the GPU check carries a copy of /usr/src/googletest there).
+find_package(GTest QUIET)
+if(NOT GTest_FOUND)
+  set(HP_GTEST_SOURCE_DIR "" CACHE PATH "GoogleTest sources, when no GoogleTest package is installed")
+  if(NOT HP_GTEST_SOURCE_DIR OR NOT EXISTS "${HP_GTEST_SOURCE_DIR}/CMakeLists.txt")
+    message(FATAL_ERROR "GoogleTest not found: install googletest (libgtest-dev), or set HP_GTEST_SOURCE_DIR "
+                        "to its sources, or configure with -DHP_BUILD_TESTS=OFF")
+  endif()
+  set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
+  set(BUILD_GMOCK OFF CACHE BOOL "" FORCE)
+  add_subdirectory(${HP_GTEST_SOURCE_DIR} ${CMAKE_BINARY_DIR}/googletest EXCLUDE_FROM_ALL)
+  add_library(GTest::gtest ALIAS gtest)
+endif()
 
 add_library(hp_test_main STATIC ${CMAKE_SOURCE_DIR}/tests/test_main.cpp)
 target_link_libraries(hp_test_main PUBLIC hp GTest::gtest)

@@ -19,6 +19,14 @@
 #if HP_HAVE_MPI
 #include <mpi.h>
 #endif
+#if HP_HAVE_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#endif
 
 namespace hp {
 namespace {
@@ -35,6 +43,94 @@ bool launched_by_mpi() {
   }
   return false;
 }
+
+#if HP_HAVE_MPI
+// MPI_Init_thread(MPI_THREAD_MULTIPLE) unless the program did it; sets g_local_size.
+void init_mpi() {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    g_we_initialized_mpi = true;
+    HP_CHECK(provided == MPI_THREAD_MULTIPLE,
+             "this MPI library does not provide MPI_THREAD_MULTIPLE (got level ", provided,
+             "); hyperparallel runs collectives on their own threads and needs it");
+  }
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_size(node, &g_local_size);
+  MPI_Comm_free(&node);
+}
+#endif
+
+#if HP_HAVE_NCCL
+// Rank 0 writes the id to <dir>/nccl_unique_id (through a rename, so readers never see
+// half a file); the others wait for it, up to HP_COMM_TIMEOUT_S.
+void share_through_file(const std::string& dir, int rank, void* id, size_t n) {
+  namespace fs = std::filesystem;
+  const fs::path path = fs::path(dir) / "nccl_unique_id";
+  if (rank == 0) {
+    HP_CHECK(!fs::exists(path), "HP_NCCL_STORE: ", path.string(), " already exists (from an earlier run?); ",
+             "give each run a fresh directory");
+    const fs::path tmp = path.string() + ".tmp";
+    {
+      std::ofstream f(tmp, std::ios::binary);
+      f.write(static_cast<const char*>(id), static_cast<std::streamsize>(n));
+      HP_CHECK(f.good(), "HP_NCCL_STORE: cannot write ", tmp.string());
+    }
+    fs::rename(tmp, path);
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(env::get_double("HP_COMM_TIMEOUT_S") * 1000));
+  while (!fs::exists(path)) {
+    HP_CHECK(std::chrono::steady_clock::now() < deadline, "HP_NCCL_STORE: rank ", rank, " waited for ",
+             path.string(), " from rank 0 until HP_COMM_TIMEOUT_S ran out");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::ifstream f(path, std::ios::binary);
+  f.read(static_cast<char*>(id), static_cast<std::streamsize>(n));
+  HP_CHECK(f.gcount() == static_cast<std::streamsize>(n), "HP_NCCL_STORE: ", path.string(), " is truncated");
+}
+
+int launcher_local_rank(int rank) {
+  int64_t local = env::get_int("HP_LOCAL_RANK");
+  if (local >= 0) return static_cast<int>(local);
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  }
+  return rank;
+}
+
+CommPtr make_nccl_world(const CommOptions& o) {
+  int rank = 0, size = 1;
+  std::function<void(void*, size_t)> share;
+#if HP_HAVE_MPI
+  if (launched_by_mpi()) {
+    init_mpi();
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    share = [](void* p, size_t n) { MPI_Bcast(p, static_cast<int>(n), MPI_BYTE, 0, MPI_COMM_WORLD); };
+  }
+#endif
+  if (!share) {
+    rank = static_cast<int>(env::get_int("HP_RANK"));
+    size = static_cast<int>(env::get_int("HP_WORLD_SIZE"));
+    HP_CHECK(size >= 1 && rank >= 0 && rank < size, "HP_RANK=", rank, " must be in [0, HP_WORLD_SIZE=", size, ")");
+    std::string dir = env::get_string("HP_NCCL_STORE");
+    HP_CHECK(size == 1 || !dir.empty(), "the nccl backend with HP_WORLD_SIZE=", size,
+             " and no MPI needs HP_NCCL_STORE (a fresh directory every rank sees)");
+    share = [dir, rank](void* p, size_t n) { share_through_file(dir, rank, p, n); };
+    g_local_size = size;  // one node: the file store serves a single machine
+  }
+  const int gpus = c10::cuda::device_count();
+  HP_CHECK(gpus > 0, "the nccl backend needs a CUDA device, and this process sees none");
+  const int device = launcher_local_rank(rank) % gpus;
+  return detail::make_queued_communicator(detail::make_nccl_world_transport(rank, size, device, share),
+                                          o.name.empty() ? "world" : o.name, o);
+}
+#endif
 
 int usable_cores() {
   cpu_set_t set;
@@ -70,29 +166,22 @@ CommPtr init(const InitOptions& o) {
   std::lock_guard<std::mutex> g(g_mu);
   if (g_world) return g_world;
   std::string backend = o.backend.empty() ? env::get_string("HP_BACKEND") : o.backend;
-  HP_CHECK(backend == "auto" || backend == "mpi" || backend == "local", "unknown backend '",
-           backend, "' (HP_BACKEND / InitOptions::backend): expected auto, mpi or local");
+  HP_CHECK(backend == "auto" || backend == "mpi" || backend == "local" || backend == "nccl", "unknown backend '",
+           backend, "' (HP_BACKEND / InitOptions::backend): expected auto, mpi, local or nccl");
   if (backend == "auto") backend = (mpi_available() && launched_by_mpi()) ? "mpi" : "local";
 
   if (backend == "mpi") {
 #if HP_HAVE_MPI
-    int inited = 0;
-    MPI_Initialized(&inited);
-    if (!inited) {
-      int provided = 0;
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      g_we_initialized_mpi = true;
-      HP_CHECK(provided == MPI_THREAD_MULTIPLE,
-               "this MPI library does not provide MPI_THREAD_MULTIPLE (got level ", provided,
-               "); hyperparallel runs collectives on their own threads and needs it");
-    }
-    MPI_Comm node;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-    MPI_Comm_size(node, &g_local_size);
-    MPI_Comm_free(&node);
+    init_mpi();
     g_world = make_mpi_world_communicator(o.world);
 #else
     HP_NOT_SUPPORTED("backend 'mpi': this build has no MPI");
+#endif
+  } else if (backend == "nccl") {
+#if HP_HAVE_NCCL
+    g_world = make_nccl_world(o.world);
+#else
+    HP_NOT_SUPPORTED("backend 'nccl': this build has no CUDA and NCCL (see the README's GPU build)");
 #endif
   } else {
     if (launched_by_mpi()) {

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "hp/core/error.h"
@@ -36,5 +37,12 @@ inline at::Tensor pattern(int64_t rank, int64_t numel, int64_t offset, at::Scala
 }
 
 inline const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+// The device tests that support it run on: HP_TEST_DEVICE (cpu, the default, or cuda;
+// the GPU check runs them with cuda and the nccl backend).
+inline c10::Device test_device() {
+  const char* v = std::getenv("HP_TEST_DEVICE");
+  return c10::Device(v && *v ? v : "cpu");
+}
 
 }  // namespace hp::test

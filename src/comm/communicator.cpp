@@ -64,6 +64,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       ws = std::move(cs->queue.front());
       cs->queue.pop_front();
       if (cs->broken) {
+        cs->transport->skip_op();
         try {
           cs->raise_broken(*ws);
         } catch (...) {
@@ -81,7 +82,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
     }
     std::exception_ptr err;
     try {
-      ws->run();
+      cs->transport->run_op(ws->run);
     } catch (const CommError&) {
       err = std::current_exception();
     } catch (const std::exception& e) {
@@ -402,6 +403,7 @@ class QueuedCommunicator final : public Communicator {
     if (cs_->broken) cs_->raise_broken(*ws);
     HP_CHECK(!cs_->stop, where(op), "the communicator was shut down (hp::finalize ran)");
     if (!cs_->worker.joinable()) cs_->worker = std::thread(worker_loop, cs_);
+    cs_->transport->on_enqueue();
     cs_->queue.push_back(ws);
     cs_->enqueued.fetch_add(1);
     cs_->work_cv.notify_one();

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,17 @@ class Transport {
   // Called when an op timed out while inside this transport: its resources may be in use
   // by a call that never returns, so the destructor must not release them.
   virtual void abandon() {}
+
+  // Stream-ordered backends (nccl) hook the op's life here; the defaults do nothing.
+  // on_enqueue: on the caller's thread, under the queue's lock, once per op in issue
+  // order (nccl records an event on the caller's current stream: the op must run after
+  // the work that produced its inputs). run_op: on the worker thread, runs the op (its
+  // body, AVG's division included) and returns once the op has completed (nccl: the
+  // op's stream passed a completion event), so the op's tensors may then be dropped.
+  // skip_op: an op dropped without running (the communicator broke before it).
+  virtual void on_enqueue() {}
+  virtual void run_op(const std::function<void()>& body) { body(); }
+  virtual void skip_op() {}
 };
 
 // Wraps a transport in the queued, validated, traced Communicator.
@@ -51,6 +63,12 @@ CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string
 std::unique_ptr<Transport> make_local_transport();
 #if HP_HAVE_MPI
 std::unique_ptr<Transport> make_mpi_world_transport();
+#endif
+#if HP_HAVE_NCCL
+// The world over NCCL for CUDA tensors. `share_id` gives every rank rank 0's 128-byte
+// ncclUniqueId (an MPI broadcast, or a file store). The CUDA device is `device`.
+std::unique_ptr<Transport> make_nccl_world_transport(int rank, int size, int device,
+                                                     const std::function<void(void*, size_t)>& share_id);
 #endif
 
 // Stops every live communicator's worker before the runtime shuts MPI down. Returns

@@ -40,7 +40,7 @@ struct BlockImpl : torch::nn::Module {
     auto split = [&](const at::Tensor& t) { return t.reshape({B, T, heads, dh}).transpose(1, 2); };
     at::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
     at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(dh));
-    at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
+    at::Tensor mask = at::ones({T, T}, scores.options().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(mask, -1e9);
     at::Tensor o = scores.softmax(-1).matmul(v).transpose(1, 2).reshape({B, T, D});
     at::Tensor h = x + hp::call(proj, o);

@@ -13,7 +13,7 @@ namespace hp::test {
 
 // The full tensor (fp32) of a sharded parameter from every shard rank's rows `local`.
 inline at::Tensor reassemble(const ShardedTensor& st, const at::Tensor& local, const CommPtr& shard_group) {
-  at::Tensor full = at::zeros(st.global_shape, at::kFloat);
+  at::Tensor full = at::zeros(st.global_shape, local.options().dtype(at::kFloat));
   at::Tensor rows = full.dim() == 0 ? full.view({1}) : full;
   if (local.size(0) > 0) rows.narrow(0, st.row_offset, local.size(0)).copy_(local.detach());
   shard_group->all_reduce(full).wait();  // each row lives on exactly one shard rank

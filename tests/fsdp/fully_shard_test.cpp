@@ -117,12 +117,15 @@ Result train(const Case& c) {
   // The reference: `ref` holds what the optimizer steps (fp32, or bf16 for pure bf16);
   // `work` runs forward/backward in the compute dtype when that differs, with the same
   // casts fully_shard applies.
+  // Built on the CPU from the seed, then moved to the test device (HP_TEST_DEVICE).
+  const c10::Device dev = hp::test::test_device();
   torch::manual_seed(0);
   TinyModel ref(cfg);
   torch::manual_seed(0);
   TinyModel m(cfg);
   torch::manual_seed(0);
   TinyModel work(cfg);
+  for (TinyModel* mm : {&ref, &m, &work}) (*mm)->to(dev);
   if (bf16_model) {
     m->to(at::kBFloat16);
     if (c.policy == Policy::kPureBf16) {
@@ -193,7 +196,8 @@ Result train(const Case& c) {
 
   Result res;
   for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(cfg, step);
+    auto [cx, cy] = batch(cfg, step);
+    at::Tensor x = cx.to(dev), y = cy.to(dev);
     ref_opt.zero_grad();
     if (use_work) {
       at::NoGradGuard g;
