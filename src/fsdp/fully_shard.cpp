@@ -710,18 +710,20 @@ std::string describe(const torch::nn::Module& m) {
 // Every rank must shard the same parameters: compare (count, then per parameter dtype,
 // ndim and dims) across `comm` before anything is sharded.
 void check_same_shapes(const CommPtr& comm, const std::vector<std::pair<std::string, at::Tensor>>& ps,
-                       const std::string& label) {
+                       const std::string& label, c10::Device dev) {
   std::vector<int64_t> sig{static_cast<int64_t>(ps.size())};
   for (const auto& [name, t] : ps) {
     sig.push_back(static_cast<int64_t>(t.scalar_type()));
     sig.push_back(t.dim());
     for (int64_t d : t.sizes()) sig.push_back(d);
   }
-  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), at::kLong);
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(dev);
+  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), opts);
   comm->all_reduce(len, {ReduceOp::MAX}).wait();
   const int64_t L = len.item<int64_t>();
   at::Tensor mine = at::full({L}, -1, at::kLong);
   for (size_t i = 0; i < sig.size(); ++i) mine[i] = sig[i];
+  mine = mine.to(dev);
   at::Tensor mx = mine.clone(), mn = mine.clone();
   Work a = comm->all_reduce(mx, {ReduceOp::MAX});
   Work b = comm->all_reduce(mn, {ReduceOp::MIN});
@@ -798,7 +800,16 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
       mine.emplace_back(item.key(), item.value());
     }
   }
-  check_same_shapes(world, mine, label);
+  // The signature check runs on the CPU, or on the parameters' device for a backend that
+  // moves only device tensors (nccl).
+  c10::Device sig_dev = c10::kCPU;
+  if (!world->supports_device(sig_dev)) {
+    auto all = module.parameters(/*recurse=*/true);
+    HP_CHECK(!all.empty(), "fully_shard(", label, "): a module without parameters on a ", world->backend(),
+             " communicator");
+    sig_dev = all[0].device();
+  }
+  check_same_shapes(world, mine, label, sig_dev);
   at::ScalarType pdt = mine.empty() ? at::kFloat : mine[0].second.scalar_type();
   for (const auto& [name, t] : mine) {
     HP_CHECK(t.scalar_type() == pdt, "not supported yet: parameters of different dtypes in one fully_shard ",
