@@ -87,8 +87,8 @@ def main():
     cfg = CONFIGS[which]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dev = torch.device("cuda", 0)

@@ -17,7 +17,9 @@ if(NOT GTest_FOUND)
   set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
   set(BUILD_GMOCK OFF CACHE BOOL "" FORCE)
   add_subdirectory(${HP_GTEST_SOURCE_DIR} ${CMAKE_BINARY_DIR}/googletest EXCLUDE_FROM_ALL)
-  add_library(GTest::gtest ALIAS gtest)
+  if(NOT TARGET GTest::gtest)  # GoogleTest >= 1.11 defines it itself
+    add_library(GTest::gtest ALIAS gtest)
+  endif()
 endif()
 
 add_library(hp_test_main STATIC ${CMAKE_SOURCE_DIR}/tests/test_main.cpp)

@@ -33,24 +33,33 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 
 step "configure"
 prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-gtest=()
-[ -d third_party/googletest ] && gtest=(-DHP_GTEST_SOURCE_DIR="$PWD/third_party/googletest")
+# The NCCL PyTorch loads (the nvidia-nccl wheel) when there is one, else the system's.
+nccl_root=$(python3 -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
+# libtorch's CMake config looks for nvcc through CUDACXX or PATH.
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDACXX=/usr/local/cuda/bin/nvcc; fi
+extra=(-DHP_REQUIRE_NCCL=ON)
+[ -n "$nccl_root" ] && extra+=(-DNCCL_ROOT="$nccl_root")
+[ -d third_party/googletest ] && extra+=(-DHP_GTEST_SOURCE_DIR="$PWD/third_party/googletest")
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" -DHP_WITH_MPI=OFF \
-  "${gtest[@]}" || { echo "RESULT: configure failed"; exit 1; }
+  "${extra[@]}" || { echo "RESULT: configure failed"; exit 1; }
 
 step "build"
 cmake --build build-gpu -j "${HP_GPU_JOBS:-$(nproc)}" --target nccl_test fully_shard_test gpu_bench ||
   { echo "RESULT: build failed"; exit 1; }
 
+# Time limits keep the whole check within one 10-minute device command (the build takes
+# a few minutes of it).
 step "tests (ctest -L gpu)"
-(cd build-gpu && timeout 300 ctest -L gpu --output-on-failure) || status=1
+(cd build-gpu && timeout 180 ctest -L gpu --output-on-failure --timeout 170) || status=1
 
 step "benchmark: hp::fully_shard vs PyTorch FSDP2, world size 1"
 for c in small large; do
-  HP_BACKEND=nccl timeout 150 build-gpu/gpu_bench "$c" 10 || status=1
-  timeout 200 python3 bench/fsdp2_bench.py "$c" 10 || status=1
+  HP_BACKEND=nccl timeout 60 build-gpu/gpu_bench "$c" 8 || status=1
+  timeout 75 python3 bench/fsdp2_bench.py "$c" 8 || status=1
 done
 
 step "done"
 echo "RESULT: $([ $status = 0 ] && echo passed || echo FAILED)"
+exec >&- 2>&-  # let tee write the last lines before the script ends
+wait
 exit $status

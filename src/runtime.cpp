@@ -127,6 +127,7 @@ CommPtr make_nccl_world(const CommOptions& o) {
   const int gpus = c10::cuda::device_count();
   HP_CHECK(gpus > 0, "the nccl backend needs a CUDA device, and this process sees none");
   const int device = launcher_local_rank(rank) % gpus;
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));  // the tensors' default CUDA device
   return detail::make_queued_communicator(detail::make_nccl_world_transport(rank, size, device, share),
                                           o.name.empty() ? "world" : o.name, o);
 }

@@ -9,9 +9,15 @@
 // use it and the caching allocator's record_stream is never needed. A Work that
 // completed is therefore also complete on the GPU: its outputs may be read on any stream.
 //
+// The op is ordered after the caller's *current* stream only: inputs produced on another
+// stream must be synchronized with it by the caller first.
+//
 // Timeouts: Work::wait raises TimeoutError and calls abandon(); the polling worker then
 // aborts the NCCL communicator (ncclCommAbort), which ends the stuck kernel, and the
-// communicator refuses every later op.
+// communicator refuses every later op. The aborted op's tensors are never released (the
+// transport keeps them, and is itself leaked): its stream may still touch them.
+// Communicators made by split/new_group are blocking NCCL communicators; their creation
+// is not interruptible by a timeout.
 #include "hp/config.h"
 
 #if HP_HAVE_NCCL
@@ -80,8 +86,9 @@ class NcclTransport final : public Transport {
   }
 
   ~NcclTransport() override {
-    if (abandoned_) return;  // the communicator was aborted; a stuck call may still hold these
-    c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device_));
+    if (abandoned_) return;  // aborted: a stuck call may still hold these; leak them
+    // No throwing here (CUDA may already be shutting down at exit): errors are ignored.
+    if (cudaSetDevice(device_) != cudaSuccess) return;
     ncclCommDestroy(comm_);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (cudaEvent_t e : issued_) cudaEventDestroy(e);
@@ -110,13 +117,18 @@ class NcclTransport final : public Transport {
     cudaEvent_t ready = pop_issued();
     cuda_check(cudaStreamWaitEvent(stream_, ready, 0), "cudaStreamWaitEvent");
     give_back(ready);  // the wait captured the recorded state; the event may be reused
-    {
-      c10::cuda::CUDAStreamGuard sg(
-          c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(device_)));
-      body();
+    try {
+      {
+        c10::cuda::CUDAStreamGuard sg(
+            c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(device_)));
+        body();
+      }
+      sync_stream();
+    } catch (...) {
+      // The stream may still use the op's tensors: keep them (the body holds them) forever.
+      kept_alive_.push_back(body);
+      throw;
     }
-    cuda_check(cudaEventRecord(done_, stream_), "cudaEventRecord");
-    wait_done();
   }
 
   void abandon() override { abandoned_ = true; }
@@ -146,6 +158,12 @@ class NcclTransport final : public Transport {
     auto* src = static_cast<char*>(in.data_ptr());
     auto* dst = static_cast<char*>(out.data_ptr());
     nccl_check(ncclGroupStart(), "ncclGroupStart", comm_);
+    struct GroupEnd {  // closes the group if a call inside it throws
+      bool open = true;
+      ~GroupEnd() {
+        if (open) ncclGroupEnd();
+      }
+    } guard;
     int64_t in_off = 0, out_off = 0;
     for (int p = 0; p < size_; ++p) {
       if (in_counts[p] > 0) {
@@ -157,6 +175,7 @@ class NcclTransport final : public Transport {
       in_off += in_counts[p];
       out_off += out_counts[p];
     }
+    guard.open = false;
     nccl_check(ncclGroupEnd(), "ncclGroupEnd", comm_);
   }
   void send(const at::Tensor& t, int dst, int tag) override {
@@ -184,18 +203,44 @@ class NcclTransport final : public Transport {
     auto t = std::make_unique<NcclTransport>(nc, std::vector<int>{}, device_);
     at::Tensor all = at::empty({t->size_}, mine.options());
     nccl_check(ncclAllGather(mine.data_ptr(), all.data_ptr(), 1, ncclInt32, nc, stream_), "ncclAllGather", nc);
-    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    sync_stream();
     at::Tensor host = all.cpu();
     t->world_ranks_.assign(host.data_ptr<int>(), host.data_ptr<int>() + t->size_);
     return t;
   }
 
+  // Only the listed ranks call new_group, so ncclCommSplit (collective over the whole
+  // parent) cannot serve: ranks[0] makes a unique id and sends it to the other members
+  // over the parent (point-to-point involves only the two ranks), then the members
+  // create the group's communicator together.
   std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) override {
     int index = -1;
     for (size_t i = 0; i < ranks.size(); ++i) {
       if (ranks[i] == rank_) index = static_cast<int>(i);
     }
-    return split(index >= 0 ? 0 : -1, index >= 0 ? index : 0);
+    HP_CHECK(index >= 0, "new_group: rank ", rank_, " is not in the group it creates");
+    ncclUniqueId id;
+    at::Tensor buf = at::empty({static_cast<int64_t>(sizeof id)},
+                               at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
+    if (index == 0) {
+      nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      cuda_check(cudaMemcpyAsync(buf.data_ptr(), &id, sizeof id, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+      nccl_check(ncclGroupStart(), "ncclGroupStart", comm_);
+      for (size_t i = 1; i < ranks.size(); ++i) {
+        nccl_check(ncclSend(buf.data_ptr(), sizeof id, ncclUint8, ranks[i], comm_, stream_), "ncclSend", comm_);
+      }
+      nccl_check(ncclGroupEnd(), "ncclGroupEnd", comm_);
+      sync_stream();
+    } else {
+      nccl_check(ncclRecv(buf.data_ptr(), sizeof id, ncclUint8, ranks[0], comm_, stream_), "ncclRecv", comm_);
+      sync_stream();
+      cuda_check(cudaMemcpy(&id, buf.data_ptr(), sizeof id, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    }
+    ncclComm_t nc = nullptr;
+    nccl_check(ncclCommInitRank(&nc, static_cast<int>(ranks.size()), id, index), "ncclCommInitRank");
+    std::vector<int> world;
+    for (int r : ranks) world.push_back(world_ranks_[r]);
+    return std::make_unique<NcclTransport>(nc, std::move(world), device_);
   }
 
  private:
@@ -231,6 +276,12 @@ class NcclTransport final : public Transport {
     cudaEvent_t e = issued_.front();
     issued_.pop_front();
     return e;
+  }
+
+  // Records the completion event on the transport's stream and waits for it.
+  void sync_stream() {
+    cuda_check(cudaEventRecord(done_, stream_), "cudaEventRecord");
+    wait_done();
   }
 
   // Polls the completion event: spins briefly, then sleeps up to 100 us between checks.
@@ -270,6 +321,7 @@ class NcclTransport final : public Transport {
   std::vector<cudaEvent_t> free_events_;
   std::atomic<bool> abandoned_{false};
   at::Tensor barrier_buf_;
+  std::vector<std::function<void()>> kept_alive_;  // ops that failed mid-stream (see run_op)
 };
 
 }  // namespace

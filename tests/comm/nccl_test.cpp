@@ -1,7 +1,10 @@
 // The nccl backend on CUDA tensors (run with HP_BACKEND=nccl; built when CUDA and NCCL
 // are): every op against references built here, ordering after the producer's stream,
 // tensors the caller dropped kept alive, bad devices rejected. Written for any world
-// size; the GPU check runs it at world size 1 (NCCL refuses two ranks on one GPU).
+// size; the GPU check runs it at world size 1 (NCCL refuses two ranks on one GPU), where
+// every reduction is an identity: a pass there shows the plumbing (streams, events,
+// lifetimes, dtypes, counts of all_gather) but not NCCL's arithmetic across ranks, the
+// NOCOLOR side of split, new_group's id exchange, or the abort path.
 #include <gtest/gtest.h>
 
 #include <c10/cuda/CUDAGuard.h>
@@ -22,7 +25,7 @@ TEST(Nccl, EveryOpMatchesItsReference) {
   auto w = hp::world();
   ASSERT_EQ(w->backend(), "nccl") << "run with HP_BACKEND=nccl";
   const int n = w->size(), r = w->rank();
-  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble, at::kInt, at::kLong}) {
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble, at::kInt, at::kLong, at::kByte}) {
     SCOPED_TRACE(hp::test::dtype_name(dt));
     const int64_t m = 1000;
     // all_gather: rank i's pattern at offset i * m.
@@ -82,7 +85,13 @@ TEST(Nccl, OrderedAfterTheProducerStreamAndKeepsInputsAlive) {
     at::Tensor x = at::full({1 << 20}, 3.0f, at::TensorOptions().device(gpu())) + big.sum() * 0;
     out = at::empty({n << 20}, x.options());
     work = w->all_gather(out, x);
-    // x and big go out of scope here: the communicator keeps x until the op is done.
+  }
+  // x and big are gone: the communicator must keep x until the op is done. New tensors of
+  // the same size on the same stream would reuse x's block if it had been freed early.
+  std::vector<at::Tensor> decoys;
+  {
+    c10::cuda::CUDAStreamGuard g(c10::cuda::getStreamFromPool());
+    for (int i = 0; i < 4; ++i) decoys.push_back(at::full({1 << 20}, -1.0f, at::TensorOptions().device(gpu())));
   }
   work.wait();
   EXPECT_TRUE(at::all(out.cpu() == 3.0f).item<bool>());
