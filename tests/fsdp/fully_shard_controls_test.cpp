@@ -170,3 +170,41 @@ TEST(FullyShardControls, ReshardAfterBackwardAndLastBackward) {
   EXPECT_FALSE(ha->is_unsharded());
   for (auto& p : ha->parameters()) EXPECT_TRUE(p.grad().defined());
 }
+
+// In backward, each parameter's unsharded storage is freed as soon as its gradient has
+// been accumulated, not when the whole module is done: while the first layer's gradient
+// is being computed, the second layer's weight (whose gradient came first) is gone and the
+// first layer's is still there. Not when the module stays gathered after this backward.
+TEST(FullyShardControls, ParametersFreedAsTheirGradientsArrive) {
+  struct Net : torch::nn::Module {
+    Net() {
+      l1 = register_module("l1", torch::nn::Linear(6, 5));
+      l2 = register_module("l2", torch::nn::Linear(5, 4));
+    }
+    at::Tensor forward(const at::Tensor& x) { return hp::call(l2, hp::call(l1, x)); }
+    torch::nn::Linear l1{nullptr}, l2{nullptr};
+  };
+  auto net = std::make_shared<Net>();
+  hp::FullyShardOptions o;
+  o.reshard_after_forward = false;
+  o.mp_policy.param_dtype = at::kBFloat16;  // never aliased, even with one shard
+  hp::FSDPHandle h = hp::fully_shard(*net, o);
+  std::vector<std::pair<size_t, size_t>> seen;  // (l2.weight bytes, l1.weight bytes) at l1's gradient
+  net->l1->weight.register_hook([&](const at::Tensor&) {
+    seen.emplace_back(net->l2->weight.storage().nbytes(), net->l1->weight.storage().nbytes());
+  });
+  at::Tensor x = at::randn({3, 6});
+  hp::call(net, x).sum().backward();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].first, 0u) << "l2.weight still allocated after its gradient arrived";
+  EXPECT_GT(seen[0].second, 0u) << "l1.weight freed before its gradient was computed";
+  EXPECT_FALSE(h->is_unsharded());
+  // Staying gathered for another micro-batch: nothing is freed.
+  h->set_is_last_backward(false);
+  hp::call(net, x).sum().backward();
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_GT(seen[1].first, 0u);
+  EXPECT_TRUE(h->is_unsharded());
+  h->set_is_last_backward(true);
+  h->reshard();
+}
