@@ -115,6 +115,7 @@ class NcclTransport final : public Transport {
   void run_op(const std::function<void()>& body) override {
     c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device_));
     cudaEvent_t ready = pop_issued();
+    HP_INTERNAL_ASSERT(ready != nullptr, "nccl: an op runs without the event of its issue");
     cuda_check(cudaStreamWaitEvent(stream_, ready, 0), "cudaStreamWaitEvent");
     give_back(ready);  // the wait captured the recorded state; the event may be reused
     try {
