@@ -7,13 +7,13 @@
 //
 // The model is the tests' transformer (tests/fsdp/fsdp_model.h): pre-norm blocks with
 // LayerNorm, multi-head causal attention and a 4x GELU MLP, an 8192-token embedding tied
-// to the output head. fp32 parameters, bf16 compute, fp32 gradient reduction, AdamW; each
+// to the output head. fp32 parameters, bf16 compute, fp32 gradient reduction, AdamW (the
+// multi-tensor hp::optim::ForeachAdamW, as FSDP2's AdamW defaults to foreach); each
 // block and the root under fully_shard. One JSON line per configuration.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
-#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +23,7 @@
 
 #include "fsdp/fsdp_model.h"
 #include "hp/fsdp/fully_shard.h"
+#include "hp/optim/foreach_adamw.h"
 #include "hp/runtime.h"
 
 namespace {
@@ -56,7 +57,8 @@ int run(const Config& k, int steps) {
   for (auto& h : hs) {
     for (auto& p : h->parameters()) params.push_back(p);
   }
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-4));
+  // Multi-tensor AdamW, as FSDP2's Python AdamW uses foreach kernels by default.
+  hp::optim::ForeachAdamW opt(params, torch::optim::AdamWOptions(1e-4));
   at::Tensor all = at::randint(c.vocab, {k.batch, k.seq + 1}, at::TensorOptions().dtype(at::kLong).device(dev));
   at::Tensor x = all.narrow(1, 0, k.seq), y = all.narrow(1, 1, k.seq);
 

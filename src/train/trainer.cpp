@@ -13,6 +13,7 @@
 #include "hp/fsdp/master_weights.h"
 #include "hp/models/deepseek.h"
 #include "hp/models/llama.h"
+#include "hp/optim/foreach_adamw.h"
 
 namespace hp::train {
 
@@ -84,7 +85,8 @@ class ModelOf : public TrainModel {
   Holder m_;
 };
 
-// AdamW with weight decay on matrices (dim >= 2) and none on norm scales and vectors.
+// AdamW (multi-tensor, same results as libtorch's) with weight decay on matrices
+// (dim >= 2) and none on norm scales and vectors.
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> decay, plain;
   for (const at::Tensor& p : params) {
@@ -97,7 +99,7 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const 
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (!decay.empty()) groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts(c.weight_decay)));
   if (!plain.empty()) groups.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(opts(0.0)));
-  return std::make_unique<torch::optim::AdamW>(std::move(groups), opts(c.weight_decay));
+  return std::make_unique<optim::ForeachAdamW>(std::move(groups), opts(c.weight_decay));
 }
 
 void check_finite(int64_t step, const char* what, double x) {
