@@ -29,7 +29,7 @@ torch::Tensor ForeachAdamW::step(LossClosure closure) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       HP_CHECK(!p.grad().is_sparse(), "ForeachAdamW does not support sparse gradients");
-      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      const auto key = state_key(state_, p);
       auto it = state_.find(key);
       if (it == state_.end()) {
         auto s = std::make_unique<torch::optim::AdamWParamState>();

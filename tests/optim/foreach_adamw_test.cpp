@@ -54,10 +54,9 @@ TEST(ForeachAdamW, BitwiseTheSameAsTorchAdamW) {
   }
   // The state is the same too (so a checkpoint of one loads into the other).
   for (size_t i = 0; i < a.size(); ++i) {
-    auto key_a = c10::guts::to_string(a[i].unsafeGetTensorImpl());
-    auto key_b = c10::guts::to_string(b[i].unsafeGetTensorImpl());
-    auto& sa = static_cast<torch::optim::AdamWParamState&>(*ref.state().at(key_a));
-    auto& sb = static_cast<torch::optim::AdamWParamState&>(*mine.state().at(key_b));
+    // Keys as libtorch's own AdamW makes them (both optimizers' maps use that format).
+    auto& sa = static_cast<torch::optim::AdamWParamState&>(*ref.state().at(hp::optim::state_key(ref.state(), a[i])));
+    auto& sb = static_cast<torch::optim::AdamWParamState&>(*mine.state().at(hp::optim::state_key(mine.state(), b[i])));
     EXPECT_EQ(sa.step(), sb.step());
     EXPECT_TRUE(at::equal(sa.exp_avg(), sb.exp_avg()));
     EXPECT_TRUE(at::equal(sa.exp_avg_sq(), sb.exp_avg_sq()));

@@ -11,9 +11,26 @@
 
 #include <torch/optim/adamw.h>
 
+#include <sstream>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace hp::optim {
+
+// The key of parameter `p` in a libtorch optimizer's state map (`optimizer.state()`): the
+// printed address of its TensorImpl in libtorch 1.x, the address itself in 2.x.
+template <typename StateMap>
+typename StateMap::key_type state_key(const StateMap&, const at::Tensor& p) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream os;  // as libtorch 1.x prints it (c10::guts::to_string)
+    os << p.unsafeGetTensorImpl();
+    return os.str();
+  } else {
+    return p.unsafeGetTensorImpl();
+  }
+}
 
 class ForeachAdamW : public torch::optim::AdamW {
  public:
