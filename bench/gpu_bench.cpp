@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fsdp/fsdp_model.h"
+#include "fsdp/fsdp_test_util.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/optim/foreach_adamw.h"
 #include "hp/runtime.h"
@@ -50,13 +51,7 @@ int run(const Config& k, int steps) {
   o.mesh = std::make_shared<hp::DeviceMesh>(world, std::vector<hp::MeshDim>{{"dp_shard", -1}});
   o.mp_policy.param_dtype = at::kBFloat16;
   o.mp_policy.reduce_dtype = at::kFloat;
-  std::vector<hp::FSDPHandle> hs;
-  for (auto& b : m->blocks) hs.push_back(hp::fully_shard(*b, o));
-  hs.push_back(hp::fully_shard(*m, o));
-  std::vector<at::Tensor> params;
-  for (auto& h : hs) {
-    for (auto& p : h->parameters()) params.push_back(p);
-  }
+  auto [hs, params] = hp::test::shard_blocks_then_root(m, o);
   // Multi-tensor AdamW, as FSDP2's Python AdamW uses foreach kernels by default.
   hp::optim::ForeachAdamW opt(params, torch::optim::AdamWOptions(1e-4));
   at::Tensor all = at::randint(c.vocab, {k.batch, k.seq + 1}, at::TensorOptions().dtype(at::kLong).device(dev));

@@ -11,6 +11,24 @@
 
 namespace hp::test {
 
+// fully_shard on each block of `model` (a holder with a `blocks` vector), then on the
+// model itself: the handles in that order and all their sharded parameters (for the
+// optimizer), the usual bottom-up application.
+struct Sharded {
+  std::vector<FSDPHandle> handles;
+  std::vector<at::Tensor> params;
+};
+template <typename Model>
+Sharded shard_blocks_then_root(Model& model, const FullyShardOptions& o = {}) {
+  Sharded s;
+  for (auto& b : model->blocks) s.handles.push_back(fully_shard(*b, o));
+  s.handles.push_back(fully_shard(*model, o));
+  for (auto& h : s.handles) {
+    for (auto& p : h->parameters()) s.params.push_back(p);
+  }
+  return s;
+}
+
 // The full tensor (fp32) of a sharded parameter from every shard rank's rows `local`.
 inline at::Tensor reassemble(const ShardedTensor& st, const at::Tensor& local, const CommPtr& shard_group) {
   at::Tensor full = at::zeros(st.global_shape, local.options().dtype(at::kFloat));

@@ -19,13 +19,7 @@ TEST(DeepSeekFsdp, MatchesSingleProcessTrainingWithBalancingBias) {
   hp::models::DeepSeek ref(c), m(c);
   ref->init_weights(5);
   m->init_weights(5);
-  std::vector<hp::FSDPHandle> hs;
-  for (auto& b : m->blocks) hs.push_back(hp::fully_shard(*b));
-  hs.push_back(hp::fully_shard(*m));
-  std::vector<at::Tensor> params;
-  for (auto& h : hs) {
-    for (auto& p : h->parameters()) params.push_back(p);
-  }
+  auto [hs, params] = hp::test::shard_blocks_then_root(m);
   torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
   auto ce = [&](const at::Tensor& logits, const at::Tensor& y) {

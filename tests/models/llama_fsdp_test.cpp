@@ -24,13 +24,7 @@ TEST(LlamaFsdp, MatchesSingleProcessTraining) {
   m->init_weights(7);
   hp::FullyShardOptions o;
   o.comm_fusion = true;
-  std::vector<hp::FSDPHandle> hs;
-  for (auto& b : m->blocks) hs.push_back(hp::fully_shard(*b, o));
-  hs.push_back(hp::fully_shard(*m, o));
-  std::vector<at::Tensor> params;
-  for (auto& h : hs) {
-    for (auto& p : h->parameters()) params.push_back(p);
-  }
+  auto [hs, params] = hp::test::shard_blocks_then_root(m, o);
   torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
   const int64_t B = 4, T = 9, local = B / n;
