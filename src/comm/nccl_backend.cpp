@@ -198,9 +198,9 @@ class NcclTransport final : public Transport {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     ncclComm_t nc = nullptr;
     nccl_check(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg), "ncclCommSplit", comm_);
+    if (nc == nullptr) return nullptr;  // this rank is in no group
     // Every member learns the world ranks of the new group from the others.
     at::Tensor mine = at::full({1}, world_ranks_[rank_], at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
-    if (nc == nullptr) return nullptr;
     auto t = std::make_unique<NcclTransport>(nc, std::vector<int>{}, device_);
     at::Tensor all = at::empty({t->size_}, mine.options());
     nccl_check(ncclAllGather(mine.data_ptr(), all.data_ptr(), 1, ncclInt32, nc, stream_), "ncclAllGather", nc);

@@ -462,6 +462,14 @@ std::vector<KeyInfo> config_keys() {
   return out;
 }
 
+MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
+  MixedPrecisionPolicy p;
+  if (c.compute_dtype != c.params_dtype) p.param_dtype = c.compute_dtype;
+  if (c.accumulate_allreduce_grads_in_fp32) p.reduce_dtype = at::kFloat;
+  p.apply_grad_on_fp32_main_grad = c.fp32_master();
+  return p;
+}
+
 std::string describe(const TrainConfig& c) {
   std::ostringstream os;
   os << "model " << c.model.type << " (" << c.model.preset << " preset, " << c.model.num_params()
@@ -469,9 +477,10 @@ std::string describe(const TrainConfig& c) {
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
      << (c.data_parallel > 1 ? " (HSDP)" : " (FSDP)") << ", " << c.data_parallel_shard_strategy
      << ", comm_fusion " << (c.comm_fusion ? "on" : "off") << "\n";
-  os << "dtypes: params " << c10::toString(c.params_dtype) << ", compute " << c10::toString(c.compute_dtype)
-     << ", gradient reduction " << (c.accumulate_allreduce_grads_in_fp32 ? "Float" : c10::toString(c.compute_dtype))
-     << (c.fp32_master() ? ", fp32 main grads and master weights" : "") << "\n";
+  const GroupDtypes d = resolve_dtypes(mixed_precision(c), c.params_dtype);
+  os << "dtypes: params " << c10::toString(d.param) << ", compute " << c10::toString(d.compute)
+     << ", gradient reduction " << c10::toString(d.reduce)
+     << (d.main_grad ? ", fp32 main grads" : "") << (c.fp32_master() ? " and master weights" : "") << "\n";
   os << "batch: " << c.global_batch_size << " samples x " << c.seq_length << " tokens, " << c.micro_batch_num
      << " micro-batch(es) of " << c.micro_batch_size() << " per rank; " << c.train_steps << " steps, lr " << c.lr
      << " (" << c.lr_warmup_steps << " warmup, " << c.lr_decay_style << " to " << c.min_lr << "), clip_grad "

@@ -17,14 +17,6 @@
 
 namespace hp::train {
 
-MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
-  MixedPrecisionPolicy p;
-  if (c.compute_dtype != c.params_dtype) p.param_dtype = c.compute_dtype;
-  if (c.accumulate_allreduce_grads_in_fp32) p.reduce_dtype = at::kFloat;
-  p.apply_grad_on_fp32_main_grad = c.fp32_master();
-  return p;
-}
-
 double lr_at(const TrainConfig& c, int64_t step) {
   if (step < c.lr_warmup_steps) return c.lr * static_cast<double>(step + 1) / c.lr_warmup_steps;
   const int64_t decay_steps = std::max<int64_t>(1, c.train_steps - c.lr_warmup_steps);
@@ -290,7 +282,7 @@ ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const
   s.acc_dtype = c.accumulate_allreduce_grads_in_fp32 ? at::kFloat : c.compute_dtype;
   torch::NoGradGuard ng;
   for (auto& p : s.model->root().parameters()) {
-    s.opt_params.push_back(p.detach().to(opt_dtype).clone().set_requires_grad(true));
+    s.opt_params.push_back(p.detach().to(opt_dtype, /*non_blocking=*/false, /*copy=*/true).set_requires_grad(true));
     p.set_data(p.to(c.compute_dtype));
     s.model_params.push_back(p);
     s.acc.push_back(at::zeros_like(p, p.options().dtype(s.acc_dtype)));
@@ -323,7 +315,7 @@ StepStats ReferenceTrainer::step() {
   }
   std::vector<at::Tensor> grads;
   for (size_t i = 0; i < s.opt_params.size(); ++i) {
-    s.opt_params[i].mutable_grad() = s.acc[i].to(s.opt_params[i].scalar_type()).clone();
+    s.opt_params[i].mutable_grad() = s.acc[i].to(s.opt_params[i].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     grads.push_back(s.opt_params[i].grad());
   }
   StepStats st;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "hp/fsdp/mixed_precision.h"
 #include "hp/models/deepseek.h"
 #include "hp/models/llama.h"
 
@@ -105,6 +106,12 @@ struct KeyInfo {
 };
 // Every key, in the order the docs list them.
 std::vector<KeyInfo> config_keys();
+
+// fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
+// (and fp32 main gradients for low-precision parameters) with
+// accumulate_allreduce_grads_in_fp32. Every dtype a run uses follows from it through
+// resolve_dtypes.
+MixedPrecisionPolicy mixed_precision(const TrainConfig& c);
 
 // One line per setting, for the start of a run.
 std::string describe(const TrainConfig& c);

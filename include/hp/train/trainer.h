@@ -24,11 +24,6 @@
 
 namespace hp::train {
 
-// fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
-// (and fp32 main gradients for low-precision parameters) with
-// accumulate_allreduce_grads_in_fp32.
-MixedPrecisionPolicy mixed_precision(const TrainConfig& c);
-
 // Learning rate of optimizer step `step` (0-based): linear warmup, lr (k + 1) / W for
 // k < W = lr_warmup_steps, then lr_decay_style from lr to min_lr over the remaining
 // steps, progress (k - W + 1) / (train_steps - W): the last step uses min_lr.
