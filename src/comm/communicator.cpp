@@ -91,6 +91,16 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       err = std::make_exception_ptr(
           CommError(cs->rank, cs->name, ws->op, ws->seq, "unknown exception"));
     }
+    // Recorded before the op is marked done: once wait() returns, the op's span is in the
+    // trace.
+    if (trace::enabled()) {
+      int64_t end = trace::now_us();
+      trace::record(trace::Event{
+          ws->op, "comm", ws->issue_us, end - ws->issue_us, cs->lane, true,
+          (static_cast<uint64_t>(cs->lane) << 40) | ws->seq,
+          str_cat("{\"seq\":", ws->seq, ",\"group\":\"", cs->name, "\",\"bytes\":", ws->bytes,
+                  "}")});
+    }
     std::function<void()> release;
     {
       std::lock_guard<std::mutex> g(cs->mu);
@@ -104,14 +114,6 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       cs->done_cv.notify_all();
     }
     release = nullptr;  // drops the op's tensors outside the lock
-    if (trace::enabled()) {
-      int64_t end = trace::now_us();
-      trace::record(trace::Event{
-          ws->op, "comm", ws->issue_us, end - ws->issue_us, cs->lane, true,
-          (static_cast<uint64_t>(cs->lane) << 40) | ws->seq,
-          str_cat("{\"seq\":", ws->seq, ",\"group\":\"", cs->name, "\",\"bytes\":", ws->bytes,
-                  "}")});
-    }
   }
 }
 

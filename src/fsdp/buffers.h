@@ -41,6 +41,15 @@ class OwnedBuffer {
     if (t_.defined()) compat::resize_storage_bytes(t_, 0);
     t_ = at::Tensor();
   }
+  // Forgets the tensor without freeing it, for a collective to own: a Work keeps its
+  // tensors alive until the op completes and drops them then, on the communicator's
+  // thread, so the storage goes the moment the op is done rather than when fully_shard
+  // next looks at it.
+  at::Tensor hand_to_op() {
+    at::Tensor t = std::move(t_);
+    t_ = at::Tensor();
+    return t;
+  }
 
  private:
   explicit OwnedBuffer(at::Tensor t) : t_(std::move(t)) {}

@@ -66,8 +66,8 @@ struct ParamInfo {
 
 struct PendingReduce {
   int param = -1;      // -1: the whole group (fused)
-  OwnedBuffer input;   // reduce-scatter input, released once it completes
-  at::Tensor borrowed_input;  // or autograd's gradient itself: never released, only let go
+  // The reduce-scatter's input (a buffer of ours, or autograd's gradient itself) is held
+  // by the op alone, which drops it the moment it completes.
   OwnedBuffer output;  // reduce-scatter output = all-reduce bucket
   Work rs;
   Work ar;
@@ -117,10 +117,7 @@ struct FSDPModule::State {
   std::vector<PendingReduce> pending;
 
   int shards() const { return shard->size(); }
-  static bool overlap() {
-    static const bool on = env::get_int("HP_FSDP_OVERLAP") != 0;
-    return on;
-  }
+  static bool overlap() { return fsdp_overlap(); }
   bool has_grads() const {
     for (const auto& p : params) {
       if (p.requires_grad) return true;
@@ -151,6 +148,20 @@ struct FSDPModule::State {
 };
 
 namespace {
+std::atomic<int> g_overlap{-1};  // -1: not yet read from HP_FSDP_OVERLAP
+}  // namespace
+
+void set_fsdp_overlap(bool on) { g_overlap.store(on ? 1 : 0); }
+bool fsdp_overlap() {
+  int v = g_overlap.load();
+  if (v < 0) {
+    v = env::get_int("HP_FSDP_OVERLAP") != 0 ? 1 : 0;
+    g_overlap.store(v);
+  }
+  return v != 0;
+}
+
+namespace {
 
 // Backward bookkeeping of the process (CPU autograd runs hooks on the caller's thread).
 struct Iteration {
@@ -159,6 +170,12 @@ struct Iteration {
   std::vector<FSDPModule::State*> forward_order;
   std::vector<FSDPModule::State*> forward_end_order;  // by when their forward finished
   std::vector<FSDPModule::State*> reduce_order;  // states in reduce-scatter issue order
+  // Backward prefetches held back while a reduce-scatter is in flight, in the order they
+  // were asked for. Everything that issues a collective (begin_unshard, post_backward)
+  // issues these first; a gradient hook may issue them earlier, once the reduce-scatters
+  // are done. Either way they reach the communicator between the same two collectives on
+  // every rank, and a module whose backward has ended is not gathered again.
+  std::vector<FSDPModule::State*> deferred_prefetch;
 };
 Iteration& iteration() {
   static Iteration it;
@@ -166,7 +183,8 @@ Iteration& iteration() {
 }
 
 void finish_backward();
-void drain_reductions(size_t keep);
+void drain_reductions(size_t keep, bool finish);
+void issue_deferred_prefetches(bool wait);
 constexpr size_t kReductionsInFlight = 2;  // reduce-scatters kept in flight during backward
 
 void ensure_backward_callback() {
@@ -214,6 +232,11 @@ void FSDPModule::State::begin_unshard() {
     unsharded = true;
     return;
   }
+  // Collectives must reach each communicator in the same order on every rank: whatever
+  // prefetch was held back goes first (this module's own, perhaps), as it would have
+  // without the holding back.
+  issue_deferred_prefetches(/*wait=*/true);
+  if (unshard_pending) return;
   trace::Span span("unshard " + label, "fsdp");
   const at::ScalarType cd = dt.all_gather;
   const int64_t es = c10::elementSize(cd);
@@ -333,27 +356,39 @@ void FSDPModule::State::pre_backward() {
   begin_unshard();
   finish_unshard();
   if (!overlap()) return;
-  // Prefetch: the listed modules, else the module that ran just before this one.
-  bool listed = false;
+  // Prefetch: the listed modules, else the module that ran just before this one. The
+  // all-gather is held back while a reduce-scatter is in flight, so that its output and
+  // the reduce-scatter's input (a block of gradients each) are never allocated together;
+  // it is issued at the first gradient hook that finds them done (see on_grad), or else
+  // before the next collective. The communicator runs ops in order, so the all-gather
+  // could not have started before them anyway.
+  std::vector<State*> targets;
   for (auto& w : bwd_prefetch) {
-    if (auto h = w.lock()) {
-      h->state().begin_unshard();
-      listed = true;
-    }
+    if (auto h = w.lock()) targets.push_back(&h->state());
   }
-  if (!listed) {
+  if (targets.empty()) {
     auto& order = iteration().forward_order;
     for (size_t i = 1; i < order.size(); ++i) {
       if (order[i] == this && !order[i - 1]->post_backward_done) {
-        order[i - 1]->begin_unshard();
+        targets.push_back(order[i - 1]);
         break;
       }
     }
   }
+  auto& deferred = iteration().deferred_prefetch;
+  for (State* t : targets) {
+    if (t->unsharded || t->unshard_pending) continue;
+    if (std::find(deferred.begin(), deferred.end(), t) == deferred.end()) deferred.push_back(t);
+  }
+  issue_deferred_prefetches(/*wait=*/false);
 }
 
 void FSDPModule::State::on_grad(size_t i) {
   ensure_backward_callback();
+  // Between modules' backward, the gradient hooks are where the training thread can see
+  // reductions complete: their outputs are applied and freed, and held-back prefetches go.
+  drain_reductions(/*keep=*/SIZE_MAX, /*finish=*/false);
+  issue_deferred_prefetches(/*wait=*/false);
   if (params[i].grad_ready) return;
   params[i].grad_ready = true;
   // Autograd accumulates a parameter's gradient only after every node that used it has
@@ -367,6 +402,8 @@ void FSDPModule::State::on_grad(size_t i) {
 
 void FSDPModule::State::post_backward() {
   if (post_backward_done) return;
+  // Held-back prefetches go before this module's reduce-scatter, on every rank.
+  issue_deferred_prefetches(/*wait=*/true);
   post_backward_done = true;
   if (trace::enabled() && pre_backward_done) {
     int64_t now = trace::now_us();
@@ -420,15 +457,19 @@ void FSDPModule::State::post_backward() {
   }
   if (opts.comm_fusion) {
     PendingReduce pr;
-    pr.input = OwnedBuffer::zeros({n, layout.total}, rd, device);
+    OwnedBuffer input = OwnedBuffer::zeros({n, layout.total}, rd, device);
     for (size_t i = 0; i < params.size(); ++i) {
       auto& p = params[i];
       if (!p.requires_grad) continue;
       at::Tensor g = flat_grad(p);
-      if (g.defined()) scatter_padded(pr.input.tensor().narrow(1, layout.offsets[i], p.plan.shard_numel()), g);
+      if (g.defined()) scatter_padded(input.tensor().narrow(1, layout.offsets[i], p.plan.shard_numel()), g);
+      // Copied: let go of the gradient now, so the group's gradients and the fused
+      // buffer coexist one parameter at a time rather than whole.
+      p.param.mutable_grad() = at::Tensor();
+      p.unsharded_acc.release();
     }
     pr.output = OwnedBuffer::empty({layout.total}, rd, device);
-    pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
+    pr.rs = shard->reduce_scatter(pr.output.tensor(), input.hand_to_op(), {op});
     pending.push_back(std::move(pr));
   } else {
     for (size_t i = 0; i < params.size(); ++i) {
@@ -441,13 +482,12 @@ void FSDPModule::State::post_backward() {
       if (g.defined() && !p.unsharded_acc.defined() && g.scalar_type() == rd && g.is_contiguous() &&
           p.plan.padded_numel() == p.plan.numel()) {
         // Already the reduce-scatter's input (right dtype, no padding): borrow it. It is
-        // only read, and the reference is dropped when the collective completes.
-        pr.borrowed_input = g;
+        // only read, and the op drops its reference when it completes.
         pr.rs = shard->reduce_scatter(pr.output.tensor(), g, {op});
       } else {
-        pr.input = OwnedBuffer::zeros({p.plan.padded_numel()}, rd, device);
-        if (g.defined()) pr.input.tensor().narrow(0, 0, p.plan.numel()).copy_(g);
-        pr.rs = shard->reduce_scatter(pr.output.tensor(), pr.input.tensor(), {op});
+        OwnedBuffer input = OwnedBuffer::zeros({p.plan.padded_numel()}, rd, device);
+        if (g.defined()) input.tensor().narrow(0, 0, p.plan.numel()).copy_(g);
+        pr.rs = shard->reduce_scatter(pr.output.tensor(), input.hand_to_op(), {op});
       }
       pending.push_back(std::move(pr));
     }
@@ -481,19 +521,19 @@ void FSDPModule::State::issue_all_reduce(PendingReduce& pr) {
 }
 
 // Moves every group's reductions forward, in reduce-scatter issue order (the same on
-// every rank): a completed reduce-scatter frees its input and gets its dp_replicate
-// all-reduce issued; a completed reduction leaves its gradients on the shards and frees
-// its output. Waits for the oldest reduce-scatters until at most `keep` are in flight
-// (0: all of it, at the end of backward): when communication falls behind backward,
-// their inputs (one module's gradients each) would otherwise pile up.
+// every rank): a completed reduce-scatter (whose input the op itself has dropped) gets
+// its dp_replicate all-reduce issued; a completed reduction leaves its gradients on the
+// shards and frees its output. Waits for the oldest reduce-scatters until at most `keep`
+// are in flight: when communication falls behind backward, their inputs (one module's
+// gradients each) would otherwise pile up. `finish` (at the end of backward) also waits
+// for every all-reduce and applies everything.
 namespace {
-void drain_reductions(size_t keep) {
+void drain_reductions(size_t keep, bool finish) {
   auto& order = iteration().reduce_order;
   size_t in_flight = 0;
   for (FSDPModule::State* s : order) {
     for (auto& pr : s->pending) in_flight += pr.rs_done ? 0 : 1;
   }
-  const bool wait = keep == 0;
   bool blocked = false;
   for (FSDPModule::State* s : order) {
     for (auto& pr : s->pending) {
@@ -504,8 +544,6 @@ void drain_reductions(size_t keep) {
       }
       --in_flight;
       pr.rs.wait();
-      pr.input.release();
-      pr.borrowed_input = at::Tensor();
       pr.rs_done = true;
       if (s->hsdp() && s->requires_all_reduce) s->issue_all_reduce(pr);
     }
@@ -513,7 +551,7 @@ void drain_reductions(size_t keep) {
   for (FSDPModule::State* s : order) {
     for (auto& pr : s->pending) {
       if (pr.applied || !pr.rs_done) continue;
-      if (pr.ar_issued && !wait && !pr.ar.is_completed()) continue;
+      if (pr.ar_issued && !finish && !pr.ar.is_completed()) continue;
       pr.ar.wait();
       s->apply_pending(pr);
       pr.output.release();
@@ -523,7 +561,40 @@ void drain_reductions(size_t keep) {
 }
 }  // namespace
 
-void FSDPModule::State::issue_ready_all_reduces() { drain_reductions(kReductionsInFlight - 1); }
+void FSDPModule::State::issue_ready_all_reduces() {
+  drain_reductions(kReductionsInFlight - 1, /*finish=*/false);
+}
+
+namespace {
+
+bool reduce_scatter_in_flight() {
+  for (FSDPModule::State* s : iteration().reduce_order) {
+    for (auto& pr : s->pending) {
+      if (!pr.rs_done && !pr.rs.is_completed()) return true;
+    }
+  }
+  return false;
+}
+
+// Issues the held-back backward prefetches once no reduce-scatter is in flight; with
+// `wait`, waits for those in flight first (the caller is about to issue a collective,
+// which must not overtake the prefetches on any rank).
+void issue_deferred_prefetches(bool wait) {
+  Iteration& it = iteration();
+  if (it.deferred_prefetch.empty()) return;
+  if (reduce_scatter_in_flight()) {
+    if (!wait) return;
+    trace::Span span("wait reduce_scatter before prefetch", "wait");
+    drain_reductions(/*keep=*/0, /*finish=*/false);
+  }
+  std::vector<FSDPModule::State*> ready;
+  ready.swap(it.deferred_prefetch);
+  for (FSDPModule::State* s : ready) {
+    if (!s->post_backward_done) s->begin_unshard();
+  }
+}
+
+}  // namespace
 
 // Leaves a reduced gradient (this rank's real rows, any dtype) on the sharded parameter:
 // in its main gradient, or added to its .grad (a copy: `g` may be a borrowed tensor).
@@ -575,6 +646,7 @@ namespace {
 void finish_backward() {
   Iteration& it = iteration();
   it.callback_queued = false;
+  it.deferred_prefetch.clear();  // modules whose backward did not come after all
   // Groups some of whose gradients never arrived reduce now (zeros for the missing), in
   // reverse forward order: the same order on every rank.
   for (auto r = it.forward_order.rbegin(); r != it.forward_order.rend(); ++r) {
@@ -583,7 +655,7 @@ void finish_backward() {
   }
   {
     trace::Span wait("wait reductions", "wait");
-    drain_reductions(/*keep=*/0);
+    drain_reductions(/*keep=*/0, /*finish=*/true);
   }
   for (FSDPModule::State* s : it.reduce_order) s->pending.clear();
   it.reduce_order.clear();

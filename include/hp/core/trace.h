@@ -1,7 +1,8 @@
 // Tracing: per-rank Chrome trace-event JSON (open in Perfetto or chrome://tracing).
 //
 // Off by default. Enabled by HP_TRACE=<dir> (read by hp::init) or trace::enable(dir).
-// While enabled, communication ops record one span each (issue -> completion) and
+// While enabled, communication ops record one span each (issue -> completion; in
+// events() by the time the op's Work reports completion) and
 // compute regions record a span per trace::Span scope. trace::flush() writes
 // <dir>/trace_rank<R>.json; hp::finalize calls it. Timestamps are microseconds of the
 // system clock, so files of several ranks on one machine line up when merged

@@ -116,4 +116,10 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
 // The handle of a module fully_shard was applied to, or null.
 FSDPHandle fsdp_handle(const torch::nn::Module& module);
 
+// Process-wide, for measuring what overlap hides: off, every fully_shard collective is
+// waited for where it is issued and nothing is prefetched. Starts as HP_FSDP_OVERLAP says
+// (on by default). Change it between steps, not inside a forward or backward.
+void set_fsdp_overlap(bool on);
+bool fsdp_overlap();
+
 }  // namespace hp
