@@ -2,10 +2,11 @@
 //
 //   build/fsdp_bench overhead                 world size 1: step time under fully_shard vs
 //                                             the same loop without it (interleaved rounds)
-//   mpirun -np 2 build/fsdp_bench overlap     fraction of the step a rank waits on
-//                                             communication (trace "wait" spans), at a
-//                                             compute-heavy and a communication-heavy batch;
-//                                             run once with HP_FSDP_OVERLAP=1 and once with 0
+//   mpirun -np 2 build/fsdp_bench overlap [SEQSxTOKENS ...]
+//                                             fraction of the step a rank waits on
+//                                             communication (trace "wait" spans) with overlap
+//                                             on and off, alternating step by step, at
+//                                             compute-heavy to communication-bound batches
 //   mpirun -np N build/fsdp_bench memory      peak tensor bytes of one step vs the analytic
 //                                             (params + grads + AdamW state) / N + two
 //                                             unsharded blocks
@@ -120,39 +121,51 @@ int steps_only(bool sharded, int steps) {
   return 0;
 }
 
-int overlap() {
+// Overlap on and off in the same process, step by step in alternation (this machine is
+// shared: a baseline taken minutes apart differs by more than what is measured). Per step,
+// the fraction of it the training thread spent in the trace's "wait" spans; the median
+// over rounds, the worst rank's.
+int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds) {
   auto w = hp::world();
   TinyConfig c = model_config();
-  const bool on = std::getenv("HP_FSDP_OVERLAP") == nullptr || std::string(std::getenv("HP_FSDP_OVERLAP")) != "0";
-  // Compute-heavy: 16 sequences of 64 tokens; communication-heavy: one sequence of 4.
-  for (auto [batch, tokens] : {std::pair<int64_t, int64_t>{16, 64}, std::pair<int64_t, int64_t>{1, 4}}) {
-    Trainer t(c, true, on);
+  for (auto [batch, tokens] : batches) {
+    Trainer t(c, true, /*prefetch=*/true);
     auto [xf, yf] = data(c, batch);
     at::Tensor x = xf.narrow(1, 0, tokens), y = yf.narrow(1, 0, tokens);
-    t.step(x, y);
     hp::trace::enable("/tmp/hp_fsdp_bench_trace");
-    double total_wait = 0, total_step = 0;
-    for (int i = 0; i < 5; ++i) {
-      hp::trace::clear();
-      w->barrier().wait();
-      double t0 = now_s();
-      t.step(x, y);
-      double dt = now_s() - t0;
-      double wait = 0;
-      for (const auto& e : hp::trace::events()) {
-        if (e.cat == "wait") wait += e.dur_us * 1e-6;
+    std::vector<double> frac[2], step[2];  // [0]: off, [1]: on
+    for (int r = -1; r < rounds; ++r) {
+      for (int k = 0; k < 2; ++k) {
+        const bool on = (r + k) % 2 == 0;  // alternate which goes first
+        hp::set_fsdp_overlap(on);
+        hp::trace::clear();
+        w->barrier().wait();
+        double t0 = now_s();
+        t.step(x, y);
+        double dt = now_s() - t0;
+        double wait = 0;
+        for (const auto& e : hp::trace::events()) {
+          if (e.cat == "wait") wait += e.dur_us * 1e-6;
+        }
+        if (r < 0) continue;  // warm-up round
+        frac[on].push_back(wait / dt);
+        step[on].push_back(dt);
       }
-      total_wait += wait;
-      total_step += dt;
     }
     hp::trace::disable();
-    double frac = total_wait / total_step;
-    at::Tensor f = at::full({1}, frac, at::kDouble);
-    w->all_reduce(f, {hp::ReduceOp::MAX}).wait();
+    hp::set_fsdp_overlap(true);
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    at::Tensor m = at::tensor({median(frac[1]), median(frac[0]), median(step[1]), median(step[0])}, at::kDouble);
+    w->all_reduce(m, {hp::ReduceOp::MAX}).wait();
     if (w->rank() == 0) {
-      std::printf("overlap %s, batch %lld x %lld tokens: step %.1f ms, waiting on communication %.1f%% (worst rank)\n",
-                  on ? "on " : "off", (long long)batch, (long long)tokens, total_step / 5 * 1e3,
-                  f.item<double>() * 100);
+      auto v = m.accessor<double, 1>();
+      std::printf("batch %lld x %lld tokens: step %.1f ms overlap on, %.1f ms off; waiting on communication "
+                  "%.1f%% on, %.1f%% off (exposed on/off %.2f)\n",
+                  (long long)batch, (long long)tokens, v[2] * 1e3, v[3] * 1e3, v[0] * 100, v[1] * 100,
+                  v[1] > 0 ? v[0] / v[1] : 0.0);
     }
   }
   return 0;
@@ -203,10 +216,23 @@ int main(int argc, char** argv) {
   hp::init();
   int rc = 2;
   if (mode == "overhead") rc = overhead();
-  else if (mode == "overlap") rc = overlap();
+  else if (mode == "overlap") {
+    // Batches as SEQUENCESxTOKENS; by default compute-heavy, in between, communication-bound.
+    std::vector<std::pair<int64_t, int64_t>> batches;
+    bool ok = true;
+    for (int i = 2; i < argc && ok; ++i) {
+      long long b = 0, t = 0;
+      ok = std::sscanf(argv[i], "%lldx%lld", &b, &t) == 2 && b >= 1 && t >= 1 && t <= model_config().seq;
+      if (ok) batches.emplace_back(b, t);
+      else std::fprintf(stderr, "fsdp_bench overlap: batch '%s' is not SEQUENCESxTOKENS (tokens 1..%lld)\n", argv[i],
+                        (long long)model_config().seq);
+    }
+    if (batches.empty() && ok) batches = {{16, 64}, {1, 64}, {1, 4}};
+    if (ok) rc = overlap(batches, 15);
+  }
   else if (mode == "memory") rc = memory();
   else if (mode == "steps-plain" || mode == "steps-fsdp") rc = steps_only(mode == "steps-fsdp", argc > 2 ? std::atoi(argv[2]) : 1);
-  else std::fprintf(stderr, "usage: fsdp_bench overhead|overlap|memory\n");
+  else std::fprintf(stderr, "usage: fsdp_bench overhead | overlap [SEQSxTOKENS ...] | memory\n");
   hp::finalize();
   return rc;
 }
