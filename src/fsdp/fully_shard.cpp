@@ -72,7 +72,7 @@ struct PendingReduce {
   Work rs;
   Work ar;
   bool ar_issued = false;
-  bool rs_done = false;  // reduce-scatter waited for, input released
+  bool rs_done = false;  // reduce-scatter waited for (the op has dropped its input)
   bool applied = false;  // gradients left on the shards, output released
 };
 
@@ -171,10 +171,13 @@ struct Iteration {
   std::vector<FSDPModule::State*> forward_end_order;  // by when their forward finished
   std::vector<FSDPModule::State*> reduce_order;  // states in reduce-scatter issue order
   // Backward prefetches held back while a reduce-scatter is in flight, in the order they
-  // were asked for. Everything that issues a collective (begin_unshard, post_backward)
-  // issues these first; a gradient hook may issue them earlier, once the reduce-scatters
-  // are done. Either way they reach the communicator between the same two collectives on
-  // every rank, and a module whose backward has ended is not gathered again.
+  // were asked for. Everything of fully_shard's that issues a collective (begin_unshard,
+  // post_backward, the end of backward, the next forward) issues these first, waiting for
+  // the reduce-scatters; a gradient hook, or the end of pre_backward, may issue them
+  // earlier, once the reduce-scatters are done. Either way they reach the communicator
+  // between the same two of fully_shard's collectives on every rank. A module whose
+  // post_backward has run is skipped (the flag is set only after post_backward's own flush,
+  // so every rank sees the same flags at any flush).
   std::vector<FSDPModule::State*> deferred_prefetch;
 };
 Iteration& iteration() {
@@ -292,7 +295,9 @@ void FSDPModule::State::do_reshard() {
 void FSDPModule::State::pre_forward() {
   Iteration& it = iteration();
   if (it.forward_depth == 0) {
-    // This module is the root of this forward: a new iteration starts.
+    // This module is the root of this forward: a new iteration starts (and whatever a
+    // backward that raised left behind is dropped).
+    issue_deferred_prefetches(/*wait=*/true);  // (empty unless a backward raised)
     it.forward_order.clear();
     it.forward_end_order.clear();
   }
@@ -646,12 +651,20 @@ namespace {
 void finish_backward() {
   Iteration& it = iteration();
   it.callback_queued = false;
-  it.deferred_prefetch.clear();  // modules whose backward did not come after all
+  // Prefetches still held back go out now, as on a rank that issued them at a gradient
+  // hook: the all-gathers must match. A module they gather whose backward never started
+  // (its output got no gradient) is resharded by its post_backward below, or, if it did not
+  // run in this forward at all (an explicit prefetch target), right after.
+  std::vector<FSDPModule::State*> gathered = it.deferred_prefetch;
+  issue_deferred_prefetches(/*wait=*/true);
   // Groups some of whose gradients never arrived reduce now (zeros for the missing), in
   // reverse forward order: the same order on every rank.
   for (auto r = it.forward_order.rbegin(); r != it.forward_order.rend(); ++r) {
     FSDPModule::State* s = *r;
     if (!s->post_backward_done) s->post_backward();
+  }
+  for (FSDPModule::State* s : gathered) {
+    if (std::find(it.forward_order.begin(), it.forward_order.end(), s) == it.forward_order.end()) s->do_reshard();
   }
   {
     trace::Span wait("wait reductions", "wait");
