@@ -2,6 +2,7 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <immintrin.h>
 #include <cstring>
@@ -84,8 +85,24 @@ __attribute__((target("avx2"))) inline __m256i bf16_add_round8(__m128i a, __m128
 }
 
 __attribute__((target("avx2"))) void bf16_sum_avx2(uint16_t* out, const uint16_t* a, const uint16_t* b,
-                                                   int64_t n) {
+                                                   int64_t n, bool streaming) {
   int64_t i = 0;
+  if (streaming) {
+    // Up to the first 32-byte aligned output element, then whole aligned vectors.
+    int64_t head = std::min<int64_t>(n, ((32 - reinterpret_cast<uintptr_t>(out) % 32) % 32) / 2);
+    if (reinterpret_cast<uintptr_t>(out) % 2 == 0) {
+      bf16(out, a, b, head, Sum{});
+      for (i = head; i + 16 <= n; i += 16) {
+        __m256i lo = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+        __m256i hi = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i + 8)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + 8)));
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+      }
+      _mm_sfence();
+    }
+  }
   for (; i + 16 <= n; i += 16) {
     __m256i lo = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
@@ -96,6 +113,17 @@ __attribute__((target("avx2"))) void bf16_sum_avx2(uint16_t* out, const uint16_t
                         _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
   }
   bf16(out + i, a + i, b + i, n - i, Sum{});
+}
+
+__attribute__((target("avx2"))) void f32_sum_streaming(float* out, const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  if (reinterpret_cast<uintptr_t>(out) % 4 == 0) {
+    const int64_t head = std::min<int64_t>(n, ((32 - reinterpret_cast<uintptr_t>(out) % 32) % 32) / 4);
+    for (; i < head; ++i) out[i] = a[i] + b[i];
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    _mm_sfence();
+  }
+  for (; i < n; ++i) out[i] = a[i] + b[i];
 }
 
 template <typename Op>
@@ -129,9 +157,16 @@ void fp16(c10::Half* out, const c10::Half* a, const c10::Half* b, int64_t n, Op 
 }
 
 template <typename Op>
-void dispatch(void* out, const void* a, const void* b, int64_t n, at::ScalarType dt, Op op) {
+void dispatch(void* out, const void* a, const void* b, int64_t n, at::ScalarType dt, Op op, bool streaming) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
   switch (dt) {
     case at::kFloat:
+      if constexpr (std::is_same_v<Op, Sum>) {
+        if (avx2 && streaming) {
+          return f32_sum_streaming(static_cast<float*>(out), static_cast<const float*>(a),
+                                   static_cast<const float*>(b), n);
+        }
+      }
       return plain(static_cast<float*>(out), static_cast<const float*>(a),
                    static_cast<const float*>(b), n, op);
     case at::kDouble:
@@ -149,10 +184,9 @@ void dispatch(void* out, const void* a, const void* b, int64_t n, at::ScalarType
                    static_cast<const uint8_t*>(b), n, op);
     case at::kBFloat16:
       if constexpr (std::is_same_v<Op, Sum>) {
-        static const bool avx2 = __builtin_cpu_supports("avx2");
         if (avx2) {
           return bf16_sum_avx2(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a),
-                               static_cast<const uint16_t*>(b), n);
+                               static_cast<const uint16_t*>(b), n, streaming);
         }
       }
       return bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a),
@@ -168,11 +202,11 @@ void dispatch(void* out, const void* a, const void* b, int64_t n, at::ScalarType
 }  // namespace
 
 void reduce_kernel(void* out, const void* a, const void* b, int64_t n, at::ScalarType dtype,
-                   ReduceOp op) {
+                   ReduceOp op, bool streaming) {
   switch (op) {
-    case ReduceOp::SUM: return dispatch(out, a, b, n, dtype, Sum{});
-    case ReduceOp::MAX: return dispatch(out, a, b, n, dtype, Max{});
-    case ReduceOp::MIN: return dispatch(out, a, b, n, dtype, Min{});
+    case ReduceOp::SUM: return dispatch(out, a, b, n, dtype, Sum{}, streaming);
+    case ReduceOp::MAX: return dispatch(out, a, b, n, dtype, Max{}, streaming);
+    case ReduceOp::MIN: return dispatch(out, a, b, n, dtype, Min{}, streaming);
     case ReduceOp::AVG: break;
   }
   HP_INTERNAL_ASSERT(false, "reduce_kernel: AVG must be lowered to SUM first");

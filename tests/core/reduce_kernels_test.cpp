@@ -82,15 +82,31 @@ TEST(ReduceKernels, Bf16SumMatchesTheElementwiseDefinitionOnEveryBitPattern) {
           << "element " << i << ": " << std::hex << x[i] << " + " << y[i];
     }
   };
-  for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{33}, n}) {
-    for (int64_t off : {0, 1, 3}) {
-      hp::detail::reduce_kernel(out.data(), a.data() + off, b.data() + off, len, at::kBFloat16, hp::ReduceOp::SUM);
-      check(a.data() + off, b.data() + off, out.data(), len);
+  for (bool streaming : {false, true}) {
+    for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{33}, n}) {
+      for (int64_t off : {0, 1, 3}) {  // the output offset too: unaligned heads when streaming
+        hp::detail::reduce_kernel(out.data() + off, a.data() + off, b.data() + off, len, at::kBFloat16,
+                                  hp::ReduceOp::SUM, streaming);
+        check(a.data() + off, b.data() + off, out.data() + off, len);
+      }
     }
   }
   std::vector<uint16_t> acc(a.begin(), a.begin() + n);  // in place: out is the first input
   hp::detail::reduce_kernel(acc.data(), acc.data(), b.data(), n, at::kBFloat16, hp::ReduceOp::SUM);
   check(a.data(), b.data(), acc.data(), n);
+}
+
+// Streaming (non-temporal) stores give the same float32 sums, at any output alignment.
+TEST(ReduceKernels, Float32StreamingSumMatchesATen) {
+  at::manual_seed(5);
+  at::Tensor a = at::randn({5003}), b = at::randn({5003});
+  for (int64_t off : {0, 1, 2, 7}) {
+    at::Tensor out = at::zeros({5003 + 8});
+    const int64_t n = 5003 - off;
+    hp::detail::reduce_kernel(out.data_ptr<float>() + off, a.data_ptr<float>() + off, b.data_ptr<float>() + off, n,
+                              at::kFloat, hp::ReduceOp::SUM, /*streaming=*/true);
+    EXPECT_TRUE(at::equal(out.narrow(0, off, n), a.narrow(0, off, n) + b.narrow(0, off, n))) << "offset " << off;
+  }
 }
 
 TEST(ReduceKernels, EveryDtypeAndOpAgreesWithATen) {
