@@ -84,33 +84,30 @@ __attribute__((target("avx2"))) inline __m256i bf16_add_round8(__m128i a, __m128
   return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
 }
 
+// 16 sums of a[i..], b[i..] at once, in order (packus interleaves the 128-bit lanes as
+// lo0 hi0 lo1 hi1; the permute puts them back).
+__attribute__((target("avx2"))) inline __m256i bf16_sum16(const uint16_t* a, const uint16_t* b) {
+  __m256i lo = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)),
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  __m256i hi = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 8)),
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+}
+
 __attribute__((target("avx2"))) void bf16_sum_avx2(uint16_t* out, const uint16_t* a, const uint16_t* b,
                                                    int64_t n, bool streaming) {
   int64_t i = 0;
-  if (streaming) {
+  if (streaming && reinterpret_cast<uintptr_t>(out) % 2 == 0) {
     // Up to the first 32-byte aligned output element, then whole aligned vectors.
-    int64_t head = std::min<int64_t>(n, ((32 - reinterpret_cast<uintptr_t>(out) % 32) % 32) / 2);
-    if (reinterpret_cast<uintptr_t>(out) % 2 == 0) {
-      bf16(out, a, b, head, Sum{});
-      for (i = head; i + 16 <= n; i += 16) {
-        __m256i lo = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)),
-                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
-        __m256i hi = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i + 8)),
-                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + 8)));
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i),
-                            _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
-      }
-      _mm_sfence();
+    i = std::min<int64_t>(n, ((32 - reinterpret_cast<uintptr_t>(out) % 32) % 32) / 2);
+    bf16(out, a, b, i, Sum{});
+    for (; i + 16 <= n; i += 16) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), bf16_sum16(a + i, b + i));
     }
+    _mm_sfence();
   }
   for (; i + 16 <= n; i += 16) {
-    __m256i lo = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)),
-                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
-    __m256i hi = bf16_add_round8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i + 8)),
-                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + 8)));
-    // packus interleaves 128-bit lanes (lo0 hi0 lo1 hi1); the permute puts them in order.
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16_sum16(a + i, b + i));
   }
   bf16(out + i, a + i, b + i, n - i, Sum{});
 }
