@@ -100,6 +100,14 @@ struct FSDPModule::State {
   bool unshard_pending = false;
   std::vector<Work> ag_works;
   OwnedBuffer ag_in, ag_out;
+  // reshard_after_forward_group_size k > 1: after forward this rank keeps 1/k of each
+  // unsharded (padded) parameter, in the all-gather dtype, for the group of k consecutive
+  // dp_shard ranks it belongs to (`post_group`); backward gathers over that group.
+  CommPtr post_group;
+  std::vector<int64_t> post_offsets;  // of each parameter's slice in post_fwd
+  int64_t post_total = 0;
+  OwnedBuffer post_fwd;
+  bool post_gather_fused = false;  // the pending all-gather is the fused post-forward one
 
   bool requires_sync = true;
   bool requires_all_reduce = true;
@@ -125,9 +133,12 @@ struct FSDPModule::State {
     return false;
   }
 
-  void begin_unshard();
+  // `backward`: the gather before (or prefetched for) a backward, which may start from the
+  // post-forward shards; any other gather drops them and starts from the real shards.
+  void begin_unshard(bool backward = false);
   void finish_unshard();
   void do_reshard();
+  void reshard_to_group();
   void pre_forward();
   void post_forward();
   at::Tensor on_output(const at::Tensor& out, const std::shared_ptr<FSDPModule>& self);
@@ -187,7 +198,7 @@ Iteration& iteration() {
 
 void finish_backward();
 void drain_reductions(size_t keep, bool finish);
-void issue_deferred_prefetches(bool wait);
+void issue_deferred_prefetches(bool wait, bool backward = true);
 constexpr size_t kReductionsInFlight = 2;  // reduce-scatters kept in flight during backward
 
 void ensure_backward_callback() {
@@ -229,12 +240,15 @@ void scatter_padded(const at::Tensor& dst, const at::Tensor& flat) {
 
 }  // namespace
 
-void FSDPModule::State::begin_unshard() {
+void FSDPModule::State::begin_unshard(bool backward) {
   if (unsharded || unshard_pending) return;
   if (aliased()) {
     unsharded = true;
     return;
   }
+  // Post-forward shards serve only the backward that follows their forward: another
+  // gather (a forward, an explicit unshard) may come after an optimizer step.
+  if (!backward) post_fwd.release();
   // Collectives must reach each communicator in the same order on every rank: whatever
   // prefetch was held back goes first (this module's own, perhaps), as it would have
   // without the holding back.
@@ -245,7 +259,24 @@ void FSDPModule::State::begin_unshard() {
   const int64_t es = c10::elementSize(cd);
   for (auto& p : params) compat::resize_storage_bytes(p.param, p.plan.padded_numel() * es);
   ag_works.clear();
-  if (opts.comm_fusion) {
+  post_gather_fused = false;
+  if (post_fwd.defined()) {
+    // From the post-forward shards, over the smaller group. The ops own the buffer now
+    // (views of it when per parameter) and free it as they complete.
+    const int64_t g = post_group->size();
+    if (opts.comm_fusion) {
+      ag_out = OwnedBuffer::empty({g * post_total}, cd, device);
+      ag_works.push_back(post_group->all_gather(ag_out.tensor(), post_fwd.hand_to_op()));
+      post_gather_fused = true;
+    } else {
+      at::Tensor buf = post_fwd.hand_to_op();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const int64_t len = params[i].plan.padded_numel() / g;
+        ag_works.push_back(post_group->all_gather(raw_view(params[i].param, {params[i].plan.padded_numel()}, cd),
+                                                  buf.narrow(0, post_offsets[i], len)));
+      }
+    }
+  } else if (opts.comm_fusion) {
     ag_in = OwnedBuffer::zeros({layout.total}, cd, device);
     for (size_t i = 0; i < params.size(); ++i) {
       ag_in.tensor().narrow(0, layout.offsets[i], params[i].plan.shard_numel())
@@ -271,7 +302,16 @@ void FSDPModule::State::finish_unshard() {
     for (auto& w : ag_works) w.wait();
   }
   ag_works.clear();
-  if (opts.comm_fusion) {
+  if (post_gather_fused) {
+    const int64_t g = post_group->size();
+    at::Tensor all = ag_out.tensor().view({g, post_total});
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t len = params[i].plan.padded_numel() / g;
+      raw_view(params[i].param, {g, len}, dt.all_gather).copy_(all.narrow(1, post_offsets[i], len));
+    }
+    ag_out.release();
+    post_gather_fused = false;
+  } else if (opts.comm_fusion) {
     at::Tensor all = ag_out.tensor().view({shards(), layout.total});
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
@@ -287,9 +327,26 @@ void FSDPModule::State::finish_unshard() {
 
 void FSDPModule::State::do_reshard() {
   finish_unshard();
+  post_fwd.release();
   if (!unsharded || aliased()) return;
   for (auto& p : params) compat::resize_storage_bytes(p.param, 0);
   unsharded = false;
+}
+
+// After forward with a group size: keep this rank's slice of each unsharded parameter
+// (its index in the group picks the slice), then free the unsharded storage.
+void FSDPModule::State::reshard_to_group() {
+  finish_unshard();
+  if (!unsharded || aliased()) return;
+  const int64_t g = post_group->size(), j = post_group->rank();
+  OwnedBuffer keep = OwnedBuffer::empty({post_total}, dt.all_gather, device);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t len = params[i].plan.padded_numel() / g;
+    keep.tensor().narrow(0, post_offsets[i], len)
+        .copy_(raw_view(params[i].param, {g, len}, dt.all_gather)[j]);
+  }
+  do_reshard();
+  post_fwd = std::move(keep);
 }
 
 void FSDPModule::State::pre_forward() {
@@ -297,7 +354,7 @@ void FSDPModule::State::pre_forward() {
   if (it.forward_depth == 0) {
     // This module is the root of this forward: a new iteration starts (and whatever a
     // backward that raised left behind is dropped).
-    issue_deferred_prefetches(/*wait=*/true);  // (empty unless a backward raised)
+    issue_deferred_prefetches(/*wait=*/true, /*backward=*/false);  // (empty unless a backward raised)
     it.forward_order.clear();
     it.forward_end_order.clear();
   }
@@ -321,7 +378,12 @@ void FSDPModule::State::pre_forward() {
 void FSDPModule::State::post_forward() {
   --iteration().forward_depth;
   iteration().forward_end_order.push_back(this);
-  if (opts.reshard_after_forward) do_reshard();
+  if (!opts.reshard_after_forward) return;
+  if (post_group) {
+    reshard_to_group();
+  } else {
+    do_reshard();
+  }
 }
 
 at::Tensor FSDPModule::State::on_output(const at::Tensor& out,
@@ -358,7 +420,7 @@ void FSDPModule::State::pre_backward() {
       later->post_backward();
     }
   }
-  begin_unshard();
+  begin_unshard(/*backward=*/true);
   finish_unshard();
   if (!overlap()) return;
   // Prefetch: the listed modules, else the module that ran just before this one. The
@@ -584,7 +646,7 @@ bool reduce_scatter_in_flight() {
 // Issues the held-back backward prefetches once no reduce-scatter is in flight; with
 // `wait`, waits for those in flight first (the caller is about to issue a collective,
 // which must not overtake the prefetches on any rank).
-void issue_deferred_prefetches(bool wait) {
+void issue_deferred_prefetches(bool wait, bool backward) {
   Iteration& it = iteration();
   if (it.deferred_prefetch.empty()) return;
   if (reduce_scatter_in_flight()) {
@@ -595,7 +657,7 @@ void issue_deferred_prefetches(bool wait) {
   std::vector<FSDPModule::State*> ready;
   ready.swap(it.deferred_prefetch);
   for (FSDPModule::State* s : ready) {
-    if (!s->post_backward_done) s->begin_unshard();
+    if (!s->post_backward_done) s->begin_unshard(backward);
   }
 }
 
@@ -830,6 +892,23 @@ void check_same_shapes(const CommPtr& comm, const std::vector<std::pair<std::str
            "parameter lists (", ps.size(), " parameters on rank ", comm->rank(), ")");
 }
 
+// The communicator of this rank's group of `g` consecutive ranks of `shard`, made once per
+// (communicator, size) and shared by every module that asks (a split is collective: every
+// rank of `shard` reaches it in the same fully_shard call).
+CommPtr post_forward_group(const CommPtr& shard, int g) {
+  static std::mutex mu;
+  static std::map<std::pair<const Communicator*, int>, std::pair<std::weak_ptr<Communicator>, CommPtr>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_pair(shard.get(), g);
+  auto it = cache.find(key);
+  if (it != cache.end() && it->second.first.lock() == shard) return it->second.second;
+  CommOptions co;
+  co.name = detail::str_cat(shard->name(), "/post-forward", g);
+  CommPtr sub = shard->split(shard->rank() / g, shard->rank(), co);
+  cache[key] = {shard, sub};
+  return sub;
+}
+
 }  // namespace
 
 FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
@@ -843,10 +922,11 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     HP_CHECK(it == g_handles.end() || it->second.expired(), "fully_shard was already applied to module ",
              label, "; apply it once per module");
   }
-  if (o.reshard_after_forward_group_size != 0) {
-    HP_NOT_SUPPORTED("reshard_after_forward to a group of ", o.reshard_after_forward_group_size,
-                     " ranks (use true or false)");
-  }
+  HP_CHECK(o.reshard_after_forward_group_size >= 0, "fully_shard(", label, "): reshard_after_forward_group_size=",
+           o.reshard_after_forward_group_size, " must be positive (0: not set)");
+  HP_CHECK(o.reshard_after_forward_group_size == 0 || o.reshard_after_forward, "fully_shard(", label,
+           "): reshard_after_forward_group_size=", o.reshard_after_forward_group_size,
+           " with reshard_after_forward=false: the group size says how to reshard after forward, so it needs true");
   auto st = std::make_unique<FSDPModule::State>();
   st->module = &module;
   st->label = label;
@@ -910,6 +990,16 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
            st->device, ", which the ", st->shard->backend(), " backend of communicator '", st->shard->name(),
            "' does not support");
   st->dt = resolve_dtypes(o.mp_policy, pdt);
+  if (o.reshard_after_forward_group_size > 0) {
+    const int g = o.reshard_after_forward_group_size, ns = st->shard->size();
+    HP_CHECK(ns % g == 0, "fully_shard(", label, "): reshard_after_forward_group_size=", g, " does not divide the ",
+             ns, " ranks of group '", st->shard->name(), "'");
+    if (g == 1) {
+      st->opts.reshard_after_forward = false;  // each rank keeps all of it: no resharding
+    } else if (!st->aliased()) {
+      st->post_group = post_forward_group(st->shard, g);
+    }
+  }
 
   const int n = st->shard->size(), k = st->shard->rank();
   at::NoGradGuard no_grad;
@@ -944,6 +1034,12 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     }
     if (t.grad().defined()) t.mutable_grad() = at::Tensor();
     st->params.push_back(std::move(p));
+  }
+  if (st->post_group) {
+    for (const auto& p : st->params) {
+      st->post_offsets.push_back(st->post_total);
+      st->post_total += p.plan.padded_numel() / st->post_group->size();
+    }
   }
   std::vector<ShardPlan> plans;
   for (const auto& p : st->params) plans.push_back(p.plan);

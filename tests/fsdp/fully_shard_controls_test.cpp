@@ -3,6 +3,8 @@
 
 #include <torch/nn/modules/linear.h>
 
+#include "hp/core/memory.h"
+#include "hp/core/trace.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/runtime.h"
 #include "test_util.h"
@@ -207,4 +209,54 @@ TEST(FullyShardControls, ParametersFreedAsTheirGradientsArrive) {
   EXPECT_TRUE(h->is_unsharded());
   h->set_is_last_backward(true);
   h->reshard();
+}
+
+// reshard_after_forward_group_size: after forward each rank holds its group's share of
+// every unsharded (padded) parameter, no unsharded storage, and backward all-gathers over
+// the group of 2 (traced under its own communicator), with the gradients of one process.
+TEST(FullyShardControls, ReshardAfterForwardToGroupsOfTwo) {
+  auto w = hp::world();
+  if (w->size() % 2 != 0 || w->size() < 4) GTEST_SKIP() << "needs a group of 2 smaller than the world";
+  const int n = w->size();
+  torch::manual_seed(3);
+  TwoLayer m;
+  hp::FullyShardOptions o;
+  o.reshard_after_forward_group_size = 2;
+  auto h = hp::fully_shard(*m, o);
+  torch::manual_seed(4);
+  at::Tensor x = at::randn({2 * n, 5});
+  at::Tensor xs = x.narrow(0, 2 * w->rank(), 2);
+  // Padded numel of every parameter: dim 0 rounded up to a multiple of the world.
+  int64_t padded = 0;
+  for (const auto& st : h->state_dict()) {
+    int64_t row = 1;
+    for (size_t d = 1; d < st.global_shape.size(); ++d) row *= st.global_shape[d];
+    padded += (st.global_shape[0] + n - 1) / n * n * row;
+  }
+  hp::call(m, xs).sum().backward();  // warm-up
+  for (auto& p : h->parameters()) p.mutable_grad() = at::Tensor();
+  const int64_t before = hp::memory::current_bytes();
+  hp::trace::enable(::testing::TempDir() + "hp_group_trace");
+  hp::trace::clear();
+  at::Tensor loss = hp::call(m, xs).sum();
+  EXPECT_FALSE(h->is_unsharded());
+  for (auto& t : m->parameters()) EXPECT_EQ(t.storage().nbytes(), 0u);
+  // Held after forward: half of every padded parameter (fp32), plus the tiny activations.
+  const int64_t held = hp::memory::current_bytes() - before;
+  EXPECT_GE(held, padded / 2 * 4);
+  EXPECT_LT(held, padded / 2 * 4 + 4096);
+  loss.backward();
+  hp::trace::disable();
+  int gathered_in_pairs = 0;
+  for (const auto& e : hp::trace::events()) {
+    if (e.cat == "comm" && e.name == "all_gather" && e.args.find("post-forward2") != std::string::npos) ++gathered_in_pairs;
+  }
+  EXPECT_EQ(gathered_in_pairs, 6) << "one all-gather per parameter over the pair, before backward";
+  auto want = reference_grads(x);
+  auto got = full_grads(h);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    // The mean over ranks of sums of per-rank slices: the global sum divided by n.
+    EXPECT_TRUE(at::allclose(got[i], want[i] / n, 1e-5, 1e-6)) << "parameter " << i;
+  }
 }

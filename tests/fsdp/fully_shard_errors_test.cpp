@@ -32,9 +32,24 @@ TEST(FullyShardErrors, MeshOfThreeDims) {
   hp::FullyShardOptions o;
   o.mesh = mesh;
   expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"1-D mesh", "2-D mesh", "got 3 dims"});
-  o.mesh = nullptr;
-  o.reshard_after_forward_group_size = 2;
-  expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"not supported yet", "group of 2"});
+}
+
+TEST(FullyShardErrors, ReshardAfterForwardGroupSize) {
+  const int n = hp::world()->size();
+  TinyModel m(TinyConfig{});
+  hp::FullyShardOptions o;
+  o.reshard_after_forward_group_size = n + 1;  // never divides n
+  expect_error([&] { hp::fully_shard(*m->blocks[0], o); },
+               {"reshard_after_forward_group_size=" + std::to_string(n + 1), "does not divide",
+                std::to_string(n) + " ranks"});
+  o.reshard_after_forward_group_size = -2;
+  expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"reshard_after_forward_group_size=-2", "positive"});
+  o.reshard_after_forward_group_size = 1;
+  o.reshard_after_forward = false;
+  expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"reshard_after_forward=false", "needs true"});
+  // Nothing was applied by the failed calls: a valid one still works.
+  o.reshard_after_forward = true;
+  EXPECT_NE(hp::fully_shard(*m->blocks[0], o), nullptr);
 }
 
 namespace {

@@ -39,8 +39,11 @@ struct FullyShardOptions {
   std::shared_ptr<DeviceMesh> mesh;
   // Free the unsharded parameters after forward (all-gather again before backward).
   bool reshard_after_forward = true;
-  // Resharding to a smaller group after forward (FSDP2's int form): not supported yet;
-  // any value other than 0 raises.
+  // FSDP2's int form of reshard_after_forward: with k > 1, after forward each rank keeps
+  // 1/k of every unsharded parameter (in the all-gather dtype) for its group of k
+  // consecutive dp_shard ranks, and the all-gather before backward runs over that group
+  // only (within a node, say). k must divide dp_shard; 1 keeps the parameters unsharded
+  // (as reshard_after_forward = false); 0: not set. Needs reshard_after_forward = true.
   int reshard_after_forward_group_size = 0;
   MixedPrecisionPolicy mp_policy;
   // One all-gather / reduce-scatter per module (fused, aligned buffers) instead of one per
