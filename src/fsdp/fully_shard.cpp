@@ -107,6 +107,7 @@ struct FSDPModule::State {
   std::vector<int64_t> post_offsets;  // of each parameter's slice in post_fwd
   int64_t post_total = 0;
   OwnedBuffer post_fwd;
+  uint64_t post_fwd_iteration = 0;  // the iteration whose forward left post_fwd
   bool post_gather_fused = false;  // the pending all-gather is the fused post-forward one
 
   bool requires_sync = true;
@@ -176,6 +177,7 @@ namespace {
 
 // Backward bookkeeping of the process (CPU autograd runs hooks on the caller's thread).
 struct Iteration {
+  uint64_t id = 0;  // counts root forwards outside backward
   int forward_depth = 0;
   bool callback_queued = false;
   std::vector<FSDPModule::State*> forward_order;
@@ -246,14 +248,14 @@ void FSDPModule::State::begin_unshard(bool backward) {
     unsharded = true;
     return;
   }
-  // Post-forward shards serve only the backward that follows their forward: another
-  // gather (a forward, an explicit unshard) may come after an optimizer step.
-  if (!backward) post_fwd.release();
   // Collectives must reach each communicator in the same order on every rank: whatever
-  // prefetch was held back goes first (this module's own, perhaps), as it would have
-  // without the holding back.
+  // prefetch was held back goes first (this module's own, perhaps, over the group it would
+  // have used at a gradient hook), as it would have without the holding back.
   issue_deferred_prefetches(/*wait=*/true);
   if (unshard_pending) return;
+  // Post-forward shards serve only the backward of their own iteration: another gather (a
+  // forward, an explicit unshard, a later step's prefetch) may come after an optimizer step.
+  if (!backward || post_fwd_iteration != iteration().id) post_fwd.release();
   trace::Span span("unshard " + label, "fsdp");
   const at::ScalarType cd = dt.all_gather;
   const int64_t es = c10::elementSize(cd);
@@ -347,6 +349,7 @@ void FSDPModule::State::reshard_to_group() {
   }
   do_reshard();
   post_fwd = std::move(keep);
+  post_fwd_iteration = iteration().id;
 }
 
 void FSDPModule::State::pre_forward() {
@@ -354,7 +357,9 @@ void FSDPModule::State::pre_forward() {
   if (it.forward_depth == 0) {
     // This module is the root of this forward: a new iteration starts (and whatever a
     // backward that raised left behind is dropped).
-    issue_deferred_prefetches(/*wait=*/true, /*backward=*/false);  // (empty unless a backward raised)
+    // Empty unless a backward raised, or this forward runs inside a backward.
+    issue_deferred_prefetches(/*wait=*/true, /*backward=*/it.callback_queued);
+    if (!it.callback_queued) ++it.id;
     it.forward_order.clear();
     it.forward_end_order.clear();
   }
@@ -379,7 +384,8 @@ void FSDPModule::State::post_forward() {
   --iteration().forward_depth;
   iteration().forward_end_order.push_back(this);
   if (!opts.reshard_after_forward) return;
-  if (post_group) {
+  // Without grad mode no backward follows: nothing to keep the group's shares for.
+  if (post_group && at::GradMode::is_enabled()) {
     reshard_to_group();
   } else {
     do_reshard();
@@ -897,11 +903,17 @@ void check_same_shapes(const CommPtr& comm, const std::vector<std::pair<std::str
 // rank of `shard` reaches it in the same fully_shard call).
 CommPtr post_forward_group(const CommPtr& shard, int g) {
   static std::mutex mu;
-  static std::map<std::pair<const Communicator*, int>, std::pair<std::weak_ptr<Communicator>, CommPtr>> cache;
+  // Weak both ways: the modules using a group keep it alive, and nothing outlives them.
+  static std::map<std::pair<const Communicator*, int>, std::pair<std::weak_ptr<Communicator>, std::weak_ptr<Communicator>>> cache;
   std::lock_guard<std::mutex> lock(mu);
+  for (auto e = cache.begin(); e != cache.end();) {
+    e = (e->second.first.expired() || e->second.second.expired()) ? cache.erase(e) : std::next(e);
+  }
   auto key = std::make_pair(shard.get(), g);
   auto it = cache.find(key);
-  if (it != cache.end() && it->second.first.lock() == shard) return it->second.second;
+  if (it != cache.end() && it->second.first.lock() == shard) {
+    if (CommPtr sub = it->second.second.lock()) return sub;
+  }
   CommOptions co;
   co.name = detail::str_cat(shard->name(), "/post-forward", g);
   CommPtr sub = shard->split(shard->rank() / g, shard->rank(), co);

@@ -236,6 +236,12 @@ TEST(FullyShardControls, ReshardAfterForwardToGroupsOfTwo) {
   hp::call(m, xs).sum().backward();  // warm-up
   for (auto& p : h->parameters()) p.mutable_grad() = at::Tensor();
   const int64_t before = hp::memory::current_bytes();
+  {
+    // Without grad mode no backward follows: nothing is kept after forward.
+    at::NoGradGuard no_grad;
+    at::Tensor out = hp::call(m, xs);
+    EXPECT_LT(hp::memory::current_bytes() - before, padded / 2 * 4) << "the group's shares were kept";
+  }
   hp::trace::enable(::testing::TempDir() + "hp_group_trace");
   hp::trace::clear();
   at::Tensor loss = hp::call(m, xs).sum();

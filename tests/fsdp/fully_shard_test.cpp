@@ -399,6 +399,19 @@ TEST(FullyShard, MixedPrecisionPoliciesAndOwnership) {
       EXPECT_TRUE(res.ownership_ok) << c.name() << ": a gradient autograd produced, or an input, was freed or changed";
     }
   }
+  // Resharding to groups of 2 keeps the shares in the all-gather (compute) dtype.
+  if (n % 2 == 0) {
+    for (Policy pol : {Policy::kBf16Fp32Reduce, Policy::kBf16Master}) {
+      Case c;
+      c.policy = pol;
+      c.group = 2;
+      c.fusion = pol == Policy::kBf16Master;
+      Result res = train(c);
+      EXPECT_LE(res.max_rel, 1e-4) << c.name() << " on " << n << " ranks";
+      EXPECT_LE(res.grad_rel, 1e-4) << c.name() << " on " << n << " ranks (gradients)";
+      EXPECT_TRUE(res.ownership_ok) << c.name();
+    }
+  }
 }
 
 // Seed defect 000: bf16 parameters and compute, reduce_dtype unset, HSDP with fused
