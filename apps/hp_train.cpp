@@ -125,7 +125,8 @@ int run(const Args& args, const hp::CommPtr& world) {
     c = load_config(args.config, args.overrides);
     c.validate(args.world > 0 ? args.world : world->size());
     est = hp::models::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
-                                      mixed_precision(c), {c.data_parallel, c.data_parallel_shard});
+                                      mixed_precision(c),
+                                      {c.data_parallel, c.data_parallel_shard, c.reshard_after_forward_group_size});
     if (!args.estimate) {
       // Every rank builds the whole model in fp32 before sharding it.
       const double need = std::max(4.0 * static_cast<double>(c.model.num_params()), static_cast<double>(est.total()));
@@ -156,8 +157,9 @@ int run(const Args& args, const hp::CommPtr& world) {
     say(line);
     say("per rank, without activations: sharded params " + format_bytes(est.sharded_params) + ", grads " +
         format_bytes(est.sharded_grads) + ", optimizer " + format_bytes(est.optimizer_state) + ", fp32 masters " +
-        format_bytes(est.fp32_masters) + ", backward peak " + format_bytes(est.backward_peak_extra) + "; total " +
-        format_bytes(est.total()));
+        format_bytes(est.fp32_masters) + ", backward peak " + format_bytes(est.backward_peak_extra) +
+        (est.post_forward_shares ? ", kept from forward to backward " + format_bytes(est.post_forward_shares) : "") +
+        "; total " + format_bytes(est.total()));
     return 0;
   }
 

@@ -28,6 +28,10 @@ MemoryEstimate estimate_memory(int64_t params, int64_t block, at::ScalarType par
   const bool aliased = N == 1 && d.compute == d.param;
   m.backward_peak_extra = (aliased ? 0 : 2 * block * bytes(d.compute)) + block * bytes(d.grad) +
                           (N == 1 ? 0 : 2 * block * bytes(d.reduce));
+  const int64_t k = layout.reshard_after_forward_group_size;
+  HP_CHECK(k >= 0 && (k == 0 || N % k == 0), "estimate_memory: reshard_after_forward_group_size=", k,
+           " does not divide dp_shard=", N);
+  if (k > 0 && !aliased) m.post_forward_shares = (params + k - 1) / k * bytes(d.all_gather);
   return m;
 }
 
@@ -35,7 +39,9 @@ std::string MemoryEstimate::to_string() const {
   auto mb = [](int64_t b) { return detail::str_cat(static_cast<double>(b) / 1e6, " MB"); };
   return detail::str_cat("params ", params, "; per rank: sharded params ", mb(sharded_params), ", grads ",
                          mb(sharded_grads), ", optimizer ", mb(optimizer_state), ", fp32 masters ", mb(fp32_masters),
-                         ", backward peak extra ", mb(backward_peak_extra), ", total ", mb(total()));
+                         ", backward peak extra ", mb(backward_peak_extra),
+                         post_forward_shares ? detail::str_cat(", kept from forward ", mb(post_forward_shares)) : "",
+                         ", total ", mb(total()));
 }
 
 }  // namespace hp::models

@@ -211,6 +211,10 @@ const std::vector<Key>& keys() {
           if (v.text == "optim") v.fail("sharding only the optimizer state (ZeRO-1) is not supported yet");
           c.data_parallel_shard_strategy = as_choice(v, {"optim_grads_params", "optim_grads"});
         });
+    top("reshard_after_forward_group_size", "int", "0",
+        "with optim_grads_params: after forward keep parameters sharded over groups of this many "
+        "data_parallel_shard ranks, gathered within the group for backward; 0 = over all of them",
+        [](TrainConfig& c, const Value& v) { c.reshard_after_forward_group_size = as_int(v, 0, kMaxRanks); });
     top("comm_fusion", "bool", "true", "one fused all-gather/reduce-scatter per block",
         [](TrainConfig& c, const Value& v) { c.comm_fusion = as_bool(v); });
     top("tensor_parallel", "int", "1", "tensor-parallel size (only 1 yet)",
@@ -421,6 +425,13 @@ void TrainConfig::validate(int world_size) {
     data_parallel_shard = world_size / others;
   }
   HP_CHECK(data_parallel_shard <= world_size / others && others * data_parallel_shard == world_size, layout_error());
+  if (reshard_after_forward_group_size > 0) {
+    HP_CHECK(data_parallel_shard_strategy == "optim_grads_params", s, ": reshard_after_forward_group_size=",
+             reshard_after_forward_group_size, " needs data_parallel_shard_strategy=optim_grads_params (",
+             data_parallel_shard_strategy, " keeps parameters gathered until backward)");
+    HP_CHECK(data_parallel_shard % reshard_after_forward_group_size == 0, s, ": reshard_after_forward_group_size=",
+             reshard_after_forward_group_size, " does not divide data_parallel_shard=", data_parallel_shard);
+  }
   HP_CHECK(params_dtype != at::kHalf, s, ": params_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
   HP_CHECK(compute_dtype != at::kHalf, s, ": compute_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
   HP_CHECK(global_batch_size % micro_batch_num == 0 && (global_batch_size / micro_batch_num) % dp_size() == 0, s, ": global_batch_size=", global_batch_size,
@@ -476,6 +487,9 @@ std::string describe(const TrainConfig& c) {
      << " parameters); data " << c.data.type << (c.data.path.empty() ? "" : " " + c.data.path) << "\n";
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
      << (c.data_parallel > 1 ? " (HSDP)" : " (FSDP)") << ", " << c.data_parallel_shard_strategy
+     << (c.reshard_after_forward_group_size > 0
+             ? detail::str_cat(" (resharded to groups of ", c.reshard_after_forward_group_size, " after forward)")
+             : std::string())
      << ", comm_fusion " << (c.comm_fusion ? "on" : "off") << "\n";
   const GroupDtypes d = resolve_dtypes(mixed_precision(c), c.params_dtype);
   os << "dtypes: params " << c10::toString(d.param) << ", compute " << c10::toString(d.compute)

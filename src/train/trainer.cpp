@@ -184,6 +184,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   FullyShardOptions o;
   o.mesh = s.mesh;
   o.reshard_after_forward = c.data_parallel_shard_strategy == "optim_grads_params";
+  o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
   o.comm_fusion = c.comm_fusion;
   o.mp_policy = mixed_precision(c);
   for (torch::nn::Module* b : s.model->blocks()) s.handles.push_back(fully_shard(*b, o));

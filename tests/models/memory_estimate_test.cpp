@@ -19,6 +19,19 @@ TEST(MemoryEstimate, Fp32FsdpOverFourRanks) {
   EXPECT_EQ(m.total(), 1000 + 1000 + 2000 + 2000);
 }
 
+// Resharding to groups of 2 after forward keeps half of the model (bf16 all-gather dtype
+// here) from forward to backward; a group size that does not divide dp_shard is refused.
+TEST(MemoryEstimate, ReshardToGroupsKeepsTheGroupsShares) {
+  hp::MixedPrecisionPolicy p;
+  p.param_dtype = at::kBFloat16;
+  auto m = estimate_memory(1000, 100, at::kFloat, p, {1, 4, 2});
+  EXPECT_EQ(m.post_forward_shares, 500 * 2);
+  EXPECT_EQ(m.total(), estimate_memory(1000, 100, at::kFloat, p, {1, 4}).total() + 1000);
+  EXPECT_NE(m.to_string().find("kept from forward"), std::string::npos);
+  hp::test::expect_error([&] { estimate_memory(1000, 100, at::kFloat, p, {1, 4, 3}); },
+                         {"reshard_after_forward_group_size=3", "dp_shard=4"});
+}
+
 TEST(MemoryEstimate, Bf16ShardsWithMainGradsAndMasters) {
   hp::MixedPrecisionPolicy p;
   p.reduce_dtype = at::kFloat;

@@ -75,6 +75,16 @@ python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "ve
 grep -q '"summary":{"steps":6' "$out/metrics.jsonl" || fail "metrics.jsonl has no summary"
 grep -q '<polyline' "$out/loss.svg" || fail "loss.svg has no curve"
 
+# The same with the parameters resharded to groups of 2 after forward (all of
+# data_parallel_shard here) and gathered within the group for backward.
+run_np $n --config "$cfg" --verify --set data_parallel=1 --set train_steps=3 --set lr_warmup_steps=1 \
+  --set params_dtype=float32 --set compute_dtype=float32 --set output_dir= \
+  --set reshard_after_forward_group_size=$n > "$work/out" 2>&1 || fail "grouped run failed: $(cat "$work/out")"
+grep -q "resharded to groups of $n after forward" "$work/out" || fail "the layout line does not name the group"
+diff=$(sed -n 's/^verify: largest |loss - single-process loss| over 3 steps: \([0-9.e+-]*\) .*/\1/p' "$work/out")
+[ -n "$diff" ] || fail "no verify line: $(cat "$work/out")"
+python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "grouped verify difference $diff >= 1e-5"
+
 # Text data through the byte tokenizer, one process.
 python3 -c "print('the quick brown fox jumps over the lazy dog. ' * 200)" > "$work/corpus.txt"
 "$bin" --config "$cfg" --set data.type=text --set data.path="$work/corpus.txt" --set data_parallel=1 \

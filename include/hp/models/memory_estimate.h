@@ -16,6 +16,7 @@ namespace hp::models {
 struct ParallelLayout {
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
+  int64_t reshard_after_forward_group_size = 0;  // FullyShardOptions' field; 0: not set
 };
 
 struct MemoryEstimate {
@@ -25,8 +26,12 @@ struct MemoryEstimate {
   int64_t optimizer_state = 0;  // AdamW: two moments, fp32 with masters, else the parameters' dtype
   int64_t fp32_masters = 0;     // FP32MasterOptimizer, for low-precision shards with main grads
   int64_t backward_peak_extra = 0;
+  // With a reshard group size k: every module's share kept from forward to backward
+  // (1/k of the model in the all-gather dtype), all of it held when backward starts.
+  int64_t post_forward_shares = 0;
   int64_t total() const {
-    return sharded_params + sharded_grads + optimizer_state + fp32_masters + backward_peak_extra;
+    return sharded_params + sharded_grads + optimizer_state + fp32_masters + backward_peak_extra +
+           post_forward_shares;
   }
   std::string to_string() const;
 };

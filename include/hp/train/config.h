@@ -54,6 +54,7 @@ struct TrainConfig {
   int64_t data_parallel = 1;         // dp_replicate
   int64_t data_parallel_shard = -1;  // dp_shard; -1 = the rest of the world
   std::string data_parallel_shard_strategy = "optim_grads_params";
+  int64_t reshard_after_forward_group_size = 0;  // 0: reshard over all of data_parallel_shard
   bool comm_fusion = true;
   int64_t tensor_parallel = 1;
   bool sequence_parallel = false;
