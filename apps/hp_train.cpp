@@ -126,7 +126,9 @@ int run(const Args& args, const hp::CommPtr& world) {
     c.validate(args.world > 0 ? args.world : world->size());
     est = hp::models::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
                                       mixed_precision(c),
-                                      {c.data_parallel, c.data_parallel_shard, c.reshard_after_forward_group_size});
+                                      {c.data_parallel, c.data_parallel_shard,
+                                       // optim_grads keeps parameters gathered until backward: a group of 1
+                                       c.data_parallel_shard_strategy == "optim_grads" ? 1 : c.reshard_after_forward_group_size});
     if (!args.estimate) {
       // Every rank builds the whole model in fp32 before sharding it.
       const double need = std::max(4.0 * static_cast<double>(c.model.num_params()), static_cast<double>(est.total()));

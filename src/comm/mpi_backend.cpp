@@ -360,8 +360,8 @@ class MpiTransport final : public Transport {
   // (measured in comm_bench, BENCHMARKS.md). On two ranks MPI exchanges the whole buffer
   // once and each rank reduces all of it, which the ring does not beat below 32 MiB; from
   // three ranks MPI reduces the whole buffer in each of several rounds, and the ring, which
-  // reduces (n-1)/n of it once, wins from 1 MiB (4 ranks: 1.25x at 1 MiB, 0.96 vs 0.82x at
-  // 4 MiB, against the fp32 raw call).
+  // reduces (n-1)/n of it once, wins from 1 MiB (3 ranks, against the fp32 raw call: 1 MiB
+  // 1.03x vs 0.95x, 4 MiB 1.14x vs 0.99x, 16 MiB 1.13x vs 0.73x; BENCHMARKS.md).
   static constexpr int64_t kHalfRingAllReduceBytesTwoRanks = 32 << 20;
   static constexpr int64_t kHalfRingAllReduceBytes = 1 << 20;
   static constexpr int64_t kMaxSegments = 8192;  // stays below MPI_TAG_UB (>= 32767)

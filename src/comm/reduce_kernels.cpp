@@ -74,7 +74,8 @@ HP_KERNEL void bf16(uint16_t* out, const uint16_t* a, const uint16_t* b, int64_t
 // adding 0x7fff plus the kept part's last bit, narrow. The NaN case of round_to_bf16 is not
 // needed here: widened bf16 values have 16 zero low bits, and a NaN that an fp32 add
 // returns is an input's NaN (quieted) or the default NaN 0xffc00000, low bits zero too, so
-// the rounding leaves it as it is: the bits are those of the scalar kernel (tested). 1.8x
+// the rounding leaves it as it is: the bits are those of the scalar kernel (tested on random
+// patterns; a NaN plus a number bit for bit). 1.8x
 // the auto-vectorized loop's 27 GB/s in cache (48 GB/s, 256 K elements).
 __attribute__((target("avx2"))) inline __m256i bf16_add_round8(__m128i a, __m128i b) {
   __m256 fa = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));

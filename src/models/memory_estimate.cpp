@@ -29,7 +29,8 @@ MemoryEstimate estimate_memory(int64_t params, int64_t block, at::ScalarType par
   m.backward_peak_extra = (aliased ? 0 : 2 * block * bytes(d.compute)) + block * bytes(d.grad) +
                           (N == 1 ? 0 : 2 * block * bytes(d.reduce));
   const int64_t k = layout.reshard_after_forward_group_size;
-  HP_CHECK(k >= 0 && (k == 0 || N % k == 0), "estimate_memory: reshard_after_forward_group_size=", k,
+  HP_CHECK(k >= 0, "estimate_memory: reshard_after_forward_group_size=", k, " must be >= 0");
+  HP_CHECK(k == 0 || N % k == 0, "estimate_memory: reshard_after_forward_group_size=", k,
            " does not divide dp_shard=", N);
   if (k > 0 && !aliased) m.post_forward_shares = (params + k - 1) / k * bytes(d.all_gather);
   return m;

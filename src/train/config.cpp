@@ -487,9 +487,10 @@ std::string describe(const TrainConfig& c) {
      << " parameters); data " << c.data.type << (c.data.path.empty() ? "" : " " + c.data.path) << "\n";
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
      << (c.data_parallel > 1 ? " (HSDP)" : " (FSDP)") << ", " << c.data_parallel_shard_strategy
-     << (c.reshard_after_forward_group_size > 0
+     << (c.reshard_after_forward_group_size > 1
              ? detail::str_cat(" (resharded to groups of ", c.reshard_after_forward_group_size, " after forward)")
-             : std::string())
+             : c.reshard_after_forward_group_size == 1 ? std::string(" (group of 1: kept gathered after forward)")
+                                                       : std::string())
      << ", comm_fusion " << (c.comm_fusion ? "on" : "off") << "\n";
   const GroupDtypes d = resolve_dtypes(mixed_precision(c), c.params_dtype);
   os << "dtypes: params " << c10::toString(d.param) << ", compute " << c10::toString(d.compute)

@@ -22,10 +22,8 @@ TEST(Trace, WritesChromeTraceWithComputeAndCommSpans) {
   at::Tensor x = at::ones({8});
   c->all_reduce(x).wait();
   c->barrier().wait();
-  // The comm span is recorded by the worker right after completion.
-  for (int i = 0; i < 100 && hp::trace::events().size() < 3; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  // A comm span is recorded before its Work reports completion: both are there now.
+  EXPECT_GE(hp::trace::events().size(), 3u);
   std::string path = hp::trace::flush();
   hp::trace::disable();
   std::ifstream f(path);

@@ -16,7 +16,9 @@ namespace hp::models {
 struct ParallelLayout {
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
-  int64_t reshard_after_forward_group_size = 0;  // FullyShardOptions' field; 0: not set
+  // FullyShardOptions' field; 0: not set. 1 is also what reshard_after_forward = false
+  // amounts to: every module kept whole from forward to backward.
+  int64_t reshard_after_forward_group_size = 0;
 };
 
 struct MemoryEstimate {
