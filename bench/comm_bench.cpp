@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "hp/runtime.h"
 
 namespace {
@@ -37,11 +38,6 @@ double time_calls(const std::function<void()>& fn, int k) {
   double t = (now_s() - t0) / k;
   MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return t;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 struct Row {
@@ -137,7 +133,7 @@ int main(int argc, char** argv) {
           th.push_back(time_calls(hp_fn, k));
           tr.push_back(time_calls(raw_fn, k));
         }
-        Row row{opname, dt == at::kFloat ? "fp32" : "bf16", real_bytes, median(th), median(tr), 0, 0};
+        Row row{opname, dt == at::kFloat ? "fp32" : "bf16", real_bytes, hp::bench::median(th), hp::bench::median(tr), 0, 0};
         row.hp_busbw = real_bytes / row.hp_s * factor / 1e9;
         row.raw_busbw = real_bytes / row.raw_s * factor / 1e9;
         if (r == 0) {

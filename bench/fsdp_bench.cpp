@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "bench_util.h"
 #include "fsdp/fsdp_model.h"
 #include "hp/core/memory.h"
 #include "hp/core/trace.h"
@@ -102,14 +103,13 @@ int overhead() {
     tf.push_back(t2 - t1);
     pair.push_back((t2 - t1) / (t1 - t0));  // two steps a few ms apart see the same machine
   }
-  std::sort(pair.begin(), pair.end());
-  std::sort(tp.begin(), tp.end());
-  std::sort(tf.begin(), tf.end());
-  double p = tp.front(), f = tf.front(), pm = tp[tp.size() / 2], fm = tf[tf.size() / 2];
+  using hp::bench::median;
+  double p = *std::min_element(tp.begin(), tp.end()), f = *std::min_element(tf.begin(), tf.end());
+  double pm = median(tp), fm = median(tf);
   std::printf("overhead (world size 1, %lld layers d=%lld, batch 8 x %lld): fastest step plain %.2f ms, "
               "fully_shard %.2f ms, ratio %.3f (%+.1f%%); median ratio %.3f; median of paired ratios %.3f\n",
               (long long)c.layers, (long long)c.dim, (long long)c.seq, p * 1e3, f * 1e3, f / p, (f / p - 1) * 100,
-              fm / pm, pair[pair.size() / 2]);
+              fm / pm, median(pair));
   return 0;
 }
 
@@ -156,10 +156,7 @@ int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds)
     }
     hp::trace::disable();
     hp::set_fsdp_overlap(true);
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
+    using hp::bench::median;
     at::Tensor m = at::tensor({median(frac[1]), median(frac[0]), median(step[1]), median(step[0])}, at::kDouble);
     w->all_reduce(m, {hp::ReduceOp::MAX}).wait();
     if (w->rank() == 0) {
