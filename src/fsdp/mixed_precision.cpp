@@ -24,8 +24,6 @@ GroupDtypes resolve_dtypes(const MixedPrecisionPolicy& p, at::ScalarType param_d
   d.all_gather = d.compute;  // shards are cast before the all-gather
   d.grad = d.compute;        // autograd's gradient matches the unsharded parameter
   d.reduce = p.reduce_dtype.value_or(d.grad);
-  d.reduce_scatter_buffer = d.reduce;
-  d.all_reduce_buffer = d.reduce;
   d.unsharded_accumulate = d.reduce;  // never below the reduction's precision
   d.main_grad = p.apply_grad_on_fp32_main_grad;
   d.sharded_grad = d.main_grad ? at::kFloat : param_dtype;
@@ -40,8 +38,7 @@ std::string GroupDtypes::to_string() const {
     return t ? std::string(c10::toString(*t)) : std::string("none");
   };
   return detail::str_cat("param=", param, " compute=", compute, " all_gather=", all_gather,
-                         " grad=", grad, " reduce=", reduce, " rs_buffer=", reduce_scatter_buffer,
-                         " ar_buffer=", all_reduce_buffer, " unsharded_acc=", unsharded_accumulate,
+                         " grad=", grad, " reduce=", reduce, " unsharded_acc=", unsharded_accumulate,
                          " sharded_acc=", sharded_accumulate, " sharded_grad=", sharded_grad,
                          " main_grad=", main_grad, " output=", opt(output), " input=", opt(input));
 }

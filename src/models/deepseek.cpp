@@ -109,7 +109,7 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
                       std::sqrt(static_cast<double>(qk));
   at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  at::Tensor att = scores.to(at::kFloat).softmax(-1).to(v.scalar_type());
+  at::Tensor att = upcast(scores).softmax(-1).to(v.scalar_type());
   at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, H * c.v_head_dim});
   return hp::call(wo, o);
 }
@@ -127,7 +127,7 @@ MoEImpl::MoEImpl(const DeepSeekConfig& cfg) : c(cfg) {
 }
 
 std::pair<at::Tensor, at::Tensor> MoEImpl::route(const at::Tensor& x) const {
-  at::Tensor scores = hp::call(const_cast<torch::nn::Linear&>(gate), x).to(at::kFloat).sigmoid();
+  at::Tensor scores = upcast(hp::call(const_cast<torch::nn::Linear&>(gate), x)).sigmoid();
   // The bias steers which experts are chosen, not how much they weigh.
   at::Tensor chosen = std::get<1>((scores.detach() + bias).topk(c.experts_per_token, -1));
   at::Tensor w = scores.gather(-1, chosen);

@@ -65,7 +65,7 @@ LlamaConfig LlamaConfig::llama3_8b() {
 RMSNormImpl::RMSNormImpl(int64_t dim, double e) : eps(e) { weight = register_parameter("weight", at::ones({dim})); }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
-  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor xf = upcast(x);
   at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return y.to(x.scalar_type()) * weight;
 }
@@ -74,14 +74,14 @@ std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, d
   at::Tensor i = at::arange(0, head_dim / 2, at::kDouble);
   at::Tensor inv_freq = at::pow(theta, -2.0 * i / head_dim);
   at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
-  return {angles.cos().to(at::kFloat), angles.sin().to(at::kFloat)};
+  return {angles.cos(), angles.sin()};  // float64; apply_rotary casts them to its dtype
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t T = x.size(-2), D = x.size(-1);
-  at::Tensor pairs = x.to(at::kFloat).reshape({x.size(0), x.size(1), T, D / 2, 2});
+  at::Tensor pairs = upcast(x).reshape({x.size(0), x.size(1), T, D / 2, 2});
   at::Tensor a = pairs.select(-1, 0), b = pairs.select(-1, 1);
-  at::Tensor c = cos.narrow(0, 0, T), s = sin.narrow(0, 0, T);
+  at::Tensor c = cos.narrow(0, 0, T).to(pairs.scalar_type()), s = sin.narrow(0, 0, T).to(pairs.scalar_type());
   at::Tensor out = at::stack({a * c - b * s, a * s + b * c}, -1);
   return out.reshape(x.sizes()).to(x.scalar_type());
 }
@@ -108,7 +108,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
   at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  at::Tensor att = scores.to(at::kFloat).softmax(-1).to(v.scalar_type());
+  at::Tensor att = upcast(scores).softmax(-1).to(v.scalar_type());
   at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, heads * head_dim});
   return hp::call(wo, o);
 }
@@ -159,7 +159,7 @@ at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
 
 at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
   at::Tensor logits = forward(tokens);
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+  return torch::nn::functional::cross_entropy(upcast(logits.reshape({-1, logits.size(-1)})),
                                               targets.reshape({-1}));
 }
 

@@ -108,7 +108,7 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, int64_t vocab, bool hooked) {
   at::Tensor x = batch.narrow(1, 0, seq), y = batch.narrow(1, 1, seq);
   at::Tensor logits = m.forward(x, hooked);
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}).to(at::kFloat), y.reshape({-1}));
+  return torch::nn::functional::cross_entropy(models::upcast(logits.reshape({-1, vocab})), y.reshape({-1}));
 }
 
 }  // namespace

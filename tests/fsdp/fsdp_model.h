@@ -65,7 +65,8 @@ struct TinyModelImpl : torch::nn::Module {
     at::Tensor h = hp::call(emb, tokens);
     for (auto& b : blocks) h = hp::call(b, h);
     at::Tensor logits = hp::call(nf, h).matmul(emb->weight.t());  // tied head
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+    at::Tensor flat = logits.reshape({-1, logits.size(-1)});  // the loss in fp32, or fp64 for a fp64 model
+    return torch::nn::functional::cross_entropy(flat.scalar_type() == at::kDouble ? flat : flat.to(at::kFloat),
                                                 targets.reshape({-1}));
   }
   torch::nn::Embedding emb{nullptr};

@@ -29,9 +29,11 @@ Sharded shard_blocks_then_root(Model& model, const FullyShardOptions& o = {}) {
   return s;
 }
 
-// The full tensor (fp32) of a sharded parameter from every shard rank's rows `local`.
+// The full tensor of a sharded parameter from every shard rank's rows `local`: float64 for
+// a float64 parameter, float32 otherwise.
 inline at::Tensor reassemble(const ShardedTensor& st, const at::Tensor& local, const CommPtr& shard_group) {
-  at::Tensor full = at::zeros(st.global_shape, local.options().dtype(at::kFloat));
+  const at::ScalarType dt = local.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor full = at::zeros(st.global_shape, local.options().dtype(dt));
   at::Tensor rows = full.dim() == 0 ? full.view({1}) : full;
   if (local.size(0) > 0) rows.narrow(0, st.row_offset, local.size(0)).copy_(local.detach());
   shard_group->all_reduce(full).wait();  // each row lives on exactly one shard rank
@@ -52,7 +54,8 @@ std::vector<at::Tensor> reference_in_handle_order(Model& model, const std::strin
   return out;
 }
 
-// Largest |a - b| / max |b| between every handle's reassembled parameters and `want`.
+// Largest |a - b| / max |b| between every handle's reassembled parameters and `want`,
+// computed in float64; 1e30 when the lists differ in length or shapes.
 inline double max_rel_to_reference(const std::vector<FSDPHandle>& handles, const std::vector<at::Tensor>& want,
                                    const CommPtr& shard_group) {
   double worst = 0;
@@ -61,7 +64,9 @@ inline double max_rel_to_reference(const std::vector<FSDPHandle>& handles, const
     for (const auto& st : h->state_dict()) {
       if (i >= want.size()) return 1e30;  // more parameters than the reference
       at::Tensor full = reassemble(st, st.local, shard_group);
-      at::Tensor b = want[i++].to(at::kFloat);
+      at::Tensor b = want[i++].to(at::kDouble);
+      if (!full.sizes().equals(b.sizes())) return 1e30;
+      full = full.to(at::kDouble);
       worst = std::max(worst, (full - b).abs().max().item<double>() / (b.abs().max().item<double>() + 1e-12));
     }
   }

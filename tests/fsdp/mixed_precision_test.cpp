@@ -32,11 +32,9 @@ TEST(MixedPrecision, EveryCombinationFollowsTheRules) {
               EXPECT_EQ(d.compute, compute);
               EXPECT_EQ(d.all_gather, compute);
               EXPECT_EQ(d.grad, compute);
-              // reduce_dtype unset = the gradient's own dtype, for every buffer.
+              // reduce_dtype unset = the gradient's own dtype.
               at::ScalarType reduce = rd ? *rd : compute;
               EXPECT_EQ(d.reduce, reduce);
-              EXPECT_EQ(d.reduce_scatter_buffer, reduce);
-              EXPECT_EQ(d.all_reduce_buffer, reduce);
               EXPECT_EQ(d.unsharded_accumulate, reduce);
               EXPECT_EQ(d.main_grad, main_grad);
               EXPECT_EQ(d.sharded_grad, main_grad ? at::kFloat : param);
@@ -54,14 +52,15 @@ TEST(MixedPrecision, EveryCombinationFollowsTheRules) {
 }
 
 // Seed defect 000: bf16 params and compute, reduce_dtype unset, HSDP with fusion: the
-// fused all-reduce buffer must be bf16 like the reduction, never a default fp32.
+// reduction (whose dtype every fused and per-parameter buffer takes) is bf16, never a
+// default fp32.
 TEST(MixedPrecision, Bf16WithReduceUnsetKeepsEveryBufferBf16) {
   MixedPrecisionPolicy p;
   p.param_dtype = at::kBFloat16;
   hp::GroupDtypes d = hp::resolve_dtypes(p, at::kBFloat16);
   EXPECT_EQ(d.reduce, at::kBFloat16);
-  EXPECT_EQ(d.all_reduce_buffer, at::kBFloat16);
-  EXPECT_EQ(d.reduce_scatter_buffer, at::kBFloat16);
+  EXPECT_EQ(d.unsharded_accumulate, at::kBFloat16);
+  EXPECT_EQ(d.sharded_accumulate, at::kBFloat16);
 }
 
 TEST(MixedPrecision, NonFloatingDtypesAreRejectedByName) {

@@ -34,9 +34,10 @@ struct GroupDtypes {
   at::ScalarType compute;          // unsharded parameters in forward/backward
   at::ScalarType all_gather;       // all-gather input/output buffers
   at::ScalarType grad;             // gradients autograd produces for the unsharded params
-  at::ScalarType reduce;           // reduce-scatter and all-reduce (and their buffers)
-  at::ScalarType reduce_scatter_buffer;  // fused reduce-scatter input and output
-  at::ScalarType all_reduce_buffer;      // fused HSDP all-reduce buckets
+  // Reduce-scatter and all-reduce, and every buffer they use, fused or per parameter: one
+  // field that every allocation of the reduction reads, so no path can size or allocate a
+  // reduction buffer in another dtype (the seed system's defect 000).
+  at::ScalarType reduce;
   at::ScalarType unsharded_accumulate;   // unsharded grads kept across no-sync micro-steps
   at::ScalarType sharded_accumulate;     // reduced shards kept across steps without all-reduce
   at::ScalarType sharded_grad;     // what the optimizer steps with (main grad or .grad)

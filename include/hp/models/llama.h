@@ -46,6 +46,11 @@ struct LlamaConfig {
 // scales ("...norm....weight") are set to 1. Shared by all reference models.
 void init_parameters(torch::nn::Module& m, uint64_t seed, double std = 0.02);
 
+// The dtype of the numerically sensitive steps (norms, softmax, rotary, routing, the
+// loss): float32 for float32 and lower precisions; a float64 model stays in float64, so
+// that parity tests can train whole models in float64 (no step rounds to float32).
+inline at::Tensor upcast(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? x : x.to(at::kFloat); }
+
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);
@@ -54,7 +59,8 @@ struct RMSNormImpl : torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-// cos and sin tables [seq, head_dim / 2] for positions 0..seq-1.
+// cos and sin tables [seq, head_dim / 2] for positions 0..seq-1, in float64 (apply_rotary
+// rounds them to the dtype it computes in).
 std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta);
 // Rotates consecutive pairs (x[2i], x[2i+1]) of the last dim of x [B, H, T, D] by the
 // position's angle.
