@@ -11,7 +11,9 @@
 //             HSDP all-reduces are issued in reduce-scatter order as those complete.
 //   end       an engine callback (queued by the first hook of the backward) reduces the
 //             groups whose gradients never all arrived (zeros for the missing ones), waits
-//             for every collective and leaves the reduced gradients on the sharded leaves.
+//             for every collective and leaves the reduced gradients on the sharded leaves;
+//             a parameter that got no gradient on any rank is left alone (GradFlags), as
+//             one process leaves it.
 // Every dtype comes from the group's GroupDtypes (resolve_dtypes).
 #include "hp/fsdp/fully_shard.h"
 
@@ -64,8 +66,30 @@ struct ParamInfo {
   int64_t grad_set_version = -1;
 };
 
+// Which of a group's parameters got a gradient on any rank this step (1) or on none (0):
+// reduced with MAX over dp_shard before the gradients' reduce-scatter, then over
+// dp_replicate before their all-reduce. A parameter no rank produced a gradient for is
+// still reduced (as zeros, so every rank issues the same collectives) but its result is not
+// applied: its .grad stays as one process leaves it (undefined after zero_grad(set_to_none)).
+struct GradFlags {
+  at::Tensor flags;  // int32 [params of the group]
+  Work shard_w, replicate_w;
+  bool replicate_issued = false;
+  std::vector<int32_t> host;  // `flags` once every reduction of it is waited for
+  const std::vector<int32_t>& wait() {
+    if (host.empty()) {
+      shard_w.wait();
+      if (replicate_issued) replicate_w.wait();
+      at::Tensor c = flags.cpu();
+      host.assign(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.numel());
+    }
+    return host;
+  }
+};
+
 struct PendingReduce {
   int param = -1;      // -1: the whole group (fused)
+  std::shared_ptr<GradFlags> flags;  // shared by the group's reductions of this backward
   // The reduce-scatter's input (a buffer of ours, or autograd's gradient itself) is held
   // by the op alone, which drops it the moment it completes.
   OwnedBuffer output;  // reduce-scatter output = all-reduce bucket
@@ -520,7 +544,7 @@ void FSDPModule::State::post_backward() {
     for (auto& p : params) {
       if (!p.requires_grad) continue;
       at::Tensor g = flat_grad(p);
-      if (!g.defined()) g = at::zeros({p.plan.numel()}, at::TensorOptions().dtype(rd).device(device));
+      if (!g.defined()) continue;  // no gradient: .grad stays as one process leaves it
       apply_reduced(p, g.to(rd).view(p.sharded.sizes()));
       p.param.mutable_grad() = at::Tensor();  // drop our reference only
       p.unsharded_acc.release();
@@ -528,8 +552,20 @@ void FSDPModule::State::post_backward() {
     if (reshard_now) do_reshard();
     return;
   }
+  // Which parameters got a gradient, reduced over the ranks ahead of the gradients.
+  auto flags = std::make_shared<GradFlags>();
+  {
+    at::Tensor local = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      local[i] = (p.requires_grad && (p.param.grad().defined() || p.unsharded_acc.defined())) ? 1 : 0;
+    }
+    flags->flags = local.to(device);
+    flags->shard_w = shard->all_reduce(flags->flags, {ReduceOp::MAX});
+  }
   if (opts.comm_fusion) {
     PendingReduce pr;
+    pr.flags = flags;
     OwnedBuffer input = OwnedBuffer::zeros({n, layout.total}, rd, device);
     for (size_t i = 0; i < params.size(); ++i) {
       auto& p = params[i];
@@ -550,6 +586,7 @@ void FSDPModule::State::post_backward() {
       if (!p.requires_grad) continue;
       PendingReduce pr;
       pr.param = static_cast<int>(i);
+      pr.flags = flags;
       at::Tensor g = flat_grad(p);
       pr.output = OwnedBuffer::empty({p.plan.shard_numel()}, rd, device);
       if (g.defined() && !p.unsharded_acc.defined() && g.scalar_type() == rd && g.is_contiguous() &&
@@ -581,6 +618,16 @@ void FSDPModule::State::post_backward() {
 // Folds the partial shards kept by steps without all-reduce into this reduction, then
 // all-reduces it over dp_replicate.
 void FSDPModule::State::issue_all_reduce(PendingReduce& pr) {
+  if (pr.flags && !pr.flags->replicate_issued) {
+    // Partials kept from steps without all-reduce count as gradients too (checked for the
+    // whole group at its first all-reduce, before any of them is folded in).
+    pr.flags->shard_w.wait();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].sharded_acc.defined()) pr.flags->flags[static_cast<int64_t>(i)].fill_(1);
+    }
+    pr.flags->replicate_w = replicate->all_reduce(pr.flags->flags, {ReduceOp::MAX});
+    pr.flags->replicate_issued = true;
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     auto& p = params[i];
     if ((pr.param >= 0 && pr.param != static_cast<int>(i)) || !p.sharded_acc.defined()) continue;
@@ -700,6 +747,7 @@ void FSDPModule::State::apply_pending(PendingReduce& pr) {
     if (pr.param >= 0 && pr.param != static_cast<int>(i)) continue;
     auto& p = params[i];
     if (!p.requires_grad) continue;
+    if (pr.flags && pr.flags->wait()[i] == 0) continue;  // no rank had a gradient for it
     at::Tensor seg = pr.param >= 0 ? pr.output.tensor()
                                    : pr.output.tensor().narrow(0, layout.offsets[i], p.plan.shard_numel());
     if (hsdp() && !requires_all_reduce) {

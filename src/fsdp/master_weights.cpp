@@ -29,7 +29,11 @@ FP32MasterOptimizer::FP32MasterOptimizer(const std::vector<FSDPHandle>& handles,
 
 void FP32MasterOptimizer::step() {
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < masters_.size(); ++i) masters_[i].mutable_grad() = main_grads_[i];
+  // A parameter whose shard got no gradient since zero_grad (no rank produced one) is
+  // skipped by the optimizer, as in one process: its master gets no gradient either.
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    masters_[i].mutable_grad() = sharded_[i].grad().defined() ? main_grads_[i] : at::Tensor();
+  }
   inner_->step();
   for (size_t i = 0; i < masters_.size(); ++i) sharded_[i].copy_(masters_[i]);
 }

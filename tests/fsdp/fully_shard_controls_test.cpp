@@ -2,11 +2,13 @@
 #include <gtest/gtest.h>
 
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
 
 #include "hp/core/memory.h"
 #include "hp/core/trace.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/runtime.h"
+#include "fsdp_test_util.h"
 #include "test_util.h"
 
 namespace {
@@ -40,7 +42,9 @@ std::vector<at::Tensor> full_grads(const hp::FSDPHandle& h) {
   auto sd = h->state_dict();
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor full = at::zeros(sd[i].global_shape);
-    if (params[i].size(0) > 0) full.narrow(0, sd[i].row_offset, params[i].size(0)).copy_(params[i].grad());
+    if (params[i].size(0) > 0 && params[i].grad().defined()) {
+      full.narrow(0, sd[i].row_offset, params[i].size(0)).copy_(params[i].grad());
+    }
     w->all_reduce(full).wait();
     out.push_back(full);
   }
@@ -69,8 +73,111 @@ TEST(FullyShardControls, ReduceOpSumDivideFactorAndUnusedParameters) {
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_TRUE(at::allclose(got[i], want[i] * scale, 1e-5, 1e-6)) << "mode " << mode << " param " << i;
     }
-    // c never got a gradient: it is reduced as zeros, on every rank alike.
-    EXPECT_TRUE(at::equal(got[4], at::zeros_like(got[4])));
+    // c got a gradient on no rank: its .grad stays undefined on every rank, as in one
+    // process (not a zero gradient AdamW would decay and step with).
+    auto params = h->parameters();
+    EXPECT_FALSE(params[4].grad().defined()) << "mode " << mode;
+    EXPECT_FALSE(params[5].grad().defined()) << "mode " << mode;
+  }
+}
+
+namespace {
+
+// y = b(a(x)) (+ c(a(x)) on the rows where `use_c` says so): c's parameters get a gradient
+// in some steps, on some ranks, or nowhere.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() {
+    a = register_module("a", torch::nn::Linear(5, 3));
+    b = register_module("b", torch::nn::Linear(3, 2));
+    c = register_module("c", torch::nn::Linear(3, 2));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_c) {
+    at::Tensor h = hp::call(a, x);
+    at::Tensor y = hp::call(b, h);
+    return use_c ? y + hp::call(c, h) : y;
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+}  // namespace
+
+// Parameters that get no gradient in a step (a branch not taken): with gradients set to
+// none between steps, AdamW must skip them exactly as in one process. float64, so the only
+// difference allowed is summation order (1e-10); the old behaviour (a zero gradient on
+// every rank) applies weight decay and momentum to c and misses by ~1e-3. Also: c used on
+// rank 0 only gets the same gradient on every rank (the others contribute zeros).
+TEST(FullyShardControls, UnusedParametersMatchOneProcess) {
+  auto w = hp::world();
+  const int n = w->size(), r = w->rank();
+  const std::vector<bool> uses = {true, false, true, false, false};  // c's use, step by step
+  for (bool fusion : {false, true}) {
+    for (bool c_own_group : {false, true}) {
+      SCOPED_TRACE(std::string(fusion ? "fused" : "unfused") + (c_own_group ? ", c sharded alone" : ", c in the root"));
+      torch::manual_seed(21);
+      Branchy ref;
+      torch::manual_seed(21);
+      Branchy m;
+      ref->to(at::kDouble);
+      m->to(at::kDouble);
+      hp::FullyShardOptions o;
+      o.comm_fusion = fusion;
+      std::vector<hp::FSDPHandle> hs = {hp::fully_shard(*m->a, o)};
+      if (c_own_group) hs.push_back(hp::fully_shard(*m->c, o));
+      hs.push_back(hp::fully_shard(*m, o));
+      std::vector<at::Tensor> params;
+      for (auto& h : hs) {
+        for (auto& t : h->parameters()) params.push_back(t);
+      }
+      auto adam = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      torch::optim::AdamW opt(params, adam), ref_opt(ref->parameters(), adam);
+      for (size_t step = 0; step < uses.size(); ++step) {
+        torch::manual_seed(100 + static_cast<int>(step));
+        at::Tensor x = at::randn({2 * n, 5}, at::kDouble);
+        for (auto& t : ref->parameters()) t.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
+        for (auto& t : params) t.mutable_grad() = at::Tensor();
+        (hp::call(ref, x, uses[step]).pow(2).sum() / n).backward();
+        ref_opt.step();
+        hp::call(m, x.narrow(0, 2 * r, 2), uses[step]).pow(2).sum().backward();
+        for (auto& h : hs) {  // c's shard has a gradient exactly when c ran
+          if (&h->module() != m->c.get()) continue;
+          for (auto& t : h->parameters()) EXPECT_EQ(t.grad().defined(), uses[step]) << "step " << step;
+        }
+        opt.step();
+      }
+      std::vector<at::Tensor> want;
+      if (c_own_group) {
+        want = {ref->a->weight, ref->a->bias, ref->c->weight, ref->c->bias, ref->b->weight, ref->b->bias};
+      } else {
+        want = {ref->a->weight, ref->a->bias, ref->b->weight, ref->b->bias, ref->c->weight, ref->c->bias};
+      }
+      EXPECT_LE(hp::test::max_rel_to_reference(hs, want, w), 1e-10);
+    }
+  }
+  if (n == 1) return;
+  // c used by rank 0's rows only: every rank gets the global gradient (AVG over ranks).
+  torch::manual_seed(22);
+  Branchy ref;
+  torch::manual_seed(22);
+  Branchy m;
+  ref->to(at::kDouble);
+  m->to(at::kDouble);
+  // c in the root's group, which runs on every rank (a module that runs on some ranks only
+  // would issue its collectives on those alone).
+  hp::FSDPHandle hc = hp::fully_shard(*m);
+  at::Tensor x = at::randn({2 * n, 5}, at::kDouble);
+  at::Tensor ref_loss = hp::call(ref, x.narrow(0, 0, 2), true).pow(2).sum();
+  for (int q = 1; q < n; ++q) ref_loss = ref_loss + hp::call(ref, x.narrow(0, 2 * q, 2), false).pow(2).sum();
+  (ref_loss / n).backward();
+  hp::call(m, x.narrow(0, 2 * r, 2), r == 0).pow(2).sum().backward();
+  auto sd = hc->state_dict();
+  auto ps = hc->parameters();
+  for (size_t i = 4; i < 6; ++i) {  // c.weight, c.bias
+    ASSERT_EQ(sd[i].name.rfind("c.", 0), 0u) << sd[i].name;
+    ASSERT_TRUE(ps[i].grad().defined()) << "rank " << r << " param " << sd[i].name;
+    at::Tensor full = hp::test::reassemble(sd[i], ps[i].grad(), w);
+    at::Tensor want = i == 4 ? ref->c->weight.grad() : ref->c->bias.grad();
+    EXPECT_LE((full - want).abs().max().item<double>(), 1e-12 * (want.abs().max().item<double>() + 1));
   }
 }
 
@@ -103,11 +210,18 @@ TEST(FullyShardControls, ExplicitUnshardReshardAndPrefetch) {
   at::Tensor x = at::randn({4, 5});
   at::Tensor y = hp::call(m, x);
   EXPECT_TRUE(b_ready_before_its_hook || one_shard);
-  // The forward is the plain computation on the full parameters.
+  // The forward is the plain computation on the full parameters: an unsharded copy built
+  // from the same seed, never touched by fully_shard, is the reference; and an explicit
+  // unshard gathers exactly its parameters.
+  torch::manual_seed(3);
+  TwoLayer plain;
+  at::Tensor want = plain->b->forward(plain->a->forward(x));
+  EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-7));
   ha->unshard();
   hb->unshard();
-  at::Tensor want = m->b->forward(m->a->forward(x));
-  EXPECT_TRUE(at::allclose(y, want));
+  EXPECT_TRUE(at::equal(m->a->weight, plain->a->weight));
+  EXPECT_TRUE(at::equal(m->a->bias, plain->a->bias));
+  EXPECT_TRUE(at::equal(m->b->weight, plain->b->weight));
   ha->reshard();
   hb->reshard();
 }
