@@ -108,6 +108,20 @@ std::map<const c10::TensorImpl*, std::weak_ptr<FSDPModule>> g_managed;
 
 }  // namespace
 
+namespace detail {
+// One root's forward pass and the backward that follows it. It belongs to the root (the
+// module whose forward ran outside any other sharded module's), not to the process: two
+// models, or two pipeline stages, run forwards and backwards side by side in one process,
+// each with its own pass. Every module that runs inside the root's forward joins its pass.
+struct FsdpPass {
+  uint64_t id = 0;  // new for each root forward outside backward (unique in the process)
+  int forward_depth = 0;
+  bool callback_queued = false;  // this pass's end-of-backward callback is queued
+  std::vector<FSDPModule::State*> forward_order;      // by when their forward started
+  std::vector<FSDPModule::State*> forward_end_order;  // by when their forward finished
+};
+}  // namespace detail
+
 struct FSDPModule::State {
   torch::nn::Module* module = nullptr;
   std::string label;
@@ -119,6 +133,8 @@ struct FSDPModule::State {
   c10::Device device = c10::kCPU;  // of every parameter of the group
   FusedLayout layout;
   std::vector<State*> nested;  // fully_shard'ed modules inside this one
+  detail::FsdpPass own_pass;          // used when this module is the root of a forward
+  detail::FsdpPass* pass = nullptr;   // the pass of this module's latest forward
 
   bool unsharded = false;
   bool unshard_pending = false;
@@ -167,7 +183,9 @@ struct FSDPModule::State {
   void pre_forward();
   void post_forward();
   at::Tensor on_output(const at::Tensor& out, const std::shared_ptr<FSDPModule>& self);
-  void pre_backward();
+  // The gradient of the output of this module's run that finished at `end_index` of
+  // `run_pass`'s finishing order arrived.
+  void pre_backward(detail::FsdpPass* run_pass, size_t end_index);
   void on_grad(size_t i);
   void post_backward();
   void issue_ready_all_reduces();
@@ -199,13 +217,18 @@ bool fsdp_overlap() {
 
 namespace {
 
-// Backward bookkeeping of the process (CPU autograd runs hooks on the caller's thread).
-struct Iteration {
-  uint64_t id = 0;  // counts root forwards outside backward
-  int forward_depth = 0;
-  bool callback_queued = false;
-  std::vector<FSDPModule::State*> forward_order;
-  std::vector<FSDPModule::State*> forward_end_order;  // by when their forward finished
+using detail::FsdpPass;
+
+// The pass whose forward is running on this thread (CPU autograd and the call boundary
+// run hooks on the caller's thread); null outside any sharded module's forward.
+thread_local FsdpPass* t_forward = nullptr;
+std::atomic<uint64_t> g_pass_ids{0};
+
+// Collective bookkeeping shared by every root of the process: roots may share
+// communicators, and the collectives of all of them must reach each communicator in one
+// order on every rank, so in-flight reductions and held-back prefetches are ordered here,
+// across roots, not per root.
+struct CommContext {
   std::vector<FSDPModule::State*> reduce_order;  // states in reduce-scatter issue order
   // Backward prefetches held back while a reduce-scatter is in flight, in the order they
   // were asked for. Everything of fully_shard's that issues a collective (begin_unshard,
@@ -217,21 +240,22 @@ struct Iteration {
   // so every rank sees the same flags at any flush).
   std::vector<FSDPModule::State*> deferred_prefetch;
 };
-Iteration& iteration() {
-  static Iteration it;
-  return it;
+CommContext& comm_context() {
+  static CommContext c;
+  return c;
 }
 
-void finish_backward();
+void finish_backward(FsdpPass& pass);
 void drain_reductions(size_t keep, bool finish);
 void issue_deferred_prefetches(bool wait, bool backward = true);
 constexpr size_t kReductionsInFlight = 2;  // reduce-scatters kept in flight during backward
 
-void ensure_backward_callback() {
-  Iteration& it = iteration();
-  if (it.callback_queued) return;
-  it.callback_queued = true;
-  torch::autograd::Engine::get_default_engine().queue_callback(finish_backward);
+// Queues `pass`'s end-of-backward callback on the backward now running (once per pass;
+// two passes whose losses were summed into one backward each get theirs).
+void ensure_backward_callback(FsdpPass* pass) {
+  if (pass == nullptr || pass->callback_queued) return;
+  pass->callback_queued = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([pass] { finish_backward(*pass); });
 }
 
 class GradReadyHook : public torch::autograd::FunctionPostHook {
@@ -279,7 +303,7 @@ void FSDPModule::State::begin_unshard(bool backward) {
   if (unshard_pending) return;
   // Post-forward shards serve only the backward of their own iteration: another gather (a
   // forward, an explicit unshard, a later step's prefetch) may come after an optimizer step.
-  if (!backward || post_fwd_iteration != iteration().id) post_fwd.release();
+  if (!backward || pass == nullptr || post_fwd_iteration != pass->id) post_fwd.release();
   trace::Span span("unshard " + label, "fsdp");
   const at::ScalarType cd = dt.all_gather;
   const int64_t es = c10::elementSize(cd);
@@ -373,20 +397,24 @@ void FSDPModule::State::reshard_to_group() {
   }
   do_reshard();
   post_fwd = std::move(keep);
-  post_fwd_iteration = iteration().id;
+  post_fwd_iteration = pass->id;
 }
 
 void FSDPModule::State::pre_forward() {
-  Iteration& it = iteration();
-  if (it.forward_depth == 0) {
-    // This module is the root of this forward: a new iteration starts (and whatever a
+  if (t_forward == nullptr) {
+    // This module is the root of this forward: its pass starts anew (and whatever a
     // backward that raised left behind is dropped).
+    FsdpPass& it = own_pass;
     // Empty unless a backward raised, or this forward runs inside a backward.
     issue_deferred_prefetches(/*wait=*/true, /*backward=*/it.callback_queued);
-    if (!it.callback_queued) ++it.id;
+    if (!it.callback_queued) it.id = ++g_pass_ids;
     it.forward_order.clear();
     it.forward_end_order.clear();
+    it.forward_depth = 0;
+    t_forward = &it;
   }
+  pass = t_forward;
+  FsdpPass& it = *pass;
   ++it.forward_depth;
   it.forward_order.push_back(this);
   pre_backward_done = false;
@@ -405,8 +433,8 @@ void FSDPModule::State::pre_forward() {
 }
 
 void FSDPModule::State::post_forward() {
-  --iteration().forward_depth;
-  iteration().forward_end_order.push_back(this);
+  if (--pass->forward_depth == 0) t_forward = nullptr;
+  pass->forward_end_order.push_back(this);
   if (!opts.reshard_after_forward) return;
   // Without grad mode no backward follows: nothing to keep the group's shares for.
   if (post_group && at::GradMode::is_enabled()) {
@@ -418,10 +446,13 @@ void FSDPModule::State::post_forward() {
 
 at::Tensor FSDPModule::State::on_output(const at::Tensor& out,
                                         const std::shared_ptr<FSDPModule>& self) {
-  if (out.requires_grad()) {
+  if (out.requires_grad() && pass != nullptr) {
     std::weak_ptr<FSDPModule> weak = self;
-    out.register_hook([weak](const at::Tensor&) {
-      if (auto h = weak.lock()) h->state().pre_backward();
+    // This run's place in the pass's finishing order: post_forward appends it next.
+    FsdpPass* run_pass = pass;
+    const size_t end_index = pass->forward_end_order.size();
+    out.register_hook([weak, run_pass, end_index](const at::Tensor&) {
+      if (auto h = weak.lock()) h->state().pre_backward(run_pass, end_index);
     });
   }
   if (dt.output && out.is_floating_point() && out.scalar_type() != *dt.output) {
@@ -430,26 +461,30 @@ at::Tensor FSDPModule::State::on_output(const at::Tensor& out,
   return out;
 }
 
-void FSDPModule::State::pre_backward() {
-  if (pre_backward_done) return;
-  pre_backward_done = true;
-  if (trace::enabled()) backward_start_us = trace::now_us();
-  ensure_backward_callback();
-  // Backward runs in reverse forward order: when this module's backward starts, every
-  // module whose forward finished after this one's (and that does not contain it) has
-  // finished its backward. Reduce those now even if some parameter got no gradient
-  // (which can differ between ranks, as with MoE experts): reductions are then issued in
-  // the same order on every rank.
-  auto& ends = iteration().forward_end_order;
-  auto self = std::find(ends.begin(), ends.end(), this);
-  if (self != ends.end()) {
-    for (auto it = ends.end(); it != self + 1;) {
-      State* later = *--it;
+void FSDPModule::State::pre_backward(FsdpPass* run_pass, size_t end_index) {
+  if (run_pass != pass) return;  // the output of a forward whose pass has been replaced
+  ensure_backward_callback(pass);
+  // Backward runs in reverse forward order: when the backward of this module's run that
+  // finished at `end_index` starts, every module all of whose runs finished after it (and
+  // that does not contain it) has finished its backward. Reduce those now even if some
+  // parameter got no gradient (which can differ between ranks, as with MoE experts):
+  // reductions are then issued in the same order on every rank. A module run more than
+  // once (twice in a row, or A-B-A) is reduced only after its earliest run's backward:
+  // its later runs do not make it eligible.
+  auto& ends = pass->forward_end_order;
+  if (end_index < ends.size()) {
+    for (size_t k = ends.size(); k-- > end_index + 1;) {
+      State* later = ends[k];
       if (later->post_backward_done) continue;
       if (std::find(later->nested.begin(), later->nested.end(), this) != later->nested.end()) continue;
+      const size_t first_end = static_cast<size_t>(std::find(ends.begin(), ends.end(), later) - ends.begin());
+      if (first_end <= end_index) continue;
       later->post_backward();
     }
   }
+  if (pre_backward_done) return;
+  pre_backward_done = true;
+  if (trace::enabled()) backward_start_us = trace::now_us();
   begin_unshard(/*backward=*/true);
   finish_unshard();
   if (!overlap()) return;
@@ -464,15 +499,15 @@ void FSDPModule::State::pre_backward() {
     if (auto h = w.lock()) targets.push_back(&h->state());
   }
   if (targets.empty()) {
-    auto& order = iteration().forward_order;
-    for (size_t i = 1; i < order.size(); ++i) {
-      if (order[i] == this && !order[i - 1]->post_backward_done) {
-        targets.push_back(order[i - 1]);
-        break;
-      }
+    // The module that started just before this one's last run.
+    auto& order = pass->forward_order;
+    for (size_t i = order.size(); i-- > 1;) {
+      if (order[i] != this) continue;
+      if (!order[i - 1]->post_backward_done && order[i - 1] != this) targets.push_back(order[i - 1]);
+      break;
     }
   }
-  auto& deferred = iteration().deferred_prefetch;
+  auto& deferred = comm_context().deferred_prefetch;
   for (State* t : targets) {
     if (t->unsharded || t->unshard_pending) continue;
     if (std::find(deferred.begin(), deferred.end(), t) == deferred.end()) deferred.push_back(t);
@@ -481,7 +516,7 @@ void FSDPModule::State::pre_backward() {
 }
 
 void FSDPModule::State::on_grad(size_t i) {
-  ensure_backward_callback();
+  ensure_backward_callback(pass);
   // Between modules' backward, the gradient hooks are where the training thread can see
   // reductions complete: their outputs are applied and freed, and held-back prefetches go.
   drain_reductions(/*keep=*/SIZE_MAX, /*finish=*/false);
@@ -538,7 +573,6 @@ void FSDPModule::State::post_backward() {
   }
   const ReduceOp op = grad_reduce_op();
   const int n = shards();
-  Iteration& it = iteration();
   if (n == 1 && !hsdp()) {
     // A world of one data-parallel rank: the reduction is the cast to the reduce dtype.
     for (auto& p : params) {
@@ -607,7 +641,7 @@ void FSDPModule::State::post_backward() {
     p.param.mutable_grad() = at::Tensor();  // drop our reference only
     p.unsharded_acc.release();
   }
-  it.reduce_order.push_back(this);
+  comm_context().reduce_order.push_back(this);
   if (!overlap()) {
     trace::Span wait("wait reduce_scatter " + label, "wait");
     for (auto& pr : pending) pr.rs.wait();
@@ -649,7 +683,7 @@ void FSDPModule::State::issue_all_reduce(PendingReduce& pr) {
 // for every all-reduce and applies everything.
 namespace {
 void drain_reductions(size_t keep, bool finish) {
-  auto& order = iteration().reduce_order;
+  auto& order = comm_context().reduce_order;
   size_t in_flight = 0;
   for (FSDPModule::State* s : order) {
     for (auto& pr : s->pending) in_flight += pr.rs_done ? 0 : 1;
@@ -688,7 +722,7 @@ void FSDPModule::State::issue_ready_all_reduces() {
 namespace {
 
 bool reduce_scatter_in_flight() {
-  for (FSDPModule::State* s : iteration().reduce_order) {
+  for (FSDPModule::State* s : comm_context().reduce_order) {
     for (auto& pr : s->pending) {
       if (!pr.rs_done && !pr.rs.is_completed()) return true;
     }
@@ -700,7 +734,7 @@ bool reduce_scatter_in_flight() {
 // `wait`, waits for those in flight first (the caller is about to issue a collective,
 // which must not overtake the prefetches on any rank).
 void issue_deferred_prefetches(bool wait, bool backward) {
-  Iteration& it = iteration();
+  CommContext& it = comm_context();
   if (it.deferred_prefetch.empty()) return;
   if (reduce_scatter_in_flight()) {
     if (!wait) return;
@@ -764,14 +798,14 @@ void FSDPModule::State::apply_pending(PendingReduce& pr) {
 
 namespace {
 
-void finish_backward() {
-  Iteration& it = iteration();
+void finish_backward(FsdpPass& it) {
+  CommContext& cc = comm_context();
   it.callback_queued = false;
   // Prefetches still held back go out now, as on a rank that issued them at a gradient
   // hook: the all-gathers must match. A module they gather whose backward never started
   // (its output got no gradient) is resharded by its post_backward below, or, if it did not
   // run in this forward at all (an explicit prefetch target), right after.
-  std::vector<FSDPModule::State*> gathered = it.deferred_prefetch;
+  std::vector<FSDPModule::State*> gathered = cc.deferred_prefetch;
   issue_deferred_prefetches(/*wait=*/true);
   // Groups some of whose gradients never arrived reduce now (zeros for the missing), in
   // reverse forward order: the same order on every rank.
@@ -786,8 +820,10 @@ void finish_backward() {
     trace::Span wait("wait reductions", "wait");
     drain_reductions(/*keep=*/0, /*finish=*/true);
   }
-  for (FSDPModule::State* s : it.reduce_order) s->pending.clear();
-  it.reduce_order.clear();
+  // Every reduction issued so far (this pass's, and any other pass's whose backward ran in
+  // the same backward call) has been applied.
+  for (FSDPModule::State* s : cc.reduce_order) s->pending.clear();
+  cc.reduce_order.clear();
 }
 
 }  // namespace
@@ -1138,7 +1174,10 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     return handle->state().on_output(out, handle);
   };
   hooks.post = [handle](torch::nn::Module&) { handle->state().post_forward(); };
-  hooks.on_error = [handle](torch::nn::Module&, const std::exception&) { --iteration().forward_depth; };
+  hooks.on_error = [handle](torch::nn::Module&, const std::exception&) {
+    FSDPModule::State& s = handle->state();
+    if (s.pass != nullptr && s.pass == t_forward && --s.pass->forward_depth == 0) t_forward = nullptr;
+  };
   register_forward_hooks(module, std::move(hooks));
   return handle;
 }

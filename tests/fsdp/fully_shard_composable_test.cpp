@@ -1,0 +1,162 @@
+// fully_shard used the ways a model or a training loop composes modules, each against the
+// same training in one process, in float64 (the parallel algorithm alone: 1e-10):
+// - a block run more than once in one forward (twice in a row, and A-B-A);
+// - two sharded models in one process with interleaved forwards and backwards, and with
+//   their losses summed into one backward.
+#include <gtest/gtest.h>
+
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include <string>
+#include <vector>
+
+#include "fsdp_test_util.h"
+#include "hp/fsdp/fully_shard.h"
+#include "hp/runtime.h"
+
+namespace {
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() { fc = register_module("fc", torch::nn::Linear(6, 6)); }  // 6 rows: padded at 4 ranks
+  at::Tensor forward(const at::Tensor& x) { return at::tanh(hp::call(fc, x)) + x; }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Block);
+
+// in -> blocks in the order `pattern` names them ("A", "B") -> head.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(std::string p) : pattern(std::move(p)) {
+    in = register_module("in", torch::nn::Linear(5, 6));
+    a = register_module("a", Block());
+    b = register_module("b", Block());
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = hp::call(in, x);
+    for (char ch : pattern) h = ch == 'A' ? hp::call(a, h) : hp::call(b, h);
+    return hp::call(head, h);
+  }
+  std::string pattern;
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  Block a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Net);
+
+torch::optim::AdamWOptions adam() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
+
+// A model and its one-process reference, built from one seed, in float64.
+struct Pair {
+  Net ref{nullptr}, m{nullptr};
+  std::vector<hp::FSDPHandle> handles;  // a, b, root
+  std::unique_ptr<torch::optim::AdamW> opt, ref_opt;
+
+  Pair(const std::string& pattern, uint64_t seed, const hp::FullyShardOptions& o) {
+    torch::manual_seed(seed);
+    ref = Net(pattern);
+    torch::manual_seed(seed);
+    m = Net(pattern);
+    ref->to(at::kDouble);
+    m->to(at::kDouble);
+    handles = {hp::fully_shard(*m->a, o), hp::fully_shard(*m->b, o), hp::fully_shard(*m, o)};
+    std::vector<at::Tensor> params;
+    for (auto& h : handles) {
+      for (auto& t : h->parameters()) params.push_back(t);
+    }
+    opt = std::make_unique<torch::optim::AdamW>(params, adam());
+    ref_opt = std::make_unique<torch::optim::AdamW>(ref->parameters(), adam());
+  }
+  // This rank's loss on its rows of the global batch, and the reference's on all of them
+  // (the reference steps at once; the sharded model after the caller's backward).
+  at::Tensor losses(int step, uint64_t seed) {
+    auto w = hp::world();
+    const int n = w->size(), r = w->rank();
+    torch::manual_seed(seed * 100 + step);
+    at::Tensor x = at::randn({3 * n, 5}, at::kDouble);
+    ref_opt->zero_grad();
+    (hp::call(ref, x).pow(2).sum() / n).backward();
+    ref_opt->step();
+    opt->zero_grad();
+    return hp::call(m, x.narrow(0, 3 * r, 3)).pow(2).sum();
+  }
+  double max_rel() {
+    std::vector<at::Tensor> want;
+    for (auto* t : {&ref->a->fc->weight, &ref->a->fc->bias, &ref->b->fc->weight, &ref->b->fc->bias, &ref->in->weight,
+                    &ref->in->bias, &ref->head->weight, &ref->head->bias}) {
+      want.push_back(*t);
+    }
+    return hp::test::max_rel_to_reference(handles, want, hp::world());
+  }
+  void expect_resharded(const std::string& what) {
+    if (hp::world()->size() == 1) return;  // one shard: the parameters alias their shards
+    for (auto& h : handles) EXPECT_FALSE(h->is_unsharded()) << what << ": " << h->module().name() << " left gathered";
+  }
+};
+
+std::vector<hp::FullyShardOptions> layouts() {
+  std::vector<hp::FullyShardOptions> out;
+  for (bool fusion : {false, true}) {
+    for (bool reshard : {true, false}) {
+      hp::FullyShardOptions o;
+      o.comm_fusion = fusion;
+      o.reshard_after_forward = reshard;
+      out.push_back(o);
+    }
+  }
+  return out;
+}
+
+std::string describe(const hp::FullyShardOptions& o) {
+  return std::string(o.comm_fusion ? "fused" : "unfused") + (o.reshard_after_forward ? ", reshard" : ", keep");
+}
+
+constexpr double kAlgoBound = 1e-10;  // float64: summation order only (see fully_shard_test)
+
+}  // namespace
+
+// A block run twice in a row, and blocks in the order A, B, A: each reused block's
+// gradient is the sum over its runs, reduced once, and the block is resharded afterwards.
+TEST(FullyShardComposable, ModuleRunMoreThanOnceInOneForward) {
+  for (const std::string pattern : {"AA", "ABA", "BAAB"}) {
+    for (const auto& o : layouts()) {
+      SCOPED_TRACE(pattern + ", " + describe(o));
+      Pair p(pattern, 7, o);
+      for (int step = 0; step < 4; ++step) {
+        p.losses(step, 7).backward();
+        p.opt->step();
+        if (o.reshard_after_forward) p.expect_resharded("step " + std::to_string(step));
+      }
+      EXPECT_LE(p.max_rel(), kAlgoBound);
+    }
+  }
+}
+
+// Two models in one process: forward A, forward B, backward A, backward B; and both
+// losses summed into one backward. Each matches its own one-process reference.
+TEST(FullyShardComposable, TwoRootsInterleaved) {
+  for (bool summed : {false, true}) {
+    for (const auto& o : layouts()) {
+      SCOPED_TRACE(std::string(summed ? "summed losses" : "interleaved") + ", " + describe(o));
+      Pair p1("AB", 11, o), p2("BA", 12, o);
+      for (int step = 0; step < 4; ++step) {
+        at::Tensor l1 = p1.losses(step, 11);
+        at::Tensor l2 = p2.losses(step, 12);
+        if (summed) {
+          (l1 + l2).backward();
+        } else {
+          l1.backward();
+          // p2's backward has not started: its modules must still be as its forward left them.
+          l2.backward();
+        }
+        p1.opt->step();
+        p2.opt->step();
+        if (o.reshard_after_forward) {
+          p1.expect_resharded("model 1, step " + std::to_string(step));
+          p2.expect_resharded("model 2, step " + std::to_string(step));
+        }
+      }
+      EXPECT_LE(p1.max_rel(), kAlgoBound) << "model 1";
+      EXPECT_LE(p2.max_rel(), kAlgoBound) << "model 2";
+    }
+  }
+}
