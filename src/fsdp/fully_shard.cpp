@@ -246,6 +246,9 @@ CommContext& comm_context() {
 }
 
 void finish_backward(FsdpPass& pass);
+}  // namespace
+void finish_reductions();
+namespace {
 void drain_reductions(size_t keep, bool finish);
 void issue_deferred_prefetches(bool wait, bool backward = true);
 constexpr size_t kReductionsInFlight = 2;  // reduce-scatters kept in flight during backward
@@ -816,15 +819,25 @@ void finish_backward(FsdpPass& it) {
   for (FSDPModule::State* s : gathered) {
     if (std::find(it.forward_order.begin(), it.forward_order.end(), s) == it.forward_order.end()) s->do_reshard();
   }
+  finish_reductions();
+}
+
+}  // namespace
+
+// Waits for every reduction issued so far (this pass's, and any other pass's whose backward
+// ran in the same backward call, or an explicit reduce_grads()) and applies it.
+void finish_reductions() {
+  CommContext& cc = comm_context();
+  issue_deferred_prefetches(/*wait=*/true);
   {
     trace::Span wait("wait reductions", "wait");
     drain_reductions(/*keep=*/0, /*finish=*/true);
   }
-  // Every reduction issued so far (this pass's, and any other pass's whose backward ran in
-  // the same backward call) has been applied.
   for (FSDPModule::State* s : cc.reduce_order) s->pending.clear();
   cc.reduce_order.clear();
 }
+
+namespace {
 
 }  // namespace
 
@@ -932,6 +945,29 @@ void FSDPModule::reshard() { state_->do_reshard(); }
 bool FSDPModule::is_unsharded() const { return state_->unsharded; }
 bool FSDPModule::unshard_in_flight() const { return state_->unshard_pending; }
 bool FSDPModule::gradients_in_flight() const { return !state_->pending.empty(); }
+
+void FSDPModule::reduce_grads() {
+  State& s = *state_;
+  HP_CHECK(s.pass == nullptr || !s.pass->callback_queued, "reduce_grads() on ", s.label,
+           " inside a backward of its forward; call it after backward() returns (its gradient hooks reduce ",
+           "during backward when gradient sync is on)");
+  const bool sync = s.requires_sync;
+  s.requires_sync = true;
+  s.post_backward_done = false;
+  try {
+    s.post_backward();
+  } catch (...) {
+    s.requires_sync = sync;
+    throw;
+  }
+  s.requires_sync = sync;
+}
+
+void FSDPModule::finalize_backward() {
+  HP_CHECK(state_->pass == nullptr || !state_->pass->callback_queued, "finalize_backward() on ", state_->label,
+           " inside a backward of its forward; the end of backward finalizes by itself");
+  finish_reductions();
+}
 
 // ---- fully_shard ------------------------------------------------------------------------
 

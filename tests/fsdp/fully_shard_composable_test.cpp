@@ -13,6 +13,7 @@
 
 #include "fsdp_test_util.h"
 #include "hp/fsdp/fully_shard.h"
+#include "hp/mesh/device_mesh.h"
 #include "hp/runtime.h"
 
 namespace {
@@ -49,6 +50,7 @@ torch::optim::AdamWOptions adam() { return torch::optim::AdamWOptions(1e-2).weig
 struct Pair {
   Net ref{nullptr}, m{nullptr};
   std::vector<hp::FSDPHandle> handles;  // a, b, root
+  hp::CommPtr shard_group;
   std::unique_ptr<torch::optim::AdamW> opt, ref_opt;
 
   Pair(const std::string& pattern, uint64_t seed, const hp::FullyShardOptions& o) {
@@ -59,6 +61,7 @@ struct Pair {
     ref->to(at::kDouble);
     m->to(at::kDouble);
     handles = {hp::fully_shard(*m->a, o), hp::fully_shard(*m->b, o), hp::fully_shard(*m, o)};
+    shard_group = o.mesh ? o.mesh->group("dp_shard") : hp::world();
     std::vector<at::Tensor> params;
     for (auto& h : handles) {
       for (auto& t : h->parameters()) params.push_back(t);
@@ -85,7 +88,7 @@ struct Pair {
                     &ref->in->bias, &ref->head->weight, &ref->head->bias}) {
       want.push_back(*t);
     }
-    return hp::test::max_rel_to_reference(handles, want, hp::world());
+    return hp::test::max_rel_to_reference(handles, want, shard_group);
   }
   void expect_resharded(const std::string& what) {
     if (hp::world()->size() == 1) return;  // one shard: the parameters alias their shards
@@ -93,21 +96,30 @@ struct Pair {
   }
 };
 
+// FSDP fused and unfused, resharding after forward or not; and HSDP 2 x (n/2) at 4 ranks.
 std::vector<hp::FullyShardOptions> layouts() {
   std::vector<hp::FullyShardOptions> out;
-  for (bool fusion : {false, true}) {
-    for (bool reshard : {true, false}) {
-      hp::FullyShardOptions o;
-      o.comm_fusion = fusion;
-      o.reshard_after_forward = reshard;
-      out.push_back(o);
+  auto w = hp::world();
+  for (bool hsdp : {false, true}) {
+    if (hsdp && w->size() != 4) continue;
+    for (bool fusion : {false, true}) {
+      for (bool reshard : {true, false}) {
+        hp::FullyShardOptions o;
+        o.comm_fusion = fusion;
+        o.reshard_after_forward = reshard;
+        if (hsdp) {
+          o.mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"dp_replicate", 2}, {"dp_shard", -1}});
+        }
+        out.push_back(o);
+      }
     }
   }
   return out;
 }
 
 std::string describe(const hp::FullyShardOptions& o) {
-  return std::string(o.comm_fusion ? "fused" : "unfused") + (o.reshard_after_forward ? ", reshard" : ", keep");
+  return std::string(o.mesh ? "hsdp, " : "") + (o.comm_fusion ? "fused" : "unfused") +
+         (o.reshard_after_forward ? ", reshard" : ", keep");
 }
 
 constexpr double kAlgoBound = 1e-10;  // float64: summation order only (see fully_shard_test)
@@ -157,6 +169,54 @@ TEST(FullyShardComposable, TwoRootsInterleaved) {
       }
       EXPECT_LE(p1.max_rel(), kAlgoBound) << "model 1";
       EXPECT_LE(p2.max_rel(), kAlgoBound) << "model 2";
+    }
+  }
+}
+
+// A pipeline-style schedule: several micro-batch backwards with gradient sync off, then an
+// explicit reduce_grads() per module and one finalize_backward(). The same as one process
+// on the whole batch, and bitwise the same as letting the last backward reduce.
+TEST(FullyShardComposable, ExplicitReduceGradsAfterMicroBatches) {
+  auto w = hp::world();
+  const int n = w->size(), r = w->rank();
+  const int micro = 3;
+  for (const auto& o : layouts()) {
+    SCOPED_TRACE(describe(o));
+    Pair explicit_run("AB", 5, o), implicit_run("AB", 5, o);
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(500 + step);
+      at::Tensor x = at::randn({micro * 3 * n, 5}, at::kDouble);
+      explicit_run.ref_opt->zero_grad();
+      (hp::call(explicit_run.ref, x).pow(2).sum() / n).backward();
+      explicit_run.ref_opt->step();
+      for (Pair* p : {&explicit_run, &implicit_run}) {
+        p->opt->zero_grad();
+        const bool expl = p == &explicit_run;
+        hp::FSDPHandle root = p->handles.back();
+        for (int k = 0; k < micro; ++k) {
+          root->set_requires_gradient_sync(!expl && k == micro - 1);
+          at::Tensor xs = x.narrow(0, (r * micro + k) * 3, 3);
+          hp::call(p->m, xs).pow(2).sum().backward();
+          if (expl) {
+            for (auto& h : p->handles) EXPECT_FALSE(h->gradients_in_flight());
+          }
+        }
+        if (expl) {
+          for (auto& h : p->handles) h->reduce_grads();
+          bool in_flight = false;
+          for (auto& h : p->handles) in_flight = in_flight || h->gradients_in_flight();
+          EXPECT_EQ(in_flight, n > 1) << "reductions are issued by reduce_grads, finished by finalize_backward";
+          root->finalize_backward();
+          for (auto& h : p->handles) EXPECT_FALSE(h->gradients_in_flight());
+          if (o.reshard_after_forward) p->expect_resharded("after reduce_grads");
+        }
+        p->opt->step();
+      }
+    }
+    EXPECT_LE(explicit_run.max_rel(), kAlgoBound);
+    for (size_t i = 0; i < explicit_run.handles.size(); ++i) {
+      auto a = explicit_run.handles[i]->parameters(), b = implicit_run.handles[i]->parameters();
+      for (size_t j = 0; j < a.size(); ++j) EXPECT_TRUE(at::equal(a[j], b[j])) << "handle " << i << " param " << j;
     }
   }
 }

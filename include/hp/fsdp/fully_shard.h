@@ -102,9 +102,21 @@ class FSDPModule {
   bool is_unsharded() const;
   // An all-gather was issued (unshard(async) or a prefetch) and not yet completed.
   bool unshard_in_flight() const;
-  // Whether a gradient reduction of this module is still running (only ever true inside
-  // backward: the end-of-backward callback waits for all of them).
+  // Whether a gradient reduction of this module is still running (true inside backward,
+  // or between reduce_grads() and finalize_backward(): the end-of-backward callback and
+  // finalize_backward() wait for all of them).
   bool gradients_in_flight() const;
+
+  // Explicit gradient verbs, for a schedule that runs several backwards before reducing
+  // (a pipeline's micro-batches): with set_requires_gradient_sync(false) those backwards
+  // accumulate unreduced gradients. reduce_grads() issues this module's reduction of what
+  // accumulated (reduce-scatter, then the dp_replicate all-reduce as it completes) now,
+  // outside backward, whatever the sync setting, and reshards it when configured.
+  // finalize_backward() waits for every reduction issued so far (of any module) and leaves
+  // the results on the sharded parameters, as the end of a backward does. Raises when called
+  // from inside a backward of this module's pass.
+  void reduce_grads();
+  void finalize_backward();
 
   struct State;
   explicit FSDPModule(std::unique_ptr<State> s);
