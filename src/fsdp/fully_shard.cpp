@@ -37,6 +37,7 @@
 #include "hp/core/trace.h"
 #include "hp/fsdp/shard_plan.h"
 #include "hp/hooks/call.h"
+#include "hp/hooks/checkpoint.h"
 #include "hp/runtime.h"
 
 namespace hp {
@@ -404,6 +405,17 @@ void FSDPModule::State::reshard_to_group() {
 }
 
 void FSDPModule::State::pre_forward() {
+  if (in_recompute()) {
+    // A checkpointed module's forward recomputed in backward: its pass, forward order and
+    // gradient counts stay as the first forward left them; only the parameters are needed
+    // (the gather before this module's backward). The end-of-backward callback is queued
+    // here, on the backward that reached the checkpoint, not on the recomputation's.
+    HP_CHECK(pass != nullptr, "fully_shard(", label, "): a recomputation without a first forward");
+    ensure_backward_callback(pass);
+    begin_unshard(/*backward=*/true);
+    finish_unshard();
+    return;
+  }
   if (t_forward == nullptr) {
     // This module is the root of this forward: its pass starts anew (and whatever a
     // backward that raised left behind is dropped).
@@ -436,6 +448,7 @@ void FSDPModule::State::pre_forward() {
 }
 
 void FSDPModule::State::post_forward() {
+  if (in_recompute()) return;  // keep the parameters for the backward that follows
   if (--pass->forward_depth == 0) t_forward = nullptr;
   pass->forward_end_order.push_back(this);
   if (!opts.reshard_after_forward) return;
@@ -451,9 +464,15 @@ at::Tensor FSDPModule::State::on_output(const at::Tensor& out,
                                         const std::shared_ptr<FSDPModule>& self) {
   if (out.requires_grad() && pass != nullptr) {
     std::weak_ptr<FSDPModule> weak = self;
-    // This run's place in the pass's finishing order: post_forward appends it next.
+    // This run's place in the pass's finishing order: post_forward appends it next; a
+    // recomputation stands for the module's latest run.
     FsdpPass* run_pass = pass;
-    const size_t end_index = pass->forward_end_order.size();
+    size_t end_index = pass->forward_end_order.size();
+    if (in_recompute()) {
+      auto& ends = pass->forward_end_order;
+      auto last = std::find(ends.rbegin(), ends.rend(), this);
+      end_index = last == ends.rend() ? ends.size() : ends.size() - 1 - static_cast<size_t>(last - ends.rbegin());
+    }
     out.register_hook([weak, run_pass, end_index](const at::Tensor&) {
       if (auto h = weak.lock()) h->state().pre_backward(run_pass, end_index);
     });
@@ -1212,6 +1231,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   hooks.post = [handle](torch::nn::Module&) { handle->state().post_forward(); };
   hooks.on_error = [handle](torch::nn::Module&, const std::exception&) {
     FSDPModule::State& s = handle->state();
+    if (in_recompute()) return;
     if (s.pass != nullptr && s.pass == t_forward && --s.pass->forward_depth == 0) t_forward = nullptr;
   };
   register_forward_hooks(module, std::move(hooks));

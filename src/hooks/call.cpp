@@ -28,6 +28,7 @@ std::map<const torch::nn::Module*, Slot> g_hooks;
 HookHandle g_next = 1;
 std::vector<ErrorTranslator> g_translators;
 thread_local std::vector<const torch::nn::Module*> t_in_call;
+thread_local detail::ForwardOverride* t_forward_override = nullptr;
 
 // Call with g_mu held. Returns the live slot of m, dropping a stale one.
 Slot* find_slot(const torch::nn::Module& m, std::vector<Entry>* graveyard) {
@@ -194,4 +195,13 @@ void CallScope::finish() {
 }
 
 }  // namespace detail
+namespace detail {
+ForwardOverride* forward_override() { return t_forward_override; }
+ForwardOverride* set_forward_override(ForwardOverride* o) {
+  ForwardOverride* prev = t_forward_override;
+  t_forward_override = o;
+  return prev;
+}
+}  // namespace detail
+
 }  // namespace hp

@@ -9,6 +9,7 @@
 
 #include "hp/core/error.h"
 #include "hp/hooks/call.h"
+#include "hp/hooks/checkpoint.h"
 
 namespace hp::models {
 namespace {
@@ -139,7 +140,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   at::Tensor flat = x.reshape({-1, c.dim});
   auto [chosen, weights] = route(flat);
   at::Tensor out = hp::call(shared, flat);
-  {
+  if (!hp::in_recompute()) {  // counted once per token, not again when recomputed in backward
     at::NoGradGuard g;
     load += at::bincount(chosen.reshape({-1}), {}, c.experts).to(at::kFloat);
   }
@@ -195,7 +196,7 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& tokens) {
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.qk_rope_dim, config.rope_theta);
   at::Tensor h = hp::call(tok_emb, tokens);
-  for (auto& b : blocks) h = hp::call(b, h, cos, sin);
+  for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   return hp::call(output, hp::call(norm, h));
 }
 

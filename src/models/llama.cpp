@@ -152,7 +152,7 @@ at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope_theta);
   at::Tensor h = hp::call(tok_emb, tokens);
-  for (auto& b : blocks) h = hp::call(b, h, cos, sin);
+  for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   h = hp::call(norm, h);
   return output ? hp::call(output, h) : h.matmul(tok_emb->weight.t());
 }

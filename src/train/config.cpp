@@ -217,6 +217,10 @@ const std::vector<Key>& keys() {
         [](TrainConfig& c, const Value& v) { c.reshard_after_forward_group_size = as_int(v, 0, kMaxRanks); });
     top("comm_fusion", "bool", "true", "one fused all-gather/reduce-scatter per block",
         [](TrainConfig& c, const Value& v) { c.comm_fusion = as_bool(v); });
+    top("recompute", "none|full|selective", "none",
+        "activation checkpointing of every block: full recomputes its activations in backward, "
+        "selective keeps its matmul outputs and recomputes the rest",
+        [](TrainConfig& c, const Value& v) { c.recompute = as_choice(v, {"none", "full", "selective"}); });
     top("tensor_parallel", "int", "1", "tensor-parallel size (only 1 yet)",
         [](TrainConfig& c, const Value& v) { c.tensor_parallel = as_int(v, 1, kMaxRanks); });
     top("sequence_parallel", "bool", "false", "sequence parallel (needs tensor_parallel > 1)",
@@ -491,7 +495,8 @@ std::string describe(const TrainConfig& c) {
              ? detail::str_cat(" (resharded to groups of ", c.reshard_after_forward_group_size, " after forward)")
              : c.reshard_after_forward_group_size == 1 ? std::string(" (group of 1: kept gathered after forward)")
                                                        : std::string())
-     << ", comm_fusion " << (c.comm_fusion ? "on" : "off") << "\n";
+     << ", comm_fusion " << (c.comm_fusion ? "on" : "off")
+     << (c.recompute == "none" ? std::string() : ", recompute " + c.recompute) << "\n";
   const GroupDtypes d = resolve_dtypes(mixed_precision(c), c.params_dtype);
   os << "dtypes: params " << c10::toString(d.param) << ", compute " << c10::toString(d.compute)
      << ", gradient reduction " << c10::toString(d.reduce)

@@ -115,13 +115,18 @@ at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, 
 
 std::unique_ptr<TrainModel> make_model(const TrainConfig& c) {
   std::unique_ptr<TrainModel> out;
+  c10::optional<RecomputePolicy> recompute;
+  if (c.recompute == "full") recompute = RecomputePolicy::kFull;
+  if (c.recompute == "selective") recompute = RecomputePolicy::kKeepMatmuls;
   if (c.model.type == "llama") {
     models::Llama m(c.model.llama);
     m->init_weights(c.seed);
+    m->recompute = recompute;
     out = std::make_unique<ModelOf<models::Llama>>(m);
   } else {
     models::DeepSeek m(c.model.deepseek);
     m->init_weights(c.seed);
+    m->recompute = recompute;
     out = std::make_unique<ModelOf<models::DeepSeek>>(m);
   }
   cast_params(out->root(), c.params_dtype);

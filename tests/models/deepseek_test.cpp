@@ -156,3 +156,34 @@ TEST(DeepSeek, LargestBlockIsAnMoEBlockCountedByHand) {
   for (const auto& p : m->blocks[0]->parameters()) dense += p.numel();
   EXPECT_EQ(c.largest_block_params(), std::max(moe, dense));
 }
+
+// Checkpointed blocks: the logits and every gradient are bitwise those of the plain model,
+// and each MoE counts its expert load once per token and choice, not again when the block
+// is recomputed in backward (the balancing bias reads that count).
+TEST(DeepSeek, RecomputedBlocksGiveBitwiseGradientsAndCountLoadOnce) {
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  hp::models::DeepSeek plain(c), ckpt(c);
+  plain->init_weights(3);
+  ckpt->init_weights(3);
+  ckpt->recompute = hp::RecomputePolicy::kFull;
+  torch::manual_seed(4);
+  const int64_t B = 2, T = 8;
+  at::Tensor tokens = at::randint(c.vocab, {B, T}, at::kLong);
+  at::Tensor a = plain->forward(tokens), b = ckpt->forward(tokens);
+  EXPECT_TRUE(at::equal(a, b));
+  a.pow(2).mean().backward();
+  b.pow(2).mean().backward();
+  auto pa = plain->named_parameters(), pb = ckpt->named_parameters();
+  for (const auto& item : pa) {
+    const at::Tensor& ga = item.value().grad();
+    const at::Tensor& gb = pb[item.key()].grad();
+    ASSERT_EQ(ga.defined(), gb.defined()) << item.key();
+    if (ga.defined()) EXPECT_TRUE(at::equal(ga, gb)) << item.key();
+  }
+  for (size_t i = 0; i < ckpt->blocks.size(); ++i) {
+    if (!ckpt->blocks[i]->moe) continue;
+    EXPECT_EQ(ckpt->blocks[i]->moe->load.sum().item<double>(), static_cast<double>(B * T * c.experts_per_token))
+        << "block " << i;
+    EXPECT_TRUE(at::equal(ckpt->blocks[i]->moe->load, plain->blocks[i]->moe->load)) << "block " << i;
+  }
+}

@@ -85,6 +85,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"lr: -1\n", {}, 4, {"lr=-1", "> 0"}},
       {"adam_beta2: 1.0\n", {}, 4, {"adam_beta2=1.0", "[0, 1)"}},
       {"comm_fusion: maybe\n", {}, 4, {"comm_fusion=maybe", "true or false"}},
+      {"recompute: sometimes\n", {}, 4, {"recompute=sometimes", "none, full, selective"}},
       {"params_dtype: int8\n", {}, 4, {"params_dtype=int8", "bfloat16"}},
       {"lr_decay_style: step\n", {}, 4, {"lr_decay_style=step", "cosine"}},
       {"data_parallel_shard: 0\n", {}, 4, {"data_parallel_shard=0"}},
@@ -160,7 +161,7 @@ TEST(TrainConfig, EveryKeyIsListedOnce) {
     EXPECT_FALSE(k.help.empty()) << k.key;
   }
   for (const char* want : {"params_dtype", "compute_dtype", "accumulate_allreduce_grads_in_fp32", "data_parallel",
-                           "data_parallel_shard", "data_parallel_shard_strategy", "comm_fusion", "tensor_parallel",
+                           "data_parallel_shard", "data_parallel_shard_strategy", "comm_fusion", "recompute", "tensor_parallel",
                            "sequence_parallel", "pipeline_parallel", "pipeline_parallel_interleave_num",
                            "micro_batch_num", "global_batch_size", "seq_length", "lr", "min_lr", "lr_warmup_steps",
                            "lr_decay_style", "weight_decay", "clip_grad", "train_steps", "seed", "model.type"}) {

@@ -76,6 +76,20 @@ class CallScope {
   bool has_casts_out_ = false;
 };
 
+// A stand-in for the forward of modules called with one tensor argument, installed on the
+// calling thread for a while (activation checkpointing keeps or replays matmul outputs
+// through it). `real` runs the module's own forward; hooks run around it as usual.
+class ForwardOverride {
+ public:
+  virtual ~ForwardOverride() = default;
+  virtual at::Tensor forward(torch::nn::Module& m, const at::Tensor& x,
+                             const std::function<at::Tensor(const at::Tensor&)>& real) = 0;
+};
+// The override installed on this thread, or null; set_forward_override returns the
+// previous one (restore it when done).
+ForwardOverride* forward_override();
+ForwardOverride* set_forward_override(ForwardOverride* o);
+
 template <typename A>
 decltype(auto) maybe_cast_input(const CallScope& s, A&& a) {
   if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
@@ -94,6 +108,16 @@ auto call(M& m, Args&&... args) {
   torch::nn::Module& mod = *m.get();
   detail::CallScope scope(mod);
   try {
+    if constexpr (sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, at::Tensor> && ...) &&
+                  std::is_same_v<decltype(m->forward(std::forward<Args>(args)...)), at::Tensor>) {
+      if (detail::ForwardOverride* o = detail::forward_override()) {
+        at::Tensor x = scope.cast_input(args...);
+        at::Tensor out = o->forward(mod, x, [&m](const at::Tensor& in) { return m->forward(in); });
+        out = scope.cast_output(out);
+        scope.finish();
+        return out;
+      }
+    }
     auto out = m->forward(detail::maybe_cast_input(scope, std::forward<Args>(args))...);
     if constexpr (std::is_same_v<decltype(out), at::Tensor>) out = scope.cast_output(out);
     scope.finish();

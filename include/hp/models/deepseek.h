@@ -91,6 +91,8 @@ struct DeepSeekImpl : torch::nn::Module {
   void init_weights(uint64_t seed) { init_parameters(*this, seed); }
   void update_balancing_bias(const CommPtr& dp = nullptr);
   DeepSeekConfig config;
+  // Set: each block is checkpointed with this policy (activations recomputed in backward).
+  c10::optional<RecomputePolicy> recompute;
   torch::nn::Embedding tok_emb{nullptr};
   std::vector<DeepSeekBlock> blocks;
   RMSNorm norm{nullptr};

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "hp/hooks/checkpoint.h"
+
 namespace hp::models {
 
 struct LlamaConfig {
@@ -100,6 +102,8 @@ struct LlamaImpl : torch::nn::Module {
   void init_weights(uint64_t seed);
 
   LlamaConfig config;
+  // Set: each block is checkpointed with this policy (activations recomputed in backward).
+  c10::optional<RecomputePolicy> recompute;
   torch::nn::Embedding tok_emb{nullptr};
   std::vector<LlamaBlock> blocks;
   RMSNorm norm{nullptr};

@@ -1,0 +1,79 @@
+// Activation checkpointing at the call boundary: hp::checkpoint(module, tensors...) runs
+// hp::call(module, tensors...) without keeping the activations inside the module, and
+// recomputes them during backward.
+//
+// Contract
+// - The forward runs once without autograd; only the tensor arguments are kept. When the
+//   backward reaches the output, the module's forward runs again (through hp::call, so its
+//   hooks run: fully_shard gathers the parameters) with autograd on, and the gradients of
+//   the arguments and of the module's parameters are computed from that recomputation.
+//   Gradients are bitwise those of the run without checkpointing (same ops, same order).
+// - The module's parameters receive their gradients through their ordinary accumulators
+//   in the backward that reached the output (their hooks, fully_shard's among them, fire
+//   there), not in a backward of their own.
+// - During the recomputation in_recompute() is true on the calling thread: a capability
+//   keeps its per-forward bookkeeping (fully_shard's forward order, prefetch and reduction
+//   scheduling) as the first forward left it, and a module with a side effect in forward
+//   (the MoE's expert-load count) skips it.
+// - Policy kFull recomputes everything. kKeepMatmuls keeps the outputs of the module's
+//   torch::nn::Linear children (called through hp::call) from the first forward and does
+//   not recompute those matmuls: their backward needs only the input and the weight, so
+//   the recomputation gives them back the kept output in place of a new product.
+// - Arguments must be tensors; the module's forward must return one tensor. The module's
+//   forward must be deterministic (no dropout yet: "not supported yet" for modules in
+//   training mode with dropout is left to the caller).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "hp/hooks/call.h"
+
+namespace hp {
+
+enum class RecomputePolicy {
+  kFull,          // recompute every op of the module in backward
+  kKeepMatmuls,   // keep the outputs of its Linear children, recompute the rest
+};
+
+// True while a checkpointed module's forward is being recomputed on this thread.
+bool in_recompute();
+
+namespace detail {
+
+using RecomputeFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+at::Tensor checkpoint_impl(torch::nn::Module& m, RecomputeFn fn, const std::vector<at::Tensor>& args,
+                           RecomputePolicy policy);
+
+template <typename M, size_t... I>
+at::Tensor call_with(M& m, const std::vector<at::Tensor>& a, std::index_sequence<I...>) {
+  return hp::call(m, a[I]...);
+}
+
+}  // namespace detail
+
+// hp::call(m, xs...) with the activations inside m recomputed in backward as `policy`
+// says. M is a ModuleHolder or a shared_ptr to a module, as for hp::call.
+template <typename M, typename... T>
+at::Tensor checkpoint_with(RecomputePolicy policy, M& m, const T&... xs) {
+  static_assert((std::is_same_v<std::decay_t<T>, at::Tensor> && ...), "hp::checkpoint takes tensor arguments");
+  M holder = m;  // the recomputation may run after the caller's handle is gone
+  detail::RecomputeFn fn = [holder](const std::vector<at::Tensor>& a) mutable {
+    return detail::call_with(holder, a, std::index_sequence_for<T...>{});
+  };
+  return detail::checkpoint_impl(*m.get(), std::move(fn), {xs...}, policy);
+}
+
+// hp::call(m, xs...) with every activation inside m recomputed in backward.
+template <typename M, typename... T>
+at::Tensor checkpoint(M& m, const T&... xs) {
+  return checkpoint_with(RecomputePolicy::kFull, m, xs...);
+}
+
+}  // namespace hp

@@ -1,0 +1,195 @@
+// Activation checkpointing: a custom autograd function whose forward runs the module
+// without autograd and whose backward recomputes it with autograd on and differentiates
+// the recomputation (see hp/hooks/checkpoint.h for the contract).
+#include "hp/hooks/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/modules/linear.h>
+
+#include <set>
+
+#include "hp/core/error.h"
+
+namespace hp {
+namespace {
+
+thread_local int t_recompute = 0;
+
+struct RecomputeScope {
+  RecomputeScope() { ++t_recompute; }
+  ~RecomputeScope() { --t_recompute; }
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+};
+
+// Installs a forward override on this thread for its lifetime.
+class OverrideScope {
+ public:
+  explicit OverrideScope(detail::ForwardOverride* o) : prev_(detail::set_forward_override(o)) {}
+  ~OverrideScope() { detail::set_forward_override(prev_); }
+  OverrideScope(const OverrideScope&) = delete;
+  OverrideScope& operator=(const OverrideScope&) = delete;
+
+ private:
+  detail::ForwardOverride* prev_;
+};
+
+// The backward of y = x W^T + b given y itself: the product is not recomputed.
+struct KeptLinear : torch::autograd::Function<KeptLinear> {
+  struct Kept {
+    at::Tensor y;
+  };
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& w, const c10::optional<at::Tensor>& b, Kept kept) {
+    // An absent bias is passed as nullopt: autograd then sees no input there.
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["bias"] = b.has_value();
+    return {kept.y};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &g = grads[0];
+    const int64_t in = w.size(1), out = w.size(0);
+    at::Tensor g2 = g.reshape({-1, out}), x2 = x.reshape({-1, in});
+    at::Tensor dx = g2.mm(w).view(x.sizes());
+    at::Tensor dw = g2.t().mm(x2);
+    at::Tensor db = ctx->saved_data["bias"].toBool() ? g2.sum(0) : at::Tensor();
+    return {dx, dw, db, at::Tensor()};
+  }
+};
+
+// kKeepMatmuls: in the first forward, records each Linear's output in call order; in the
+// recomputation, hands them back through KeptLinear instead of multiplying again.
+class MatmulKeeper : public detail::ForwardOverride {
+ public:
+  at::Tensor forward(torch::nn::Module& m, const at::Tensor& x,
+                     const std::function<at::Tensor(const at::Tensor&)>& real) override {
+    auto* lin = dynamic_cast<torch::nn::LinearImpl*>(&m);
+    if (lin == nullptr) return real(x);
+    if (!replay_) {
+      at::Tensor y = real(x);
+      kept_.push_back(y);
+      return y;
+    }
+    HP_CHECK(next_ < kept_.size(), "hp::checkpoint: the recomputation called more Linear modules (",
+             next_ + 1, ") than the first forward (", kept_.size(), "); the module's forward must be deterministic");
+    at::Tensor y = kept_[next_];
+    kept_[next_++] = at::Tensor();  // handed over: freed with the graph of the recomputation
+    HP_CHECK(y.defined() && y.size(-1) == lin->weight.size(0),
+             "hp::checkpoint: a kept Linear output does not match its module in the recomputation");
+    c10::optional<at::Tensor> bias;
+    if (lin->bias.defined()) bias = lin->bias;
+    return KeptLinear::apply(x, lin->weight, bias, KeptLinear::Kept{y})[0];
+  }
+  void start_replay() {
+    replay_ = true;
+    next_ = 0;
+  }
+
+ private:
+  std::vector<at::Tensor> kept_;
+  size_t next_ = 0;
+  bool replay_ = false;
+};
+
+struct Run : torch::CustomClassHolder {
+  detail::RecomputeFn fn;
+  RecomputePolicy policy = RecomputePolicy::kFull;
+  std::vector<at::Tensor> params;  // the module's parameters that require grad
+  std::unique_ptr<MatmulKeeper> keeper;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<torch::CustomClassHolder> holder,
+                                                at::TensorList args_in, at::TensorList params) {
+    (void)params;  // inputs for their gradient edges only; the run holds them
+    std::vector<at::Tensor> args = args_in.vec();
+    auto* run = static_cast<Run*>(holder.get());
+    at::Tensor out;
+    if (run->keeper) {
+      OverrideScope o(run->keeper.get());
+      out = run->fn(args);
+    } else {
+      out = run->fn(args);
+    }
+    ctx->save_for_backward(args);
+    ctx->saved_data["run"] = c10::IValue::make_capsule(holder);
+    return {out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* run = static_cast<Run*>(ctx->saved_data["run"].toCapsule().get());
+    std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> inputs;
+    for (const auto& x : saved) {
+      at::Tensor d = x.detach();
+      if (x.requires_grad()) d.requires_grad_(true);
+      inputs.push_back(d);
+    }
+    at::Tensor out;
+    {
+      at::AutoGradMode enable(true);
+      RecomputeScope recompute;
+      if (run->keeper) {
+        run->keeper->start_replay();
+        OverrideScope o(run->keeper.get());
+        out = run->fn(inputs);
+      } else {
+        out = run->fn(inputs);
+      }
+    }
+    // Gradients of the arguments and the parameters from the recomputation. The parameters'
+    // gradients go back to the backward that reached us, whose accumulators (and hooks)
+    // receive them.
+    std::vector<at::Tensor> wrt;
+    std::vector<size_t> slot;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].requires_grad()) {
+        wrt.push_back(inputs[i]);
+        slot.push_back(1 + i);
+      }
+    }
+    for (size_t j = 0; j < run->params.size(); ++j) {
+      wrt.push_back(run->params[j]);
+      slot.push_back(1 + inputs.size() + j);
+    }
+    torch::autograd::variable_list result(1 + inputs.size() + run->params.size());
+    if (!wrt.empty() && out.requires_grad() && grads[0].defined()) {
+      auto g = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+      for (size_t k = 0; k < g.size(); ++k) result[slot[k]] = g[k];
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+bool in_recompute() { return t_recompute > 0; }
+
+namespace detail {
+
+at::Tensor checkpoint_impl(torch::nn::Module& m, RecomputeFn fn, const std::vector<at::Tensor>& args,
+                           RecomputePolicy policy) {
+  if (!at::GradMode::is_enabled()) return fn(args);  // nothing will be differentiated
+  auto run = c10::make_intrusive<Run>();
+  run->fn = std::move(fn);
+  run->policy = policy;
+  if (policy == RecomputePolicy::kKeepMatmuls) run->keeper = std::make_unique<MatmulKeeper>();
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& p : m.parameters(/*recurse=*/true)) {
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) run->params.push_back(p);
+  }
+  // TensorLists, so that autograd sees every argument and parameter as an input.
+  return CheckpointFunction::apply(c10::intrusive_ptr<torch::CustomClassHolder>(run), at::TensorList(args),
+                                   at::TensorList(run->params))[0];
+}
+
+}  // namespace detail
+}  // namespace hp

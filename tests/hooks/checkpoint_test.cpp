@@ -1,0 +1,104 @@
+// hp::checkpoint against the same module run without it: gradients, the recomputation's
+// flag, and the memory it saves (counted by the library's allocator).
+#include <gtest/gtest.h>
+
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/modules/linear.h>
+
+#include "hp/core/memory.h"
+#include "hp/hooks/call.h"
+#include "hp/hooks/checkpoint.h"
+
+namespace {
+
+// Two inputs, four Linear children, activations several times the size of the weights.
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    for (int i = 0; i < 4; ++i) fc.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(32, 32)));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& gate) {
+    if (hp::in_recompute()) ++recomputes;
+    ++forwards;
+    at::Tensor h = x;
+    for (auto& l : fc) h = torch::nn::functional::gelu(hp::call(l, h)) * gate + h;
+    return h;
+  }
+  std::vector<torch::nn::Linear> fc;
+  int forwards = 0, recomputes = 0;
+};
+TORCH_MODULE(Mlp);
+
+struct Grads {
+  std::vector<at::Tensor> params;
+  at::Tensor x, gate;
+  int64_t peak_after_forward = 0;  // bytes held from forward to backward, above the inputs
+};
+
+Grads run(const c10::optional<hp::RecomputePolicy>& policy, Mlp& m, const at::Tensor& x0, const at::Tensor& g0) {
+  for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+  at::Tensor x = x0.clone().requires_grad_(true), gate = g0.clone().requires_grad_(true);
+  const int64_t before = hp::memory::current_bytes();
+  at::Tensor y = policy ? hp::checkpoint_with(*policy, m, x, gate) : hp::call(m, x, gate);
+  Grads out;
+  out.peak_after_forward = hp::memory::current_bytes() - before;
+  y.pow(2).sum().backward();
+  for (auto& p : m->parameters()) out.params.push_back(p.grad().clone());
+  out.x = x.grad().clone();
+  out.gate = gate.grad().clone();
+  return out;
+}
+
+}  // namespace
+
+TEST(Checkpoint, FullRecomputeGivesBitwiseGradientsAndHoldsLess) {
+  hp::memory::install_counting_allocator();
+  torch::manual_seed(1);
+  Mlp m;
+  at::Tensor x = at::randn({64, 32}), gate = at::rand({64, 32});
+  Grads plain = run(c10::nullopt, m, x, gate);
+  EXPECT_EQ(m->recomputes, 0);
+  Grads ckpt = run(hp::RecomputePolicy::kFull, m, x, gate);
+  EXPECT_EQ(m->forwards, 3) << "one forward without checkpointing, two with";
+  EXPECT_EQ(m->recomputes, 1);
+  EXPECT_FALSE(hp::in_recompute());
+  for (size_t i = 0; i < plain.params.size(); ++i) EXPECT_TRUE(at::equal(plain.params[i], ckpt.params[i])) << i;
+  EXPECT_TRUE(at::equal(plain.x, ckpt.x));
+  EXPECT_TRUE(at::equal(plain.gate, ckpt.gate));
+  // Kept from forward to backward: the plain run keeps every block's activations (several
+  // [64, 32] tensors per Linear); the checkpointed one only its output and its inputs.
+  const int64_t act = 64 * 32 * 4;
+  EXPECT_GE(plain.peak_after_forward, 8 * act);
+  EXPECT_LE(ckpt.peak_after_forward, 2 * act);
+}
+
+TEST(Checkpoint, KeepMatmulsRecomputesTheRestOnly) {
+  hp::memory::install_counting_allocator();
+  torch::manual_seed(2);
+  Mlp m;
+  at::Tensor x = at::randn({64, 32}, at::kDouble), gate = at::rand({64, 32}, at::kDouble);
+  m->to(at::kDouble);
+  Grads plain = run(c10::nullopt, m, x, gate);
+  Grads sel = run(hp::RecomputePolicy::kKeepMatmuls, m, x, gate);
+  EXPECT_EQ(m->recomputes, 1);
+  // The kept matmuls' backward is written out as two mm's of the flattened rows: float64,
+  // summation order only.
+  for (size_t i = 0; i < plain.params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(plain.params[i], sel.params[i], 1e-12, 1e-12)) << i;
+  }
+  EXPECT_TRUE(at::allclose(plain.x, sel.x, 1e-12, 1e-12));
+  EXPECT_TRUE(at::allclose(plain.gate, sel.gate, 1e-12, 1e-12));
+  // It keeps the four Linear outputs, not the rest.
+  const int64_t act = 64 * 32 * 8;
+  EXPECT_GE(sel.peak_after_forward, 4 * act);
+  EXPECT_LT(sel.peak_after_forward, plain.peak_after_forward);
+}
+
+TEST(Checkpoint, WithoutGradModeItIsAPlainCall) {
+  torch::manual_seed(3);
+  Mlp m;
+  at::Tensor x = at::randn({4, 32}), gate = at::rand({4, 32});
+  at::NoGradGuard ng;
+  at::Tensor y = hp::checkpoint(m, x, gate);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_TRUE(at::equal(y, hp::call(m, x, gate)));
+}
