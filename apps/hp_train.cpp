@@ -29,6 +29,14 @@
 
 namespace {
 
+// Memory a rank needs to build the model: its shards of the parameters, plus the scratch
+// the model is built on (the largest parameter in fp32) and, for a low-precision model, the
+// fp32 draw of the parameter being initialized.
+double construction_bytes(const hp::train::TrainConfig& c, const hp::models::MemoryEstimate& est) {
+  const double largest = 4.0 * static_cast<double>(c.model.largest_param());
+  return static_cast<double>(est.sharded_params) + largest * (c.params_dtype == at::kFloat ? 1 : 2);
+}
+
 struct Args {
   std::string config;
   std::vector<std::string> overrides;
@@ -130,15 +138,15 @@ int run(const Args& args, const hp::CommPtr& world) {
                                        // optim_grads keeps parameters gathered until backward: a group of 1
                                        c.data_parallel_shard_strategy == "optim_grads" ? 1 : c.reshard_after_forward_group_size});
     if (!args.estimate) {
-      // Every rank builds the whole model in fp32 before sharding it.
-      const double need = std::max(4.0 * static_cast<double>(c.model.num_params()), static_cast<double>(est.total()));
+      // Each rank builds the model without storage and materializes its shards one
+      // parameter at a time: the sharded state plus one fp32 parameter, then training's.
+      const double need = std::max(construction_bytes(c, est), static_cast<double>(est.total()));
       const double avail = static_cast<double>(hp::memory::available_bytes());
       const int ranks = hp::local_world_size();
       HP_CHECK(avail == 0 || need * ranks < avail, "the model (", c.model.num_params(), " parameters) needs about ",
-               format_bytes(static_cast<int64_t>(std::min(need, 9e18))), " per rank (the whole model in fp32 while building, then ", format_bytes(est.total()),
+               format_bytes(static_cast<int64_t>(std::min(need, 9e18))), " per rank (", format_bytes(est.total()),
                " sharded, without activations), but this node has ", format_bytes(static_cast<int64_t>(avail)),
-               " available for ", ranks,
-               " rank(s); see hp-train --estimate");
+               " available for ", ranks, " rank(s); see hp-train --estimate");
       data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);  // checks the file
       if (lead && !c.output_dir.empty()) {
         std::filesystem::create_directories(c.output_dir);
@@ -162,6 +170,9 @@ int run(const Args& args, const hp::CommPtr& world) {
         format_bytes(est.fp32_masters) + ", backward peak " + format_bytes(est.backward_peak_extra) +
         (est.post_forward_shares ? ", kept from forward to backward " + format_bytes(est.post_forward_shares) : "") +
         "; total " + format_bytes(est.total()));
+    say("per rank while building the model: its shards plus one parameter in fp32 (the largest, " +
+        std::to_string(c.model.largest_param()) + " elements): " +
+        format_bytes(static_cast<int64_t>(std::min(construction_bytes(c, est), 9e18))));
     return 0;
   }
 

@@ -3,15 +3,19 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include <atomic>
+#include <algorithm>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unistd.h>
 
 #include "hp/core/compat.h"
+#include "hp/core/error.h"
 
 namespace hp::memory {
 namespace {
@@ -32,8 +36,83 @@ void add_bytes(int64_t n) {
 constexpr size_t kHeader = 64;
 c10::DeleterFnPtr g_inner_free = nullptr;
 
+// ---- deferred allocation: scratch blocks shared by every tensor allocated meanwhile ----
+
+thread_local int t_deferred = 0;
+struct Scratch {
+  size_t bytes = 0;
+  int64_t users = 0;     // live tensors on it
+  bool current = false;  // still handed out by a DeferredAllocation
+};
+std::mutex g_scratch_mu;
+std::map<const void*, Scratch> g_scratch;  // by base pointer
+const void* g_scratch_current = nullptr;
+std::atomic<int> g_scratch_blocks{0};  // fast check in the common free path
+
+// Call with g_scratch_mu held.
+void release_if_unused(std::map<const void*, Scratch>::iterator it) {
+  if (it->second.users > 0 || it->second.current) return;
+  g_current.fetch_sub(static_cast<int64_t>(it->second.bytes), std::memory_order_relaxed);
+  std::free(const_cast<void*>(it->first));
+  g_scratch.erase(it);
+  --g_scratch_blocks;
+}
+
+void scratch_free(void* data) {
+  std::lock_guard<std::mutex> g(g_scratch_mu);
+  auto it = g_scratch.find(data);
+  if (it == g_scratch.end()) return;
+  --it->second.users;
+  release_if_unused(it);
+}
+
+c10::DataPtr scratch_allocate(size_t n) {
+  std::lock_guard<std::mutex> g(g_scratch_mu);
+  auto cur = g_scratch.find(g_scratch_current);
+  if (cur == g_scratch.end()) {
+    // A new deferred scope reuses a live block that is large enough (one kept alive by
+    // tensors still waiting for storage), rather than allocating another.
+    for (auto it = g_scratch.begin(); it != g_scratch.end(); ++it) {
+      if (it->second.bytes >= n && (cur == g_scratch.end() || it->second.bytes > cur->second.bytes)) cur = it;
+    }
+    if (cur != g_scratch.end()) {
+      cur->second.current = true;
+      g_scratch_current = cur->first;
+    }
+  }
+  if (cur == g_scratch.end() || cur->second.bytes < n) {
+    size_t bytes = std::max<size_t>(n, 64);
+    if (cur != g_scratch.end()) {
+      bytes = std::max(bytes, cur->second.bytes);
+      cur->second.current = false;
+      release_if_unused(cur);
+    }
+    void* base = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (base == nullptr) throw std::bad_alloc();
+    Scratch sc;
+    sc.bytes = bytes;
+    sc.current = true;
+    cur = g_scratch.emplace(base, sc).first;
+    g_scratch_current = base;
+    ++g_scratch_blocks;
+    add_bytes(static_cast<int64_t>(bytes));
+  }
+  ++cur->second.users;
+  void* data = const_cast<void*>(cur->first);
+  return c10::DataPtr(data, data, &scratch_free, c10::Device(c10::kCPU));
+}
+
 void counted_free(void* data) {
   if (data == nullptr) return;
+  if (g_scratch_blocks.load(std::memory_order_relaxed) > 0) {
+    // A raw free of a scratch pointer (raw_allocate's pairing) goes to its block.
+    std::unique_lock<std::mutex> g(g_scratch_mu);
+    if (g_scratch.count(data)) {
+      g.unlock();
+      scratch_free(data);
+      return;
+    }
+  }
   char* base = static_cast<char*>(data) - kHeader;
   int64_t n = 0;
   std::memcpy(&n, base, sizeof n);
@@ -45,6 +124,7 @@ class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
   c10::DataPtr allocate(size_t n) HP_ALLOCATOR_ALLOCATE_CONST override {
+    if (t_deferred > 0 && n > 0) return scratch_allocate(n);
     c10::DataPtr p = inner_->allocate(n + kHeader);
     c10::Device dev = p.device();
     char* base = static_cast<char*>(p.release_context());
@@ -95,6 +175,31 @@ void install_counting_allocator() {
 }
 
 bool counting_allocator_installed() { return g_installed; }
+
+DeferredAllocation::DeferredAllocation() {
+  HP_CHECK(g_installed, "hp::memory::DeferredAllocation needs the counting allocator (hp::init installs it, or call ",
+           "hp::memory::install_counting_allocator())");
+  ++t_deferred;
+}
+
+DeferredAllocation::~DeferredAllocation() {
+  if (--t_deferred > 0) return;
+  std::lock_guard<std::mutex> g(g_scratch_mu);
+  auto cur = g_scratch.find(g_scratch_current);
+  g_scratch_current = nullptr;
+  if (cur != g_scratch.end()) {
+    cur->second.current = false;
+    release_if_unused(cur);
+  }
+}
+
+bool deferring() { return t_deferred > 0; }
+
+bool is_deferred(const void* data) {
+  if (data == nullptr || g_scratch_blocks.load(std::memory_order_relaxed) == 0) return false;
+  std::lock_guard<std::mutex> g(g_scratch_mu);
+  return g_scratch.count(data) > 0;
+}
 int64_t current_bytes() { return g_current.load(); }
 int64_t peak_bytes() { return g_peak.load(); }
 void reset_peak() { g_peak.store(g_current.load()); }

@@ -33,6 +33,7 @@
 #include "buffers.h"
 #include "hp/core/compat.h"
 #include "hp/core/env.h"
+#include "hp/core/memory.h"
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
 #include "hp/fsdp/shard_plan.h"
@@ -134,6 +135,11 @@ struct FSDPModule::State {
   c10::Device device = c10::kCPU;  // of every parameter of the group
   FusedLayout layout;
   std::vector<State*> nested;  // fully_shard'ed modules inside this one
+  // The module's owner when it is held by a shared_ptr (as ModuleHolders are): tells a live
+  // module from a destroyed one whose address a new module reuses.
+  std::weak_ptr<torch::nn::Module> owner;
+  bool owned = false;
+  bool owner_gone() const { return owned && owner.expired(); }
   detail::FsdpPass own_pass;          // used when this module is the root of a forward
   detail::FsdpPass* pass = nullptr;   // the pass of this module's latest forward
 
@@ -1070,8 +1076,12 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   {
     std::lock_guard<std::mutex> g(g_mu);
     auto it = g_handles.find(&module);
-    HP_CHECK(it == g_handles.end() || it->second.expired(), "fully_shard was already applied to module ",
-             label, "; apply it once per module");
+    // A handle outliving its module (the address reused by a new module) does not count.
+    bool applied = false;
+    if (it != g_handles.end()) {
+      if (auto h = it->second.lock()) applied = !h->state().owner_gone();
+    }
+    HP_CHECK(!applied, "fully_shard was already applied to module ", label, "; apply it once per module");
   }
   HP_CHECK(o.reshard_after_forward_group_size >= 0, "fully_shard(", label, "): reshard_after_forward_group_size=",
            o.reshard_after_forward_group_size, " must be positive (0: not set)");
@@ -1080,6 +1090,12 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
            " with reshard_after_forward=false: the group size says how to reshard after forward, so it needs true");
   auto st = std::make_unique<FSDPModule::State>();
   st->module = &module;
+  try {
+    st->owner = module.shared_from_this();
+    st->owned = true;
+  } catch (const std::bad_weak_ptr&) {
+    // Not held by a shared_ptr: no liveness check.
+  }
   st->label = label;
   st->opts = o;
   CommPtr world;
@@ -1154,6 +1170,12 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
 
   const int n = st->shard->size(), k = st->shard->rank();
   at::NoGradGuard no_grad;
+  HP_CHECK(!memory::deferring(), "fully_shard(", label, ") inside a DeferredAllocation scope: end the scope ",
+           "(the model is built) before sharding, so the shards get real memory");
+  for (const auto& t : o.ignored_params) {
+    HP_CHECK(!memory::is_deferred(t.storage().data()), "fully_shard(", label, "): an ignored parameter ",
+             t.sizes(), " was built under a DeferredAllocation; ignored parameters are not materialized");
+  }
   for (auto& [name, t] : mine) {
     ParamInfo p;
     p.name = name;
@@ -1164,8 +1186,22 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
     shard_shape[0] = p.plan.rows_per_shard;
     p.padded = at::zeros(shard_shape, at::TensorOptions().dtype(pdt).device(st->device));
+    at::Tensor full = t.detach();
+    if (memory::is_deferred(t.storage().data())) {
+      // Built without storage: this parameter's whole value, made on the scratch block that
+      // already holds the model's deferred tensors, then only this rank's rows are kept.
+      HP_CHECK(o.param_init, "fully_shard(", label, "): parameter '", name, "' was built under a ",
+               "DeferredAllocation (no storage); give FullyShardOptions::param_init to initialize it");
+      {
+        memory::DeferredAllocation on_scratch;
+        full = at::empty(p.shape, at::TensorOptions().dtype(pdt));
+      }
+      o.param_init(t, full);
+      HP_CHECK(full.sizes() == t.sizes() && full.scalar_type() == pdt, "fully_shard(", label,
+               "): param_init changed the shape or dtype of '", name, "'");
+    }
     if (p.plan.rows > 0) {
-      at::Tensor src = t.detach().reshape({p.plan.dim0, p.plan.row_numel});
+      at::Tensor src = full.reshape({p.plan.dim0, p.plan.row_numel});
       p.padded.view({p.plan.rows_per_shard, p.plan.row_numel})
           .narrow(0, 0, p.plan.rows)
           .copy_(src.narrow(0, p.plan.row_offset, p.plan.rows));
@@ -1179,8 +1215,11 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     if (st->aliased()) {
       t.set_data(p.padded.view(p.shape));
     } else {
-      at::Tensor unsharded = at::empty(p.shape, at::TensorOptions().dtype(st->dt.compute).device(st->device));
-      compat::resize_storage_bytes(unsharded, 0);
+      // Made with no storage at all (not allocated whole, then freed: a rank never holds
+      // the whole parameter here).
+      at::Tensor unsharded = at::empty({0}, at::TensorOptions().dtype(st->dt.compute).device(st->device));
+      unsharded.storage().set_data_ptr(c10::DataPtr(nullptr, unsharded.device()));  // as a resharded one
+      unsharded.unsafeGetTensorImpl()->set_sizes_contiguous(p.shape);
       t.set_data(unsharded);
     }
     if (t.grad().defined()) t.mutable_grad() = at::Tensor();
@@ -1236,6 +1275,14 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   };
   register_forward_hooks(module, std::move(hooks));
   return handle;
+}
+
+void materialize_deferred_buffers(torch::nn::Module& module) {
+  HP_CHECK(!memory::deferring(), "materialize_deferred_buffers inside a DeferredAllocation scope");
+  at::NoGradGuard no_grad;
+  for (auto& b : module.buffers(/*recurse=*/true)) {
+    if (b.defined() && memory::is_deferred(b.storage().data())) b.set_data(at::zeros(b.sizes(), b.options()));
+  }
 }
 
 FSDPHandle fsdp_handle(const torch::nn::Module& module) {

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "hp/core/error.h"
+#include "hp/core/memory.h"
 #include "hp/hooks/call.h"
 #include "hp/hooks/checkpoint.h"
 
@@ -48,6 +49,11 @@ T count_params(const DeepSeekConfig& c) {
 }  // namespace
 
 int64_t DeepSeekConfig::num_params() const { return count_params<int64_t>(*this); }
+int64_t DeepSeekConfig::largest_param() const {
+  return std::max({vocab * dim, dense_layers > 0 ? dim * dense_hidden : 0, q_lora_rank * heads * (qk_nope_dim + qk_rope_dim),
+                   dim * q_lora_rank, dim * (kv_lora_rank + qk_rope_dim), kv_lora_rank * heads * (qk_nope_dim + v_head_dim),
+                   heads * v_head_dim * dim, dim * experts, dim * shared_experts * expert_hidden});
+}
 
 void DeepSeekConfig::validate() const {
   HP_CHECK(dense_layers >= 0 && dense_layers <= layers, "deepseek config: dense_layers=", dense_layers,
@@ -188,7 +194,7 @@ DeepSeekImpl::DeepSeekImpl(const DeepSeekConfig& c) : config(c) {
   }
   norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
   output = register_module("output", linear(c.dim, c.vocab));
-  init_weights(0);
+  if (!hp::memory::deferring()) init_weights(0);  // built without storage: fully_shard initializes
 }
 
 at::Tensor DeepSeekImpl::forward(const at::Tensor& tokens) {

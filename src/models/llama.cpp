@@ -7,8 +7,11 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
+#include <memory>
 
 #include "hp/core/error.h"
+#include "hp/core/memory.h"
 #include "hp/hooks/call.h"
 
 namespace hp::models {
@@ -34,6 +37,9 @@ T count_params(const LlamaConfig& c) {
 }  // namespace
 
 int64_t LlamaConfig::block_params() const { return count_block<int64_t>(*this); }
+int64_t LlamaConfig::largest_param() const {
+  return std::max({vocab * dim, dim * hidden_dim(), dim * heads * head_dim(), dim * kv_heads * head_dim()});
+}
 int64_t LlamaConfig::num_params() const { return count_params<int64_t>(*this); }
 
 void LlamaConfig::validate() const {
@@ -144,7 +150,7 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c) : config(c) {
   if (!c.tie_embeddings) {
     output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
   }
-  init_weights(0);
+  if (!hp::memory::deferring()) init_weights(0);  // built without storage: fully_shard initializes
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
@@ -163,22 +169,47 @@ at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) 
                                               targets.reshape({-1}));
 }
 
-void init_parameters(torch::nn::Module& m, uint64_t seed, double std) {
+namespace {
+
+// The initial value of the parameter named `name`, written into `out` (its shape): N(0,
+// std) drawn in fp32 from a generator seeded by (seed, the name), then rounded to out's
+// dtype; norm scales are 1.
+void init_parameter(const std::string& name, at::Tensor& out, uint64_t seed, double std) {
   at::NoGradGuard no_grad;
-  for (const auto& item : m.named_parameters()) {
-    const std::string& name = item.key();
-    at::Tensor p = item.value();
-    if (name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0 &&
-        name.find("norm") != std::string::npos) {
-      p.fill_(1.0);  // RMSNorm scales
-      continue;
-    }
-    uint64_t h = 1469598103934665603ULL;  // FNV-1a of the name: the same on every machine
-    for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
-    h ^= seed * 0x9E3779B97F4A7C15ULL;
-    at::Generator gen = at::detail::createCPUGenerator(h);
-    p.copy_(at::empty(p.sizes(), at::kFloat).normal_(0.0, std, gen));
+  if (name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0 && name.find("norm") != std::string::npos) {
+    out.fill_(1.0);  // RMSNorm scales
+    return;
   }
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a of the name: the same on every machine
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
+  h ^= seed * 0x9E3779B97F4A7C15ULL;
+  at::Generator gen = at::detail::createCPUGenerator(h);
+  if (out.scalar_type() == at::kFloat && out.is_contiguous()) {
+    out.normal_(0.0, std, gen);  // the same draws as into a new fp32 tensor, without one
+  } else {
+    out.copy_(at::empty(out.sizes(), at::kFloat).normal_(0.0, std, gen));
+  }
+}
+
+}  // namespace
+
+void init_parameters(torch::nn::Module& m, uint64_t seed, double std) {
+  for (const auto& item : m.named_parameters()) {
+    at::Tensor p = item.value();
+    init_parameter(item.key(), p, seed, std);
+  }
+}
+
+std::function<void(const at::Tensor&, at::Tensor&)> parameter_initializer(torch::nn::Module& m, uint64_t seed,
+                                                                          double std) {
+  auto names = std::make_shared<std::map<const c10::TensorImpl*, std::string>>();
+  for (const auto& item : m.named_parameters()) names->emplace(item.value().unsafeGetTensorImpl(), item.key());
+  return [names, seed, std](const at::Tensor& param, at::Tensor& full) {
+    auto it = names->find(param.unsafeGetTensorImpl());
+    HP_CHECK(it != names->end(), "parameter_initializer: a parameter ", param.sizes(),
+             " that is not one of the model's");
+    init_parameter(it->second, full, seed, std);
+  };
 }
 
 void LlamaImpl::init_weights(uint64_t seed) { init_parameters(*this, seed); }

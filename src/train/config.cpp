@@ -19,6 +19,9 @@ int64_t ModelSpec::max_seq() const { return type == "llama" ? llama.max_seq : de
 int64_t ModelSpec::num_params() const {
   return type == "llama" ? llama.num_params() : deepseek.num_params();
 }
+int64_t ModelSpec::largest_param() const {
+  return type == "llama" ? llama.largest_param() : deepseek.largest_param();
+}
 int64_t ModelSpec::largest_block_params() const {
   return type == "llama" ? llama.block_params() : deepseek.largest_block_params();
 }

@@ -113,19 +113,21 @@ at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, 
 
 }  // namespace
 
-std::unique_ptr<TrainModel> make_model(const TrainConfig& c) {
+std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred) {
+  std::unique_ptr<memory::DeferredAllocation> scope;
+  if (deferred) scope = std::make_unique<memory::DeferredAllocation>();
   std::unique_ptr<TrainModel> out;
   c10::optional<RecomputePolicy> recompute;
   if (c.recompute == "full") recompute = RecomputePolicy::kFull;
   if (c.recompute == "selective") recompute = RecomputePolicy::kKeepMatmuls;
   if (c.model.type == "llama") {
     models::Llama m(c.model.llama);
-    m->init_weights(c.seed);
+    if (!deferred) m->init_weights(c.seed);
     m->recompute = recompute;
     out = std::make_unique<ModelOf<models::Llama>>(m);
   } else {
     models::DeepSeek m(c.model.deepseek);
-    m->init_weights(c.seed);
+    if (!deferred) m->init_weights(c.seed);
     m->recompute = recompute;
     out = std::make_unique<ModelOf<models::DeepSeek>>(m);
   }
@@ -185,8 +187,11 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.shards = s.mesh->group("dp_shard");
   s.dp_rank = s.dp->rank();
 
-  s.model = make_model(c);
+  // Built without storage: each rank materializes only its shards (plus one parameter at a
+  // time), so a model larger than a rank's memory can be trained.
+  s.model = make_model(c, /*deferred=*/true);
   FullyShardOptions o;
+  o.param_init = models::parameter_initializer(s.model->root(), c.seed);
   o.mesh = s.mesh;
   o.reshard_after_forward = c.data_parallel_shard_strategy == "optim_grads_params";
   o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
@@ -194,6 +199,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   o.mp_policy = mixed_precision(c);
   for (torch::nn::Module* b : s.model->blocks()) s.handles.push_back(fully_shard(*b, o));
   s.handles.push_back(fully_shard(s.model->root(), o));
+  materialize_deferred_buffers(s.model->root());
   for (auto& h : s.handles) {
     for (auto& p : h->parameters()) s.params.push_back(p);
   }

@@ -20,6 +20,28 @@ int64_t peak_bytes();
 // Sets the peak to the current value.
 void reset_peak();
 
+// Deferred allocation: while a DeferredAllocation lives on a thread, every CPU tensor
+// allocated on that thread through the counting allocator gets no memory of its own. All
+// of them share one scratch block (as large as the largest single request so far; a larger
+// request starts a new block), so building a model whose parameters would not fit costs
+// one parameter's worth of memory, and the values in those tensors are meaningless (they
+// alias each other). Such a tensor must be given real storage before it is read
+// (fully_shard does it for parameters with FullyShardOptions::param_init; a module's
+// buffers with materialize_deferred_buffers). A scratch block is freed when the last tensor
+// on it is gone and no DeferredAllocation uses it. Needs the counting allocator (hp::init
+// installs it); raises hp::Error without it. Nests; not copyable.
+class DeferredAllocation {
+ public:
+  DeferredAllocation();
+  ~DeferredAllocation();
+  DeferredAllocation(const DeferredAllocation&) = delete;
+  DeferredAllocation& operator=(const DeferredAllocation&) = delete;
+};
+// Whether `data` (a tensor's storage pointer) is a scratch block of a deferred allocation.
+bool is_deferred(const void* data);
+// Whether a DeferredAllocation is alive on this thread.
+bool deferring();
+
 // Resident set size of this process, and its high-water mark, in bytes (0 if unknown).
 int64_t process_rss_bytes();
 int64_t process_peak_rss_bytes();

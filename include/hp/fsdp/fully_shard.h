@@ -22,6 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,13 @@ struct FullyShardOptions {
   bool comm_fusion = false;
   // Parameters of the module left alone (not sharded, not reduced).
   std::vector<at::Tensor> ignored_params;
+  // Deferred initialization: for a module built under hp::memory::DeferredAllocation (its
+  // tensors have no storage of their own), fills `full` (the parameter's global shape and
+  // dtype) with the value `param` (the module's tensor, by identity) must start with.
+  // fully_shard calls it for one parameter at a time and keeps only this rank's rows, so
+  // no rank ever holds more than one whole parameter. Required for such a module; ignored
+  // for parameters with real storage. hp::models::parameter_initializer gives one.
+  std::function<void(const at::Tensor& param, at::Tensor& full)> param_init;
 };
 
 // One rank's shard of a parameter, as in a sharded state dict.
@@ -128,6 +136,10 @@ class FSDPModule {
 };
 
 FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
+// Gives every buffer of `module` (recursively) that was built under a DeferredAllocation
+// real storage, filled with zeros (the reference models' buffers all start at zero; a
+// module whose buffers start otherwise sets them after this).
+void materialize_deferred_buffers(torch::nn::Module& module);
 // The handle of a module fully_shard was applied to, or null.
 FSDPHandle fsdp_handle(const torch::nn::Module& module);
 

@@ -41,6 +41,7 @@ struct DeepSeekConfig {
 
   int64_t num_params() const;
   int64_t largest_block_params() const;  // a MoE block (or a dense one when all are dense)
+  int64_t largest_param() const;         // elements of the largest single parameter
   void validate() const;
   static DeepSeekConfig tiny();
   static DeepSeekConfig deepseek_v3();  // the published 671B configuration

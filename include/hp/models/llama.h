@@ -11,7 +11,9 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,7 @@ struct LlamaConfig {
   // Parameters of the model, computed from the config alone (nothing allocated).
   int64_t num_params() const;
   int64_t block_params() const;
+  int64_t largest_param() const;  // elements of the largest single parameter
   // Raises hp::Error naming the offending field.
   void validate() const;
 
@@ -47,6 +50,14 @@ struct LlamaConfig {
 // drawn from its own generator seeded by (seed, FNV-1a of its name), N(0, std); norm
 // scales ("...norm....weight") are set to 1. Shared by all reference models.
 void init_parameters(torch::nn::Module& m, uint64_t seed, double std = 0.02);
+// The same values for a model built under hp::memory::DeferredAllocation, one parameter
+// at a time: the returned function fills `full` (any floating dtype, the parameter's shape)
+// with what init_parameters(m, seed, std) gives `param` (found by identity among m's
+// parameters), rounded to full's dtype as a cast of the fp32 value would be. For
+// FullyShardOptions::param_init.
+std::function<void(const at::Tensor& param, at::Tensor& full)> parameter_initializer(torch::nn::Module& m,
+                                                                                     uint64_t seed,
+                                                                                     double std = 0.02);
 
 // The dtype of the numerically sensitive steps (norms, softmax, rotary, routing, the
 // loss): float32 for float32 and lower precisions; a float64 model stays in float64, so

@@ -33,6 +33,7 @@ struct ModelSpec {
   int64_t max_seq() const;
   int64_t num_params() const;
   int64_t largest_block_params() const;
+  int64_t largest_param() const;
 };
 
 struct DataSpec {

@@ -63,7 +63,10 @@ class TrainModel {
   virtual void after_step(const CommPtr& dp) = 0;
 };
 // Built in fp32, initialized from the seed (layout-independent), then cast to params_dtype.
-std::unique_ptr<TrainModel> make_model(const TrainConfig& c);
+// `deferred`: built under hp::memory::DeferredAllocation and not initialized (no storage of
+// its own); fully_shard with param_init = models::parameter_initializer(root, seed) gives
+// every rank bitwise the shards of the initialized model.
+std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = false);
 
 class Trainer {
  public:
