@@ -128,6 +128,7 @@ struct FSDPModule::State {
   torch::nn::Module* module = nullptr;
   std::string label;
   CommPtr shard;
+  std::string shard_dim = "world";  // the mesh dim `shard` spans
   CommPtr replicate;  // null for FSDP
   FullyShardOptions opts;
   GroupDtypes dt;
@@ -909,8 +910,11 @@ std::vector<at::Tensor> FSDPModule::parameters() const {
 
 std::vector<ShardedTensor> FSDPModule::state_dict() const {
   std::vector<ShardedTensor> out;
-  for (const auto& p : state_->params) {
-    out.push_back(ShardedTensor{p.name, p.sharded, p.shape, p.plan.row_offset});
+  const State& s = *state_;
+  for (const auto& p : s.params) {
+    std::vector<int64_t> shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
+    ShardSpec spec = make_shard_spec(shape, {{DimSplit{s.shard_dim, s.shards(), s.shard->rank()}}});
+    out.push_back(ShardedTensor{p.name, p.sharded, p.shape, p.plan.row_offset, std::move(spec)});
   }
   return out;
 }
@@ -1114,6 +1118,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
       st->replicate = o.mesh->group(names[0]);
       st->shard = o.mesh->group(names[1]);
     }
+    st->shard_dim = names.back();
   }
 
   // The parameters this call manages: not ignored, not already managed by a nested call,

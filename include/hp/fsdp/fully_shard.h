@@ -29,6 +29,7 @@
 
 #include "hp/comm/communicator.h"
 #include "hp/fsdp/mixed_precision.h"
+#include "hp/fsdp/shard_spec.h"
 #include "hp/hooks/call.h"  // sharded modules run through hp::call
 #include "hp/mesh/device_mesh.h"
 
@@ -67,6 +68,10 @@ struct ShardedTensor {
   at::Tensor local;             // this rank's real rows (may have 0 rows)
   std::vector<int64_t> global_shape;
   int64_t row_offset;           // first global dim-0 row of `local`
+  // This rank's box of the parameter: dim 0 split over the shard mesh dim ("dp_shard", or
+  // "world" without a mesh); a 0-d parameter counts as shape [1]. Checkpoints reshard by
+  // intersecting such boxes (hp/fsdp/shard_spec.h).
+  ShardSpec spec;
 };
 
 class FSDPModule;
