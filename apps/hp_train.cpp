@@ -292,7 +292,14 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  hp::CommPtr world = hp::init();
+  hp::CommPtr world;
+  try {
+    world = hp::init();  // bad HP_* knobs, an unwritable HP_TRACE, a wrong backend: named here
+  } catch (const std::exception& e) {
+    std::cerr << "hp-train: error: " << e.what() << std::endl;
+    std::fflush(nullptr);
+    std::_Exit(1);  // other ranks may be inside MPI's start-up: do not wait for them
+  }
   try {
     return run(args, world);
   } catch (const std::exception& e) {

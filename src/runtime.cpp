@@ -2,8 +2,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <dlfcn.h>
+#include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <sched.h>
@@ -166,6 +169,7 @@ CommPtr world() {
 CommPtr init(const InitOptions& o) {
   std::lock_guard<std::mutex> g(g_mu);
   if (g_world) return g_world;
+  env::check_all();  // a bad knob stops here, before any communicator or thread starts
   std::string backend = o.backend.empty() ? env::get_string("HP_BACKEND") : o.backend;
   HP_CHECK(backend == "auto" || backend == "mpi" || backend == "local" || backend == "nccl", "unknown backend '",
            backend, "' (HP_BACKEND / InitOptions::backend): expected auto, mpi, local or nccl");
@@ -186,9 +190,11 @@ CommPtr init(const InitOptions& o) {
 #endif
   } else {
     if (launched_by_mpi()) {
-      std::cerr << "hyperparallel: warning: launched by mpirun but using the local backend "
-                   "(HP_BACKEND=local or no MPI in this build): every process is its own "
-                   "world of one rank\n";
+      const char* n = std::getenv("OMPI_COMM_WORLD_SIZE");
+      if (n == nullptr) n = std::getenv("PMI_SIZE");
+      HP_CHECK(n == nullptr || std::atoi(n) <= 1, "launched by mpirun with ", n == nullptr ? "" : n,
+               " processes but using the local backend (HP_BACKEND=local, or no MPI in this build): every ",
+               "process would train alone as a world of one rank; unset HP_BACKEND or use mpi");
     }
     g_local_size = 1;
     g_world = make_local_communicator(o.world);
@@ -197,12 +203,30 @@ CommPtr init(const InitOptions& o) {
   int threads = o.num_threads > 0 ? o.num_threads
                                   : static_cast<int>(env::get_int("HP_NUM_THREADS"));
   if (threads <= 0) threads = std::max(1, usable_cores() / std::max(1, g_local_size));
+  if (threads * std::max(1, g_local_size) > usable_cores() && g_world->rank() == 0) {
+    std::cerr << "hyperparallel: warning: " << threads << " compute threads per rank x " << g_local_size
+              << " rank(s) on this node exceed its " << usable_cores()
+              << " usable cores; oversubscribed threads slow every rank down (HP_NUM_THREADS=0 picks "
+                 "cores / ranks)\n";
+  }
   set_compute_threads(threads);
 
   memory::install_counting_allocator();
   trace::set_rank(g_world->rank());
   std::string trace_dir = env::get_string("HP_TRACE");
-  if (!trace_dir.empty()) trace::enable(trace_dir);
+  if (!trace_dir.empty()) {
+    // Checked now, not at exit: a trace that cannot be written must not cost a whole run.
+    std::error_code ec;
+    std::filesystem::create_directories(trace_dir, ec);
+    HP_CHECK(std::filesystem::is_directory(trace_dir), "HP_TRACE='", trace_dir,
+             "' is not a directory that can be created", ec ? ": " + ec.message() : std::string());
+    const std::string probe = trace_dir + "/.hp_trace_probe_rank" + std::to_string(g_world->rank());
+    std::FILE* f = std::fopen(probe.c_str(), "w");
+    HP_CHECK(f != nullptr, "HP_TRACE='", trace_dir, "' is not writable: ", std::strerror(errno));
+    std::fclose(f);
+    std::remove(probe.c_str());
+    trace::enable(trace_dir);
+  }
   if (!g_atexit_registered) {
     std::atexit([] { finalize(); });
     g_atexit_registered = true;

@@ -116,10 +116,10 @@ Key ll_int(const char* name, int64_t LL::*f, int64_t min, const char* help) {
   return {std::string("model.") + name, "int", "preset", help,
           [f, min](TrainConfig& c, const Value& v) { c.model.llama.*f = as_int(v, min, kMaxModelInt); }, "llama"};
 }
-Key both_int(const char* name, int64_t DS::*d, int64_t LL::*l, const char* help) {
+Key both_int(const char* name, int64_t DS::*d, int64_t LL::*l, const char* help, int64_t min = 1) {
   return {std::string("model.") + name, "int", "preset", help,
-          [d, l](TrainConfig& c, const Value& v) {
-            c.model.deepseek.*d = c.model.llama.*l = as_int(v, 1, kMaxModelInt);
+          [d, l, min](TrainConfig& c, const Value& v) {
+            c.model.deepseek.*d = c.model.llama.*l = as_int(v, min, kMaxModelInt);
           },
           ""};
 }
@@ -152,7 +152,8 @@ const std::vector<Key>& keys() {
             c.model.llama = c.model.preset == "tiny" ? LL::tiny() : LL::llama3_8b();
           }
         });
-    k.push_back(both_int("vocab", &DS::vocab, &LL::vocab, "vocabulary size"));
+    // One token leaves nothing to predict (the loss is 0 from the start).
+    k.push_back(both_int("vocab", &DS::vocab, &LL::vocab, "vocabulary size (at least 2)", 2));
     k.push_back(both_int("dim", &DS::dim, &LL::dim, "hidden size"));
     k.push_back(both_int("layers", &DS::layers, &LL::layers, "transformer blocks"));
     k.push_back(both_int("heads", &DS::heads, &LL::heads, "attention heads"));
@@ -357,12 +358,20 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
       if (values[i].key == values[j].key) throw Error(source + ": config key '" + values[i].key + "' is given twice");
     }
   }
+  std::vector<std::string> overridden;
   for (const std::string& o : overrides) {
     auto eq = o.find('=');
     if (eq == std::string::npos || eq == 0) {
       throw Error("--set " + o + ": expected key=value");
     }
     Value v{o.substr(0, eq), o.substr(eq + 1), "--set"};
+    // A key given twice in the file is an error; so it is on the command line.
+    for (const std::string& earlier : overridden) {
+      if (earlier.compare(0, eq + 1, o, 0, eq + 1) == 0) {
+        throw Error("--set " + v.key + " is given twice (--set " + earlier + " and --set " + o + ")");
+      }
+    }
+    overridden.push_back(o);
     auto same = [&](const Value& x) { return x.key == v.key; };
     values.erase(std::remove_if(values.begin(), values.end(), same), values.end());
     values.push_back(v);
@@ -371,7 +380,10 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
   // Unknown keys first, then the model type and preset, then everything else.
   for (const Value& v : values) find_key(v);
   TrainConfig c;
+  // Errors of combinations name the file and, when there are any, the overrides, so that a
+  // value that came from --set is not blamed on the file.
   c.source = source;
+  for (size_t i = 0; i < overrides.size(); ++i) c.source += (i ? " --set " : " with --set ") + overrides[i];
   for (const Value& v : values) c.given.insert(v.key);
   bool compute_given = false;
   for (const char* first : {"model.type", "model.preset"}) {
@@ -401,6 +413,15 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   std::stringstream ss;
   ss << f.rdbuf();
   HP_CHECK(!f.bad(), "reading config file '", path, "' failed");
+  // An empty (or comment-only) file is most likely the wrong file: it would train defaults.
+  bool has_keys = false;
+  try {
+    for (const YAML::Node& doc : YAML::LoadAll(ss.str())) has_keys = has_keys || (doc.IsMap() && doc.size() > 0);
+  } catch (const YAML::Exception&) {
+    has_keys = true;  // parse_config names the YAML error
+  }
+  HP_CHECK(has_keys, "config file '", path, "' holds no settings (it is empty or only comments); it must be one ",
+           "YAML map of keys to values");
   return parse_config(ss.str(), overrides, path);
 }
 

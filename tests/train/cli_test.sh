@@ -90,4 +90,28 @@ python3 -c "print('the quick brown fox jumps over the lazy dog. ' * 200)" > "$wo
 "$bin" --config "$cfg" --set data.type=text --set data.path="$work/corpus.txt" --set data_parallel=1 \
   --set train_steps=3 --set lr_warmup_steps=1 --set output_dir= > "$work/out" 2>&1 || fail "text run failed: $(cat "$work/out")"
 grep -q 'data: text file, 9001 tokens' "$work/out" || fail "text data not described: $(cat "$work/out")"
+# Bad HP_* knobs: exit 1 with the knob and its range named, before anything runs.
+expect_knob_error() {  # VAR=value "expected text"
+  env "$1" "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=1 --set output_dir= > "$work/out" 2>&1
+  local rc=$?
+  [ $rc = 1 ] || fail "$1: exit $rc: $(cat "$work/out")"
+  grep -q "hp-train: error: .*$2" "$work/out" || fail "$1: not named: $(cat "$work/out")"
+}
+expect_knob_error HP_BACKEND=bogus "HP_BACKEND='bogus' is not one of auto|mpi|local|nccl"
+expect_knob_error HP_COMM_TIMEOUT_S=inf "HP_COMM_TIMEOUT_S='inf' is not a finite number"
+expect_knob_error HP_COMM_TIMEOUT_S=1e300 "HP_COMM_TIMEOUT_S='1e300' is out of range"
+expect_knob_error HP_COMM_TIMEOUT_S=1e-9 "HP_COMM_TIMEOUT_S='1e-9' is out of range"
+expect_knob_error HP_NUM_THREADS=99999999999999999999 "HP_NUM_THREADS='99999999999999999999' is out of range: it must be in \[0, 1024\]"
+expect_knob_error HP_FSDP_OVERLAP=2 "HP_FSDP_OVERLAP='2' is out of range"
+expect_knob_error HP_RS_SEGMENT_BYTES=12 "HP_RS_SEGMENT_BYTES='12' is out of range"
+expect_knob_error HP_TRACE=/etc/hostname "HP_TRACE='/etc/hostname' is not a directory"
+if [ -n "$mpirun" ]; then
+  HP_BACKEND=local run_np 2 --config "$cfg" --set train_steps=1 --set output_dir= > "$work/out" 2>&1 &&
+    fail "HP_BACKEND=local under mpirun was accepted"
+  grep -q "processes but using the local backend" "$work/out" || fail "local under mpirun not named: $(cat "$work/out")"
+fi
+printf '# nothing here\n' > "$work/empty.yaml"
+"$bin" --config "$work/empty.yaml" > "$work/out" 2>&1; [ $? = 1 ] || fail "an empty config did not exit 1"
+grep -q "holds no settings" "$work/out" || fail "empty config not named: $(cat "$work/out")"
+
 echo "PASS"

@@ -2,10 +2,13 @@
 // rejected before training with an error naming the offending key.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <cmath>
 
 #include "hp/core/error.h"
 #include "hp/train/config.h"
+#include "test_util.h"
 #include "hp/train/trainer.h"
 
 namespace ht = hp::train;
@@ -86,6 +89,10 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"adam_beta2: 1.0\n", {}, 4, {"adam_beta2=1.0", "[0, 1)"}},
       {"comm_fusion: maybe\n", {}, 4, {"comm_fusion=maybe", "true or false"}},
       {"recompute: sometimes\n", {}, 4, {"recompute=sometimes", "none, full, selective"}},
+      {"", {"lr=1", "seed=3", "lr=2"}, 4, {"--set lr is given twice", "lr=1", "lr=2"}},
+      {"model:\n  vocab: 1\n", {}, 4, {"model.vocab=1", ">= 2"}},
+      // A combination broken by an override names the override, not only the file.
+      {"lr_warmup_steps: 5\n", {"train_steps=3"}, 4, {"with --set train_steps=3", "lr_warmup_steps=5"}},
       {"params_dtype: int8\n", {}, 4, {"params_dtype=int8", "bfloat16"}},
       {"lr_decay_style: step\n", {}, 4, {"lr_decay_style=step", "cosine"}},
       {"data_parallel_shard: 0\n", {}, 4, {"data_parallel_shard=0"}},
@@ -139,6 +146,17 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
     for (const std::string& want : k.expect) {
       EXPECT_NE(err.find(want), std::string::npos) << "error for\n" << k.yaml << "is: " << err << "\nmissing: " << want;
     }
+  }
+}
+
+TEST(TrainConfig, EmptyOrCommentOnlyFileIsAnError) {
+  for (const char* text : {"", "# only a comment\n", "---\n"}) {
+    const std::string path = ::testing::TempDir() + "/hp_empty_config.yaml";
+    {
+      std::ofstream f(path);
+      f << text;
+    }
+    hp::test::expect_error([&] { ht::load_config(path); }, {path, "holds no settings"});
   }
 }
 
