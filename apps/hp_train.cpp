@@ -150,6 +150,8 @@ int run(const Args& args, const hp::CommPtr& world) {
       data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);  // checks the file
       if (lead && !c.output_dir.empty()) {
         std::filesystem::create_directories(c.output_dir);
+        // A previous run's curve must not sit beside this run's metrics.
+        std::filesystem::remove(c.output_dir + "/loss.svg");
         metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl");
       }
     }
@@ -264,6 +266,7 @@ int run(const Args& args, const hp::CommPtr& world) {
       fields.push_back({"verify_max_rel_diff", worst_rel});
     }
     metrics->summary(fields);
+    metrics->finish();
     write_loss_svg(c.output_dir + "/loss.svg", losses, ref_loss,
                    c.model.type + " " + c.model.preset + ", " + std::to_string(world->size()) + " rank(s)");
     say("wrote " + c.output_dir + "/metrics.jsonl and " + c.output_dir + "/loss.svg");

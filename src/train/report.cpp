@@ -1,8 +1,10 @@
 #include "hp/train/report.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <sstream>
 
 #include "hp/core/error.h"
@@ -72,8 +74,33 @@ std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s,
   return os.str();
 }
 
-MetricsLog::MetricsLog(const std::string& path) : f_(path, std::ios::trunc), path_(path) {
-  HP_CHECK(f_.good(), "cannot write the metrics file '", path, "'");
+namespace {
+std::string os_error() { return errno != 0 ? std::strerror(errno) : "unknown error"; }
+
+// Renames a finished file into place; raises naming both names and the OS error.
+void commit(const std::string& partial, const std::string& path) {
+  errno = 0;
+  HP_CHECK(std::rename(partial.c_str(), path.c_str()) == 0, "cannot rename '", partial, "' to '", path, "': ", os_error());
+}
+}  // namespace
+
+MetricsLog::MetricsLog(const std::string& path) : path_(path), partial_(path + ".partial") {
+  errno = 0;
+  f_.open(partial_, std::ios::trunc);
+  HP_CHECK(f_.good(), "cannot write the metrics file '", partial_, "': ", os_error());
+}
+
+void MetricsLog::check(const char* what) {
+  errno = 0;
+  f_.flush();
+  HP_CHECK(f_.good(), "writing ", what, " to the metrics file '", partial_, "' failed: ", os_error(),
+           " (the steps before are in it)");
+}
+
+void MetricsLog::finish() {
+  f_.close();
+  HP_CHECK(!f_.fail(), "closing the metrics file '", partial_, "' failed: ", os_error());
+  commit(partial_, path_);
 }
 
 void MetricsLog::step(const StepStats& s, double ref_loss) {
@@ -82,7 +109,7 @@ void MetricsLog::step(const StepStats& s, double ref_loss) {
      << ",\"tokens_per_s\":" << json_number(s.tokens_per_s) << ",\"peak_bytes\":" << s.peak_bytes;
   if (!std::isnan(ref_loss)) f_ << ",\"reference_loss\":" << json_number(ref_loss);
   f_ << "}\n";
-  f_.flush();
+  check(("step " + std::to_string(s.step)).c_str());
 }
 
 void MetricsLog::summary(const std::vector<std::pair<std::string, double>>& fields) {
@@ -91,13 +118,15 @@ void MetricsLog::summary(const std::vector<std::pair<std::string, double>>& fiel
     f_ << (i ? "," : "") << "\"" << fields[i].first << "\":" << json_number(fields[i].second);
   }
   f_ << "}}\n";
-  f_.flush();
+  check("the summary");
 }
 
 void write_loss_svg(const std::string& path, const std::vector<double>& loss, const std::vector<double>& ref,
                     const std::string& title) {
-  std::ofstream f(path, std::ios::trunc);
-  HP_CHECK(f.good(), "cannot write the loss curve '", path, "'");
+  const std::string partial = path + ".partial";
+  errno = 0;
+  std::ofstream f(partial, std::ios::trunc);
+  HP_CHECK(f.good(), "cannot write the loss curve '", partial, "': ", os_error());
   const double W = 720, H = 420, L = 70, R = 20, T = 40, B = 50;
   double lo = INFINITY, hi = -INFINITY;
   for (const auto* v : {&loss, &ref}) {
@@ -145,7 +174,10 @@ void write_loss_svg(const std::string& path, const std::vector<double>& loss, co
       << "\" text-anchor=\"end\" fill=\"#ff7f0e\">single process (--verify)</text>\n";
   }
   f << "</svg>\n";
-  HP_CHECK(f.good(), "writing the loss curve '", path, "' failed");
+  errno = 0;
+  f.close();
+  HP_CHECK(!f.fail(), "writing the loss curve '", partial, "' failed: ", os_error());
+  commit(partial, path);
 }
 
 }  // namespace hp::train

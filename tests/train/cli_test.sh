@@ -74,6 +74,20 @@ python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "ve
 [ "$(grep -c '"step":' "$out/metrics.jsonl")" = 6 ] || fail "metrics.jsonl should have 6 step lines"
 grep -q '"summary":{"steps":6' "$out/metrics.jsonl" || fail "metrics.jsonl has no summary"
 grep -q '<polyline' "$out/loss.svg" || fail "loss.svg has no curve"
+[ ! -e "$out/metrics.jsonl.partial" ] && [ ! -e "$out/loss.svg.partial" ] || fail "temporary files left behind"
+
+# A full disk while writing the metrics or the curve (the temporary file is /dev/full):
+# exit 1 naming the file and the OS error; no file appears under the final name.
+for f in metrics.jsonl loss.svg; do
+  full=$work/full_$f
+  mkdir -p "$full" && ln -sf /dev/full "$full/$f.partial"
+  "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=2 --set lr_warmup_steps=1 \
+    --set output_dir="$full" > "$work/out" 2>&1
+  rc=$?
+  [ $rc = 1 ] || fail "disk full on $f: exit $rc: $(cat "$work/out")"
+  grep -q "$f.partial.*No space left on device" "$work/out" || fail "disk full on $f not named: $(cat "$work/out")"
+  [ ! -e "$full/$f" ] || fail "a half-written $f appeared under its final name"
+done
 
 # The same with the parameters resharded to groups of 2 after forward (all of
 # data_parallel_shard here) and gathered within the group for backward.

@@ -20,18 +20,26 @@ std::string format_rate(double per_second);   // "12.3k"
 std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss);
 
 // One JSON object per line: every step's figures, then a summary object.
+// metrics.jsonl, written as `path`.partial and flushed at every step (so a crash leaves
+// the steps so far there), then renamed to `path` by finish(): a reader never sees a
+// half-written file under the final name. Every write is checked; a failure (a full disk)
+// raises hp::Error naming the file and the OS error.
 class MetricsLog {
  public:
-  explicit MetricsLog(const std::string& path);  // truncates; raises naming the path
+  explicit MetricsLog(const std::string& path);  // raises naming the path
   void step(const StepStats& s, double ref_loss);
   void summary(const std::vector<std::pair<std::string, double>>& fields);
+  void finish();  // closes and renames to the final name
 
  private:
+  void check(const char* what);
   std::ofstream f_;
-  std::string path_;
+  std::string path_, partial_;
 };
 
 // Loss against step; `ref` (may be empty) drawn dashed as the single-process reference.
+// Written to `path`.partial, checked, then renamed to `path`; raises naming the file and
+// the OS error.
 void write_loss_svg(const std::string& path, const std::vector<double>& loss, const std::vector<double>& ref,
                     const std::string& title);
 
