@@ -14,6 +14,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <sstream>
+#include <map>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -115,6 +118,42 @@ bool all_ok(const hp::CommPtr& world, bool ok, const std::string& message) {
   return false;
 }
 
+// Whether every rank resolved the same settings (mpirun's ':' form can start ranks with
+// different configs or --set values: they would train differently, or hang when the step
+// counts differ). Returns "" when they agree, else (on each rank that differs from rank 0)
+// the first differing key with both values.
+std::string config_mismatch(const hp::CommPtr& world, const std::vector<std::pair<std::string, std::string>>& mine) {
+  std::string text;
+  for (const auto& [k, v] : mine) text += k + "=" + v + "\n";
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ULL;
+  at::Tensor mx = at::full({1}, static_cast<int64_t>(h >> 1), at::kLong), mn = mx.clone();
+  world->all_reduce(mx, {hp::ReduceOp::MAX}).wait();
+  world->all_reduce(mn, {hp::ReduceOp::MIN}).wait();
+  if (mx.item<int64_t>() == mn.item<int64_t>()) return "";
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  world->broadcast(len, 0).wait();
+  at::Tensor bytes = at::zeros({len.item<int64_t>()}, at::kByte);
+  if (world->rank() == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  world->broadcast(bytes, 0).wait();
+  std::istringstream theirs(std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()));
+  std::map<std::string, std::string> on0;
+  for (std::string line; std::getline(theirs, line);) {
+    auto eq = line.find('=');
+    if (eq != std::string::npos) on0[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  for (const auto& [k, v] : mine) {
+    auto it = on0.find(k);
+    const std::string other = it == on0.end() ? "(not set)" : it->second;
+    if (other != v) {
+      return "the ranks were started with different configs: " + k + "=" + v + " on rank " +
+             std::to_string(world->rank()) + " but " + k + "=" + other + " on rank 0; every rank must run the same " +
+             "config and --set values";
+    }
+  }
+  return "";
+}
+
 int run(const Args& args, const hp::CommPtr& world) {
   using namespace hp::train;
   const int rank = world->rank();
@@ -159,6 +198,10 @@ int run(const Args& args, const hp::CommPtr& world) {
     error = e.what();
   }
   if (!all_ok(world, error.empty(), error)) return 1;
+  if (!args.estimate) {
+    const std::string mismatch = config_mismatch(world, resolved_settings(c));
+    if (!all_ok(world, mismatch.empty(), mismatch)) return 1;
+  }
 
   if (args.estimate) {
     say(describe(c));

@@ -203,11 +203,12 @@ CommPtr init(const InitOptions& o) {
   int threads = o.num_threads > 0 ? o.num_threads
                                   : static_cast<int>(env::get_int("HP_NUM_THREADS"));
   if (threads <= 0) threads = std::max(1, usable_cores() / std::max(1, g_local_size));
-  if (threads * std::max(1, g_local_size) > usable_cores() && g_world->rank() == 0) {
-    std::cerr << "hyperparallel: warning: " << threads << " compute threads per rank x " << g_local_size
-              << " rank(s) on this node exceed its " << usable_cores()
-              << " usable cores; oversubscribed threads slow every rank down (HP_NUM_THREADS=0 picks "
-                 "cores / ranks)\n";
+  const int node_cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if ((threads > usable_cores() || threads * std::max(1, g_local_size) > node_cores) && g_world->rank() == 0) {
+    std::cerr << "hyperparallel: warning: " << threads << " compute threads per rank (x " << g_local_size
+              << " rank(s) on this node, " << node_cores << " cores, " << usable_cores()
+              << " usable by this rank): oversubscribed threads slow every rank down (HP_NUM_THREADS=0 picks "
+                 "usable cores / ranks)\n";
   }
   set_compute_threads(threads);
 

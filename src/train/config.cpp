@@ -509,6 +509,51 @@ MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
   return p;
 }
 
+std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainConfig& c) {
+  std::vector<std::pair<std::string, std::string>> out;
+  auto add = [&](const char* key, const auto& v) {
+    std::ostringstream os;
+    os.precision(17);
+    os << v;
+    out.emplace_back(key, os.str());
+  };
+  add("model.type", c.model.type);
+  add("model.preset", c.model.preset);
+  if (c.model.type == "llama") {
+    const auto& m = c.model.llama;
+    add("model.vocab", m.vocab), add("model.dim", m.dim), add("model.layers", m.layers), add("model.heads", m.heads);
+    add("model.kv_heads", m.kv_heads), add("model.ffn_dim", m.ffn_dim), add("model.max_seq", m.max_seq);
+    add("model.rope_theta", m.rope_theta), add("model.norm_eps", m.norm_eps), add("model.tie_embeddings", m.tie_embeddings);
+  } else {
+    const auto& m = c.model.deepseek;
+    add("model.vocab", m.vocab), add("model.dim", m.dim), add("model.layers", m.layers);
+    add("model.dense_layers", m.dense_layers), add("model.heads", m.heads), add("model.q_lora_rank", m.q_lora_rank);
+    add("model.kv_lora_rank", m.kv_lora_rank), add("model.qk_nope_dim", m.qk_nope_dim);
+    add("model.qk_rope_dim", m.qk_rope_dim), add("model.v_head_dim", m.v_head_dim);
+    add("model.dense_hidden", m.dense_hidden), add("model.experts", m.experts);
+    add("model.experts_per_token", m.experts_per_token), add("model.shared_experts", m.shared_experts);
+    add("model.expert_hidden", m.expert_hidden), add("model.bias_update_rate", m.bias_update_rate);
+    add("model.max_seq", m.max_seq), add("model.rope_theta", m.rope_theta), add("model.norm_eps", m.norm_eps);
+  }
+  add("data.type", c.data.type), add("data.path", c.data.path), add("data.token_dtype", c.data.token_dtype);
+  add("data.num_samples", c.data.num_samples), add("data.shuffle", c.data.shuffle);
+  add("params_dtype", c10::toString(c.params_dtype)), add("compute_dtype", c10::toString(c.compute_dtype));
+  add("accumulate_allreduce_grads_in_fp32", c.accumulate_allreduce_grads_in_fp32);
+  add("data_parallel", c.data_parallel), add("data_parallel_shard", c.data_parallel_shard);
+  add("data_parallel_shard_strategy", c.data_parallel_shard_strategy);
+  add("reshard_after_forward_group_size", c.reshard_after_forward_group_size);
+  add("comm_fusion", c.comm_fusion), add("recompute", c.recompute);
+  add("tensor_parallel", c.tensor_parallel), add("sequence_parallel", c.sequence_parallel);
+  add("pipeline_parallel", c.pipeline_parallel), add("pipeline_parallel_interleave_num", c.pipeline_parallel_interleave_num);
+  add("micro_batch_num", c.micro_batch_num), add("global_batch_size", c.global_batch_size);
+  add("seq_length", c.seq_length), add("lr", c.lr), add("min_lr", c.min_lr), add("lr_warmup_steps", c.lr_warmup_steps);
+  add("lr_decay_style", c.lr_decay_style), add("weight_decay", c.weight_decay), add("adam_beta1", c.adam_beta1);
+  add("adam_beta2", c.adam_beta2), add("adam_eps", c.adam_eps), add("clip_grad", c.clip_grad);
+  add("train_steps", c.train_steps), add("seed", c.seed), add("log_interval", c.log_interval);
+  add("output_dir", c.output_dir);
+  return out;
+}
+
 std::string describe(const TrainConfig& c) {
   std::ostringstream os;
   os << "model " << c.model.type << " (" << c.model.preset << " preset, " << c.model.num_params()

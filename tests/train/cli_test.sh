@@ -124,6 +124,14 @@ if [ -n "$mpirun" ]; then
     fail "HP_BACKEND=local under mpirun was accepted"
   grep -q "processes but using the local backend" "$work/out" || fail "local under mpirun not named: $(cat "$work/out")"
 fi
+# Ranks started with different configs (mpirun's ':' form): named before training.
+if [ -n "$mpirun" ]; then
+  "$mpirun" --oversubscribe --bind-to none -np 1 "$bin" --config "$cfg" --set data_parallel=1 --set seed=1 \
+    --set output_dir= : -np 1 "$bin" --config "$cfg" --set data_parallel=1 --set seed=2 --set output_dir= \
+    > "$work/out" 2>&1 && fail "ranks with different seeds were accepted"
+  [ "$(grep -c 'different configs: seed=2 on rank 1 but seed=1 on rank 0' "$work/out")" = 1 ] ||
+    fail "config mismatch not named once: $(cat "$work/out")"
+fi
 printf '# nothing here\n' > "$work/empty.yaml"
 "$bin" --config "$work/empty.yaml" > "$work/out" 2>&1; [ $? = 1 ] || fail "an empty config did not exit 1"
 grep -q "holds no settings" "$work/out" || fail "empty config not named: $(cat "$work/out")"

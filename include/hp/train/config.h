@@ -119,4 +119,9 @@ MixedPrecisionPolicy mixed_precision(const TrainConfig& c);
 // One line per setting, for the start of a run.
 std::string describe(const TrainConfig& c);
 
+// Every resolved setting that decides what a run computes, as (key, value) in a fixed
+// order: the ranks of one run compare these before training (a run started with a
+// different config on some ranks would train differently or hang).
+std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainConfig& c);
+
 }  // namespace hp::train
