@@ -2,13 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "hp/core/error.h"
 
@@ -47,39 +48,56 @@ class SyntheticDataset : public TokenDataset {
   uint64_t seed_;
 };
 
-// A read-only mapping of a whole file.
-class MappedFile {
+// An open file read with pread: never mapped, so a file truncated while training gives a
+// short read (named) rather than SIGBUS. The size and identity (device, inode) seen at open
+// are checked again at every read.
+class OpenFile {
  public:
-  explicit MappedFile(const std::string& path) : path_(path) {
-    int fd = ::open(path.c_str(), O_RDONLY);
-    HP_CHECK(fd >= 0, "data.path '", path, "': cannot open: ", std::strerror(errno));
+  explicit OpenFile(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    HP_CHECK(fd_ >= 0, "data.path '", path, "': cannot open: ", std::strerror(errno));
     struct stat st;
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-      ::close(fd);
+    if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd_);
       throw Error("data.path '" + path + "' is not a regular file");
     }
-    size_ = static_cast<size_t>(st.st_size);
-    if (size_ > 0) {
-      data_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-      int err = errno;
-      ::close(fd);
-      HP_CHECK(data_ != MAP_FAILED, "data.path '", path, "': cannot map: ", std::strerror(err));
-    } else {
-      ::close(fd);
+    size_ = static_cast<int64_t>(st.st_size);
+    dev_ = st.st_dev;
+    ino_ = st.st_ino;
+  }
+  ~OpenFile() { ::close(fd_); }
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+  int64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+  // Reads n bytes at `offset`; raises naming the file and the offset when the file changed
+  // (truncated, replaced) since it was opened, or the read fails.
+  void read(int64_t offset, int64_t n, uint8_t* out) const {
+    struct stat now;
+    HP_CHECK(::fstat(fd_, &now) == 0, "data.path '", path_, "': cannot stat: ", std::strerror(errno));
+    HP_CHECK(now.st_size >= size_, "data.path '", path_, "' was truncated while training: ", size_,
+             " bytes when opened, ", now.st_size, " now (reading byte offset ", offset, ")");
+    struct stat by_name;
+    HP_CHECK(::stat(path_.c_str(), &by_name) == 0 && by_name.st_dev == dev_ && by_name.st_ino == ino_,
+             "data.path '", path_, "' was replaced or removed while training (reading byte offset ", offset, ")");
+    int64_t done = 0;
+    while (done < n) {
+      ssize_t r = ::pread(fd_, out + done, static_cast<size_t>(n - done), static_cast<off_t>(offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      HP_CHECK(r >= 0, "data.path '", path_, "': read at byte offset ", offset + done, " failed: ", std::strerror(errno));
+      HP_CHECK(r > 0, "data.path '", path_, "' ended at byte offset ", offset + done, " while reading ", n,
+               " bytes at ", offset, " (truncated while training?)");
+      done += r;
     }
   }
-  ~MappedFile() {
-    if (data_ && data_ != MAP_FAILED) ::munmap(data_, size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  const uint8_t* bytes() const { return static_cast<const uint8_t*>(data_); }
-  size_t size() const { return size_; }
 
  private:
   std::string path_;
-  void* data_ = nullptr;
-  size_t size_ = 0;
+  int fd_ = -1;
+  int64_t size_ = 0;
+  dev_t dev_ = 0;
+  ino_t ino_ = 0;
 };
 
 // Byte offset of the first invalid UTF-8 sequence, or -1: overlong forms, surrogates
@@ -113,39 +131,66 @@ int64_t invalid_utf8_at(const uint8_t* s, size_t n) {
   return -1;
 }
 
-// Token ids from a mapped file: bytes (text), uint16 or uint32.
+// Token ids from a file: bytes (text), uint16 or uint32. Validated whole at open (UTF-8 for
+// text, every token below the vocabulary for binary), then read sample by sample, each
+// token checked again as it is read (the file may be rewritten while training).
 class FileDataset : public TokenDataset {
  public:
   FileDataset(const DataSpec& spec, int64_t seq, int64_t vocab)
-      : file_(spec.path), seq_(seq), kind_(spec.type) {
+      : file_(spec.path), seq_(seq), vocab_(vocab), kind_(spec.type) {
     width_ = spec.type == "text" ? 1 : spec.token_dtype == "uint32" ? 4 : 2;
     const std::string& p = spec.path;
     HP_CHECK(file_.size() % width_ == 0, "data.path '", p, "': ", file_.size(),
              " bytes is not a whole number of ", spec.token_dtype, " tokens");
-    tokens_ = static_cast<int64_t>(file_.size() / width_);
-    if (spec.type == "text") {
-      int64_t bad = invalid_utf8_at(file_.bytes(), file_.size());
-      HP_CHECK(bad < 0, "data.path '", p, "': not valid UTF-8 at byte offset ", bad);
-    } else {
-      for (int64_t i = 0; i < tokens_; ++i) {
-        int64_t t = token(i);
-        HP_CHECK(t < vocab, "data.path '", p, "': token ", i, " is ", t, ", not below model.vocab=", vocab);
+    tokens_ = file_.size() / width_;
+    // The whole file in chunks; a UTF-8 sequence cut by a chunk's end is carried over.
+    constexpr int64_t kChunk = int64_t(1) << 20;
+    std::vector<uint8_t> buf;
+    int64_t base = 0;  // file offset of buf[0]
+    for (int64_t off = 0; off < file_.size(); off += kChunk) {
+      const int64_t n = std::min(kChunk, file_.size() - off);
+      const size_t keep = buf.size();
+      buf.resize(keep + static_cast<size_t>(n));
+      file_.read(off, n, buf.data() + keep);
+      const bool last = off + n == file_.size();
+      if (spec.type == "text") {
+        int64_t bad = invalid_utf8_at(buf.data(), buf.size());
+        if (bad >= 0 && !last && bad + 4 > static_cast<int64_t>(buf.size())) {
+          buf.erase(buf.begin(), buf.begin() + bad);  // may complete in the next chunk
+          base += bad;
+          continue;
+        }
+        HP_CHECK(bad < 0, "data.path '", p, "': not valid UTF-8 at byte offset ", base + bad);
+      } else {
+        for (size_t i = 0; i + width_ <= buf.size(); i += static_cast<size_t>(width_)) {
+          int64_t t = decode(buf.data() + i);
+          HP_CHECK(t < vocab, "data.path '", p, "': token ", (base + static_cast<int64_t>(i)) / width_, " is ", t,
+                   ", not below model.vocab=", vocab);
+        }
       }
+      base += static_cast<int64_t>(buf.size());
+      buf.clear();
     }
     n_ = tokens_ > seq ? (tokens_ - 1) / seq : 0;
     HP_CHECK(n_ > 0, "data.path '", p, "': ", tokens_, " tokens, but one sample needs seq_length + 1 = ", seq + 1);
   }
   int64_t size() const override { return n_; }
   void read(int64_t index, int64_t* out) const override {
-    for (int64_t t = 0; t <= seq_; ++t) out[t] = token(index * seq_ + t);
+    const int64_t first = index * seq_, count = seq_ + 1;
+    std::vector<uint8_t> raw(static_cast<size_t>(count * width_));
+    file_.read(first * width_, count * width_, raw.data());
+    for (int64_t t = 0; t < count; ++t) {
+      out[t] = decode(raw.data() + t * width_);
+      HP_CHECK(out[t] < vocab_, "data.path '", file_.path(), "': token at byte offset ", (first + t) * width_, " is ",
+               out[t], ", not below model.vocab=", vocab_, " (the file changed while training?)");
+    }
   }
   std::string describe() const override {
     return kind_ + " file, " + std::to_string(tokens_) + " tokens, " + std::to_string(n_) + " samples";
   }
 
  private:
-  int64_t token(int64_t i) const {
-    const uint8_t* b = file_.bytes() + i * width_;
+  int64_t decode(const uint8_t* b) const {
     if (width_ == 1) return b[0];
     if (width_ == 2) {
       uint16_t v;
@@ -156,8 +201,8 @@ class FileDataset : public TokenDataset {
     std::memcpy(&v, b, 4);
     return v;
   }
-  MappedFile file_;
-  int64_t seq_, width_, tokens_, n_;
+  OpenFile file_;
+  int64_t seq_, vocab_, width_ = 1, tokens_ = 0, n_ = 0;
   std::string kind_;
 };
 

@@ -224,7 +224,12 @@ StepStats Trainer::step() {
   const auto t0 = Clock::now();
   double loss_sum = 0;
   for (int64_t j = 0; j < c.micro_batch_num; ++j) {
-    at::Tensor batch = load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length);
+    at::Tensor batch;
+    try {
+      batch = load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length);
+    } catch (const Error& e) {
+      throw Error(detail::str_cat("step ", s.steps + 1, ", micro-batch ", j + 1, ": ", e.what()));
+    }
     at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, c.model.vocab(), /*hooked=*/true);
     (loss / static_cast<double>(c.micro_batch_num)).backward();
     loss_sum += loss.item<double>();

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -56,6 +57,67 @@ TEST(TrainData, BinaryFileSamplesAreConsecutiveWindows) {
   d.token_dtype = "uint32";
   auto ds32 = ht::make_dataset(d, 3, 80000, 0);
   EXPECT_EQ(ht::load_batch(*ds32, {0}, 3)[0][0].item<int64_t>(), 70000);
+}
+
+// A file that changes under a running job: each change is named with the file and the byte
+// offset (no SIGBUS from a mapping, no bare "index out of range" from the embedding).
+TEST(TrainData, FileChangedWhileTrainingIsNamed) {
+  std::vector<uint16_t> toks(64);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i % 50);
+  ht::DataSpec d;
+  d.type = "binary";
+  const std::string bytes = raw(toks);
+  auto error_reading = [&](const ht::TokenDataset& ds, int64_t sample) -> std::string {
+    try {
+      ht::load_batch(ds, {sample}, 7);
+    } catch (const hp::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // Truncated.
+  d.path = temp_file("changing.bin", bytes);
+  auto ds = ht::make_dataset(d, 7, 100, 0);
+  EXPECT_EQ(error_reading(*ds, 8), "");
+  std::filesystem::resize_file(d.path, 40);
+  std::string e = error_reading(*ds, 8);
+  EXPECT_NE(e.find("was truncated while training"), std::string::npos) << e;
+  EXPECT_NE(e.find(d.path), std::string::npos) << e;
+  EXPECT_NE(e.find("byte offset 112"), std::string::npos) << e;
+  // Rewritten in place with tokens outside the vocabulary.
+  d.path = temp_file("changing.bin", bytes);
+  ds = ht::make_dataset(d, 7, 100, 0);
+  {
+    std::fstream f(d.path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(30);
+    const uint16_t big = 5000;
+    f.write(reinterpret_cast<const char*>(&big), 2);
+  }
+  e = error_reading(*ds, 2);  // tokens 14..21, bytes 28..43
+  EXPECT_NE(e.find("token at byte offset 30 is 5000, not below model.vocab=100"), std::string::npos) << e;
+  // Replaced by another file.
+  d.path = temp_file("changing.bin", bytes);
+  ds = ht::make_dataset(d, 7, 100, 0);
+  const std::string other = temp_file("other.bin", bytes);
+  std::filesystem::rename(other, d.path);
+  e = error_reading(*ds, 0);
+  EXPECT_NE(e.find("was replaced or removed while training"), std::string::npos) << e;
+}
+
+// Files are validated in 1 MiB chunks: a character cut by a chunk's end is whole, and an
+// invalid byte past the first chunk is named at its file offset.
+TEST(TrainData, TextValidatedAcrossChunkBoundaries) {
+  std::string text(1 << 20, 'a');
+  text.replace((1 << 20) - 1, 1, "\xc3");  // the first byte of a 2-byte character ends chunk 1
+  text += "\xa9 and more text after the boundary";
+  ht::DataSpec d;
+  d.type = "text";
+  d.path = temp_file("chunks.txt", text);
+  EXPECT_EQ(error_of(d, 8, 256), "");
+  text += "\xff";
+  d.path = temp_file("chunks_bad.txt", text);
+  EXPECT_NE(error_of(d, 8, 256).find("not valid UTF-8 at byte offset " + std::to_string(text.size() - 1)),
+            std::string::npos) << error_of(d, 8, 256);
 }
 
 TEST(TrainData, TextIsBytes) {
@@ -183,10 +245,14 @@ TEST(TrainReport, LinesAndFiles) {
   }
   EXPECT_EQ(ht::format_duration(3723), "1:02:03");
   std::string jsonl = ::testing::TempDir() + "/hp_metrics.jsonl", svg = ::testing::TempDir() + "/hp_loss.svg";
+  std::remove(jsonl.c_str());
+  std::remove(svg.c_str());
   {
     ht::MetricsLog m(jsonl);
     m.step(st, std::nan(""));
     m.summary({{"final_loss", 2.5}, {"bad", std::nan("")}});
+    EXPECT_FALSE(std::ifstream(jsonl).good()) << "the final name appeared before the log was finished";
+    m.finish();
   }
   std::ifstream f(jsonl);
   std::string l1, l2;
