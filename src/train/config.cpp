@@ -202,6 +202,10 @@ const std::vector<Key>& keys() {
     top("accumulate_allreduce_grads_in_fp32", "bool", "false",
         "reduce gradients in fp32; with low-precision params, fp32 main grads and master weights",
         [](TrainConfig& c, const Value& v) { c.accumulate_allreduce_grads_in_fp32 = as_bool(v); });
+    top("apply_grad_on_fp32_main_grad", "bool", "false",
+        "reduced gradients accumulate into an fp32 main gradient per shard, which the optimizer steps "
+        "with (needs accumulate_allreduce_grads_in_fp32; implied for low-precision params)",
+        [](TrainConfig& c, const Value& v) { c.apply_grad_on_fp32_main_grad = as_bool(v); });
     top("data_parallel", "int", "1", "replicas (HSDP dp_replicate)",
         [](TrainConfig& c, const Value& v) { c.data_parallel = as_int(v, 1, kMaxRanks); });
     top("data_parallel_shard", "int", "-1", "ranks a replica is sharded over; -1 = the rest",
@@ -460,6 +464,9 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(data_parallel_shard % reshard_after_forward_group_size == 0, s, ": reshard_after_forward_group_size=",
              reshard_after_forward_group_size, " does not divide data_parallel_shard=", data_parallel_shard);
   }
+  HP_CHECK(!apply_grad_on_fp32_main_grad || accumulate_allreduce_grads_in_fp32, s,
+           ": apply_grad_on_fp32_main_grad=true needs accumulate_allreduce_grads_in_fp32=true (an fp32 main gradient ",
+           "of a gradient reduced in ", c10::toString(compute_dtype), " would keep only its precision)");
   HP_CHECK(params_dtype != at::kHalf, s, ": params_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
   HP_CHECK(compute_dtype != at::kHalf, s, ": compute_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
   HP_CHECK(global_batch_size % micro_batch_num == 0 && (global_batch_size / micro_batch_num) % dp_size() == 0, s, ": global_batch_size=", global_batch_size,
@@ -505,7 +512,7 @@ MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
   MixedPrecisionPolicy p;
   if (c.compute_dtype != c.params_dtype) p.param_dtype = c.compute_dtype;
   if (c.accumulate_allreduce_grads_in_fp32) p.reduce_dtype = at::kFloat;
-  p.apply_grad_on_fp32_main_grad = c.fp32_master();
+  p.apply_grad_on_fp32_main_grad = c.fp32_master() || c.apply_grad_on_fp32_main_grad;
   return p;
 }
 
@@ -539,6 +546,7 @@ std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainCo
   add("data.num_samples", c.data.num_samples), add("data.shuffle", c.data.shuffle);
   add("params_dtype", c10::toString(c.params_dtype)), add("compute_dtype", c10::toString(c.compute_dtype));
   add("accumulate_allreduce_grads_in_fp32", c.accumulate_allreduce_grads_in_fp32);
+  add("apply_grad_on_fp32_main_grad", c.apply_grad_on_fp32_main_grad);
   add("data_parallel", c.data_parallel), add("data_parallel_shard", c.data_parallel_shard);
   add("data_parallel_shard_strategy", c.data_parallel_shard_strategy);
   add("reshard_after_forward_group_size", c.reshard_after_forward_group_size);

@@ -91,6 +91,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"recompute: sometimes\n", {}, 4, {"recompute=sometimes", "none, full, selective"}},
       {"", {"lr=1", "seed=3", "lr=2"}, 4, {"--set lr is given twice", "lr=1", "lr=2"}},
       {"model:\n  vocab: 1\n", {}, 4, {"model.vocab=1", ">= 2"}},
+      {"apply_grad_on_fp32_main_grad: true\n", {}, 4, {"apply_grad_on_fp32_main_grad=true", "accumulate_allreduce_grads_in_fp32=true"}},
       // A combination broken by an override names the override, not only the file.
       {"lr_warmup_steps: 5\n", {"train_steps=3"}, 4, {"with --set train_steps=3", "lr_warmup_steps=5"}},
       {"params_dtype: int8\n", {}, 4, {"params_dtype=int8", "bfloat16"}},

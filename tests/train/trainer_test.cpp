@@ -271,3 +271,25 @@ TEST(TrainDist, RecomputeFullIsBitwiseAndSelectiveMatchesOneProcess) {
     EXPECT_LE(hp::test::max_rel_to_reference(sel.handles(), in_handle_order, sel.shard_group()), 1e-10) << type;
   }
 }
+
+// The second seed's setting: fp32 parameters, fp32 reduction and fp32 main gradients
+// (apply_grad_on_fp32_main_grad). The main gradient holds exactly the reduced gradient, so
+// the run is bitwise the plain fp32 run.
+TEST(TrainDist, Fp32MainGradsAreBitwiseThePlainFp32Run) {
+  auto w = hp::world();
+  ht::TrainConfig c = small_config("llama", w->size());
+  c.train_steps = 3;
+  c.accumulate_allreduce_grads_in_fp32 = true;
+  ht::Trainer plain(c, w);
+  c.apply_grad_on_fp32_main_grad = true;
+  ht::Trainer main_grads(c, w);
+  EXPECT_NE(ht::describe(c).find("fp32 main grads"), std::string::npos) << ht::describe(c);
+  ASSERT_TRUE(main_grads.handles().front()->dtypes().main_grad);
+  for (int64_t s = 0; s < c.train_steps; ++s) {
+    ht::StepStats a = plain.step(), b = main_grads.step();
+    EXPECT_EQ(a.loss, b.loss) << "step " << s + 1;
+    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << s + 1;
+  }
+  auto pa = plain.sharded_params(), pb = main_grads.sharded_params();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i], pb[i])) << "param " << i;
+}

@@ -51,6 +51,9 @@ struct TrainConfig {
   at::ScalarType params_dtype = at::kFloat;
   at::ScalarType compute_dtype = at::kFloat;  // defaults to params_dtype
   bool accumulate_allreduce_grads_in_fp32 = false;
+  // fp32 main gradients for fp32 parameters too (the seed system's name); low-precision
+  // parameters get them (and master weights) from accumulate_allreduce_grads_in_fp32 alone.
+  bool apply_grad_on_fp32_main_grad = false;
 
   int64_t data_parallel = 1;         // dp_replicate
   int64_t data_parallel_shard = -1;  // dp_shard; -1 = the rest of the world
