@@ -16,16 +16,16 @@ if(NOT GTest_FOUND)
   endif()
   set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
   set(BUILD_GMOCK OFF CACHE BOOL "" FORCE)
-  add_subdirectory(${HP_GTEST_SOURCE_DIR} ${CMAKE_BINARY_DIR}/googletest EXCLUDE_FROM_ALL)
+  add_subdirectory(${HP_GTEST_SOURCE_DIR} ${PROJECT_BINARY_DIR}/googletest EXCLUDE_FROM_ALL)
   if(NOT TARGET GTest::gtest)  # GoogleTest >= 1.11 defines it itself
     add_library(GTest::gtest ALIAS gtest)
   endif()
 endif()
 
-add_library(hp_test_main STATIC ${CMAKE_SOURCE_DIR}/tests/test_main.cpp)
+add_library(hp_test_main STATIC ${PROJECT_SOURCE_DIR}/tests/test_main.cpp)
 target_link_libraries(hp_test_main PUBLIC hp GTest::gtest)
 # Tests may include private headers (pure kernels and plans are tested directly).
-target_include_directories(hp_test_main PUBLIC ${CMAKE_SOURCE_DIR}/src ${CMAKE_SOURCE_DIR}/tests)
+target_include_directories(hp_test_main PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
 target_precompile_headers(hp_test_main PUBLIC
   <gtest/gtest.h> <ATen/ATen.h>)
 

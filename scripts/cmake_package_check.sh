@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# hyperparallel as another project uses it:
+#   1. `cmake --install` of the build into a temporary prefix, then tests/consumer built
+#      against it with find_package(hyperparallel) and run on 2 ranks (1 without mpirun);
+#   2. the same consumer built with add_subdirectory of this checkout, and run.
+# Usage: scripts/cmake_package_check.sh [build dir] [mpirun]
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$src/build}
+mpirun=${2:-}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$src}"
+
+run() {  # run <exe>
+  if [ -n "$mpirun" ]; then
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$mpirun" -np 2 --oversubscribe --bind-to none "$1"
+  else
+    "$1"
+  fi
+}
+
+cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+test -f "$work/prefix/lib/cmake/hyperparallel/hyperparallelConfig.cmake"
+test -f "$work/prefix/lib/cmake/hyperparallel/hyperparallelConfigVersion.cmake"
+test -f "$work/prefix/include/hp/config.h"
+cmake -S "$src/tests/consumer" -B "$work/pkg" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/pkg.log"
+cmake --build "$work/pkg" > "$work/pkg-build.log"
+run "$work/pkg/consumer"
+echo "find_package consumer: ok"
+
+cmake -S "$src/tests/consumer" -B "$work/sub" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DHP_CONSUMER_SUBDIR="$src" > "$work/sub.log"
+cmake --build "$work/sub" --target consumer -j "${HP_BUILD_JOBS:-2}" > "$work/sub-build.log"
+run "$work/sub/consumer"
+echo "add_subdirectory consumer: ok"
