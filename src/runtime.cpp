@@ -54,15 +54,17 @@ void init_mpi() {
   MPI_Initialized(&inited);
   if (!inited) {
     int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    HP_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) == MPI_SUCCESS,
+             "MPI_Init_thread failed");
     g_we_initialized_mpi = true;
     HP_CHECK(provided == MPI_THREAD_MULTIPLE,
              "this MPI library does not provide MPI_THREAD_MULTIPLE (got level ", provided,
              "); hyperparallel runs collectives on their own threads and needs it");
   }
   MPI_Comm node;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-  MPI_Comm_size(node, &g_local_size);
+  HP_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS,
+           "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed: cannot count the ranks of this node");
+  HP_CHECK(MPI_Comm_size(node, &g_local_size) == MPI_SUCCESS, "MPI_Comm_size failed on the node communicator");
   MPI_Comm_free(&node);
 }
 #endif
@@ -112,9 +114,12 @@ CommPtr make_nccl_world(const CommOptions& o) {
 #if HP_HAVE_MPI
   if (launched_by_mpi()) {
     init_mpi();
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    share = [](void* p, size_t n) { MPI_Bcast(p, static_cast<int>(n), MPI_BYTE, 0, MPI_COMM_WORLD); };
+    HP_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank) == MPI_SUCCESS && MPI_Comm_size(MPI_COMM_WORLD, &size) == MPI_SUCCESS,
+             "MPI_Comm_rank/MPI_Comm_size failed on MPI_COMM_WORLD");
+    share = [](void* p, size_t n) {
+      HP_CHECK(MPI_Bcast(p, static_cast<int>(n), MPI_BYTE, 0, MPI_COMM_WORLD) == MPI_SUCCESS,
+               "MPI_Bcast of the NCCL unique id failed");
+    };
   }
 #endif
   if (!share) {
@@ -247,6 +252,7 @@ void finalize() {
     MPI_Finalized(&fin);
     if (!fin) {
       if (clean) {
+        detail::free_mpi_progress_table();
         MPI_Finalize();
       } else {
         std::cerr << "hyperparallel: a communicator is stuck in an op that timed out; "

@@ -78,18 +78,20 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       }
       ws->started = true;
       ws->start = Clock::now();
+      if (ws->op != "send" && ws->op != "recv") ws->collective = ++cs->collectives_started;
       cs->running = ws;
     }
+    if (ws->collective > 0) cs->transport->note_started(ws->collective);
     std::exception_ptr err;
     try {
       cs->transport->run_op(ws->run);
     } catch (const CommError&) {
       err = std::current_exception();
     } catch (const std::exception& e) {
-      err = std::make_exception_ptr(CommError(cs->rank, cs->name, ws->op, ws->seq, e.what()));
+      err = std::make_exception_ptr(CommError(cs->rank, cs->name, ws->op, ws->seq, e.what(), cs->world_rank));
     } catch (...) {
       err = std::make_exception_ptr(
-          CommError(cs->rank, cs->name, ws->op, ws->seq, "unknown exception"));
+          CommError(cs->rank, cs->name, ws->op, ws->seq, "unknown exception", cs->world_rank));
     }
     // Recorded before the op is marked done: once wait() returns, the op's span is in the
     // trace.
@@ -140,7 +142,7 @@ bool stop_worker(CommShared& cs, std::chrono::milliseconds grace) {
       if (Clock::now() >= deadline) {
         cs.broken = std::make_exception_ptr(TimeoutError(
             cs.rank, cs.name, cs.running->op, cs.running->seq,
-            "timed out at shutdown (a peer never joined the op)"));
+            "timed out at shutdown (a peer never joined the op)", cs.world_rank));
         cs.transport->abandon();
         cs.done_cv.notify_all();
         continue;
@@ -164,6 +166,8 @@ class QueuedCommunicator final : public Communicator {
     cs_->rank = t->rank();
     cs_->size = t->size();
     world_ranks_ = t->world_ranks();
+    cs_->world_ranks = world_ranks_;
+    cs_->world_rank = cs_->rank < static_cast<int>(world_ranks_.size()) ? world_ranks_[cs_->rank] : cs_->rank;
     backend_ = t->backend();
     cs_->transport = std::move(t);
     cs_->name = name;

@@ -23,6 +23,8 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <map>
+#include <tuple>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -90,12 +92,12 @@ MPI_Op half_mpi_op(at::ScalarType dt, ReduceOp op) {
   static MPI_Op ops[2][3];
   static std::once_flag once;
   std::call_once(once, [] {
-    MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::SUM>, 1, &ops[0][0]);
-    MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::MAX>, 1, &ops[0][1]);
-    MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::MIN>, 1, &ops[0][2]);
-    MPI_Op_create(&half_op<at::kHalf, ReduceOp::SUM>, 1, &ops[1][0]);
-    MPI_Op_create(&half_op<at::kHalf, ReduceOp::MAX>, 1, &ops[1][1]);
-    MPI_Op_create(&half_op<at::kHalf, ReduceOp::MIN>, 1, &ops[1][2]);
+    mpi_check(MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::SUM>, 1, &ops[0][0]), "MPI_Op_create");
+    mpi_check(MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::MAX>, 1, &ops[0][1]), "MPI_Op_create");
+    mpi_check(MPI_Op_create(&half_op<at::kBFloat16, ReduceOp::MIN>, 1, &ops[0][2]), "MPI_Op_create");
+    mpi_check(MPI_Op_create(&half_op<at::kHalf, ReduceOp::SUM>, 1, &ops[1][0]), "MPI_Op_create");
+    mpi_check(MPI_Op_create(&half_op<at::kHalf, ReduceOp::MAX>, 1, &ops[1][1]), "MPI_Op_create");
+    mpi_check(MPI_Op_create(&half_op<at::kHalf, ReduceOp::MIN>, 1, &ops[1][2]), "MPI_Op_create");
   });
   int i = dt == at::kBFloat16 ? 0 : 1;
   int j = op == ReduceOp::SUM ? 0 : op == ReduceOp::MAX ? 1 : 2;
@@ -108,6 +110,108 @@ bool mpi_finalized() {
   return f != 0;
 }
 
+// Out-of-band progress of every communicator, for naming the peers of a collective that
+// timed out. Each rank owns one row of kSlots (tag, count) pairs in shared memory that the
+// other ranks of its node can read without any MPI call (reading cannot hang behind a
+// stuck peer). A communicator's slot is picked by hashing its member list and how many
+// communicators over the same members this process made before it (the same on every
+// member: they are created collectively, in one order); the tag tells a reader whether
+// the slot holds that communicator. Ranks on other nodes are not visible.
+class ProgressTable {
+ public:
+  static constexpr int kSlots = 1024;
+  struct Slot {
+    uint64_t tag;
+    uint64_t count;
+  };
+
+  // Collective over MPI_COMM_WORLD (from make_mpi_world_transport). On any failure the
+  // table stays off and every peer counts as not visible.
+  static void create() {
+    ProgressTable& t = instance();
+    if (t.on_) return;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &t.node_) != MPI_SUCCESS) return;
+    if (MPI_Comm_set_errhandler(t.node_, MPI_ERRORS_RETURN) != MPI_SUCCESS) return;
+    void* base = nullptr;
+    if (MPI_Win_allocate_shared(kSlots * sizeof(Slot), sizeof(Slot), MPI_INFO_NULL, t.node_, &base, &t.win_) !=
+        MPI_SUCCESS) {
+      return;
+    }
+    int node_size = 0, world_size = 0;
+    std::memset(base, 0, kSlots * sizeof(Slot));
+    MPI_Group node_group, world_group;
+    // Every call checked; the rows stay unknown (the table off) when one fails. The barrier
+    // below is reached by every rank of the node either way, so none waits forever.
+    bool ok = MPI_Comm_size(t.node_, &node_size) == MPI_SUCCESS &&
+              MPI_Comm_size(MPI_COMM_WORLD, &world_size) == MPI_SUCCESS &&
+              MPI_Comm_rank(MPI_COMM_WORLD, &t.me_) == MPI_SUCCESS;
+    t.rows_.assign(ok ? world_size : 0, nullptr);
+    ok = ok && MPI_Comm_group(t.node_, &node_group) == MPI_SUCCESS;
+    ok = ok && MPI_Comm_group(MPI_COMM_WORLD, &world_group) == MPI_SUCCESS;
+    for (int i = 0; ok && i < node_size; ++i) {
+      MPI_Aint size = 0;
+      int disp = 0;
+      void* ptr = nullptr;
+      int world = MPI_UNDEFINED;
+      if (MPI_Win_shared_query(t.win_, i, &size, &disp, &ptr) != MPI_SUCCESS) continue;
+      if (MPI_Group_translate_ranks(node_group, 1, &i, world_group, &world) != MPI_SUCCESS) continue;
+      if (world >= 0 && world < world_size) t.rows_[world] = static_cast<Slot*>(ptr);
+    }
+    if (ok) {
+      MPI_Group_free(&node_group);
+      MPI_Group_free(&world_group);
+    }
+    ok = MPI_Barrier(t.node_) == MPI_SUCCESS && ok;  // every row zeroed before anyone registers
+    t.on_ = ok && t.me_ < static_cast<int>(t.rows_.size()) && t.rows_[t.me_] != nullptr;
+  }
+  // Collective again: at shutdown, before MPI_Finalize.
+  static void destroy() {
+    ProgressTable& t = instance();
+    if (t.win_ != MPI_WIN_NULL) MPI_Win_free(&t.win_);
+    if (t.node_ != MPI_COMM_NULL) MPI_Comm_free(&t.node_);
+    t.on_ = false;
+    t.rows_.clear();
+  }
+  static ProgressTable& instance() {
+    static ProgressTable t;
+    return t;
+  }
+
+  // The slot and tag of a new communicator over `members` (world ranks).
+  std::pair<int, uint64_t> slot_for(const std::vector<int>& members) {
+    std::lock_guard<std::mutex> g(mu_);
+    uint64_t h = 1469598103934665603ULL;
+    for (int m : members) h = (h ^ static_cast<uint64_t>(m + 1)) * 1099511628211ULL;
+    const uint64_t ordinal = made_[h]++;
+    h = (h ^ (ordinal + 0x9e3779b97f4a7c15ULL)) * 1099511628211ULL;
+    h |= 1;  // never 0: an empty slot
+    const int slot = static_cast<int>(h % kSlots);
+    if (on_) {
+      __atomic_store_n(&rows_[me_][slot].count, 0, __ATOMIC_RELAXED);
+      __atomic_store_n(&rows_[me_][slot].tag, h, __ATOMIC_RELEASE);
+    }
+    return {slot, h};
+  }
+  void started(int slot, uint64_t collective) {
+    if (on_) __atomic_store_n(&rows_[me_][slot].count, collective, __ATOMIC_RELEASE);
+  }
+  // The count world rank `w` reached in `slot`, or -1 when not visible.
+  int64_t count_of(int w, int slot, uint64_t tag) const {
+    if (!on_ || w < 0 || w >= static_cast<int>(rows_.size()) || rows_[w] == nullptr) return -1;
+    if (__atomic_load_n(&rows_[w][slot].tag, __ATOMIC_ACQUIRE) != tag) return -1;
+    return static_cast<int64_t>(__atomic_load_n(&rows_[w][slot].count, __ATOMIC_ACQUIRE));
+  }
+
+ private:
+  bool on_ = false;
+  int me_ = 0;
+  MPI_Comm node_ = MPI_COMM_NULL;
+  MPI_Win win_ = MPI_WIN_NULL;
+  std::vector<Slot*> rows_;  // by world rank; null off this node
+  std::mutex mu_;
+  std::map<uint64_t, uint64_t> made_;  // communicators made per member list
+};
+
 class MpiTransport final : public Transport {
  public:
   // Takes ownership of comm.
@@ -118,17 +222,35 @@ class MpiTransport final : public Transport {
     mpi_check(MPI_Comm_dup(comm_, &ring_comm_), "MPI_Comm_dup");
     mpi_check(MPI_Comm_set_errhandler(ring_comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     MPI_Group mine, world;
-    MPI_Comm_group(comm_, &mine);
-    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    mpi_check(MPI_Comm_group(comm_, &mine), "MPI_Comm_group");
+    mpi_check(MPI_Comm_group(MPI_COMM_WORLD, &world), "MPI_Comm_group");
     std::vector<int> local(size_);
     world_ranks_.resize(size_);
     for (int i = 0; i < size_; ++i) local[i] = i;
-    MPI_Group_translate_ranks(mine, size_, local.data(), world, world_ranks_.data());
-    MPI_Group_free(&mine);
+    const int rc = MPI_Group_translate_ranks(mine, size_, local.data(), world, world_ranks_.data());
+    MPI_Group_free(&mine);   // a failure to free a group handle leaks a handle, nothing more
     MPI_Group_free(&world);
+    mpi_check(rc, "MPI_Group_translate_ranks");
     int64_t seg = env::get_int("HP_RS_SEGMENT_BYTES");
     HP_CHECK(seg >= 1024, "HP_RS_SEGMENT_BYTES=", seg, " must be at least 1024");
     segment_bytes_ = seg;
+    std::tie(progress_slot_, progress_tag_) = ProgressTable::instance().slot_for(world_ranks_);
+  }
+
+  void note_started(uint64_t collective) override { ProgressTable::instance().started(progress_slot_, collective); }
+  std::vector<int> behind(uint64_t collective, int* unknown) const override {
+    std::vector<int> out;
+    *unknown = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const int64_t c = ProgressTable::instance().count_of(world_ranks_[r], progress_slot_, progress_tag_);
+      if (c < 0) {
+        ++*unknown;
+      } else if (static_cast<uint64_t>(c) < collective) {
+        out.push_back(r);
+      }
+    }
+    return out;
   }
 
   ~MpiTransport() override {
@@ -238,7 +360,7 @@ class MpiTransport final : public Transport {
     MPI_Datatype t = mpi_type(x.scalar_type());
     mpi_check(MPI_Recv(x.data_ptr(), as_count(x.numel()), t, src, tag, comm_, &st), "MPI_Recv");
     int got = 0;
-    MPI_Get_count(&st, t, &got);
+    mpi_check(MPI_Get_count(&st, t, &got), "MPI_Get_count");
     HP_CHECK(got == x.numel(), "received ", got, " elements from rank ", src,
              " but the receive tensor has ", x.numel());
   }
@@ -268,8 +390,10 @@ class MpiTransport final : public Transport {
 
   std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) override {
     MPI_Group g, ng;
-    MPI_Comm_group(comm_, &g);
-    MPI_Group_incl(g, static_cast<int>(ranks.size()), ranks.data(), &ng);
+    mpi_check(MPI_Comm_group(comm_, &g), "MPI_Comm_group");
+    const int incl = MPI_Group_incl(g, static_cast<int>(ranks.size()), ranks.data(), &ng);
+    if (incl != MPI_SUCCESS) MPI_Group_free(&g);
+    mpi_check(incl, "MPI_Group_incl");
     MPI_Comm nc = MPI_COMM_NULL;
     int rc = MPI_Comm_create_group(comm_, ng, /*tag=*/7301, &nc);
     MPI_Group_free(&ng);
@@ -371,6 +495,8 @@ class MpiTransport final : public Transport {
   int rank_ = 0;
   int size_ = 1;
   std::vector<int> world_ranks_;
+  int progress_slot_ = 0;         // this communicator in the ProgressTable
+  uint64_t progress_tag_ = 0;
   int64_t segment_bytes_ = 0;
   char* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
@@ -381,17 +507,20 @@ class MpiTransport final : public Transport {
 
 std::unique_ptr<Transport> make_mpi_world_transport() {
   int init = 0;
-  MPI_Initialized(&init);
+  mpi_check(MPI_Initialized(&init), "MPI_Initialized");
   HP_CHECK(init, "the mpi backend needs MPI initialized (call hp::init first)");
   int provided = 0;
-  MPI_Query_thread(&provided);
+  mpi_check(MPI_Query_thread(&provided), "MPI_Query_thread");
   HP_CHECK(provided == MPI_THREAD_MULTIPLE,
            "the mpi backend needs MPI_THREAD_MULTIPLE (MPI was initialized with level ",
            provided, ")");
+  ProgressTable::create();
   MPI_Comm c;
   mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &c), "MPI_Comm_dup");
   return std::make_unique<MpiTransport>(c);
 }
+
+void free_mpi_progress_table() { ProgressTable::destroy(); }
 
 }  // namespace detail
 

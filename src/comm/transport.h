@@ -44,6 +44,18 @@ class Transport {
   // by a call that never returns, so the destructor must not release them.
   virtual void abandon() {}
 
+  // Out-of-band progress, to name the peers of a collective that timed out. The worker
+  // calls note_started(k) as it starts the communicator's k-th collective (send/recv not
+  // counted); behind(k, &unknown), called from any thread while a collective hangs,
+  // returns the group ranks seen not to have started collective k, without any call
+  // that could block, and sets `unknown` to the number of other ranks whose progress
+  // cannot be seen. Defaults: nothing seen.
+  virtual void note_started(uint64_t collective) {}
+  virtual std::vector<int> behind(uint64_t collective, int* unknown) const {
+    *unknown = size() - 1;
+    return {};
+  }
+
   // Stream-ordered backends (nccl) hook the op's life here; the defaults do nothing.
   // on_enqueue: on the caller's thread, under the queue's lock, once per op in issue
   // order (nccl records an event on the caller's current stream: the op must run after
@@ -63,6 +75,9 @@ CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string
 std::unique_ptr<Transport> make_local_transport();
 #if HP_HAVE_MPI
 std::unique_ptr<Transport> make_mpi_world_transport();
+// Frees the mpi backend's progress table (collective over MPI_COMM_WORLD): at shutdown,
+// after every communicator stopped and before MPI_Finalize.
+void free_mpi_progress_table();
 #endif
 #if HP_HAVE_NCCL
 // The world over NCCL for CUDA tensors. `share_id` gives every rank rank 0's 128-byte

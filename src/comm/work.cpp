@@ -13,11 +13,40 @@ void CommShared::raise_broken(const WorkState& ws) const {
     if (e.op() == ws.op && e.seq() == ws.seq) throw;
     throw CommError(rank, name, ws.op, ws.seq,
                     str_cat("not run: the communicator is unusable after an earlier failure (",
-                            e.what(), ")"));
+                            e.what(), ")"),
+                    world_rank);
   }
 }
 
+std::string CommShared::describe_ranks(const std::vector<int>& group_ranks) const {
+  std::string out;
+  for (int r : group_ranks) {
+    const int w = r < static_cast<int>(world_ranks.size()) ? world_ranks[r] : r;
+    out += (out.empty() ? "" : ", ") + (w == r ? std::to_string(r) : str_cat(r, " (world ", w, ")"));
+  }
+  return out;
+}
+
 namespace {
+
+// Why `run` timed out, as far as the transport's out-of-band progress tells: the group
+// ranks that never started this collective, or that all visible ones did.
+std::string timeout_cause(const CommShared& cs, const WorkState& run) {
+  if (run.collective == 0) return "the peer did not join the op, or is far behind";
+  int unknown = 0;
+  std::vector<int> behind = cs.transport->behind(run.collective, &unknown);
+  std::string out;
+  if (!behind.empty()) {
+    out = str_cat("rank", behind.size() > 1 ? "s " : " ", cs.describe_ranks(behind), " of group '", cs.name,
+                  "' never started it");
+  } else if (unknown == 0) {
+    out = "every other rank of the group started it: one is stuck inside it, or far behind in its data";
+  } else {
+    out = "no rank of the group on this node is behind";
+  }
+  if (unknown > 0) out += str_cat("; ", unknown, " rank(s) on other nodes could not be checked");
+  return out;
+}
 
 // Waits for ws until `until` (nullopt = no limit of the caller's). Returns true when done.
 bool wait_until(WorkState& ws, const Clock::time_point* until) {
@@ -38,9 +67,8 @@ bool wait_until(WorkState& ws, const Clock::time_point* until) {
         auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(run.timeout).count();
         cs.broken = std::make_exception_ptr(TimeoutError(
             cs.rank, cs.name, run.op, run.seq,
-            str_cat("timed out after ", ms,
-                    " ms (a peer did not join the op, or is far behind); the communicator "
-                    "is now unusable")));
+            str_cat("timed out after ", ms, " ms (", timeout_cause(cs, run), "); the communicator is now unusable"),
+            cs.world_rank));
         cs.transport->abandon();
         cs.done_cv.notify_all();
         cs.raise_broken(ws);

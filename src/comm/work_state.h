@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "hp/comm/communicator.h"
 #include "transport.h"
@@ -23,6 +24,7 @@ using Clock = std::chrono::steady_clock;
 struct WorkState {
   std::string op;
   uint64_t seq = 0;
+  uint64_t collective = 0;  // its index among the communicator's collectives (0: send/recv)
   Timeout timeout{0};
   int64_t issue_us = 0;
   int64_t bytes = 0;
@@ -51,17 +53,22 @@ struct CommShared {
   uint64_t next_seq = 1;
   // Ops queued, for the worker's short lock-free spin before it sleeps.
   std::atomic<uint64_t> enqueued{0};
+  uint64_t collectives_started = 0;  // worker thread only
 
   // Immutable after construction.
   std::unique_ptr<Transport> transport;  // used by the worker thread only
   std::string name;
   int rank = 0;
   int size = 1;
+  int world_rank = 0;             // this process's rank in the world
+  std::vector<int> world_ranks;   // of every rank of the group
   int64_t lane = 0;
 
   // Raises the CommError that `ws` ends with when the communicator broke before or while
   // it ran. Call with mu held.
   [[noreturn]] void raise_broken(const WorkState& ws) const;
+  // "3 (world 7), 5 (world 9)": group ranks with their world ranks.
+  std::string describe_ranks(const std::vector<int>& group_ranks) const;
 };
 
 // Waking a sleeping thread costs several microseconds per op, a visible share of a

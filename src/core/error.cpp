@@ -2,15 +2,18 @@
 
 namespace hp {
 
-CommError::CommError(int rank, std::string group, std::string op, uint64_t seq,
-                     std::string detail)
-    : Error(detail::str_cat("[rank ", rank, "] ", op, " #", seq, " on group '", group,
-                            "' failed: ", detail)),
+CommError::CommError(int rank, std::string group, std::string op, uint64_t seq, std::string detail,
+                     int world_rank)
+    : Error(world_rank < 0 || world_rank == rank
+                ? detail::str_cat("[rank ", rank, "] ", op, " #", seq, " on group '", group, "' failed: ", detail)
+                : detail::str_cat("[world rank ", world_rank, ", rank ", rank, " of group '", group, "'] ", op, " #",
+                                  seq, " on group '", group, "' failed: ", detail)),
       rank_(rank),
       group_(std::move(group)),
       op_(std::move(op)),
       seq_(seq),
-      detail_(std::move(detail)) {}
+      detail_(std::move(detail)),
+      world_rank_(world_rank) {}
 
 namespace detail {
 

@@ -15,8 +15,9 @@ TEST(Failure, WithheldCollectiveTimesOutOnPeers) {
   const int n = w->size(), r = w->rank();
   ASSERT_GE(n, 2);
   const auto timeout = std::chrono::milliseconds(1500);
-  hp::CommPtr g = w->split(0, r, {timeout, "victim"});
-  const int late = n - 1;
+  // Group ranks in reverse world order, so the messages must tell the two apart.
+  hp::CommPtr g = w->split(0, n - 1 - r, {timeout, "victim"});
+  const int late = n - 1;  // world rank; group rank 0
   at::Tensor x = at::ones({1000});
   if (r != late) {
     auto t0 = std::chrono::steady_clock::now();
@@ -27,13 +28,21 @@ TEST(Failure, WithheldCollectiveTimesOutOnPeers) {
     } catch (const hp::TimeoutError& e) {
       auto waited = std::chrono::steady_clock::now() - t0;
       EXPECT_GE(waited, timeout);
-      EXPECT_EQ(e.rank(), r);
+      const int gr = n - 1 - r;
+      EXPECT_EQ(e.rank(), gr);
+      EXPECT_EQ(e.world_rank(), r);
       EXPECT_EQ(e.op(), "all_reduce");
       EXPECT_EQ(e.group(), "victim");
       EXPECT_EQ(e.seq(), work.seq());
       std::string what = e.what();
       EXPECT_NE(what.find("timed out after 1500 ms"), std::string::npos) << what;
-      EXPECT_NE(what.find("[rank " + std::to_string(r) + "]"), std::string::npos) << what;
+      const std::string who = gr == r ? "[rank " + std::to_string(r) + "]"
+                                      : "[world rank " + std::to_string(r) + ", rank " + std::to_string(gr) +
+                                            " of group 'victim']";
+      EXPECT_NE(what.find(who), std::string::npos) << what;
+      // The peer that never came, by its group and world rank (all ranks share this node).
+      EXPECT_NE(what.find("rank 0 (world " + std::to_string(late) + ") of group 'victim' never started it"),
+                std::string::npos) << what;
     }
     // Later ops on the broken communicator raise at once, naming the cause.
     hp::test::expect_error<hp::CommError>([&] { g->barrier().wait(); },

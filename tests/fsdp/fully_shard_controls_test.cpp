@@ -100,6 +100,17 @@ struct BranchyImpl : torch::nn::Module {
 };
 TORCH_MODULE(Branchy);
 
+// The model to shard and its one-process reference: the same values, in float64.
+std::pair<Branchy, Branchy> twin_branchy(uint64_t seed) {
+  torch::manual_seed(seed);
+  Branchy ref;
+  torch::manual_seed(seed);
+  Branchy m;
+  ref->to(at::kDouble);
+  m->to(at::kDouble);
+  return {ref, m};
+}
+
 }  // namespace
 
 // Parameters that get no gradient in a step (a branch not taken): with gradients set to
@@ -114,12 +125,7 @@ TEST(FullyShardControls, UnusedParametersMatchOneProcess) {
   for (bool fusion : {false, true}) {
     for (bool c_own_group : {false, true}) {
       SCOPED_TRACE(std::string(fusion ? "fused" : "unfused") + (c_own_group ? ", c sharded alone" : ", c in the root"));
-      torch::manual_seed(21);
-      Branchy ref;
-      torch::manual_seed(21);
-      Branchy m;
-      ref->to(at::kDouble);
-      m->to(at::kDouble);
+      auto [ref, m] = twin_branchy(21);
       hp::FullyShardOptions o;
       o.comm_fusion = fusion;
       std::vector<hp::FSDPHandle> hs = {hp::fully_shard(*m->a, o)};
@@ -156,12 +162,7 @@ TEST(FullyShardControls, UnusedParametersMatchOneProcess) {
   }
   if (n == 1) return;
   // c used by rank 0's rows only: every rank gets the global gradient (AVG over ranks).
-  torch::manual_seed(22);
-  Branchy ref;
-  torch::manual_seed(22);
-  Branchy m;
-  ref->to(at::kDouble);
-  m->to(at::kDouble);
+  auto [ref, m] = twin_branchy(22);
   // c in the root's group, which runs on every rank (a module that runs on some ranks only
   // would issue its collectives on those alone).
   hp::FSDPHandle hc = hp::fully_shard(*m);

@@ -21,8 +21,11 @@ class Error : public std::runtime_error {
 // Raised for a collective or point-to-point op that failed or timed out.
 class CommError : public Error {
  public:
-  CommError(int rank, std::string group, std::string op, uint64_t seq, std::string detail);
+  // `rank` is the rank within `group`; `world_rank` (when known, >= 0) the same process's
+  // rank in the world, named in the message when it differs.
+  CommError(int rank, std::string group, std::string op, uint64_t seq, std::string detail, int world_rank = -1);
   int rank() const { return rank_; }
+  int world_rank() const { return world_rank_ >= 0 ? world_rank_ : rank_; }
   const std::string& group() const { return group_; }
   const std::string& op() const { return op_; }
   uint64_t seq() const { return seq_; }
@@ -34,6 +37,7 @@ class CommError : public Error {
   std::string op_;
   uint64_t seq_;
   std::string detail_;
+  int world_rank_;
 };
 
 // Raised when a collective did not complete within its timeout.
