@@ -209,7 +209,9 @@ CommPtr init(const InitOptions& o) {
                                   : static_cast<int>(env::get_int("HP_NUM_THREADS"));
   if (threads <= 0) threads = std::max(1, usable_cores() / std::max(1, g_local_size));
   const int node_cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if ((threads > usable_cores() || threads * std::max(1, g_local_size) > node_cores) && g_world->rank() == 0) {
+  // Only when fewer threads would help: more ranks than cores is the launcher's choice.
+  if (threads > 1 && (threads > usable_cores() || threads * std::max(1, g_local_size) > node_cores) &&
+      g_world->rank() == 0) {
     std::cerr << "hyperparallel: warning: " << threads << " compute threads per rank (x " << g_local_size
               << " rank(s) on this node, " << node_cores << " cores, " << usable_cores()
               << " usable by this rank): oversubscribed threads slow every rank down (HP_NUM_THREADS=0 picks "
