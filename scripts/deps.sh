@@ -18,6 +18,7 @@ hp_deps_packages=(
   googletest
   nlohmann-json3-dev
   libyaml-cpp-dev
+  python3-venv
 )
 
 hp_deps_missing=()
