@@ -1,0 +1,43 @@
+// Distributed checkpoints of sharded tensors: every rank writes its own boxes, and a load
+// reshards by box intersection into whatever layout the loading job has.
+//
+// save(items, dir, world): each rank writes `dir`/rank<R>.safetensors with the boxes it
+// owns (a box held by several ranks, as HSDP replicas hold theirs, is written once, by one
+// of them chosen by the tensor's name so that the bytes spread over the holders); rank 0
+// writes `dir`/metadata.json: for every tensor its global shape, dtype, and chunks (file,
+// key, offsets, lengths), plus the caller's string values. Collective over `world`.
+// Crash-safe: everything goes to `dir`.tmp first, every file is fsynced, and after every
+// rank finished rank 0 renames the folder to `dir` (an existing `dir` is replaced only
+// then). A folder without metadata.json is not a checkpoint.
+//
+// load(items, dir): each item's `local` (allocated, the box's shape) is filled from the
+// chunks that intersect its spec: each rank reads only those byte ranges, from any saved
+// layout (rank counts, shard dims) into any other. Raises naming the tensor for a tensor
+// missing from the checkpoint, a global shape or dtype that differs, or a box not covered
+// by the saved chunks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+#include "hp/fsdp/shard_spec.h"
+
+namespace hp::ckpt {
+
+struct Item {
+  std::string name;
+  at::Tensor local;  // this rank's box of the tensor (contiguous or not; CPU)
+  ShardSpec spec;    // where the box lies in the global tensor
+};
+
+void save(const std::vector<Item>& items, const std::string& dir, const CommPtr& world,
+          const std::map<std::string, std::string>& values = {});
+
+// Fills every item's `local` in place; returns the saved string values.
+std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir);
+
+}  // namespace hp::ckpt

@@ -1,0 +1,255 @@
+#include "hp/ckpt/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include "hp/ckpt/safetensors.h"
+#include "hp/core/error.h"
+
+namespace hp::ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::string box_key(const std::string& name, const std::vector<int64_t>& offsets) {
+  std::string k = name + "@";
+  for (size_t d = 0; d < offsets.size(); ++d) k += (d ? "," : "") + std::to_string(offsets[d]);
+  return k;
+}
+
+uint64_t fnv(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+// Every rank's boxes, gathered to every rank as JSON text.
+std::vector<json> gather_boxes(const std::vector<Item>& items, const CommPtr& world) {
+  json mine = json::array();
+  for (const auto& it : items) {
+    HP_CHECK(it.local.defined() && it.local.device().is_cpu(), "ckpt::save: tensor '", it.name,
+             "' must be a defined CPU tensor");
+    HP_CHECK(it.local.sizes().vec() == it.spec.lengths || (it.local.dim() == 0 && it.spec.numel() == 1),
+             "ckpt::save: tensor '", it.name, "' is ", it.local.sizes(), " but its spec says ", it.spec.to_string());
+    mine.push_back({{"name", it.name},
+                    {"dtype", dtype_string(it.local.scalar_type())},
+                    {"shape", it.spec.global_shape},
+                    {"offsets", it.spec.offsets},
+                    {"lengths", it.spec.lengths}});
+  }
+  const std::string text = mine.dump();
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  world->all_reduce(len, {ReduceOp::MAX}).wait();
+  const int64_t L = len.item<int64_t>() + 1;
+  at::Tensor buf = at::zeros({L}, at::kByte);
+  std::memcpy(buf.data_ptr(), text.data(), text.size());
+  at::Tensor all = at::empty({world->size() * L}, at::kByte);
+  world->all_gather(all, buf).wait();
+  std::vector<json> out;
+  for (int r = 0; r < world->size(); ++r) {
+    const char* p = static_cast<const char*>(all.data_ptr()) + r * L;
+    out.push_back(json::parse(std::string(p, strnlen(p, static_cast<size_t>(L)))));
+  }
+  return out;
+}
+
+void fsync_path(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  HP_CHECK(fd >= 0, "ckpt: cannot open '", path, "' to sync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  HP_CHECK(rc == 0, "ckpt: fsync of '", path, "' failed: ", std::strerror(errno));
+}
+
+// Reads the part `sub` (offsets within the chunk, lengths) of a row-major chunk of shape
+// `chunk` stored at byte `base` of the open file into `out` (contiguous, sub's shape):
+// one read per contiguous run.
+void read_sub_box(int fd, const std::string& path, int64_t base, const std::vector<int64_t>& chunk,
+                  const std::vector<int64_t>& sub_off, const std::vector<int64_t>& sub_len, int64_t elem,
+                  char* out) {
+  const int64_t nd = static_cast<int64_t>(chunk.size());
+  // The dims from `k` on are read in one run: those after k are taken whole.
+  int64_t k = nd == 0 ? 0 : nd - 1;
+  while (k > 0 && sub_off[k] == 0 && sub_len[k] == chunk[k]) --k;
+  int64_t run = elem;
+  for (int64_t d = k; d < nd; ++d) run *= sub_len[d];
+  std::vector<int64_t> stride(nd, 1);
+  for (int64_t d = nd - 2; d >= 0; --d) stride[d] = stride[d + 1] * chunk[d + 1];
+  std::vector<int64_t> idx(k, 0);
+  for (;;) {
+    int64_t lin = 0;
+    for (int64_t d = 0; d < nd; ++d) lin += (sub_off[d] + (d < k ? idx[d] : 0)) * stride[d];
+    int64_t done = 0;
+    while (done < run) {
+      ssize_t r = ::pread(fd, out + done, static_cast<size_t>(run - done), static_cast<off_t>(base + lin * elem + done));
+      if (r < 0 && errno == EINTR) continue;
+      HP_CHECK(r > 0, "ckpt: reading '", path, "' at byte ", base + lin * elem + done, " failed",
+               r < 0 ? std::string(": ") + std::strerror(errno) : std::string(" (the file is shorter)"));
+      done += r;
+    }
+    out += run;
+    int64_t d = k - 1;
+    while (d >= 0 && ++idx[d] == sub_len[d]) idx[d--] = 0;
+    if (d < 0) break;
+  }
+}
+
+}  // namespace
+
+void save(const std::vector<Item>& items, const std::string& dir, const CommPtr& world,
+          const std::map<std::string, std::string>& values) {
+  const int rank = world->rank();
+  const std::string tmp = dir + ".tmp";
+  if (rank == 0) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    HP_CHECK(fs::create_directories(tmp, ec) || fs::is_directory(tmp), "ckpt::save: cannot create '", tmp, "': ",
+             ec.message());
+  }
+  std::vector<json> boxes = gather_boxes(items, world);  // also orders the folder's creation first
+  // The writer of each distinct box: one of the ranks holding it, by the tensor's name.
+  std::map<std::string, std::vector<int>> holders;
+  for (int r = 0; r < world->size(); ++r) {
+    for (const auto& b : boxes[r]) {
+      holders[box_key(b["name"], b["offsets"].get<std::vector<int64_t>>())].push_back(r);
+    }
+  }
+  auto writer_of = [&](const std::string& name, const std::vector<int64_t>& off) {
+    const auto& h = holders.at(box_key(name, off));
+    return h[fnv(name) % h.size()];
+  };
+  std::vector<std::pair<std::string, at::Tensor>> mine;
+  for (const auto& it : items) {
+    if (it.spec.numel() == 0 || writer_of(it.name, it.spec.offsets) != rank) continue;
+    mine.emplace_back(box_key(it.name, it.spec.offsets), it.local.reshape(it.spec.lengths));
+  }
+  const std::string file = "rank" + std::to_string(rank) + ".safetensors";
+  std::string error;
+  try {
+    write_file(tmp + "/" + file, mine);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  at::Tensor bad = at::full({1}, error.empty() ? 0 : 1, at::kInt);
+  world->all_reduce(bad, {ReduceOp::MAX}).wait();
+  HP_CHECK(bad.item<int>() == 0, "ckpt::save to '", dir, "' failed", error.empty() ? " on another rank" : ": " + error);
+  if (rank == 0) {
+    json meta;
+    meta["format"] = "hyperparallel-checkpoint-1";
+    meta["values"] = values;
+    json tensors = json::object();
+    for (int r = 0; r < world->size(); ++r) {
+      for (const auto& b : boxes[r]) {
+        const std::string name = b["name"];
+        const auto off = b["offsets"].get<std::vector<int64_t>>();
+        const auto len = b["lengths"].get<std::vector<int64_t>>();
+        json& t = tensors[name];
+        if (t.is_null()) {
+          t = {{"dtype", b["dtype"]}, {"shape", b["shape"]}, {"chunks", json::array()}};
+        }
+        HP_CHECK(t["dtype"] == b["dtype"] && t["shape"] == b["shape"], "ckpt::save: tensor '", name,
+                 "' has another dtype or global shape on rank ", r);
+        int64_t n = 1;
+        for (int64_t l : len) n *= l;
+        if (n == 0 || writer_of(name, off) != r) continue;
+        t["chunks"].push_back({{"file", "rank" + std::to_string(r) + ".safetensors"},
+                               {"key", box_key(name, off)},
+                               {"offsets", off},
+                               {"lengths", len}});
+      }
+    }
+    meta["tensors"] = tensors;
+    {
+      std::ofstream f(tmp + "/metadata.json.partial");
+      f << meta.dump(1);
+      f.close();
+      HP_CHECK(f.good(), "ckpt::save: writing '", tmp, "/metadata.json' failed: ", std::strerror(errno));
+    }
+    fsync_path(tmp + "/metadata.json.partial");
+    fs::rename(tmp + "/metadata.json.partial", tmp + "/metadata.json");
+    fsync_path(tmp);
+    // Commit: the folder appears under its name in one rename (an older one is set aside
+    // first and removed after).
+    std::error_code ec;
+    const std::string old = dir + ".old";
+    fs::remove_all(old, ec);
+    if (fs::exists(dir)) fs::rename(dir, old);
+    fs::rename(tmp, dir);
+    fs::remove_all(old, ec);
+    const fs::path parent = fs::absolute(dir).parent_path();
+    fsync_path(parent.string());
+  }
+  world->barrier().wait();
+}
+
+std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir) {
+  const std::string mpath = dir + "/metadata.json";
+  std::ifstream mf(mpath);
+  HP_CHECK(mf.good(), "ckpt::load: '", dir, "' is not a committed checkpoint (no metadata.json)");
+  json meta;
+  try {
+    mf >> meta;
+  } catch (const std::exception& e) {
+    HP_CHECK(false, "ckpt::load: '", mpath, "' is not valid JSON: ", e.what());
+  }
+  HP_CHECK(meta.value("format", "") == "hyperparallel-checkpoint-1", "ckpt::load: '", mpath,
+           "' is not a hyperparallel checkpoint");
+  std::map<std::string, SafetensorsHeader> headers;
+  for (const auto& it : items) {
+    HP_CHECK(meta["tensors"].contains(it.name), "ckpt::load: tensor '", it.name, "' is not in the checkpoint '", dir, "'");
+    const json& t = meta["tensors"][it.name];
+    const auto shape = t["shape"].get<std::vector<int64_t>>();
+    HP_CHECK(shape == it.spec.global_shape, "ckpt::load: tensor '", it.name, "' was saved with shape ",
+             c10::IntArrayRef(shape), ", the model has ", c10::IntArrayRef(it.spec.global_shape));
+    HP_CHECK(t["dtype"].get<std::string>() == dtype_string(it.local.scalar_type()), "ckpt::load: tensor '", it.name,
+             "' was saved as ", t["dtype"].get<std::string>(), ", the model holds ", it.local.scalar_type());
+    int64_t covered = 0;
+    for (const auto& c : t["chunks"]) {
+      ShardSpec chunk;
+      chunk.global_shape = shape;
+      chunk.offsets = c["offsets"].get<std::vector<int64_t>>();
+      chunk.lengths = c["lengths"].get<std::vector<int64_t>>();
+      BoxOverlap o;
+      if (!intersect(chunk, it.spec, &o)) continue;
+      const std::string file = dir + "/" + c["file"].get<std::string>();
+      auto h = headers.find(file);
+      if (h == headers.end()) h = headers.emplace(file, read_header(file)).first;
+      const TensorEntry* e = h->second.find(c["key"].get<std::string>());
+      HP_CHECK(e != nullptr && e->shape == chunk.lengths && e->dtype == it.local.scalar_type(), "ckpt::load: '", file,
+               "' lacks the chunk '", c["key"].get<std::string>(), "' its metadata lists");
+      at::Tensor part = at::empty(o.lengths, it.local.options());
+      {
+        int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+        HP_CHECK(fd >= 0, "ckpt::load: cannot open '", file, "': ", std::strerror(errno));
+        std::unique_ptr<int, void (*)(int*)> closer(&fd, [](int* p) { ::close(*p); });
+        read_sub_box(fd, file, h->second.data_start + e->begin, chunk.lengths, o.offsets_in_a, o.lengths,
+                     static_cast<int64_t>(it.local.element_size()), static_cast<char*>(part.data_ptr()));
+      }
+      at::Tensor dst = it.local.dim() == 0 ? it.local.view({1}) : it.local;
+      for (size_t d = 0; d < o.lengths.size(); ++d) {
+        dst = dst.narrow(static_cast<int64_t>(d), o.offsets_in_b[d], o.lengths[d]);
+      }
+      dst.copy_(part.view(dst.sizes()));
+      int64_t n = 1;
+      for (int64_t l : o.lengths) n *= l;
+      covered += n;
+    }
+    HP_CHECK(covered == it.spec.numel(), "ckpt::load: tensor '", it.name, "': the saved chunks cover ", covered, " of the ",
+             it.spec.numel(), " elements of this rank's box ", it.spec.to_string());
+  }
+  std::map<std::string, std::string> values;
+  if (meta.contains("values")) values = meta["values"].get<std::map<std::string, std::string>>();
+  return values;
+}
+
+}  // namespace hp::ckpt
