@@ -24,7 +24,7 @@
 
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
-#include "hp/models/memory_estimate.h"
+#include "hp/fsdp/memory_estimate.h"
 #include "hp/runtime.h"
 #include "hp/train/config.h"
 #include "hp/train/report.h"
@@ -35,7 +35,7 @@ namespace {
 // Memory a rank needs to build the model: its shards of the parameters, plus the scratch
 // the model is built on (the largest parameter in fp32) and, for a low-precision model, the
 // fp32 draw of the parameter being initialized.
-double construction_bytes(const hp::train::TrainConfig& c, const hp::models::MemoryEstimate& est) {
+double construction_bytes(const hp::train::TrainConfig& c, const hp::MemoryEstimate& est) {
   const double largest = 4.0 * static_cast<double>(c.model.largest_param());
   return static_cast<double>(est.sharded_params) + largest * (c.params_dtype == at::kFloat ? 1 : 2);
 }
@@ -164,14 +164,14 @@ int run(const Args& args, const hp::CommPtr& world) {
 
   // Every check before training starts; all ranks agree on the outcome.
   TrainConfig c;
-  hp::models::MemoryEstimate est;
+  hp::MemoryEstimate est;
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<MetricsLog> metrics;
   std::string error;
   try {
     c = load_config(args.config, args.overrides);
     c.validate(args.world > 0 ? args.world : world->size());
-    est = hp::models::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
+    est = hp::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
                                       mixed_precision(c),
                                       {c.data_parallel, c.data_parallel_shard,
                                        // optim_grads keeps parameters gathered until backward: a group of 1

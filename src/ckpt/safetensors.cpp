@@ -36,35 +36,19 @@ class HeaderParser {
     SafetensorsHeader h;
     std::set<std::string> names;
     ws();
-    expect('{');
-    ws();
-    if (peek() == '}') {
-      ++i_;
-    } else {
-      for (;;) {
-        ws();
-        std::string key = string();
-        ws();
-        expect(':');
-        ws();
-        if (key == "__metadata__") {
-          HP_CHECK(!seen_metadata_, what_, ": the header holds __metadata__ twice");
-          seen_metadata_ = true;
-          metadata(&h.metadata);
-        } else {
-          HP_CHECK(!key.empty(), what_, ": a tensor with an empty name");
-          HP_CHECK(names.insert(key).second, what_, ": tensor '", key, "' is named twice in the header");
-          h.tensors.push_back(entry(key));
-        }
-        ws();
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect('}');
-        break;
+    object([&](const std::string& key) {
+      if (key == "__metadata__") {
+        HP_CHECK(!seen_metadata_, what_, ": the header holds __metadata__ twice");
+        seen_metadata_ = true;
+        object([&](const std::string& k) {
+          if (!h.metadata.emplace(k, string()).second) fail("metadata key '" + k + "' given twice");
+        });
+      } else {
+        HP_CHECK(!key.empty(), what_, ": a tensor with an empty name");
+        HP_CHECK(names.insert(key).second, what_, ": tensor '", key, "' is named twice in the header");
+        h.tensors.push_back(entry(key));
       }
-    }
+    });
     ws();
     HP_CHECK(i_ == n_, what_, ": the header has bytes after its JSON object (at header byte ", i_, ")");
     return h;
@@ -192,7 +176,10 @@ class HeaderParser {
       return out;
     }
   }
-  void metadata(std::map<std::string, std::string>* out) {
+  // A JSON object: for each member, `value(key)` parses the value (whitespace around it is
+  // skipped here).
+  template <typename F>
+  void object(F value) {
     expect('{');
     ws();
     if (peek() == '}') {
@@ -201,12 +188,11 @@ class HeaderParser {
     }
     for (;;) {
       ws();
-      std::string k = string();
+      std::string key = string();
       ws();
       expect(':');
       ws();
-      std::string v = string();
-      if (!out->emplace(k, v).second) fail("metadata key '" + k + "' given twice");
+      value(key);
       ws();
       if (peek() == ',') {
         ++i_;
@@ -220,13 +206,7 @@ class HeaderParser {
     TensorEntry t;
     t.name = name;
     bool has_dtype = false, has_shape = false, has_offsets = false;
-    expect('{');
-    for (;;) {
-      ws();
-      std::string k = string();
-      ws();
-      expect(':');
-      ws();
+    object([&](const std::string& k) {
       if (k == "dtype" && !has_dtype) {
         std::string d = string();
         auto it = std::find_if(dtype_names().begin(), dtype_names().end(), [&](const auto& p) { return p.first == d; });
@@ -246,14 +226,7 @@ class HeaderParser {
       } else {
         fail("tensor '" + name + "' has an unexpected or repeated key '" + k + "'");
       }
-      ws();
-      if (peek() == ',') {
-        ++i_;
-        continue;
-      }
-      expect('}');
-      break;
-    }
+    });
     HP_CHECK(has_dtype && has_shape && has_offsets, what_, ": tensor '", name,
              "' lacks dtype, shape or data_offsets");
     return t;

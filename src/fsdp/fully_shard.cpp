@@ -40,6 +40,7 @@
 #include "hp/hooks/call.h"
 #include "hp/hooks/checkpoint.h"
 #include "hp/runtime.h"
+#include "rules.h"
 
 namespace hp {
 
@@ -111,6 +112,11 @@ std::map<const c10::TensorImpl*, std::weak_ptr<FSDPModule>> g_managed;
 }  // namespace
 
 namespace detail {
+// The implementation's way to a handle's state (the public header keeps it opaque).
+struct FsdpAccess {
+  static FSDPModule::State& state(const FSDPModule& m) { return m.state(); }
+};
+
 // One root's forward pass and the backward that follows it. It belongs to the root (the
 // module whose forward ran outside any other sharded module's), not to the process: two
 // models, or two pipeline stages, run forwards and backwards side by side in one process,
@@ -206,7 +212,7 @@ struct FSDPModule::State {
   void apply_reduced(ParamInfo& p, at::Tensor g);
   // One shard holding everything and the compute dtype equal to the parameters': the
   // module's tensors alias the shards, so there is nothing to gather or free.
-  bool aliased() const { return shards() == 1 && dt.compute == dt.param; }
+  bool aliased() const { return detail::params_alias_shards(shards(), dt); }
 };
 
 namespace {
@@ -259,7 +265,6 @@ void finish_reductions();
 namespace {
 void drain_reductions(size_t keep, bool finish);
 void issue_deferred_prefetches(bool wait, bool backward = true);
-constexpr size_t kReductionsInFlight = 2;  // reduce-scatters kept in flight during backward
 
 // Queues `pass`'s end-of-backward callback on the backward now running (once per pass;
 // two passes whose losses were summed into one backward each get theirs).
@@ -745,7 +750,7 @@ void drain_reductions(size_t keep, bool finish) {
 }  // namespace
 
 void FSDPModule::State::issue_ready_all_reduces() {
-  drain_reductions(kReductionsInFlight - 1, /*finish=*/false);
+  drain_reductions(detail::kReductionsInFlight - 1, /*finish=*/false);
 }
 
 namespace {
@@ -883,7 +888,7 @@ void translate_unallocated(torch::nn::Module& failing, const std::exception& e) 
     }
   }
   for (const auto& h : live) {
-    FSDPModule::State& s = h->state();
+    FSDPModule::State& s = detail::FsdpAccess::state(*h);
     if (s.unsharded || s.unshard_pending || in_call(*s.module)) continue;
     for (const auto& p : s.params) {
       if (!used.count(p.param.unsafeGetTensorImpl())) continue;
@@ -1241,7 +1246,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   st->layout = plan_fused(plans, std::max<int64_t>(1, kFusedAlignBytes / static_cast<int64_t>(c10::elementSize(st->dt.reduce))));
   // The all-gather buffer uses the same layout in its own dtype; offsets are in elements.
 
-  auto handle = std::make_shared<FSDPModule>(std::move(st));
+  auto handle = std::shared_ptr<FSDPModule>(new FSDPModule(std::move(st)));
   FSDPModule::State* s = &handle->state();
   for (size_t i = 0; i < s->params.size(); ++i) {
     auto& p = s->params[i];

@@ -75,6 +75,9 @@ struct ShardedTensor {
 };
 
 class FSDPModule;
+namespace detail {
+struct FsdpAccess;  // fully_shard's implementation: the only code that reaches a handle's state
+}
 using FSDPHandle = std::shared_ptr<FSDPModule>;
 
 class FSDPModule {
@@ -131,12 +134,19 @@ class FSDPModule {
   void reduce_grads();
   void finalize_backward();
 
-  struct State;
-  explicit FSDPModule(std::unique_ptr<State> s);
   ~FSDPModule();
-  State& state() const { return *state_; }
+  FSDPModule(const FSDPModule&) = delete;
+  FSDPModule& operator=(const FSDPModule&) = delete;
+
+  // Opaque outside the implementation: handles are made by fully_shard only.
+  struct State;
 
  private:
+  friend struct detail::FsdpAccess;
+  friend FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options);
+  explicit FSDPModule(std::unique_ptr<State> s);
+  State& state() const { return *state_; }
+
   std::unique_ptr<State> state_;
 };
 

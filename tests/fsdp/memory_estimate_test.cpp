@@ -2,10 +2,10 @@
 #include <gtest/gtest.h>
 
 #include "hp/models/llama.h"
-#include "hp/models/memory_estimate.h"
+#include "hp/fsdp/memory_estimate.h"
 #include "test_util.h"
 
-using hp::models::estimate_memory;
+using hp::estimate_memory;
 
 TEST(MemoryEstimate, Fp32FsdpOverFourRanks) {
   // 1000 params, blocks of 100, fp32 everything, 4 shards: 250 per rank.

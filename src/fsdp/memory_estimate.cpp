@@ -1,8 +1,9 @@
-#include "hp/models/memory_estimate.h"
+#include "hp/fsdp/memory_estimate.h"
 
 #include "hp/core/error.h"
+#include "rules.h"
 
-namespace hp::models {
+namespace hp {
 
 MemoryEstimate estimate_memory(int64_t params, int64_t block, at::ScalarType param_dtype,
                                const MixedPrecisionPolicy& policy, const ParallelLayout& layout) {
@@ -25,9 +26,10 @@ MemoryEstimate estimate_memory(int64_t params, int64_t block, at::ScalarType par
   // Backward peak: two unsharded blocks (current + prefetched) in the compute dtype, the
   // current block's gradients in the gradient dtype, two reduce-scatter inputs in the
   // reduce dtype. With one shard and an unchanged dtype parameters alias their shards.
-  const bool aliased = N == 1 && d.compute == d.param;
-  m.backward_peak_extra = (aliased ? 0 : 2 * block * bytes(d.compute)) + block * bytes(d.grad) +
-                          (N == 1 ? 0 : 2 * block * bytes(d.reduce));
+  const bool aliased = detail::params_alias_shards(N, d);
+  m.backward_peak_extra = (aliased ? 0 : detail::kUnshardedBlocksHeld * block * bytes(d.compute)) +
+                          block * bytes(d.grad) +
+                          (N == 1 ? 0 : static_cast<int64_t>(detail::kReductionsInFlight) * block * bytes(d.reduce));
   const int64_t k = layout.reshard_after_forward_group_size;
   HP_CHECK(k >= 0, "estimate_memory: reshard_after_forward_group_size=", k, " must be >= 0");
   HP_CHECK(k == 0 || N % k == 0, "estimate_memory: reshard_after_forward_group_size=", k,
@@ -45,4 +47,4 @@ std::string MemoryEstimate::to_string() const {
                          ", total ", mb(total()));
 }
 
-}  // namespace hp::models
+}  // namespace hp

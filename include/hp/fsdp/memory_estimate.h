@@ -11,7 +11,7 @@
 
 #include "hp/fsdp/mixed_precision.h"
 
-namespace hp::models {
+namespace hp {
 
 struct ParallelLayout {
   int64_t dp_replicate = 1;
@@ -42,4 +42,4 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(int64_t params, int64_t largest_block_params, at::ScalarType param_dtype,
                                const MixedPrecisionPolicy& policy, const ParallelLayout& layout);
 
-}  // namespace hp::models
+}  // namespace hp
