@@ -260,9 +260,7 @@ CommContext& comm_context() {
 }
 
 void finish_backward(FsdpPass& pass);
-}  // namespace
 void finish_reductions();
-namespace {
 void drain_reductions(size_t keep, bool finish);
 void issue_deferred_prefetches(bool wait, bool backward = true);
 
@@ -623,12 +621,12 @@ void FSDPModule::State::post_backward() {
   // Which parameters got a gradient, reduced over the ranks ahead of the gradients.
   auto flags = std::make_shared<GradFlags>();
   {
-    at::Tensor local = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+    std::vector<int32_t> local(params.size(), 0);
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& p = params[i];
       local[i] = (p.requires_grad && (p.param.grad().defined() || p.unsharded_acc.defined())) ? 1 : 0;
     }
-    flags->flags = local.to(device);
+    flags->flags = at::tensor(local, at::kInt).to(device);
     flags->shard_w = shard->all_reduce(flags->flags, {ReduceOp::MAX});
   }
   if (opts.comm_fusion) {
@@ -853,8 +851,6 @@ void finish_backward(FsdpPass& it) {
   finish_reductions();
 }
 
-}  // namespace
-
 // Waits for every reduction issued so far (this pass's, and any other pass's whose backward
 // ran in the same backward call, or an explicit reduce_grads()) and applies it.
 void finish_reductions() {
@@ -867,8 +863,6 @@ void finish_reductions() {
   for (FSDPModule::State* s : cc.reduce_order) s->pending.clear();
   cc.reduce_order.clear();
 }
-
-namespace {
 
 }  // namespace
 

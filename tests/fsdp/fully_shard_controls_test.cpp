@@ -178,6 +178,7 @@ TEST(FullyShardControls, UnusedParametersMatchOneProcess) {
     ASSERT_TRUE(ps[i].grad().defined()) << "rank " << r << " param " << sd[i].name;
     at::Tensor full = hp::test::reassemble(sd[i], ps[i].grad(), w);
     at::Tensor want = i == 4 ? ref->c->weight.grad() : ref->c->bias.grad();
+    // float64, one backward: the ranks' partial sums against one sum, summation order only.
     EXPECT_LE((full - want).abs().max().item<double>(), 1e-12 * (want.abs().max().item<double>() + 1));
   }
 }
@@ -217,6 +218,8 @@ TEST(FullyShardControls, ExplicitUnshardReshardAndPrefetch) {
   torch::manual_seed(3);
   TwoLayer plain;
   at::Tensor want = plain->b->forward(plain->a->forward(x));
+  // fp32, the same ops on the same values; the tolerance covers only BLAS blocking that may
+  // differ between the two calls (a wrong gather is off by O(1)).
   EXPECT_TRUE(at::allclose(y, want, 1e-6, 1e-7));
   ha->unshard();
   hb->unshard();
