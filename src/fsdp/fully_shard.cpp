@@ -1107,17 +1107,27 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     st->shard = world;
   } else {
     const auto& names = o.mesh->names();
-    HP_CHECK(o.mesh->ndim() == 1 || o.mesh->ndim() == 2, "fully_shard(", label,
-             ") takes a 1-D mesh (dp_shard) or a 2-D mesh (dp_replicate, dp_shard), got ", o.mesh->ndim(),
-             " dims");
-    world = o.mesh->world();
-    if (o.mesh->ndim() == 1) {
-      st->shard = o.mesh->group(names[0]);
+    auto has = [&](const char* d) { return std::find(names.begin(), names.end(), d) != names.end(); };
+    if (has("dp_shard")) {
+      // Named dims: shard over dp_shard, replicate over dp_replicate when there is one; other
+      // dims (tp, pp) are not data-parallel, and fully_shard works within each of their groups.
+      st->shard_dim = "dp_shard";
+      st->shard = o.mesh->group("dp_shard");
+      if (has("dp_replicate")) st->replicate = o.mesh->group("dp_replicate");
+      world = has("dp_replicate") ? o.mesh->group({"dp_replicate", "dp_shard"}) : st->shard;
     } else {
-      st->replicate = o.mesh->group(names[0]);
-      st->shard = o.mesh->group(names[1]);
+      HP_CHECK(o.mesh->ndim() == 1 || o.mesh->ndim() == 2, "fully_shard(", label,
+               ") takes a mesh with a dp_shard dim (and optionally dp_replicate, tp, ...), or a 1-D mesh (the "
+               "shard dim) or a 2-D mesh (replicate, shard); got ", o.mesh->ndim(), " dims without a dp_shard");
+      if (o.mesh->ndim() == 1) {
+        st->shard = o.mesh->group(names[0]);
+      } else {
+        st->replicate = o.mesh->group(names[0]);
+        st->shard = o.mesh->group(names[1]);
+      }
+      st->shard_dim = names.back();
+      world = o.mesh->group(names);
     }
-    st->shard_dim = names.back();
   }
 
   // The parameters this call manages: not ignored, not already managed by a nested call,
@@ -1264,7 +1274,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   hooks.pre = [handle](torch::nn::Module&) { handle->state().pre_forward(); };
   if (s->dt.input) {
     at::ScalarType in_dt = *s->dt.input;
-    hooks.cast_input = [in_dt](torch::nn::Module&, const at::Tensor& x) {
+    hooks.cast_input = [in_dt](torch::nn::Module&, const at::Tensor& x, size_t) {
       return x.is_floating_point() && x.scalar_type() != in_dt ? x.to(in_dt) : x;
     };
   }

@@ -157,23 +157,25 @@ CallScope::CallScope(torch::nn::Module& m) : m_(m) {
 CallScope::~CallScope() { unmark(&m_); }
 
 namespace {
-using Cast = std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>;
-// Applies one kind of cast of every hook of m, in registration order.
-at::Tensor apply_casts(torch::nn::Module& m, const at::Tensor& t, Cast ForwardHooks::*which) {
+}  // namespace
+
+// Each applies one kind of cast of every hook of m, in registration order.
+at::Tensor CallScope::cast_input(const at::Tensor& t, size_t arg) const {
+  if (!has_casts_in_) return t;
   at::Tensor x = t;
-  for (const auto& h : hooks_of(m)) {
-    if (h.*which) x = (h.*which)(m, x);
+  for (const auto& h : hooks_of(m_)) {
+    if (h.cast_input) x = h.cast_input(m_, x, arg);
   }
   return x;
 }
-}  // namespace
-
-at::Tensor CallScope::cast_input(const at::Tensor& t) const {
-  return has_casts_in_ ? apply_casts(m_, t, &ForwardHooks::cast_input) : t;
-}
 
 at::Tensor CallScope::cast_output(const at::Tensor& t) const {
-  return has_casts_out_ ? apply_casts(m_, t, &ForwardHooks::cast_output) : t;
+  if (!has_casts_out_) return t;
+  at::Tensor x = t;
+  for (const auto& h : hooks_of(m_)) {
+    if (h.cast_output) x = h.cast_output(m_, x);
+  }
+  return x;
 }
 
 void CallScope::fail(const std::exception& e) {

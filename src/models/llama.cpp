@@ -13,6 +13,7 @@
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
+#include "hp/tp/parallelize.h"
 
 namespace hp::models {
 
@@ -103,10 +104,13 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t B = x.size(0), T = x.size(1);
-  auto split = [&](const at::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
-  at::Tensor q = apply_rotary(split(hp::call(wq, x), heads), cos, sin);
-  at::Tensor k = apply_rotary(split(hp::call(wk, x), kv_heads), cos, sin);
-  at::Tensor v = split(hp::call(wv, x), kv_heads);
+  // Head counts come from the projections' outputs: under tensor parallelism each rank
+  // holds heads / tp query heads and kv_heads / tp key/value heads.
+  auto split = [&](const at::Tensor& t) { return t.view({B, T, -1, head_dim}).transpose(1, 2); };
+  at::Tensor q = apply_rotary(split(hp::call(wq, x)), cos, sin);
+  at::Tensor k = apply_rotary(split(hp::call(wk, x)), cos, sin);
+  at::Tensor v = split(hp::call(wv, x));
+  const int64_t local_heads = q.size(1);
   // Each group of heads / kv_heads query heads shares one key/value head.
   const int64_t group = heads / kv_heads;
   k = k.repeat_interleave(group, 1);
@@ -115,7 +119,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   at::Tensor att = upcast(scores).softmax(-1).to(v.scalar_type());
-  at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, heads * head_dim});
+  at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, local_heads * head_dim});
   return hp::call(wo, o);
 }
 
@@ -164,7 +168,11 @@ at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
 }
 
 at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
-  at::Tensor logits = forward(tokens);
+  return loss_of_logits(forward(tokens), targets);
+}
+
+at::Tensor LlamaImpl::loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const {
+  if (vocab_parallel_loss) return tp::vocab_parallel_cross_entropy(logits, targets, vocab_parallel_loss);
   return torch::nn::functional::cross_entropy(upcast(logits.reshape({-1, logits.size(-1)})),
                                               targets.reshape({-1}));
 }
@@ -191,12 +199,28 @@ void init_parameter(const std::string& name, at::Tensor& out, uint64_t seed, dou
   }
 }
 
+// init_parameter for `param`, written into `out` (param itself, or a tensor of its shape):
+// a tensor-parallel piece gets the global tensor's values in its box.
+void init_piece(const std::string& name, const at::Tensor& param, at::Tensor& out, uint64_t seed, double std) {
+  auto spec = tp::parameter_spec(param);
+  if (!spec) {
+    init_parameter(name, out, seed, std);
+    return;
+  }
+  at::Tensor global = at::empty(spec->global_shape, out.options());
+  init_parameter(name, global, seed, std);
+  at::Tensor box = global;
+  for (size_t d = 0; d < spec->offsets.size(); ++d) box = box.narrow(d, spec->offsets[d], spec->lengths[d]);
+  at::NoGradGuard no_grad;
+  out.copy_(box);
+}
+
 }  // namespace
 
 void init_parameters(torch::nn::Module& m, uint64_t seed, double std) {
   for (const auto& item : m.named_parameters()) {
     at::Tensor p = item.value();
-    init_parameter(item.key(), p, seed, std);
+    init_piece(item.key(), p, p, seed, std);
   }
 }
 
@@ -208,7 +232,7 @@ std::function<void(const at::Tensor&, at::Tensor&)> parameter_initializer(torch:
     auto it = names->find(param.unsafeGetTensorImpl());
     HP_CHECK(it != names->end(), "parameter_initializer: a parameter ", param.sizes(),
              " that is not one of the model's");
-    init_parameter(it->second, full, seed, std);
+    init_piece(it->second, param, full, seed, std);
   };
 }
 

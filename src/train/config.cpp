@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "hp/core/error.h"
+#include "hp/models/tensor_parallel.h"
 
 namespace hp::train {
 
@@ -229,7 +230,7 @@ const std::vector<Key>& keys() {
         "activation checkpointing of every block: full recomputes its activations in backward, "
         "selective keeps its matmul outputs and recomputes the rest",
         [](TrainConfig& c, const Value& v) { c.recompute = as_choice(v, {"none", "full", "selective"}); });
-    top("tensor_parallel", "int", "1", "tensor-parallel size (only 1 yet)",
+    top("tensor_parallel", "int", "1", "tensor-parallel size (ranks each layer is split over; llama)",
         [](TrainConfig& c, const Value& v) { c.tensor_parallel = as_int(v, 1, kMaxRanks); });
     top("sequence_parallel", "bool", "false", "sequence parallel (needs tensor_parallel > 1)",
         [](TrainConfig& c, const Value& v) { c.sequence_parallel = as_bool(v); });
@@ -431,10 +432,19 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
 
 void TrainConfig::validate(int world_size) {
   const std::string& s = source;
-  HP_CHECK(tensor_parallel == 1, s, ": tensor_parallel=", tensor_parallel,
-           ": tensor parallelism is not supported yet (use 1)");
-  HP_CHECK(!sequence_parallel, s, ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=",
-           tensor_parallel, ")");
+  HP_CHECK(!sequence_parallel || tensor_parallel > 1, s,
+           ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=", tensor_parallel, ")");
+  if (tensor_parallel > 1) {
+    HP_CHECK(model.type == "llama", s, ": tensor_parallel=", tensor_parallel, " with model.type=", model.type,
+             " is not supported yet (llama only)");
+    try {
+      models::check_tensor_parallel(model.llama, tensor_parallel);
+    } catch (const Error& e) {
+      throw Error(detail::str_cat(s, ": ", e.what()));
+    }
+    HP_CHECK(!sequence_parallel || seq_length % tensor_parallel == 0, s, ": seq_length=", seq_length,
+             " is not divisible by tensor_parallel=", tensor_parallel, " (sequence_parallel splits the sequence)");
+  }
   HP_CHECK(pipeline_parallel == 1, s, ": pipeline_parallel=", pipeline_parallel,
            ": pipeline parallelism is not supported yet (use 1)");
   HP_CHECK(pipeline_parallel_interleave_num == 1, s, ": pipeline_parallel_interleave_num=",
@@ -567,7 +577,12 @@ std::string describe(const TrainConfig& c) {
   os << "model " << c.model.type << " (" << c.model.preset << " preset, " << c.model.num_params()
      << " parameters); data " << c.data.type << (c.data.path.empty() ? "" : " " + c.data.path) << "\n";
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
-     << (c.data_parallel > 1 ? " (HSDP)" : " (FSDP)") << ", " << c.data_parallel_shard_strategy
+     << (c.tensor_parallel > 1 ? detail::str_cat(" x tensor_parallel ", c.tensor_parallel) : std::string())
+     << (c.data_parallel > 1 ? " (HSDP" : " (FSDP")
+     << (c.tensor_parallel > 1 ? detail::str_cat(" + TP, sequence_parallel ", c.sequence_parallel ? "on" : "off",
+                                                 ", loss parallel)")
+                               : std::string(")"))
+     << ", " << c.data_parallel_shard_strategy
      << (c.reshard_after_forward_group_size > 1
              ? detail::str_cat(" (resharded to groups of ", c.reshard_after_forward_group_size, " after forward)")
              : c.reshard_after_forward_group_size == 1 ? std::string(" (group of 1: kept gathered after forward)")

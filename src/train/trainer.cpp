@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <set>
 
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
@@ -13,7 +14,9 @@
 #include "hp/fsdp/master_weights.h"
 #include "hp/models/deepseek.h"
 #include "hp/models/llama.h"
+#include "hp/models/tensor_parallel.h"
 #include "hp/optim/foreach_adamw.h"
+#include "hp/tp/dtensor.h"
 
 namespace hp::train {
 
@@ -27,12 +30,25 @@ double lr_at(const TrainConfig& c, int64_t step) {
 }
 
 double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& shards) {
-  at::Tensor sum = at::zeros({1}, at::kDouble);
-  for (const at::Tensor& g : grads) {
-    if (g.defined() && g.numel() > 0) sum += g.to(at::kDouble).square().sum();
+  return global_grad_norm(grads, std::vector<bool>(grads.size(), false), shards, nullptr);
+}
+
+double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& split, const CommPtr& shards,
+                        const CommPtr& tp) {
+  HP_CHECK(split.size() == grads.size(), "global_grad_norm: ", grads.size(), " gradients but ", split.size(),
+           " split flags");
+  at::Tensor sums = at::zeros({2}, at::kDouble);  // [whole on every tp rank, tp pieces]
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    if (g.defined() && g.numel() > 0) sums[split[i] ? 1 : 0] += g.to(at::kDouble).square().sum();
   }
-  if (shards && shards->size() > 1) shards->all_reduce(sum).wait();
-  return std::sqrt(sum.item<double>());
+  if (shards && shards->size() > 1) shards->all_reduce(sums).wait();
+  if (tp && tp->size() > 1) {
+    at::Tensor pieces = sums.narrow(0, 1, 1).clone();
+    tp->all_reduce(pieces).wait();
+    sums[1] = pieces[0];
+  }
+  return std::sqrt(sums.sum().item<double>());
 }
 
 double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm) {
@@ -68,6 +84,21 @@ class ModelOf : public TrainModel {
   }
   at::Tensor forward(const at::Tensor& tokens, bool hooked) override {
     return hooked ? hp::call(m_, tokens) : m_->forward(tokens);
+  }
+  at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) override {
+    if constexpr (std::is_same_v<Holder, models::Llama>) return m_->loss_of_logits(logits, targets);
+    return torch::nn::functional::cross_entropy(models::upcast(logits.reshape({-1, logits.size(-1)})),
+                                                targets.reshape({-1}));
+  }
+  void parallelize(const CommPtr& tp, bool sequence_parallel, c10::optional<at::ScalarType> reduce_dtype) override {
+    if constexpr (std::is_same_v<Holder, models::Llama>) {
+      models::TensorParallelOptions o;
+      o.sequence_parallel = sequence_parallel;
+      o.reduce_dtype = reduce_dtype;
+      models::parallelize_llama(m_, tp, o);
+    } else {
+      HP_CHECK(false, "tensor parallelism of the ", m_->name(), " model is not supported yet");
+    }
   }
   void after_step(const CommPtr& dp) override {
     if constexpr (std::is_same_v<Holder, models::DeepSeek>) m_->update_balancing_bias(dp);
@@ -105,10 +136,9 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
 }
 
-at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, int64_t vocab, bool hooked) {
+at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked) {
   at::Tensor x = batch.narrow(1, 0, seq), y = batch.narrow(1, 1, seq);
-  at::Tensor logits = m.forward(x, hooked);
-  return torch::nn::functional::cross_entropy(models::upcast(logits.reshape({-1, vocab})), y.reshape({-1}));
+  return m.loss_of_logits(m.forward(x, hooked), y);
 }
 
 }  // namespace
@@ -139,7 +169,7 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred) {
 
 struct Trainer::Impl {
   TrainConfig c;
-  CommPtr world, dp, shards;
+  CommPtr world, dp, shards, tp;
   std::shared_ptr<DeviceMesh> mesh;
   std::unique_ptr<TrainModel> model;
   std::vector<FSDPHandle> handles;
@@ -147,21 +177,30 @@ struct Trainer::Impl {
   std::unique_ptr<DataSharder> sharder;
   int64_t dp_rank = 0;
   std::vector<at::Tensor> params;
+  // The sharded parameters that are shards of tensor-parallel pieces.
+  std::set<const c10::TensorImpl*> tp_pieces;
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::unique_ptr<FP32MasterOptimizer> master;
   int64_t steps = 0;
 
-  std::vector<at::Tensor> grads() const {
+  // The gradients to clip and step with; `split` (when given) says which are
+  // tensor-parallel pieces.
+  std::vector<at::Tensor> grads(std::vector<bool>* split = nullptr) const {
     std::vector<at::Tensor> out;
+    auto add = [&](const at::Tensor& g, const at::Tensor& param) {
+      out.push_back(g);
+      if (split) split->push_back(tp_pieces.count(param.unsafeGetTensorImpl()) > 0);
+    };
     if (master) {
       for (auto& h : handles) {
-        for (auto& g : h->main_grads()) {
-          if (g.defined()) out.push_back(g);
+        std::vector<at::Tensor> ps = h->parameters(), gs = h->main_grads();
+        for (size_t i = 0; i < gs.size(); ++i) {
+          if (gs[i].defined()) add(gs[i], ps[i]);
         }
       }
     } else {
       for (auto& p : params) {
-        if (p.requires_grad() && p.grad().defined()) out.push_back(p.grad());
+        if (p.requires_grad() && p.grad().defined()) add(p.grad(), p);
       }
     }
     return out;
@@ -174,22 +213,28 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.c = cfg;
   s.world = std::move(world);
   const TrainConfig& c = s.c;
-  HP_CHECK(c.dp_size() == s.world->size(), "Trainer: the config's data-parallel layout (", c.data_parallel, " x ",
-           c.data_parallel_shard, ") does not cover the world of ", s.world->size(), " (validate the config first)");
-  if (c.data_parallel > 1) {
-    s.mesh = std::make_shared<DeviceMesh>(
-        s.world, std::vector<MeshDim>{{"dp_replicate", c.data_parallel}, {"dp_shard", c.data_parallel_shard}});
-    s.dp = s.mesh->group({"dp_replicate", "dp_shard"});
-  } else {
-    s.mesh = std::make_shared<DeviceMesh>(s.world, std::vector<MeshDim>{{"dp_shard", c.data_parallel_shard}});
-    s.dp = s.mesh->group("dp_shard");
-  }
+  HP_CHECK(c.dp_size() * c.tensor_parallel == s.world->size(), "Trainer: the config's layout (", c.data_parallel,
+           " x ", c.data_parallel_shard, " x tensor_parallel ", c.tensor_parallel, ") does not cover the world of ",
+           s.world->size(), " (validate the config first)");
+  // (dp_replicate, dp_shard, tp): tensor parallel innermost, on consecutive ranks.
+  std::vector<MeshDim> dims;
+  if (c.data_parallel > 1) dims.push_back({"dp_replicate", c.data_parallel});
+  dims.push_back({"dp_shard", c.data_parallel_shard});
+  dims.push_back({"tp", c.tensor_parallel});
+  s.mesh = std::make_shared<DeviceMesh>(s.world, dims);
+  s.dp = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard"}) : s.mesh->group("dp_shard");
   s.shards = s.mesh->group("dp_shard");
+  s.tp = s.mesh->group("tp");
   s.dp_rank = s.dp->rank();
 
   // Built without storage: each rank materializes only its shards (plus one parameter at a
   // time), so a model larger than a rank's memory can be trained.
   s.model = make_model(c, /*deferred=*/true);
+  if (c.tensor_parallel > 1) {
+    // Before fully_shard, which then shards each rank's pieces; the initializer reads each
+    // piece's box of the global tensor.
+    s.model->parallelize(s.tp, c.sequence_parallel, mixed_precision(c).reduce_dtype);
+  }
   FullyShardOptions o;
   o.param_init = models::parameter_initializer(s.model->root(), c.seed);
   o.mesh = s.mesh;
@@ -201,7 +246,14 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.handles.push_back(fully_shard(s.model->root(), o));
   materialize_deferred_buffers(s.model->root());
   for (auto& h : s.handles) {
-    for (auto& p : h->parameters()) s.params.push_back(p);
+    std::vector<at::Tensor> sharded = h->parameters();
+    std::vector<ShardedTensor> entries = h->state_dict();
+    auto module_params = h->module().named_parameters();
+    HP_INTERNAL_ASSERT(sharded.size() == entries.size(), "fully_shard handle: parameters and state_dict differ");
+    for (size_t i = 0; i < sharded.size(); ++i) {
+      if (tp::parameter_spec(module_params[entries[i].name])) s.tp_pieces.insert(sharded[i].unsafeGetTensorImpl());
+      s.params.push_back(sharded[i]);
+    }
   }
   if (c.fp32_master()) {
     s.master = std::make_unique<FP32MasterOptimizer>(
@@ -230,14 +282,15 @@ StepStats Trainer::step() {
     } catch (const Error& e) {
       throw Error(detail::str_cat("step ", s.steps + 1, ", micro-batch ", j + 1, ": ", e.what()));
     }
-    at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, c.model.vocab(), /*hooked=*/true);
+    at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, /*hooked=*/true);
     (loss / static_cast<double>(c.micro_batch_num)).backward();
     loss_sum += loss.item<double>();
   }
   StepStats st;
   st.step = s.steps + 1;
-  std::vector<at::Tensor> grads = s.grads();
-  st.grad_norm = global_grad_norm(grads, s.shards);  // the same on every rank
+  std::vector<bool> split;
+  std::vector<at::Tensor> grads = s.grads(&split);
+  st.grad_norm = global_grad_norm(grads, split, s.shards, s.tp);  // the same on every rank
   check_finite(st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
@@ -271,6 +324,7 @@ std::vector<at::Tensor> Trainer::sharded_params() const { return impl_->params; 
 std::vector<at::Tensor> Trainer::sharded_grads() const { return impl_->grads(); }
 const std::vector<FSDPHandle>& Trainer::handles() const { return impl_->handles; }
 const CommPtr& Trainer::shard_group() const { return impl_->shards; }
+const CommPtr& Trainer::tp_group() const { return impl_->tp; }
 std::string Trainer::describe_data() const { return impl_->data->describe(); }
 
 // ---------------------------------------------------------------------------------------
@@ -320,7 +374,7 @@ StepStats ReferenceTrainer::step() {
   double loss_sum = 0;
   for (int64_t j = 0; j < c.micro_batch_num; ++j) {
     at::Tensor batch = load_batch(*s.data, s.sharder->global_samples(s.steps, j), c.seq_length);
-    at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, c.model.vocab(), /*hooked=*/false);
+    at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, /*hooked=*/false);
     (loss / static_cast<double>(c.micro_batch_num)).backward();
     loss_sum += loss.item<double>();
     torch::NoGradGuard ng;

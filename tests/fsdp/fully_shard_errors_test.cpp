@@ -25,13 +25,15 @@ TEST(FullyShardErrors, AppliedTwiceToOneModule) {
   expect_error([&] { hp::fully_shard(*m->blocks[0]); }, {"already applied", "BlockImpl"});
 }
 
-TEST(FullyShardErrors, MeshOfThreeDims) {
+// Three dims are fine when one is named dp_shard (the others: dp_replicate, or dims that
+// are not data-parallel); without that name fully_shard cannot tell which dim to shard.
+TEST(FullyShardErrors, MeshOfThreeDimsWithoutDpShard) {
   auto w = hp::world();
-  auto mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"pp", 1}, {"dp_replicate", 1}, {"dp_shard", -1}});
+  auto mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"pp", 1}, {"dp", 1}, {"fsdp", -1}});
   TinyModel m(TinyConfig{});
   hp::FullyShardOptions o;
   o.mesh = mesh;
-  expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"1-D mesh", "2-D mesh", "got 3 dims"});
+  expect_error([&] { hp::fully_shard(*m->blocks[0], o); }, {"dp_shard", "got 3 dims"});
 }
 
 TEST(FullyShardErrors, ReshardAfterForwardGroupSize) {

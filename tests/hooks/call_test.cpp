@@ -1,6 +1,8 @@
 // The call boundary against plain forward calls computed here.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
@@ -60,13 +62,34 @@ TEST(Call, CastsInputsAndOutputs) {
   torch::nn::Linear fc(3, 2);
   fc->to(at::kDouble);
   hp::register_forward_hooks(*fc, {nullptr,
-                                   [](torch::nn::Module&, const at::Tensor& t) { return t.to(at::kDouble); },
+                                   [](torch::nn::Module&, const at::Tensor& t, size_t) { return t.to(at::kDouble); },
                                    [](torch::nn::Module&, const at::Tensor& t) { return t.to(at::kFloat); },
                                    nullptr});
   at::Tensor x = at::randn({5, 3});  // float input, double module
   at::Tensor y = hp::call(fc, x);
   EXPECT_EQ(y.scalar_type(), at::kFloat);
   EXPECT_TRUE(at::allclose(y, fc->forward(x.to(at::kDouble)).to(at::kFloat)));
+}
+
+// Each tensor argument is cast with its own position; other arguments are passed through.
+struct ThreeArgsImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& a, double scale, const at::Tensor& b) { return a * scale + b; }
+};
+TORCH_MODULE(ThreeArgs);
+
+TEST(Call, InputCastsSeeArgumentPositions) {
+  ThreeArgs m;
+  std::vector<size_t> seen;
+  hp::ForwardHooks h;
+  h.cast_input = [&](torch::nn::Module&, const at::Tensor& t, size_t arg) {
+    seen.push_back(arg);
+    return arg == 2 ? t * 10 : t;  // only the third argument
+  };
+  hp::register_forward_hooks(*m, h);
+  at::Tensor y = hp::call(m, at::ones({2}), 2.0, at::ones({2}));
+  std::sort(seen.begin(), seen.end());  // the order arguments are evaluated in is unspecified
+  EXPECT_EQ(seen, (std::vector<size_t>{0, 2}));
+  EXPECT_TRUE(at::equal(y, at::full({2}, 12.0)));
 }
 
 TEST(Call, OnErrorMayReplaceTheException) {

@@ -36,8 +36,10 @@
 namespace hp {
 
 struct FullyShardOptions {
-  // 1-D: FSDP over its only dim. 2-D: HSDP, (dp_replicate, dp_shard) in that order.
-  // Null: FSDP over hp::world().
+  // A mesh with a dim named dp_shard: FSDP over it, HSDP when it also has dp_replicate;
+  // its other dims (tp, pp) are not data-parallel: fully_shard works within each of their
+  // groups (under tensor parallelism, on each rank's pieces). Otherwise by position: 1-D,
+  // FSDP over its only dim; 2-D, HSDP over (replicate, shard). Null: FSDP over hp::world().
   std::shared_ptr<DeviceMesh> mesh;
   // Free the unsharded parameters after forward (all-gather again before backward).
   bool reshard_after_forward = true;

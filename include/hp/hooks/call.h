@@ -6,8 +6,8 @@
 //
 // Contract
 // - Hooks are registered per module object (not per class) and run in registration order:
-//   every `pre` before forward, then every `cast_input` on each at::Tensor argument, then
-//   forward, then every `cast_output` on an at::Tensor result, then every `post`.
+//   every `pre` before forward, then every `cast_input` on each at::Tensor argument (with
+//   the argument's position, so a hook can treat arguments differently), then forward, then every `cast_output` on an at::Tensor result, then every `post`.
 // - A module without hooks is simply forwarded: built-in leaf modules work unmodified.
 // - in_call(m) tells whether m's forward is running inside hp::call on this thread; a
 //   capability that needs its hooks checks it to raise a clear error naming the module when
@@ -27,7 +27,7 @@ namespace hp {
 
 struct ForwardHooks {
   std::function<void(torch::nn::Module&)> pre;
-  std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> cast_input;
+  std::function<at::Tensor(torch::nn::Module&, const at::Tensor&, size_t arg)> cast_input;
   std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> cast_output;
   std::function<void(torch::nn::Module&)> post;
   // Runs when forward (or a hook) throws inside the call; may throw a clearer error in
@@ -64,7 +64,7 @@ class CallScope {
   ~CallScope();
   CallScope(const CallScope&) = delete;
   CallScope& operator=(const CallScope&) = delete;
-  at::Tensor cast_input(const at::Tensor& t) const;
+  at::Tensor cast_input(const at::Tensor& t, size_t arg) const;
   at::Tensor cast_output(const at::Tensor& t) const;
   void finish();
   // Gives on_error hooks the chance to replace the exception being propagated.
@@ -91,11 +91,36 @@ ForwardOverride* forward_override();
 ForwardOverride* set_forward_override(ForwardOverride* o);
 
 template <typename A>
-decltype(auto) maybe_cast_input(const CallScope& s, A&& a) {
+decltype(auto) maybe_cast_input(const CallScope& s, size_t arg, A&& a) {
   if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
-    return s.cast_input(a);
+    return s.cast_input(a, arg);
   } else {
     return std::forward<A>(a);
+  }
+}
+
+template <typename M, size_t... I, typename... Args>
+auto call_indexed(M& m, std::index_sequence<I...>, Args&&... args) {
+  torch::nn::Module& mod = *m.get();
+  detail::CallScope scope(mod);
+  try {
+    if constexpr (sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, at::Tensor> && ...) &&
+                  std::is_same_v<decltype(m->forward(std::forward<Args>(args)...)), at::Tensor>) {
+      if (detail::ForwardOverride* o = detail::forward_override()) {
+        at::Tensor x = scope.cast_input(args..., 0);
+        at::Tensor out = o->forward(mod, x, [&m](const at::Tensor& in) { return m->forward(in); });
+        out = scope.cast_output(out);
+        scope.finish();
+        return out;
+      }
+    }
+    auto out = m->forward(detail::maybe_cast_input(scope, I, std::forward<Args>(args))...);
+    if constexpr (std::is_same_v<decltype(out), at::Tensor>) out = scope.cast_output(out);
+    scope.finish();
+    return out;
+  } catch (const std::exception& e) {
+    scope.fail(e);
+    throw;
   }
 }
 
@@ -105,27 +130,7 @@ decltype(auto) maybe_cast_input(const CallScope& s, A&& a) {
 // (torch::nn::Linear) or a std::shared_ptr to a module.
 template <typename M, typename... Args>
 auto call(M& m, Args&&... args) {
-  torch::nn::Module& mod = *m.get();
-  detail::CallScope scope(mod);
-  try {
-    if constexpr (sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, at::Tensor> && ...) &&
-                  std::is_same_v<decltype(m->forward(std::forward<Args>(args)...)), at::Tensor>) {
-      if (detail::ForwardOverride* o = detail::forward_override()) {
-        at::Tensor x = scope.cast_input(args...);
-        at::Tensor out = o->forward(mod, x, [&m](const at::Tensor& in) { return m->forward(in); });
-        out = scope.cast_output(out);
-        scope.finish();
-        return out;
-      }
-    }
-    auto out = m->forward(detail::maybe_cast_input(scope, std::forward<Args>(args))...);
-    if constexpr (std::is_same_v<decltype(out), at::Tensor>) out = scope.cast_output(out);
-    scope.finish();
-    return out;
-  } catch (const std::exception& e) {
-    scope.fail(e);
-    throw;
-  }
+  return detail::call_indexed(m, std::index_sequence_for<Args...>{}, std::forward<Args>(args)...);
 }
 
 }  // namespace hp

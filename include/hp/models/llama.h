@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "hp/comm/communicator.h"
 #include "hp/hooks/checkpoint.h"
 
 namespace hp::models {
@@ -107,14 +108,20 @@ struct LlamaImpl : torch::nn::Module {
   explicit LlamaImpl(const LlamaConfig& c);
   // Logits [B, T, vocab] of tokens [B, T].
   at::Tensor forward(const at::Tensor& tokens);
-  // Mean next-token cross-entropy (computed in fp32).
+  // Mean next-token cross-entropy (computed in fp32). Calls forward directly: under
+  // fully_shard, call the root through hp::call and use loss_of_logits.
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
+  // The same loss of logits from forward (vocabulary-split ones with loss parallel).
+  at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const;
   // Deterministic, layout-independent initialization (see the file comment).
   void init_weights(uint64_t seed);
 
   LlamaConfig config;
   // Set: each block is checkpointed with this policy (activations recomputed in backward).
   c10::optional<RecomputePolicy> recompute;
+  // Set (by parallelize_llama with loss parallel): the output head's logits are split on
+  // the vocabulary over this group, and loss() reduces them without gathering.
+  CommPtr vocab_parallel_loss;
   torch::nn::Embedding tok_emb{nullptr};
   std::vector<LlamaBlock> blocks;
   RMSNorm norm{nullptr};

@@ -32,6 +32,10 @@ double lr_at(const TrainConfig& c, int64_t step);
 // sqrt of the sum of squares of every element of `grads` over the ranks of `shards`
 // (each rank holding different elements); null `shards`: this process only. fp64 sums.
 double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& shards);
+// The same under tensor parallelism: grads[i] is a tensor-parallel piece when split[i]
+// (summed over `tp` too) and whole on every tp rank otherwise (counted once).
+double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& split, const CommPtr& shards,
+                        const CommPtr& tp);
 // Scales `grads` by max_norm / (norm + 1e-6) when norm > max_norm > 0; returns the scale.
 double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm);
 
@@ -58,7 +62,14 @@ class TrainModel {
   virtual torch::nn::Module& root() = 0;
   virtual std::vector<torch::nn::Module*> blocks() = 0;
   // Logits [B, T, vocab]; through hp::call (so fully_shard's hooks run) when `hooked`.
+  // Under tensor parallelism with loss parallel, this rank's vocabulary piece of them.
   virtual at::Tensor forward(const at::Tensor& tokens, bool hooked) = 0;
+  // Mean cross-entropy of forward's logits (vocabulary-parallel when they are split).
+  virtual at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) = 0;
+  // Applies tensor (and sequence) parallelism over `tp` (before fully_shard); raises "not
+  // supported yet" for a model without a plan.
+  virtual void parallelize(const CommPtr& tp, bool sequence_parallel,
+                           c10::optional<at::ScalarType> reduce_dtype) = 0;
   // DeepSeek: balancing bias from the load since the last call (summed over `dp`).
   virtual void after_step(const CommPtr& dp) = 0;
 };
@@ -83,6 +94,8 @@ class Trainer {
   const std::vector<FSDPHandle>& handles() const;
   // The ranks one replica's parameters are sharded over (dp_shard).
   const CommPtr& shard_group() const;
+  // The tensor-parallel group (size 1 without tensor parallelism).
+  const CommPtr& tp_group() const;
   std::string describe_data() const;
 
   struct Impl;

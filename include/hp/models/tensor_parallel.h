@@ -1,0 +1,36 @@
+// Tensor (and sequence) parallel plans of the reference models.
+//
+// Llama: the embedding rowwise (vocabulary-parallel), attention q/k/v colwise and o
+// rowwise, the MLP's gate and up colwise and down rowwise, norms sequence-parallel, the
+// output head colwise; each rank keeps heads / tp query heads and kv_heads / tp key/value
+// heads. With sequence parallelism the residual stream between blocks is split on the
+// sequence dim (one all-gather and one reduce-scatter per attention and per MLP, each way);
+// without it, it is whole on every rank (one all-reduce per attention and per MLP, each
+// way). With loss parallelism the logits stay split on the vocabulary and loss() reduces
+// them without gathering (three all-reduces); without it they are gathered.
+#pragma once
+
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+#include "hp/comm/communicator.h"
+#include "hp/models/llama.h"
+
+namespace hp::models {
+
+struct TensorParallelOptions {
+  bool sequence_parallel = true;
+  bool loss_parallel = true;
+  // Dtype of the gradient reductions over the group (the mixed-precision reduce dtype).
+  c10::optional<at::ScalarType> reduce_dtype;
+};
+
+// Raises hp::Error naming the field when `c` cannot be split over `tp` ranks (heads,
+// kv_heads, vocab or the MLP's hidden size not divisible; tied embeddings).
+void check_tensor_parallel(const LlamaConfig& c, int64_t tp);
+
+// Applies the plan above to `model` over `group`. Apply before fully_shard.
+void parallelize_llama(Llama& model, const CommPtr& group, const TensorParallelOptions& o = {});
+
+}  // namespace hp::models

@@ -1,0 +1,344 @@
+#include "hp/tp/parallelize.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "hp/core/error.h"
+#include "hp/core/memory.h"
+#include "hp/hooks/call.h"
+
+namespace hp::tp {
+
+// ---- parameter specs -------------------------------------------------------------------
+
+namespace {
+struct SpecEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> owner;
+  ShardSpec spec;
+};
+std::mutex g_spec_mu;
+std::map<const c10::TensorImpl*, SpecEntry> g_specs;
+}  // namespace
+
+void set_parameter_spec(const at::Tensor& param, ShardSpec spec) {
+  std::lock_guard<std::mutex> g(g_spec_mu);
+  for (auto it = g_specs.begin(); it != g_specs.end();) {  // drop entries of dead parameters
+    it = it->second.owner.expired() ? g_specs.erase(it) : std::next(it);
+  }
+  // A weak reference keeps the TensorImpl's memory (not its data) from being reused while
+  // the entry exists, so an address never names a different parameter.
+  const c10::TensorImpl* key = param.unsafeGetTensorImpl();
+  g_specs.erase(key);
+  g_specs.emplace(key, SpecEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), std::move(spec)});
+}
+
+c10::optional<ShardSpec> parameter_spec(const at::Tensor& param) {
+  std::lock_guard<std::mutex> g(g_spec_mu);
+  auto it = g_specs.find(param.unsafeGetTensorImpl());
+  if (it == g_specs.end() || it->second.owner.expired()) return c10::nullopt;
+  return it->second.spec;
+}
+
+// ---- name patterns ---------------------------------------------------------------------
+
+bool match_module_name(const std::string& pattern, const std::string& name) {
+  // Backtracking over the last '*' seen: '*' never crosses a '.'.
+  size_t p = 0, n = 0, star = std::string::npos, mark = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = n;
+    } else if (p < pattern.size() && pattern[p] == name[n]) {
+      ++p;
+      ++n;
+    } else if (star != std::string::npos && name[mark] != '.') {
+      p = star + 1;
+      n = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+// ---- gradient sums ---------------------------------------------------------------------
+
+void sum_gradient_over(const at::Tensor& param, const CommPtr& group, c10::optional<at::ScalarType> rd) {
+  if (group->size() == 1) return;
+  at::Tensor p = param;
+  p.register_hook([group, rd](const at::Tensor& grad) {
+    return redistribute_no_grad(grad, group, Partial(), Replicate(), rd);
+  });
+}
+
+// ---- styles ----------------------------------------------------------------------------
+
+namespace {
+
+struct Target {
+  torch::nn::Module& module;
+  std::string name;  // dotted name, "" for the root
+  const CommPtr& group;
+  const ParallelizeOptions& opts;
+  std::string label() const { return name.empty() ? std::string("the root module") : "'" + name + "'"; }
+};
+
+// Tensors made Replicate by a PrepareModuleInput whose module is running on this thread:
+// the colwise layers inside use them as they are.
+struct PreparedFrame {
+  const torch::nn::Module* module;
+  std::vector<at::Tensor> tensors;
+};
+thread_local std::vector<PreparedFrame> t_prepared;
+
+bool is_prepared(const at::Tensor& x) {
+  for (const auto& f : t_prepared) {
+    for (const auto& t : f.tensors) {
+      if (t.is_same(x)) return true;
+    }
+  }
+  return false;
+}
+
+void pop_prepared(const torch::nn::Module* m) {
+  for (auto it = t_prepared.rbegin(); it != t_prepared.rend(); ++it) {
+    if (it->module == m) {
+      t_prepared.erase(std::next(it).base());
+      return;
+    }
+  }
+}
+
+// Replaces `param` in place by this rank's piece along `dim`, and records its spec. A
+// parameter built without storage (DeferredAllocation) gets a piece without storage too;
+// its values come from the initializer, which reads the spec.
+void shard_parameter(const Target& t, const std::string& pname, at::Tensor param, int64_t dim) {
+  const int64_t n = t.group->size(), r = t.group->rank();
+  HP_CHECK(param.dim() > dim, "tensor parallel: parameter '", pname, "' of ", t.label(), " has ", param.dim(),
+           " dims; cannot split dim ", dim);
+  HP_CHECK(param.size(dim) % n == 0, "tensor parallel: dim ", dim, " of parameter '", pname, "' of ", t.label(),
+           " (shape ", param.sizes(), ") is ", param.size(dim), ", not divisible by the tensor-parallel degree ",
+           n);
+  HP_CHECK(!parameter_spec(param), "tensor parallel: parameter '", pname, "' of ", t.label(),
+           " is already split (a module parallelized twice?)");
+  std::vector<std::vector<DimSplit>> splits(param.dim());
+  splits[dim].push_back(DimSplit{t.group->name(), n, r});
+  ShardSpec spec = make_shard_spec(param.sizes().vec(), splits);
+  at::NoGradGuard no_grad;
+  at::Tensor piece;
+  if (param.numel() > 0 && memory::is_deferred(param.storage().data())) {
+    memory::DeferredAllocation deferred;
+    piece = at::empty(spec.lengths, param.options());
+  } else {
+    piece = local_piece(param, Shard(dim), n, r).clone();
+  }
+  param.set_data(piece);
+  set_parameter_spec(param, std::move(spec));
+}
+
+void mark_whole(const Target& t, const std::string& pname, const at::Tensor& param) {
+  HP_CHECK(!parameter_spec(param), "tensor parallel: parameter '", pname, "' of ", t.label(),
+           " is already split (a module parallelized twice?)");
+}
+
+const char* kind_of(torch::nn::Module& m) {
+  if (dynamic_cast<torch::nn::LinearImpl*>(&m)) return "Linear";
+  if (dynamic_cast<torch::nn::EmbeddingImpl*>(&m)) return "Embedding";
+  return nullptr;
+}
+
+void check_kind(const Target& t, const char* style) {
+  HP_CHECK(kind_of(t.module), style, " applies to Linear and Embedding modules; ", t.label(), " is ",
+           t.module.name());
+}
+
+RedistributeOptions redist(const Target& t) { return RedistributeOptions{t.opts.reduce_dtype}; }
+
+void apply(const Target& t, const ColwiseParallel& s) {
+  check_kind(t, "ColwiseParallel");
+  HP_CHECK(!s.input_layout.is_partial(), "ColwiseParallel on ", t.label(), ": input layout ",
+           s.input_layout.to_string(), " is not supported yet");
+  HP_CHECK(s.output_layout.is_replicate() || (s.output_layout.is_shard() && s.output_layout.dim == -1),
+           "ColwiseParallel on ", t.label(), ": output layout ", s.output_layout.to_string(),
+           " is not supported (Shard(-1) or Replicate)");
+  const bool embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(&t.module) != nullptr;
+  if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(&t.module)) {
+    shard_parameter(t, "weight", lin->weight, 0);
+    if (lin->bias.defined()) shard_parameter(t, "bias", lin->bias, 0);
+  } else {
+    auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(&t.module);
+    shard_parameter(t, "weight", emb->weight, 1);
+  }
+  CommPtr g = t.group;
+  RedistributeOptions ro = redist(t);
+  ForwardHooks h;
+  h.cast_input = [g, s, ro, embedding](torch::nn::Module&, const at::Tensor& x, size_t arg) {
+    if (arg != 0) return x;
+    if (embedding) return redistribute_no_grad(x, g, s.input_layout, Replicate());  // token ids
+    if (is_prepared(x)) return x;
+    return redistribute(x, g, s.input_layout, Replicate(), /*grad=*/Partial(), ro);
+  };
+  if (s.output_layout.is_replicate()) {
+    h.cast_output = [g, ro](torch::nn::Module&, const at::Tensor& y) {
+      return redistribute(y, g, Shard(-1), Replicate(), /*grad=*/Replicate(), ro);
+    };
+  }
+  register_forward_hooks(t.module, std::move(h));
+}
+
+void apply(const Target& t, const RowwiseParallel& s) {
+  check_kind(t, "RowwiseParallel");
+  HP_CHECK(!s.output_layout.is_shard() || (s.output_layout.dim != -1 && s.output_layout.dim >= 0),
+           "RowwiseParallel on ", t.label(), ": output layout ", s.output_layout.to_string(),
+           " is not supported (Replicate, Shard of a sequence dim, or Partial)");
+  CommPtr g = t.group;
+  RedistributeOptions ro = redist(t);
+  const Placement out = s.output_layout;
+  const Placement out_grad = out.is_partial() ? Replicate() : out;
+  ForwardHooks h;
+  if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(&t.module)) {
+    HP_CHECK(s.input_layout.is_replicate() || (s.input_layout.is_shard() && s.input_layout.dim == -1),
+             "RowwiseParallel on ", t.label(), ": input layout ", s.input_layout.to_string(),
+             " is not supported (Shard(-1) or Replicate)");
+    shard_parameter(t, "weight", lin->weight, 1);
+    at::Tensor bias = lin->bias;
+    if (bias.defined()) {
+      mark_whole(t, "bias", bias);
+      // Added once, after the reduction: each rank's partial output leaves it out. Added
+      // to sequence pieces, its gradient is Partial.
+      if (out.is_shard()) sum_gradient_over(bias, g, t.opts.reduce_dtype);
+      h.pre = [lin](torch::nn::Module&) { lin->bias = at::Tensor(); };
+      h.post = [lin, bias](torch::nn::Module&) { lin->bias = bias; };
+      h.on_error = [lin, bias](torch::nn::Module&, const std::exception&) { lin->bias = bias; };
+    }
+    const Placement in = s.input_layout;
+    h.cast_input = [g, in, ro](torch::nn::Module&, const at::Tensor& x, size_t arg) {
+      if (arg != 0 || in.is_shard()) return x;
+      return redistribute(x, g, Replicate(), Shard(-1), /*grad=*/Shard(-1), ro);
+    };
+    h.cast_output = [g, out, out_grad, ro, bias](torch::nn::Module&, const at::Tensor& y) {
+      at::Tensor r = redistribute(y, g, Partial(), out, out_grad, ro);
+      if (!bias.defined()) return r;
+      // Left Partial: the bias counts once in the sum, yet every rank's copy gets a gradient
+      // (zero but for rank 0), which the gradient sum then makes whole everywhere.
+      if (out.is_partial()) return r + bias * (g->rank() == 0 ? 1.0 : 0.0);
+      return r + bias;
+    };
+    if (out.is_partial() && bias.defined()) sum_gradient_over(bias, g, t.opts.reduce_dtype);
+  } else {
+    auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(&t.module);
+    HP_CHECK(s.input_layout.is_replicate() || s.input_layout.is_shard(), "RowwiseParallel on ", t.label(),
+             ": input layout ", s.input_layout.to_string(), " is not supported for an Embedding");
+    HP_CHECK(!emb->options.padding_idx() && !emb->options.max_norm(), "RowwiseParallel on ", t.label(),
+             ": an Embedding with padding_idx or max_norm is not supported yet");
+    const int64_t vocab = emb->weight.size(0);
+    shard_parameter(t, "weight", emb->weight, 0);
+    const int64_t per = vocab / g->size(), lo = per * g->rank();
+    const Placement in = s.input_layout;
+    // The mask of ids outside this rank's rows, from the input to the output of one call.
+    auto masks = std::make_shared<std::vector<at::Tensor>>();
+    h.cast_input = [g, in, lo, per, masks](torch::nn::Module&, const at::Tensor& ids, size_t arg) {
+      if (arg != 0) return ids;
+      at::Tensor all = redistribute_no_grad(ids, g, in, Replicate());
+      at::Tensor outside = (all < lo).logical_or(all >= lo + per);
+      masks->push_back(outside);
+      return (all - lo).masked_fill(outside, 0);
+    };
+    h.cast_output = [g, out, out_grad, ro, masks](torch::nn::Module&, const at::Tensor& y) {
+      HP_INTERNAL_ASSERT(!masks->empty(), "vocabulary-parallel embedding output without its input");
+      at::Tensor outside = masks->back();
+      masks->pop_back();
+      return redistribute(y.masked_fill(outside.unsqueeze(-1), 0), g, Partial(), out, out_grad, ro);
+    };
+    h.on_error = [masks](torch::nn::Module&, const std::exception&) { masks->clear(); };
+  }
+  register_forward_hooks(t.module, std::move(h));
+}
+
+void apply(const Target& t, const SequenceParallel& s) {
+  HP_CHECK(s.input_layout.is_replicate() || (s.input_layout.is_shard() && s.input_layout.dim == s.sequence_dim),
+           "SequenceParallel on ", t.label(), ": input layout ", s.input_layout.to_string(),
+           " is not supported (Shard(", s.sequence_dim, ") or Replicate)");
+  for (const auto& item : t.module.named_parameters(/*recurse=*/true)) {
+    mark_whole(t, item.key(), item.value());
+    sum_gradient_over(item.value(), t.group, t.opts.reduce_dtype);
+  }
+  if (s.input_layout.is_replicate()) {
+    CommPtr g = t.group;
+    RedistributeOptions ro = redist(t);
+    const Placement seq = Shard(s.sequence_dim);
+    ForwardHooks h;
+    h.cast_input = [g, seq, ro](torch::nn::Module&, const at::Tensor& x, size_t arg) {
+      return arg == 0 ? redistribute(x, g, Replicate(), seq, /*grad=*/seq, ro) : x;
+    };
+    register_forward_hooks(t.module, std::move(h));
+  }
+}
+
+void apply(const Target& t, const PrepareModuleInput& s) {
+  HP_CHECK(s.input_layouts.size() == s.desired_input_layouts.size(), "PrepareModuleInput on ", t.label(), ": ",
+           s.input_layouts.size(), " input layouts but ", s.desired_input_layouts.size(), " desired layouts");
+  for (size_t i = 0; i < s.input_layouts.size(); ++i) {
+    HP_CHECK(s.input_layouts[i].has_value() == s.desired_input_layouts[i].has_value(), "PrepareModuleInput on ",
+             t.label(), ": argument ", i, " has a layout but no desired layout, or the reverse");
+  }
+  CommPtr g = t.group;
+  RedistributeOptions ro = redist(t);
+  ForwardHooks h;
+  h.pre = [](torch::nn::Module& m) { t_prepared.push_back(PreparedFrame{&m, {}}); };
+  h.cast_input = [g, s, ro](torch::nn::Module&, const at::Tensor& x, size_t arg) {
+    if (arg >= s.input_layouts.size() || !s.input_layouts[arg]) return x;
+    const Placement& from = *s.input_layouts[arg];
+    const Placement& to = *s.desired_input_layouts[arg];
+    const Placement grad = to.is_replicate() ? Partial() : to.is_partial() ? Replicate() : to;
+    at::Tensor y = redistribute(x, g, from, to, grad, ro);
+    if (to.is_replicate()) t_prepared.back().tensors.push_back(y);
+    return y;
+  };
+  h.post = [](torch::nn::Module& m) { pop_prepared(&m); };
+  h.on_error = [](torch::nn::Module& m, const std::exception&) { pop_prepared(&m); };
+  register_forward_hooks(t.module, std::move(h));
+}
+
+void apply(const Target& t, const PrepareModuleOutput& s) {
+  CommPtr g = t.group;
+  RedistributeOptions ro = redist(t);
+  const Placement from = s.output_layout, to = s.desired_output_layout;
+  const Placement grad = to.is_partial() ? Replicate() : to;
+  ForwardHooks h;
+  h.cast_output = [g, from, to, grad, ro](torch::nn::Module&, const at::Tensor& y) {
+    return redistribute(y, g, from, to, grad, ro);
+  };
+  register_forward_hooks(t.module, std::move(h));
+}
+
+}  // namespace
+
+void parallelize_module(torch::nn::Module& root, const CommPtr& group, const ParallelizePlan& plan,
+                        const ParallelizeOptions& o) {
+  HP_CHECK(group, "parallelize_module without a group");
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> modules;
+  modules.emplace_back("", nullptr);  // the root (named_modules gives a shared_ptr we may not take)
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) modules.emplace_back(item.key(), item.value());
+  std::vector<bool> used(plan.size(), false);
+  for (const auto& [name, ptr] : modules) {
+    torch::nn::Module& m = ptr ? *ptr : root;
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (!match_module_name(plan[i].first, name)) continue;
+      used[i] = true;
+      Target t{m, name, group, o};
+      std::visit([&t](const auto& style) { apply(t, style); }, plan[i].second);
+    }
+  }
+  for (size_t i = 0; i < plan.size(); ++i) {
+    HP_CHECK(used[i], "parallelize_module: plan pattern '", plan[i].first, "' matches no module");
+  }
+}
+
+}  // namespace hp::tp
