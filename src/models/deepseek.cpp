@@ -101,8 +101,11 @@ MLAImpl::MLAImpl(const DeepSeekConfig& cfg) : c(cfg) {
 }
 
 at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t B = x.size(0), T = x.size(1), H = c.heads, qk = c.qk_nope_dim + c.qk_rope_dim;
-  at::Tensor q = hp::call(wq_b, hp::call(q_norm, hp::call(wq_a, x))).view({B, T, H, qk}).transpose(1, 2);
+  const int64_t B = x.size(0), T = x.size(1), qk = c.qk_nope_dim + c.qk_rope_dim;
+  // The head count comes from the up-projection: under tensor parallelism each rank holds
+  // heads / tp of them.
+  at::Tensor q = hp::call(wq_b, hp::call(q_norm, hp::call(wq_a, x))).view({B, T, -1, qk}).transpose(1, 2);
+  const int64_t H = q.size(1);
   at::Tensor q_nope = q.narrow(-1, 0, c.qk_nope_dim);
   at::Tensor q_rope = apply_rotary(q.narrow(-1, c.qk_nope_dim, c.qk_rope_dim).contiguous(), cos, sin);
   at::Tensor kv_a = hp::call(wkv_a, x);
@@ -204,6 +207,10 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& tokens) {
   at::Tensor h = hp::call(tok_emb, tokens);
   for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   return hp::call(output, hp::call(norm, h));
+}
+
+at::Tensor DeepSeekImpl::loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const {
+  return cross_entropy_of_logits(logits, targets, vocab_parallel_loss);
 }
 
 void DeepSeekImpl::update_balancing_bias(const CommPtr& dp) {

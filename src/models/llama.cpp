@@ -172,7 +172,11 @@ at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) 
 }
 
 at::Tensor LlamaImpl::loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const {
-  if (vocab_parallel_loss) return tp::vocab_parallel_cross_entropy(logits, targets, vocab_parallel_loss);
+  return cross_entropy_of_logits(logits, targets, vocab_parallel_loss);
+}
+
+at::Tensor cross_entropy_of_logits(const at::Tensor& logits, const at::Tensor& targets, const CommPtr& vocab_parallel) {
+  if (vocab_parallel) return tp::vocab_parallel_cross_entropy(logits, targets, vocab_parallel);
   return torch::nn::functional::cross_entropy(upcast(logits.reshape({-1, logits.size(-1)})),
                                               targets.reshape({-1}));
 }

@@ -17,28 +17,96 @@ void check_tensor_parallel(const LlamaConfig& c, int64_t tp) {
   HP_CHECK(!c.tie_embeddings, "tensor_parallel=", tp, " with tie_embeddings is not supported yet");
 }
 
-void parallelize_llama(Llama& model, const CommPtr& group, const TensorParallelOptions& o) {
-  using namespace hp::tp;
-  check_tensor_parallel(model->config, group->size());
-  // Between blocks: the residual stream's placement.
-  const Placement stream = o.sequence_parallel ? Shard(1) : Replicate();
-  ParallelizePlan plan = {
-      {"tok_emb", RowwiseParallel().input(Replicate()).output(stream)},
-      {"layers_*.attn", PrepareModuleInput({stream, c10::nullopt, c10::nullopt}, {Replicate(), c10::nullopt, c10::nullopt})},
-      {"layers_*.attn.wq", ColwiseParallel()},
-      {"layers_*.attn.wk", ColwiseParallel()},
-      {"layers_*.attn.wv", ColwiseParallel()},
-      {"layers_*.attn.wo", RowwiseParallel().output(stream)},
-      {"layers_*.mlp", PrepareModuleInput({stream}, {Replicate()})},
-      {"layers_*.mlp.w1", ColwiseParallel()},
-      {"layers_*.mlp.w3", ColwiseParallel()},
-      {"layers_*.mlp.w2", RowwiseParallel().output(stream)},
-      {"output", ColwiseParallel().input(stream).output(o.loss_parallel ? Shard(-1) : Replicate())},
-  };
+void check_tensor_parallel(const DeepSeekConfig& c, int64_t tp) {
+  HP_CHECK(tp >= 1, "tensor_parallel must be at least 1, got ", tp);
+  if (tp == 1) return;
+  HP_CHECK(c.heads % tp == 0, "tensor_parallel=", tp, ": heads=", c.heads, " is not divisible by it");
+  HP_CHECK(c.vocab % tp == 0, "tensor_parallel=", tp, ": vocab=", c.vocab, " is not divisible by it");
+  HP_CHECK(c.dense_layers == 0 || c.dense_hidden % tp == 0, "tensor_parallel=", tp, ": dense_hidden=",
+           c.dense_hidden, " is not divisible by it");
+  HP_CHECK(c.layers == c.dense_layers || c.expert_hidden % tp == 0, "tensor_parallel=", tp, ": expert_hidden=",
+           c.expert_hidden, " is not divisible by it");
+}
+
+namespace {
+
+using namespace hp::tp;
+
+// The parts both models share: the embedding, the residual stream's norms, a dense SwiGLU
+// MLP at `mlp`, and the output head. `stream` is the residual stream's placement between
+// blocks.
+void add_common(ParallelizePlan& plan, const Placement& stream, const TensorParallelOptions& o,
+                const std::string& mlp) {
+  plan.push_back({"tok_emb", RowwiseParallel().input(Replicate()).output(stream)});
+  plan.push_back({mlp, PrepareModuleInput({stream}, {Replicate()})});
+  plan.push_back({mlp + ".w1", ColwiseParallel()});
+  plan.push_back({mlp + ".w3", ColwiseParallel()});
+  plan.push_back({mlp + ".w2", RowwiseParallel().output(stream)});
+  plan.push_back({"output", ColwiseParallel().input(stream).output(o.loss_parallel ? Shard(-1) : Replicate())});
   if (o.sequence_parallel) {
     plan.push_back({"layers_*.attn_norm", SequenceParallel()});
     plan.push_back({"layers_*.ffn_norm", SequenceParallel()});
     plan.push_back({"norm", SequenceParallel()});
+  }
+}
+
+// Attention's input gathered (or entered) once: (x, cos, sin).
+PrepareModuleInput attention_input(const Placement& stream) {
+  return PrepareModuleInput({stream, c10::nullopt, c10::nullopt}, {Replicate(), c10::nullopt, c10::nullopt});
+}
+
+}  // namespace
+
+void parallelize_llama(Llama& model, const CommPtr& group, const TensorParallelOptions& o) {
+  check_tensor_parallel(model->config, group->size());
+  const Placement stream = o.sequence_parallel ? Shard(1) : Replicate();
+  ParallelizePlan plan = {
+      {"layers_*.attn", attention_input(stream)},
+      {"layers_*.attn.wq", ColwiseParallel()},
+      {"layers_*.attn.wk", ColwiseParallel()},
+      {"layers_*.attn.wv", ColwiseParallel()},
+      {"layers_*.attn.wo", RowwiseParallel().output(stream)},
+  };
+  add_common(plan, stream, o, "layers_*.mlp");
+  parallelize_module(*model, group, plan, ParallelizeOptions{o.reduce_dtype});
+  if (o.loss_parallel) model->vocab_parallel_loss = group;
+}
+
+void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorParallelOptions& o) {
+  const DeepSeekConfig& c = model->config;
+  check_tensor_parallel(c, group->size());
+  const Placement stream = o.sequence_parallel ? Shard(1) : Replicate();
+  ParallelizePlan plan = {
+      {"layers_*.attn", attention_input(stream)},
+      {"layers_*.attn.wq_a", ReplicateParallel()},
+      {"layers_*.attn.q_norm", ReplicateParallel()},
+      {"layers_*.attn.wkv_a", ReplicateParallel()},
+      {"layers_*.attn.kv_norm", ReplicateParallel()},
+      {"layers_*.attn.wq_b", ColwiseParallel().prepared_input()},
+      {"layers_*.attn.wkv_b", ColwiseParallel().prepared_input()},
+      {"layers_*.attn.wo", RowwiseParallel().output(stream)},
+  };
+  if (c.layers > c.dense_layers) {
+    const Placement partial = Partial();
+    plan.push_back({"layers_*.moe", PrepareModuleInput({stream}, {Replicate()})});
+    plan.push_back({"layers_*.moe", PrepareModuleOutput(partial, stream)});
+    plan.push_back({"layers_*.moe.gate", ReplicateParallel()});
+    for (const std::string e : {"layers_*.moe.shared", "layers_*.moe.experts.*"}) {
+      plan.push_back({e + ".w1", ColwiseParallel().prepared_input()});
+      plan.push_back({e + ".w3", ColwiseParallel().prepared_input()});
+      plan.push_back({e + ".w2", RowwiseParallel().output(partial)});
+    }
+  }
+  const bool has_dense = c.dense_layers > 0;
+  if (!has_dense) {
+    // add_common's MLP pattern must match something: without dense layers there is none.
+    ParallelizePlan rest;
+    add_common(rest, stream, o, "layers_*.mlp");
+    for (auto& item : rest) {
+      if (item.first.rfind("layers_*.mlp", 0) != 0) plan.push_back(item);
+    }
+  } else {
+    add_common(plan, stream, o, "layers_*.mlp");
   }
   parallelize_module(*model, group, plan, ParallelizeOptions{o.reduce_dtype});
   if (o.loss_parallel) model->vocab_parallel_loss = group;

@@ -69,7 +69,19 @@ bool match_module_name(const std::string& pattern, const std::string& name) {
 
 // ---- gradient sums ---------------------------------------------------------------------
 
+namespace {
+// Parameters whose gradient is already summed by a hook: a second hook would double it.
+std::map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> g_summed;
+}  // namespace
+
 void sum_gradient_over(const at::Tensor& param, const CommPtr& group, c10::optional<at::ScalarType> rd) {
+  {
+    std::lock_guard<std::mutex> g(g_spec_mu);
+    for (auto it = g_summed.begin(); it != g_summed.end();) it = it->second.expired() ? g_summed.erase(it) : std::next(it);
+    HP_CHECK(!g_summed.count(param.unsafeGetTensorImpl()), "tensor parallel: a parameter of shape ", param.sizes(),
+             " already has its gradient summed over a group (a module parallelized twice?)");
+    g_summed.emplace(param.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()));
+  }
   if (group->size() == 1) return;
   at::Tensor p = param;
   p.register_hook([group, rd](const at::Tensor& grad) {
@@ -181,7 +193,7 @@ void apply(const Target& t, const ColwiseParallel& s) {
   h.cast_input = [g, s, ro, embedding](torch::nn::Module&, const at::Tensor& x, size_t arg) {
     if (arg != 0) return x;
     if (embedding) return redistribute_no_grad(x, g, s.input_layout, Replicate());  // token ids
-    if (is_prepared(x)) return x;
+    if (s.input_prepared || is_prepared(x)) return x;
     return redistribute(x, g, s.input_layout, Replicate(), /*grad=*/Partial(), ro);
   };
   if (s.output_layout.is_replicate()) {
@@ -261,14 +273,21 @@ void apply(const Target& t, const RowwiseParallel& s) {
   register_forward_hooks(t.module, std::move(h));
 }
 
-void apply(const Target& t, const SequenceParallel& s) {
-  HP_CHECK(s.input_layout.is_replicate() || (s.input_layout.is_shard() && s.input_layout.dim == s.sequence_dim),
-           "SequenceParallel on ", t.label(), ": input layout ", s.input_layout.to_string(),
-           " is not supported (Shard(", s.sequence_dim, ") or Replicate)");
+// Every parameter of the module (and its submodules) whole, its gradient summed over the group.
+void sum_gradients_of(const Target& t) {
   for (const auto& item : t.module.named_parameters(/*recurse=*/true)) {
     mark_whole(t, item.key(), item.value());
     sum_gradient_over(item.value(), t.group, t.opts.reduce_dtype);
   }
+}
+
+void apply(const Target& t, const ReplicateParallel&) { sum_gradients_of(t); }
+
+void apply(const Target& t, const SequenceParallel& s) {
+  HP_CHECK(s.input_layout.is_replicate() || (s.input_layout.is_shard() && s.input_layout.dim == s.sequence_dim),
+           "SequenceParallel on ", t.label(), ": input layout ", s.input_layout.to_string(),
+           " is not supported (Shard(", s.sequence_dim, ") or Replicate)");
+  sum_gradients_of(t);
   if (s.input_layout.is_replicate()) {
     CommPtr g = t.group;
     RedistributeOptions ro = redist(t);

@@ -230,7 +230,7 @@ const std::vector<Key>& keys() {
         "activation checkpointing of every block: full recomputes its activations in backward, "
         "selective keeps its matmul outputs and recomputes the rest",
         [](TrainConfig& c, const Value& v) { c.recompute = as_choice(v, {"none", "full", "selective"}); });
-    top("tensor_parallel", "int", "1", "tensor-parallel size (ranks each layer is split over; llama)",
+    top("tensor_parallel", "int", "1", "tensor-parallel size (ranks each layer is split over)",
         [](TrainConfig& c, const Value& v) { c.tensor_parallel = as_int(v, 1, kMaxRanks); });
     top("sequence_parallel", "bool", "false", "sequence parallel (needs tensor_parallel > 1)",
         [](TrainConfig& c, const Value& v) { c.sequence_parallel = as_bool(v); });
@@ -435,10 +435,12 @@ void TrainConfig::validate(int world_size) {
   HP_CHECK(!sequence_parallel || tensor_parallel > 1, s,
            ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=", tensor_parallel, ")");
   if (tensor_parallel > 1) {
-    HP_CHECK(model.type == "llama", s, ": tensor_parallel=", tensor_parallel, " with model.type=", model.type,
-             " is not supported yet (llama only)");
     try {
-      models::check_tensor_parallel(model.llama, tensor_parallel);
+      if (model.type == "llama") {
+        models::check_tensor_parallel(model.llama, tensor_parallel);
+      } else {
+        models::check_tensor_parallel(model.deepseek, tensor_parallel);
+      }
     } catch (const Error& e) {
       throw Error(detail::str_cat(s, ": ", e.what()));
     }

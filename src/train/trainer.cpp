@@ -86,19 +86,13 @@ class ModelOf : public TrainModel {
     return hooked ? hp::call(m_, tokens) : m_->forward(tokens);
   }
   at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) override {
-    if constexpr (std::is_same_v<Holder, models::Llama>) return m_->loss_of_logits(logits, targets);
-    return torch::nn::functional::cross_entropy(models::upcast(logits.reshape({-1, logits.size(-1)})),
-                                                targets.reshape({-1}));
+    return m_->loss_of_logits(logits, targets);
   }
   void parallelize(const CommPtr& tp, bool sequence_parallel, c10::optional<at::ScalarType> reduce_dtype) override {
-    if constexpr (std::is_same_v<Holder, models::Llama>) {
-      models::TensorParallelOptions o;
-      o.sequence_parallel = sequence_parallel;
-      o.reduce_dtype = reduce_dtype;
-      models::parallelize_llama(m_, tp, o);
-    } else {
-      HP_CHECK(false, "tensor parallelism of the ", m_->name(), " model is not supported yet");
-    }
+    models::TensorParallelOptions o;
+    o.sequence_parallel = sequence_parallel;
+    o.reduce_dtype = reduce_dtype;
+    models::parallelize(m_, tp, o);
   }
   void after_step(const CommPtr& dp) override {
     if constexpr (std::is_same_v<Holder, models::DeepSeek>) m_->update_balancing_bias(dp);

@@ -22,8 +22,12 @@
 #include "hp/runtime.h"
 #include "hp/tp/parallelize.h"
 #include "test_util.h"
+#include "tp/tp_test_util.h"
 
 namespace {
+
+using hp::test::Batch;
+using hp::test::batch;
 
 constexpr double kBound = 1e-10;
 
@@ -38,93 +42,20 @@ hp::models::LlamaConfig config() {
   return c;
 }
 
-double rel(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.sizes().equals(b.sizes())) return 1e30;
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() /
-         (b.to(at::kDouble).abs().max().item<double>() + 1e-300);
-}
-
-// The tensor-parallel dim of a piece, or -1 for a whole parameter.
-int64_t split_dim(const at::Tensor& p) {
-  auto spec = hp::tp::parameter_spec(p);
-  if (!spec) return -1;
-  for (size_t d = 0; d < spec->splits.size(); ++d) {
-    if (!spec->splits[d].empty()) return static_cast<int64_t>(d);
-  }
-  return -1;
-}
-
-// The whole parameter from every rank's piece (rank r's piece at r * len along `dim`),
-// assembled here; a whole parameter must be bitwise the same on every rank.
-at::Tensor whole(const at::Tensor& piece, int64_t dim, const hp::CommPtr& g, double* spread) {
-  if (dim < 0) {
-    at::Tensor r0 = piece.detach().to(at::kDouble).clone().contiguous();
-    g->broadcast(r0, 0).wait();
-    at::Tensor d = (piece.detach().to(at::kDouble) - r0).abs().max().reshape({1});
-    g->all_reduce(d, hp::ReduceOptions{hp::ReduceOp::MAX}).wait();
-    *spread = std::max(*spread, d.item<double>());
-    return r0;
-  }
-  auto shape = piece.sizes().vec();
-  shape[dim] *= g->size();
-  at::Tensor full = at::zeros(shape, at::kDouble);
-  full.narrow(dim, g->rank() * piece.size(dim), piece.size(dim)).copy_(piece.detach());
-  g->all_reduce(full).wait();
-  return full;
-}
-
-struct Batch {
-  at::Tensor x, y;
-};
-Batch batch(int step, int64_t B, int64_t T, int64_t vocab) {
-  at::Tensor all = at::randint(vocab, {B, T + 1}, at::detail::createCPUGenerator(100 + step), at::kLong);
-  return {all.narrow(1, 0, T), all.narrow(1, 1, T)};
-}
-
-hp::models::Llama reference(const hp::models::LlamaConfig& c) {
-  hp::models::Llama ref(c);
-  ref->init_weights(7);
-  ref->to(at::kDouble);
-  return ref;
-}
+void no_after_step(hp::models::Llama&, const hp::CommPtr&) {}
 
 TEST(LlamaTp, MatchesSingleProcessTraining) {
   auto g = hp::world();
-  const auto c = config();
-  const int64_t B = 2, T = 8;
   for (bool sp : {true, false}) {
     for (bool lp : {true, false}) {
       SCOPED_TRACE(std::string("sequence_parallel=") + (sp ? "on" : "off") + " loss_parallel=" + (lp ? "on" : "off"));
-      auto ref = reference(c);
-      hp::models::Llama m(c);
       hp::models::TensorParallelOptions o;
       o.sequence_parallel = sp;
       o.loss_parallel = lp;
-      hp::models::parallelize_llama(m, g, o);
-      m->init_weights(7);  // each piece gets its box of the layout-independent values
-      m->to(at::kDouble);
-      torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      for (int step = 0; step < 3; ++step) {
-        Batch b = batch(step, B, T, c.vocab);
-        ref_opt.zero_grad();
-        at::Tensor want = ref->loss(b.x, b.y);
-        want.backward();
-        ref_opt.step();
-        opt.zero_grad();
-        at::Tensor got = m->loss(b.x, b.y);
-        got.backward();
-        opt.step();
-        EXPECT_LE(rel(got, want), kBound) << "step " << step;
-      }
-      auto ref_params = ref->named_parameters();
-      double worst = 0, spread = 0;
-      for (const auto& item : m->named_parameters()) {
-        at::Tensor full = whole(item.value(), split_dim(item.value()), g, &spread);
-        worst = std::max(worst, rel(full, ref_params[item.key()]));
-      }
-      EXPECT_LE(worst, kBound);
-      EXPECT_EQ(spread, 0.0);  // whole parameters (norms) stay identical on every rank
+      auto r = hp::test::train_tp_against_one_process<hp::models::Llama>(config(), o, g, nullptr, 1, 0, no_after_step);
+      EXPECT_LE(r.loss, kBound);
+      EXPECT_LE(r.params, kBound);
+      EXPECT_EQ(r.spread, 0.0);  // whole parameters (norms) stay identical on every rank
     }
   }
 }
@@ -180,51 +111,11 @@ TEST(LlamaTp, UnderFullyShardMatchesSingleProcessTraining) {
   auto w = hp::world();
   if (w->size() != 4) GTEST_SKIP() << "needs 4 ranks (dp_shard 2 x tp 2)";
   auto mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"dp_shard", 2}, {"tp", 2}});
-  auto tp = mesh->group("tp"), dp = mesh->group("dp_shard");
-  const auto c = config();
-  const int64_t B = 4, T = 8, local = B / 2, dp_rank = mesh->coordinate("dp_shard");
-  auto ref = reference(c);
-  hp::models::Llama m(c);
-  hp::models::parallelize_llama(m, tp);
-  m->init_weights(7);
-  m->to(at::kDouble);
-  hp::FullyShardOptions fo;
-  fo.mesh = mesh;
-  fo.comm_fusion = true;
-  std::vector<hp::FSDPHandle> handles;
-  for (auto& blk : m->blocks) handles.push_back(hp::fully_shard(*blk, fo));
-  handles.push_back(hp::fully_shard(*m, fo));
-  std::vector<at::Tensor> params;
-  for (auto& h : handles) {
-    for (auto& p : h->parameters()) params.push_back(p);
-  }
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  for (int step = 0; step < 3; ++step) {
-    Batch b = batch(step, B, T, c.vocab);
-    ref_opt.zero_grad();
-    ref->loss(b.x, b.y).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    at::Tensor x = b.x.narrow(0, dp_rank * local, local), y = b.y.narrow(0, dp_rank * local, local);
-    m->loss_of_logits(hp::call(m, x), y).backward();
-    opt.step();
-  }
-  // Each sharded parameter: its dp_shard rows put together here, then its tp pieces.
-  double worst = 0, spread = 0;
-  for (size_t i = 0; i < handles.size(); ++i) {
-    auto mine = handles[i]->module().named_parameters();
-    auto want = i + 1 < handles.size() ? ref->blocks[i]->named_parameters() : ref->named_parameters();
-    for (const auto& st : handles[i]->state_dict()) {
-      at::Tensor piece = at::zeros(st.global_shape, at::kDouble);
-      if (st.local.dim() > 0 && st.local.size(0) > 0) piece.narrow(0, st.row_offset, st.local.size(0)).copy_(st.local);
-      dp->all_reduce(piece).wait();
-      at::Tensor full = whole(piece, split_dim(mine[st.name]), tp, &spread);
-      worst = std::max(worst, rel(full, want[st.name]));
-    }
-  }
-  EXPECT_LE(worst, kBound);
-  EXPECT_EQ(spread, 0.0);
+  auto r = hp::test::train_tp_against_one_process<hp::models::Llama>(config(), {}, mesh->group("tp"), mesh, 2,
+                                                                     mesh->coordinate("dp_shard"), no_after_step);
+  EXPECT_LE(r.loss, kBound);
+  EXPECT_LE(r.params, kBound);
+  EXPECT_EQ(r.spread, 0.0);
 }
 
 TEST(LlamaTp, LayoutErrorsNameTheValue) {

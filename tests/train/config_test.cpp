@@ -130,8 +130,11 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"data:\n  type: text\n  path: a.txt\nmodel:\n  vocab: 100\n", {}, 4, {"data.type=text", "model.vocab=100"}},
       {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
       {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},
+      // layouts the model cannot be split into
+      {"tensor_parallel: 3\n", {}, 3, {"tensor_parallel=3", "heads=4 is not divisible"}},
+      {"tensor_parallel: 2\nsequence_parallel: true\nseq_length: 63\n", {}, 4,
+       {"seq_length=63", "not divisible by tensor_parallel=2"}},
       // capabilities not built yet
-      {"tensor_parallel: 2\n", {}, 4, {"tensor_parallel=2", "not supported yet"}},
       {"pipeline_parallel: 2\n", {}, 4, {"pipeline_parallel=2", "not supported yet"}},
       {"params_dtype: float16\n", {}, 4, {"params_dtype=float16", "not supported yet"}},
       {"compute_dtype: fp16\n", {}, 4, {"compute_dtype=float16", "not supported yet"}},

@@ -245,6 +245,10 @@ TEST(TrainDist, LlamaTensorParallelMatchesSingleProcess) {
   if (hp::world()->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
   expect_matches_naive("llama", 2);
 }
+TEST(TrainDist, DeepSeekTensorParallelMatchesSingleProcess) {
+  if (hp::world()->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
+  expect_matches_naive("deepseek", 2);
+}
 
 // bf16 parameters with fp32 reduction and masters (the demo's policy) against the naive
 // loop with the same casts. The two differ by bf16 rounding: each rank's bf16 matmuls

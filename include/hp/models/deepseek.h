@@ -89,9 +89,15 @@ TORCH_MODULE(DeepSeekBlock);
 struct DeepSeekImpl : torch::nn::Module {
   explicit DeepSeekImpl(const DeepSeekConfig& c);
   at::Tensor forward(const at::Tensor& tokens);
+  // Mean next-token cross-entropy of forward's logits (vocabulary-split ones with loss
+  // parallel), computed in fp32.
+  at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const;
   void init_weights(uint64_t seed) { init_parameters(*this, seed); }
+  // `dp`: the data-parallel group (tensor-parallel ranks see the same tokens: not in it).
   void update_balancing_bias(const CommPtr& dp = nullptr);
   DeepSeekConfig config;
+  // Set by parallelize_deepseek with loss parallel (see LlamaImpl::vocab_parallel_loss).
+  CommPtr vocab_parallel_loss;
   // Set: each block is checkpointed with this policy (activations recomputed in backward).
   c10::optional<RecomputePolicy> recompute;
   torch::nn::Embedding tok_emb{nullptr};

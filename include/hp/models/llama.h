@@ -65,6 +65,11 @@ std::function<void(const at::Tensor& param, at::Tensor& full)> parameter_initial
 // that parity tests can train whole models in float64 (no step rounds to float32).
 inline at::Tensor upcast(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? x : x.to(at::kFloat); }
 
+// Mean cross-entropy of logits [..., vocab] against targets [...], in fp32 (float64 for
+// float64 logits); with `vocab_parallel`, the logits are this rank's vocabulary piece over
+// that group and the loss is reduced without gathering them. Shared by the reference models.
+at::Tensor cross_entropy_of_logits(const at::Tensor& logits, const at::Tensor& targets, const CommPtr& vocab_parallel);
+
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);

@@ -7,7 +7,17 @@
 // sequence dim (one all-gather and one reduce-scatter per attention and per MLP, each way);
 // without it, it is whole on every rank (one all-reduce per attention and per MLP, each
 // way). With loss parallelism the logits stay split on the vocabulary and loss() reduces
-// them without gathering (three all-reduces); without it they are gathered.
+// them without gathering (two all-reduces); without it they are gathered.
+//
+// DeepSeek-V3: the same around the blocks; MLA's down-projections (wq_a, wkv_a) and their
+// norms run replicated inside the attention region and their gradients (each rank's heads
+// contribute a part) are summed over the group; the up-projections (wq_b, wkv_b) are
+// colwise on the replicated latents and wo rowwise. MoE: the router replicated (gradient
+// summed), the shared and every routed expert colwise / rowwise along their hidden dim with
+// their outputs left Partial, and one reduction at the MoE's output. Routing runs on the
+// whole (replicated) tokens on every rank, so each rank routes identically and the
+// balancing-bias load counts each token once per data-parallel rank (update it over the
+// data-parallel group, which excludes tp). Dense layers as Llama's MLP.
 #pragma once
 
 #include <c10/util/Optional.h>
@@ -15,6 +25,7 @@
 #include <cstdint>
 
 #include "hp/comm/communicator.h"
+#include "hp/models/deepseek.h"
 #include "hp/models/llama.h"
 
 namespace hp::models {
@@ -30,7 +41,14 @@ struct TensorParallelOptions {
 // kv_heads, vocab or the MLP's hidden size not divisible; tied embeddings).
 void check_tensor_parallel(const LlamaConfig& c, int64_t tp);
 
-// Applies the plan above to `model` over `group`. Apply before fully_shard.
+void check_tensor_parallel(const DeepSeekConfig& c, int64_t tp);
+
+// Applies the plans above to `model` over `group`. Apply before fully_shard.
 void parallelize_llama(Llama& model, const CommPtr& group, const TensorParallelOptions& o = {});
+void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorParallelOptions& o = {});
+inline void parallelize(Llama& m, const CommPtr& g, const TensorParallelOptions& o = {}) { parallelize_llama(m, g, o); }
+inline void parallelize(DeepSeek& m, const CommPtr& g, const TensorParallelOptions& o = {}) {
+  parallelize_deepseek(m, g, o);
+}
 
 }  // namespace hp::models

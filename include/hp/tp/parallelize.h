@@ -55,8 +55,14 @@ namespace hp::tp {
 struct ColwiseParallel {
   Placement input_layout = Replicate();
   Placement output_layout = Shard(-1);
+  // The input is a replicated activation computed inside a region whose entry (a
+  // PrepareModuleInput upstream) reduces the gradient: nothing is moved here and the
+  // input's gradient leaves Partial (MLA's up-projections after the replicated
+  // down-projections, MoE experts on routed rows).
+  bool input_prepared = false;
   ColwiseParallel& input(Placement p) { input_layout = p; return *this; }
   ColwiseParallel& output(Placement p) { output_layout = p; return *this; }
+  ColwiseParallel& prepared_input() { input_prepared = true; return *this; }
 };
 
 struct RowwiseParallel {
@@ -72,6 +78,12 @@ struct SequenceParallel {
   Placement input_layout = Shard(1);
 };
 
+// Parameters whole on every rank, used inside a tensor-parallel region where each rank
+// computes only a part of their gradient (MLA's down-projections and their norms, the MoE
+// router): the gradients are summed over the group, as SequenceParallel's are. Nothing
+// is done to activations.
+struct ReplicateParallel {};
+
 struct PrepareModuleInput {
   // One entry per argument position; nullopt leaves that argument alone.
   std::vector<c10::optional<Placement>> input_layouts;
@@ -86,8 +98,8 @@ struct PrepareModuleOutput {
   PrepareModuleOutput(Placement out, Placement desired) : output_layout(out), desired_output_layout(desired) {}
 };
 
-using ParallelStyle =
-    std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput>;
+using ParallelStyle = std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, ReplicateParallel,
+                                   PrepareModuleInput, PrepareModuleOutput>;
 using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
 
 struct ParallelizeOptions {
