@@ -75,7 +75,8 @@ TEST(TrainDist, GlobalGradNormOverShards) {
 
 namespace {
 
-// HSDP (2 x 2) at 4 ranks without tensor parallelism; with it, dp_shard gets the rest.
+// HSDP (2 x 2) when the data-parallel ranks are 4 (4 ranks, or 8 with tensor_parallel 2),
+// FSDP otherwise.
 ht::TrainConfig small_config(const std::string& type, int world, int64_t tp = 1) {
   ht::TrainConfig c;
   c.model.type = type;
@@ -83,7 +84,7 @@ ht::TrainConfig small_config(const std::string& type, int world, int64_t tp = 1)
   c.model.deepseek.bias_update_rate = 0.01;
   c.tensor_parallel = tp;
   c.sequence_parallel = tp > 1;
-  c.data_parallel = world == 4 && tp == 1 ? 2 : 1;
+  c.data_parallel = world / tp == 4 ? 2 : 1;
   c.data_parallel_shard = -1;
   c.global_batch_size = 8;
   c.micro_batch_num = 2;
@@ -254,10 +255,16 @@ TEST(TrainDist, DeepSeekTensorParallelMatchesSingleProcess) {
 // loop with the same casts. The two differ by bf16 rounding: each rank's bf16 matmuls
 // cover its slice of the batch where one process's cover all of it, so logits differ by a
 // few bf16 roundings (2^-9 ~ 2e-3 relative each); the loss, a mean over 128 tokens after
-// 3 blocks, stays within 1e-2. The loss must fall, and the parameters stay bf16.
-TEST(TrainDist, Bf16WithFp32MastersFollowsSingleProcess) {
+// 3 blocks, stays within 1e-2. The loss must fall, and the parameters stay bf16. Under
+// tensor parallelism (tp 2 with sequence parallel, when the world is even) the rounding
+// points move the same way: each rank's matmuls cover part of a dim and their partial
+// outputs are summed in bf16 (one more rounding), the gradient reductions over tp in fp32.
+class Bf16Tp : public ::testing::TestWithParam<int64_t> {};
+TEST_P(Bf16Tp, Bf16WithFp32MastersFollowsSingleProcess) {
   auto w = hp::world();
-  ht::TrainConfig c = small_config("deepseek", w->size());
+  const int64_t tp = GetParam();
+  if (w->size() % tp != 0) GTEST_SKIP() << "tensor_parallel=" << tp << " needs a world it divides";
+  ht::TrainConfig c = small_config("deepseek", w->size(), tp);
   c.params_dtype = c.compute_dtype = at::kBFloat16;
   c.accumulate_allreduce_grads_in_fp32 = true;
   c.train_steps = 8;
@@ -277,6 +284,7 @@ TEST(TrainDist, Bf16WithFp32MastersFollowsSingleProcess) {
   EXPECT_LT(last, first - 0.1);
   for (const auto& p : t.sharded_params()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
 }
+INSTANTIATE_TEST_SUITE_P(TrainDist, Bf16Tp, ::testing::Values(1, 2));
 
 // Activation checkpointing of every block under fully_shard: full recomputation gives
 // bitwise the losses and parameters of the run without it (fp32); keeping the matmul
