@@ -171,7 +171,9 @@ int run(const Args& args, const hp::CommPtr& world) {
   try {
     c = load_config(args.config, args.overrides);
     c.validate(args.world > 0 ? args.world : world->size());
-    est = hp::estimate_memory(c.model.num_params(), c.model.largest_block_params(), c.params_dtype,
+    // Under tensor parallelism fully_shard shards each tp rank's pieces.
+    est = hp::estimate_memory(c.model.params_per_tp_rank(c.tensor_parallel),
+                              c.model.largest_block_params_per_tp_rank(c.tensor_parallel), c.params_dtype,
                                       mixed_precision(c),
                                       {c.data_parallel, c.data_parallel_shard,
                                        // optim_grads keeps parameters gathered until backward: a group of 1
@@ -210,6 +212,14 @@ int run(const Args& args, const hp::CommPtr& world) {
                   static_cast<long long>(c.model.num_params()), c.model.num_params() / 1e9,
                   static_cast<long long>(c.model.largest_block_params()));
     say(line);
+    if (c.tensor_parallel > 1) {
+      std::snprintf(line, sizeof line,
+                    "per tensor-parallel rank, before fully_shard: %lld parameters, largest block %lld (norms%s whole)",
+                    static_cast<long long>(c.model.params_per_tp_rank(c.tensor_parallel)),
+                    static_cast<long long>(c.model.largest_block_params_per_tp_rank(c.tensor_parallel)),
+                    c.model.type == "deepseek" ? ", MLA down-projections and routers" : "");
+      say(line);
+    }
     say("per rank, without activations: sharded params " + format_bytes(est.sharded_params) + ", grads " +
         format_bytes(est.sharded_grads) + ", optimizer " + format_bytes(est.optimizer_state) + ", fp32 masters " +
         format_bytes(est.fp32_masters) + ", backward peak " + format_bytes(est.backward_peak_extra) +

@@ -28,6 +28,48 @@ int64_t ModelSpec::largest_block_params() const {
 }
 
 namespace {
+// One block's parameters split by tensor parallelism and kept whole on every tp rank.
+struct BlockCount {
+  int64_t total = 0, whole = 0;
+  int64_t layers = 0;  // blocks of this kind
+  int64_t per_rank(int64_t tp) const { return (total - whole) / tp + whole; }
+};
+
+std::vector<BlockCount> block_counts(const ModelSpec& m) {
+  if (m.type == "llama") return {BlockCount{m.llama.block_params(), 2 * m.llama.dim, m.llama.layers}};  // 2 norms
+  const models::DeepSeekConfig& d = m.deepseek;
+  std::vector<BlockCount> out;
+  for (bool dense : {true, false}) {
+    if (dense ? d.dense_layers == 0 : d.layers == d.dense_layers) continue;
+    models::DeepSeekConfig one = d;
+    one.layers = 1;
+    one.dense_layers = dense ? 1 : 0;
+    // Norms, MLA's down-projections and their norms; the MoE router.
+    const int64_t mla_whole = d.dim * d.q_lora_rank + d.q_lora_rank + d.dim * (d.kv_lora_rank + d.qk_rope_dim) +
+                              d.kv_lora_rank;
+    out.push_back(BlockCount{one.num_params() - 2 * d.vocab * d.dim - d.dim,
+                             2 * d.dim + mla_whole + (dense ? 0 : d.dim * d.experts),
+                             dense ? d.dense_layers : d.layers - d.dense_layers});
+  }
+  return out;
+}
+}  // namespace
+
+int64_t ModelSpec::params_per_tp_rank(int64_t tp) const {
+  if (tp <= 1) return num_params();
+  int64_t whole = type == "llama" ? llama.dim : deepseek.dim;  // the final norm
+  for (const auto& k : block_counts(*this)) whole += k.layers * k.whole;
+  return (num_params() - whole) / tp + whole;
+}
+
+int64_t ModelSpec::largest_block_params_per_tp_rank(int64_t tp) const {
+  if (tp <= 1) return largest_block_params();
+  int64_t biggest = 0;
+  for (const auto& k : block_counts(*this)) biggest = std::max(biggest, k.per_rank(tp));
+  return biggest;
+}
+
+namespace {
 
 // One key's value as written, with where it came from.
 struct Value {

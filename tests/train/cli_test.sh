@@ -69,6 +69,11 @@ printf 'model:\n  preset: deepseek_v3\n  max_seq: 4096\nparams_dtype: bfloat16\n
 "$bin" --config "$work/v3.yaml" --estimate --world 1024 > "$work/out" 2>&1 || fail "--estimate failed: $(cat "$work/out")"
 grep -q 'parameters: 671026404352' "$work/out" || fail "--estimate: wrong parameter count: $(cat "$work/out")"
 grep -q 'data_parallel 8 x data_parallel_shard 128' "$work/out" || fail "--estimate: layout not resolved"
+# The same with tensor_parallel 8 and sequence parallel: the per-rank share before sharding.
+"$bin" --config "$work/v3.yaml" --estimate --world 1024 --set tensor_parallel=8 --set sequence_parallel=true \
+  > "$work/out" 2>&1 || fail "--estimate with tensor_parallel failed: $(cat "$work/out")"
+grep -q 'data_parallel 8 x data_parallel_shard 16 x tensor_parallel 8' "$work/out" || fail "--estimate: tp layout not resolved: $(cat "$work/out")"
+grep -q 'per tensor-parallel rank, before fully_shard: ' "$work/out" || fail "--estimate: no per-tp-rank count"
 "$bin" --config "$work/v3.yaml" --set data_parallel=1 --set global_batch_size=8 > "$work/out" 2>&1 &&
   fail "a 671B model was not refused"
 grep -q 'needs about .* per rank' "$work/out" || fail "no memory error: $(cat "$work/out")"

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <set>
 
+#include "hp/mesh/device_mesh.h"
 #include "hp/runtime.h"
 #include "fsdp/fsdp_test_util.h"
 #include "hp/tp/dtensor.h"
@@ -246,6 +247,28 @@ TEST(TrainDist, LlamaTensorParallelMatchesSingleProcess) {
   if (hp::world()->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
   expect_matches_naive("llama", 2);
 }
+// --estimate's parameter counts under tensor parallelism against the pieces the plans
+// actually leave on a rank (the models built and split here).
+TEST(TrainDist, ParamsPerTensorParallelRankMatchTheSplitModel) {
+  auto w = hp::world();
+  if (w->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
+  auto mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"dp_shard", -1}, {"tp", 2}});
+  for (const std::string type : {"llama", "deepseek"}) {
+    ht::TrainConfig c = small_config(type, w->size(), 2);
+    auto m = ht::make_model(c);
+    m->parallelize(mesh->group("tp"), true, c10::nullopt);
+    int64_t total = 0, largest_block = 0;
+    for (const auto& p : m->root().parameters()) total += p.numel();
+    for (torch::nn::Module* b : m->blocks()) {
+      int64_t n = 0;
+      for (const auto& p : b->parameters()) n += p.numel();
+      largest_block = std::max(largest_block, n);
+    }
+    EXPECT_EQ(c.model.params_per_tp_rank(2), total) << type;
+    EXPECT_EQ(c.model.largest_block_params_per_tp_rank(2), largest_block) << type;
+  }
+}
+
 TEST(TrainDist, DeepSeekTensorParallelMatchesSingleProcess) {
   if (hp::world()->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
   expect_matches_naive("deepseek", 2);

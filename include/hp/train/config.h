@@ -34,6 +34,11 @@ struct ModelSpec {
   int64_t num_params() const;
   int64_t largest_block_params() const;
   int64_t largest_param() const;
+  // Parameters each tensor-parallel rank holds (before fully_shard): the split ones divided
+  // by tp, the whole ones (norms; DeepSeek's MLA down-projections, their norms and the MoE
+  // router) in full. tp = 1: num_params() and largest_block_params().
+  int64_t params_per_tp_rank(int64_t tp) const;
+  int64_t largest_block_params_per_tp_rank(int64_t tp) const;
 };
 
 struct DataSpec {
