@@ -36,6 +36,7 @@
 #include "hp/core/memory.h"
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
+#include "hp/fsdp/parameter_spec.h"
 #include "hp/fsdp/shard_plan.h"
 #include "hp/hooks/call.h"
 #include "hp/hooks/checkpoint.h"
@@ -912,7 +913,10 @@ std::vector<ShardedTensor> FSDPModule::state_dict() const {
   const State& s = *state_;
   for (const auto& p : s.params) {
     std::vector<int64_t> shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
-    ShardSpec spec = make_shard_spec(shape, {{DimSplit{s.shard_dim, s.shards(), s.shard->rank()}}});
+    const DimSplit rows{s.shard_dim, s.shards(), s.shard->rank()};
+    // A tensor-parallel piece: its rows split again, inside the piece's box of the global tensor.
+    c10::optional<ShardSpec> piece = parameter_spec(p.param);
+    ShardSpec spec = piece ? split_further(*piece, 0, rows) : make_shard_spec(shape, {{rows}});
     out.push_back(ShardedTensor{p.name, p.sharded, p.shape, p.plan.row_offset, std::move(spec)});
   }
   return out;

@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
-#include "hp/fsdp/shard_spec.h"
+#include "hp/fsdp/parameter_spec.h"
 
 namespace hp::tp {
 
@@ -101,12 +101,8 @@ class DTensor {
   std::vector<int64_t> global_shape_;
 };
 
-// Parameters that hold a piece of a larger tensor (tensor parallel's shards) carry the spec
-// of their box, so that initialization by name (models::parameter_initializer) and
-// reassembly see the global tensor. Keyed by the parameter's identity; an entry goes away
-// with its parameter.
-void set_parameter_spec(const at::Tensor& param, ShardSpec spec);
-// nullopt when `param` is not a registered piece.
-c10::optional<ShardSpec> parameter_spec(const at::Tensor& param);
+// The boxes of split parameters (hp/fsdp/parameter_spec.h), also under hp::tp.
+using hp::parameter_spec;
+using hp::set_parameter_spec;
 
 }  // namespace hp::tp
