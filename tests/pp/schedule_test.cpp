@@ -1,0 +1,89 @@
+// Pipeline schedules as data, without ranks: text round trips, validation of hand-broken
+// schedules, and the simulator against the closed forms of the anchors (1F1B at unit
+// costs: 2(m + p - 1) slots and bubble (p - 1) / (m + p - 1); interleaved: bubble time over
+// compute time (p - 1) / (v m)).
+#include <gtest/gtest.h>
+
+#include "hp/pp/schedule.h"
+#include "test_util.h"
+
+namespace {
+
+using hp::pp::Action;
+using hp::pp::ActionKind;
+
+TEST(PpSchedule, TextRoundTrips) {
+  for (const char* t : {"0F1", "1B0", "2W3", "12I7", "1UNSHARD", "0RESHARD", "3REDUCE_GRAD"}) {
+    EXPECT_EQ(Action::parse(t).to_string(), t);
+  }
+  EXPECT_EQ(Action::parse("2W3"), (Action{2, ActionKind::kBackwardWeight, 3}));
+  for (auto s : {hp::pp::gpipe(3, 4), hp::pp::one_f_one_b(4, 6), hp::pp::interleaved_1f1b(2, 2, 4)}) {
+    auto back = hp::pp::Schedule::parse(s.to_string(), s.stages, s.microbatches);
+    EXPECT_EQ(back.to_string(), s.to_string());
+    EXPECT_EQ(back.actions, s.actions);
+  }
+  hp::test::expect_error([] { Action::parse("F1"); }, {"'F1' is not an action"});
+  hp::test::expect_error([] { Action::parse("1X2"); }, {"'1X2' is not an action"});
+  hp::test::expect_error([] { Action::parse("1F"); }, {"'1F' is not an action"});
+}
+
+TEST(PpSchedule, OneFOneBMatchesTheClosedForm) {
+  for (int p : {2, 4}) {
+    for (int m : {p, 2 * p, 2 * p + 1}) {
+      auto s = hp::pp::one_f_one_b(p, m);
+      hp::pp::validate(s);
+      auto r = hp::pp::simulate(s, hp::pp::Costs{1, 1, 1, 1});
+      EXPECT_DOUBLE_EQ(r.makespan, 2.0 * (m + p - 1)) << "p=" << p << " m=" << m;
+      for (int rank = 0; rank < p; ++rank) {
+        EXPECT_NEAR(r.bubble[rank], (p - 1.0) / (m + p - 1), 1e-12);
+        EXPECT_EQ(r.peak_in_flight[rank], std::min(m, p - rank));  // 1F1B's activation bound
+      }
+      auto g = hp::pp::simulate(hp::pp::gpipe(p, m), hp::pp::Costs{1, 1, 1, 1});
+      EXPECT_DOUBLE_EQ(g.makespan, 2.0 * (m + p - 1));
+      EXPECT_EQ(g.peak_in_flight[0], m);  // GPipe holds every micro-batch
+    }
+  }
+}
+
+TEST(PpSchedule, InterleavedBubbleIsDividedByTheChunks) {
+  for (int p : {2, 4}) {
+    for (int v : {2, 3}) {
+      for (int m : {p, 2 * p}) {
+        auto s = hp::pp::interleaved_1f1b(p, v, m);
+        hp::pp::validate(s);
+        auto r = hp::pp::simulate(s, hp::pp::Costs{1, 1, 1, 1});
+        const double busy = 2.0 * m * v;
+        EXPECT_DOUBLE_EQ(r.busy[0], busy);
+        EXPECT_NEAR((r.makespan - busy) / busy, (p - 1.0) / (v * m), 1e-12) << "p=" << p << " v=" << v << " m=" << m;
+      }
+    }
+  }
+  hp::test::expect_error([] { hp::pp::interleaved_1f1b(2, 2, 3); }, {"3 micro-batches", "not supported yet"});
+}
+
+TEST(PpSchedule, BrokenSchedulesAreNamed) {
+  auto parse = [](const std::string& t) { return hp::pp::Schedule::parse(t, 2, 1); };
+  hp::test::expect_error([&] { hp::pp::validate(parse("rank 0: 0F0 0B0\nrank 1: 1F0\n")); },
+                         {"stage 1 micro-batch 0 is never backwarded"});
+  hp::test::expect_error([&] { hp::pp::validate(parse("rank 0: 0B0 0F0\nrank 1: 1F0 1B0\n")); },
+                         {"rank 0, action 0 (0B0)", "backward before its forward"});
+  hp::test::expect_error([&] { hp::pp::validate(parse("rank 0: 1F0 0B0\nrank 1: 0F0 1B0\n")); },
+                         {"stage 1 runs on rank 1, not 0"});
+  hp::test::expect_error([&] { hp::pp::validate(parse("rank 0: 0F0 0F0 0B0\nrank 1: 1F0 1B0\n")); },
+                         {"(0F0)", "runs twice"});
+  hp::test::expect_error([&] { hp::pp::validate(parse("rank 0: 0F0 0REDUCE_GRAD 0B0\nrank 1: 1F0 1B0\n")); },
+                         {"backward after stage 0's REDUCE_GRAD"});
+  // Each rank waits on the other: stage 1 backwards micro-batch 0 only after forwarding 1,
+  // which needs stage 0's forward of 1, which comes after stage 0's backward of 0.
+  auto two = [](const std::string& t) { return hp::pp::Schedule::parse(t, 2, 2); };
+  hp::test::expect_error(
+      [&] { hp::pp::validate(two("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1\n")); },
+      {"cannot complete", "rank 0 at 0B0", "rank 1 at 1F1"});
+  hp::test::expect_error([&] { hp::pp::Schedule::parse("rank 1: 0F0\n", 1, 1); }, {"does not start with 'rank 0:'"});
+  // The split backward: I then W, validated and simulated like B.
+  hp::pp::validate(parse("rank 0: 0F0 0I0 0W0 0REDUCE_GRAD\nrank 1: 1F0 1I0 1W0 1REDUCE_GRAD\n"));
+  hp::test::expect_error([&] { hp::pp::validate(parse("rank 0: 0F0 0W0 0I0\nrank 1: 1F0 1B0\n")); },
+                         {"W before its I"});
+}
+
+}  // namespace
