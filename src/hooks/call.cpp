@@ -156,9 +156,6 @@ CallScope::CallScope(torch::nn::Module& m) : m_(m) {
 // Unmarks even when forward or a hook threw.
 CallScope::~CallScope() { unmark(&m_); }
 
-namespace {
-}  // namespace
-
 // Each applies one kind of cast of every hook of m, in registration order.
 at::Tensor CallScope::cast_input(const at::Tensor& t, size_t arg) const {
   if (!has_casts_in_) return t;

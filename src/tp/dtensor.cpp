@@ -110,9 +110,7 @@ at::Tensor redistribute_no_grad(const at::Tensor& x, const CommPtr& g, const Pla
   const int64_t nd = x.dim();
   check_supported(from, to, nd, "a tensor");
   if (from.same_as(to, nd)) return x;
-  if (g->size() == 1) {
-    return from.is_partial() && from.reduce == ReduceOp::AVG ? x.clone() : x;  // the average of one is itself
-  }
+  if (g->size() == 1) return x;  // one piece is the whole (and its own sum and average)
   if (to.is_replicate()) {
     if (from.is_shard()) return gather_dim(x, resolve_dim(from.dim, nd, from), g);
     return all_reduce_copy(x, g, from.reduce, rd);  // Partial

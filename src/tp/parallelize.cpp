@@ -194,8 +194,8 @@ void apply(const Target& t, const RowwiseParallel& s) {
     if (bias.defined()) {
       mark_whole(t, "bias", bias);
       // Added once, after the reduction: each rank's partial output leaves it out. Added
-      // to sequence pieces, its gradient is Partial.
-      if (out.is_shard()) sum_gradient_over(bias, g, t.opts.reduce_dtype);
+      // to sequence pieces (or on one rank of a Partial output), its gradient is Partial.
+      if (!out.is_replicate()) sum_gradient_over(bias, g, t.opts.reduce_dtype);
       h.pre = [lin](torch::nn::Module&) { lin->bias = at::Tensor(); };
       h.post = [lin, bias](torch::nn::Module&) { lin->bias = bias; };
       h.on_error = [lin, bias](torch::nn::Module&, const std::exception&) { lin->bias = bias; };
@@ -213,7 +213,6 @@ void apply(const Target& t, const RowwiseParallel& s) {
       if (out.is_partial()) return r + bias * (g->rank() == 0 ? 1.0 : 0.0);
       return r + bias;
     };
-    if (out.is_partial() && bias.defined()) sum_gradient_over(bias, g, t.opts.reduce_dtype);
   } else {
     auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(&t.module);
     HP_CHECK(s.input_layout.is_replicate() || s.input_layout.is_shard(), "RowwiseParallel on ", t.label(),

@@ -37,7 +37,7 @@ inline at::Tensor reassemble(const ShardedTensor& st, const at::Tensor& local, c
   // a tensor-parallel piece starts: a multiple of the piece's rows).
   const int64_t piece_rows = st.global_shape.empty() ? 1 : st.global_shape[0];
   if (st.spec.lengths.empty() || st.spec.lengths[0] != (local.dim() == 0 ? 1 : local.size(0)) ||
-      (st.spec.lengths[0] > 0 && (st.spec.offsets[0] - st.row_offset) % piece_rows != 0)) {
+      (st.spec.lengths[0] > 0 && piece_rows > 0 && (st.spec.offsets[0] - st.row_offset) % piece_rows != 0)) {
     throw std::runtime_error("shard spec " + st.spec.to_string() + " disagrees with the shard of '" + st.name + "'");
   }
   const at::ScalarType dt = local.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

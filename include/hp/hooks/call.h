@@ -7,7 +7,8 @@
 // Contract
 // - Hooks are registered per module object (not per class) and run in registration order:
 //   every `pre` before forward, then every `cast_input` on each at::Tensor argument (with
-//   the argument's position, so a hook can treat arguments differently), then forward, then every `cast_output` on an at::Tensor result, then every `post`.
+//   the argument's position, so a hook can treat arguments differently), then forward,
+//   then every `cast_output` on an at::Tensor result, then every `post`.
 // - A module without hooks is simply forwarded: built-in leaf modules work unmodified.
 // - in_call(m) tells whether m's forward is running inside hp::call on this thread; a
 //   capability that needs its hooks checks it to raise a clear error naming the module when
