@@ -5,6 +5,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
+#include <tuple>
 #include <numeric>
 
 #include "hp/core/env.h"
@@ -78,7 +79,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       }
       ws->started = true;
       ws->start = Clock::now();
-      if (ws->op != "send" && ws->op != "recv") ws->collective = ++cs->collectives_started;
+      if (ws->op != "send" && ws->op != "recv" && ws->op != "batch_send_recv") ws->collective = ++cs->collectives_started;
       cs->running = ws;
     }
     if (ws->collective > 0) cs->transport->note_started(ws->collective);
@@ -297,6 +298,29 @@ class QueuedCommunicator final : public Communicator {
     int tag = o.tag;
     return enqueue(op, o.timeout, x.nbytes(), [t = transport(), x, src, tag] {
       t->recv(x, src, tag);
+    });
+  }
+
+  Work batch_send_recv(std::vector<P2POp> ops, const CollectiveOptions& o) override {
+    const char* op = "batch_send_recv";
+    int64_t bytes = 0;
+    for (const auto& x : ops) {
+      const bool send = x.kind == P2POp::kSend;
+      check_tensor(op, x.tensor, send ? "send tensor" : "receive tensor");
+      check_peer(op, x.peer, send ? "destination" : "source", /*allow_self=*/false);
+      HP_CHECK(x.tag >= 0 && x.tag < 32768, where(op), "tag ", x.tag, " out of range [0, 32768)");
+      bytes += x.tensor.nbytes();
+    }
+    std::sort(ops.begin(), ops.end(), [](const P2POp& a, const P2POp& b) {
+      return std::make_tuple(a.tag, static_cast<int>(a.kind), a.peer) < std::make_tuple(b.tag, static_cast<int>(b.kind), b.peer);
+    });
+    for (size_t i = 1; i < ops.size(); ++i) {
+      HP_CHECK(ops[i].tag != ops[i - 1].tag || ops[i].kind != ops[i - 1].kind || ops[i].peer != ops[i - 1].peer,
+               where(op), "two ", ops[i].kind == P2POp::kSend ? "sends to" : "receives from", " rank ", ops[i].peer,
+               " with tag ", ops[i].tag, " in one batch (their matching would be ambiguous)");
+    }
+    return enqueue(op, o.timeout, bytes, [t = transport(), ops = std::move(ops)] {
+      if (!ops.empty()) t->batch_send_recv(ops);
     });
   }
 

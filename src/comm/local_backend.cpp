@@ -34,6 +34,9 @@ class LocalTransport final : public Transport {
   void send(const at::Tensor&, int, int) override {
     HP_INTERNAL_ASSERT(false, "send on a world of one rank passed validation");
   }
+  void batch_send_recv(const std::vector<P2POp>&) override {
+    HP_INTERNAL_ASSERT(false, "batch_send_recv on a world of one rank passed validation");
+  }
   void recv(const at::Tensor&, int, int) override {
     HP_INTERNAL_ASSERT(false, "recv on a world of one rank passed validation");
   }

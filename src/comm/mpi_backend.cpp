@@ -365,6 +365,37 @@ class MpiTransport final : public Transport {
              " but the receive tensor has ", x.numel());
   }
 
+  // Every op posted nonblocking, then polled with growing sleeps (as barrier is).
+  void batch_send_recv(const std::vector<P2POp>& ops) override {
+    std::vector<MPI_Request> reqs(ops.size(), MPI_REQUEST_NULL);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const auto& o = ops[i];
+      MPI_Datatype t = mpi_type(o.tensor.scalar_type());
+      if (o.kind == P2POp::kSend) {
+        mpi_check(MPI_Isend(o.tensor.data_ptr(), as_count(o.tensor.numel()), t, o.peer, o.tag, comm_, &reqs[i]),
+                  "MPI_Isend");
+      } else {
+        mpi_check(MPI_Irecv(o.tensor.data_ptr(), as_count(o.tensor.numel()), t, o.peer, o.tag, comm_, &reqs[i]),
+                  "MPI_Irecv");
+      }
+    }
+    std::vector<MPI_Status> st(ops.size());
+    auto sleep = std::chrono::microseconds(5);
+    for (int done = 0;;) {
+      mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, st.data()), "MPI_Testall");
+      if (done) break;
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+    }
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].kind != P2POp::kRecv) continue;
+      int got = 0;
+      mpi_check(MPI_Get_count(&st[i], mpi_type(ops[i].tensor.scalar_type()), &got), "MPI_Get_count");
+      HP_CHECK(got == ops[i].tensor.numel(), "received ", got, " elements from rank ", ops[i].peer, " (tag ",
+               ops[i].tag, ") but the receive tensor has ", ops[i].tensor.numel());
+    }
+  }
+
   // Nonblocking and polled with growing sleeps: a rank that waits long at a barrier (for
   // another rank's single-process work, say) leaves the cores to the ranks that compute,
   // where MPI_Barrier would spin.

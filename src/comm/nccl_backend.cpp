@@ -74,6 +74,14 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   }
 }
 
+// Closes an NCCL group if a call inside it throws.
+struct GroupGuard {
+  bool open = true;
+  ~GroupGuard() {
+    if (open) ncclGroupEnd();
+  }
+};
+
 class NcclTransport final : public Transport {
  public:
   NcclTransport(ncclComm_t comm, std::vector<int> world_ranks, int device)
@@ -159,12 +167,7 @@ class NcclTransport final : public Transport {
     auto* src = static_cast<char*>(in.data_ptr());
     auto* dst = static_cast<char*>(out.data_ptr());
     nccl_check(ncclGroupStart(), "ncclGroupStart", comm_);
-    struct GroupEnd {  // closes the group if a call inside it throws
-      bool open = true;
-      ~GroupEnd() {
-        if (open) ncclGroupEnd();
-      }
-    } guard;
+    GroupGuard guard;
     int64_t in_off = 0, out_off = 0;
     for (int p = 0; p < size_; ++p) {
       if (in_counts[p] > 0) {
@@ -186,6 +189,21 @@ class NcclTransport final : public Transport {
   void recv(const at::Tensor& t, int src, int tag) override {
     check_tag(tag);
     nccl_check(ncclRecv(t.data_ptr(), t.numel(), nccl_type(t.scalar_type()), src, comm_, stream_), "ncclRecv", comm_);
+  }
+  // One group; the ops arrive sorted by tag, so both sides issue matching ops in one order.
+  void batch_send_recv(const std::vector<P2POp>& ops) override {
+    nccl_check(ncclGroupStart(), "ncclGroupStart", comm_);
+    GroupGuard guard;
+    for (const auto& o : ops) {
+      auto t = nccl_type(o.tensor.scalar_type());
+      if (o.kind == P2POp::kSend) {
+        nccl_check(ncclSend(o.tensor.data_ptr(), o.tensor.numel(), t, o.peer, comm_, stream_), "ncclSend", comm_);
+      } else {
+        nccl_check(ncclRecv(o.tensor.data_ptr(), o.tensor.numel(), t, o.peer, comm_, stream_), "ncclRecv", comm_);
+      }
+    }
+    guard.open = false;
+    nccl_check(ncclGroupEnd(), "ncclGroupEnd", comm_);
   }
   void barrier() override {
     if (!barrier_buf_.defined()) {

@@ -37,6 +37,8 @@ class Transport {
                           const std::vector<int64_t>& in_counts) = 0;
   virtual void send(const at::Tensor& t, int dst, int tag) = 0;
   virtual void recv(const at::Tensor& t, int src, int tag) = 0;
+  // Ops already validated (distinct (peer, tag, kind), sorted by (tag, kind, peer)).
+  virtual void batch_send_recv(const std::vector<P2POp>& ops) = 0;
   virtual void barrier() = 0;
   virtual std::unique_ptr<Transport> split(int color, int key) = 0;
   virtual std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) = 0;

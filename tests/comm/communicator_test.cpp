@@ -2,6 +2,8 @@
 // test runs at (1-4 ranks under mpirun, or 1 without).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -214,6 +216,38 @@ TEST(Communicator, SendRecvRing) {
       expect_same(got, pattern(left, m, 0, dt), label("send/recv", dt, m));
     }
   }
+}
+
+// Every rank sends to and receives from both neighbours in one batch, big messages
+// included: with blocking sends in any fixed order this would deadlock at odd world sizes;
+// posted together it cannot. Two messages to one peer are told apart by their tags, not by
+// the order the batch lists them in.
+TEST(Communicator, BatchSendRecvExchangesBothWays) {
+  auto w = world();
+  const int n = w->size(), r = w->rank();
+  if (n == 1) GTEST_SKIP() << "point-to-point needs two ranks";
+  const int right = (r + 1) % n, left = (r + n - 1) % n;
+  for (auto dt : kDtypes) {
+    for (int64_t m : {int64_t{0}, int64_t{1001}, big_numel(dt)}) {
+      at::Tensor to_right = pattern(r, m, 0, dt), to_left = pattern(r, m, 7, dt);
+      at::Tensor from_left = at::empty({m}, dt), from_right = at::empty({m}, dt);
+      std::vector<hp::P2POp> ops = {{hp::P2POp::kRecv, from_left, left, 1},
+                                    {hp::P2POp::kSend, to_right, right, 1},
+                                    {hp::P2POp::kSend, to_left, left, 2},
+                                    {hp::P2POp::kRecv, from_right, right, 2}};
+      if (r % 2 == 1) std::reverse(ops.begin(), ops.end());  // listing order does not matter
+      w->batch_send_recv(ops).wait();
+      expect_same(from_left, pattern(left, m, 0, dt), label("batch from left", dt, m));
+      expect_same(from_right, pattern(right, m, 7, dt), label("batch from right", dt, m));
+    }
+  }
+  w->batch_send_recv({}).wait();  // empty: completes at once
+  hp::test::expect_error([&] { w->batch_send_recv({{hp::P2POp::kSend, at::ones({2}), right, 40000}}); },
+               {"tag 40000 out of range"});
+  hp::test::expect_error([&] {
+    w->batch_send_recv({{hp::P2POp::kSend, at::ones({2}), right, 3}, {hp::P2POp::kSend, at::ones({2}), right, 3}});
+  }, {"two sends to rank", "tag 3 in one batch"});
+  hp::test::expect_error([&] { w->batch_send_recv({{hp::P2POp::kRecv, at::ones({2}), r, 3}}); }, {"itself"});
 }
 
 TEST(Communicator, BarrierAndSequenceNumbers) {

@@ -62,6 +62,15 @@ struct PointToPointOptions {
   Timeout timeout{0};
 };
 
+// One send or receive of a batch_send_recv.
+struct P2POp {
+  enum Kind { kSend, kRecv };
+  Kind kind = kSend;
+  at::Tensor tensor;  // send: read; receive: written (its numel must match the send's)
+  int peer = 0;       // rank in this communicator
+  int tag = 0;        // [0, 32768): matches a send to a receive together with the peer
+};
+
 struct CommOptions {
   // Default timeout of the communicator's ops; 0 = HP_COMM_TIMEOUT_S.
   Timeout timeout{0};
@@ -103,6 +112,13 @@ class Communicator {
   // calls (even ranks send first) or use separate communicators.
   virtual Work send(at::Tensor t, int dst, const PointToPointOptions& o = {}) = 0;
   virtual Work recv(at::Tensor t, int src, const PointToPointOptions& o = {}) = 0;
+  // Point-to-point ops posted together and completed together: a pair of ranks exchanging
+  // in both directions puts both directions in one batch on each side (a pipeline's
+  // activation out, gradient in). Each send must meet a receive on its peer with the same
+  // tag in a batch that peer issues; within a batch, at most one op per (peer, tag, kind).
+  // The mpi backend posts every op nonblocking; nccl issues them in one group, sorted by
+  // tag (so both sides issue matching ops in the same order). Empty: completes at once.
+  virtual Work batch_send_recv(std::vector<P2POp> ops, const CollectiveOptions& o = {}) = 0;
   virtual Work barrier(const CollectiveOptions& o = {}) = 0;
 
   // Collective over all ranks of this communicator (it waits for earlier ops): ranks
