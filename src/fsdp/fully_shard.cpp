@@ -168,6 +168,7 @@ struct FSDPModule::State {
   bool requires_sync = true;
   bool requires_all_reduce = true;
   bool reshard_after_backward = true;
+  bool reshard_after_forward = true;  // runtime switch; opts.reshard_after_forward still decides
   bool is_last_backward = true;
   double divide_factor = 0;
   ReduceOp reduce_op = ReduceOp::AVG;
@@ -307,7 +308,7 @@ void scatter_padded(const at::Tensor& dst, const at::Tensor& flat) {
 
 void FSDPModule::State::begin_unshard(bool backward) {
   if (unsharded || unshard_pending) return;
-  if (aliased()) {
+  if (aliased() || params.empty()) {  // nothing to gather (a root whose children own every parameter)
     unsharded = true;
     return;
   }
@@ -462,7 +463,7 @@ void FSDPModule::State::post_forward() {
   if (in_recompute()) return;  // keep the parameters for the backward that follows
   if (--pass->forward_depth == 0) t_forward = nullptr;
   pass->forward_end_order.push_back(this);
-  if (!opts.reshard_after_forward) return;
+  if (!opts.reshard_after_forward || !reshard_after_forward) return;
   // Without grad mode no backward follows: nothing to keep the group's shares for.
   if (post_group && at::GradMode::is_enabled()) {
     reshard_to_group();
@@ -950,6 +951,9 @@ void FSDPModule::set_requires_all_reduce(bool on, bool recurse) {
 void FSDPModule::set_reshard_after_backward(bool on, bool recurse) {
   for_self_and_nested(*state_, recurse, [&](State& s) { s.reshard_after_backward = on; });
 }
+void FSDPModule::set_reshard_after_forward(bool on, bool recurse) {
+  for_self_and_nested(*state_, recurse, [&](State& s) { s.reshard_after_forward = on; });
+}
 void FSDPModule::set_is_last_backward(bool last) {
   for_self_and_nested(*state_, true, [&](State& s) { s.is_last_backward = last; });
 }
@@ -1306,7 +1310,10 @@ void materialize_deferred_buffers(torch::nn::Module& module) {
 FSDPHandle fsdp_handle(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> g(g_mu);
   auto it = g_handles.find(&module);
-  return it == g_handles.end() ? nullptr : it->second.lock();
+  if (it == g_handles.end()) return nullptr;
+  // A handle outliving its module (the address reused by a new module) is not this one's.
+  auto h = it->second.lock();
+  return h && !detail::FsdpAccess::state(*h).owner_gone() ? h : nullptr;
 }
 
 }  // namespace hp

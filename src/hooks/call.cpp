@@ -64,6 +64,16 @@ HookHandle register_forward_hooks(torch::nn::Module& m, ForwardHooks hooks) {
   } catch (const std::bad_weak_ptr&) {
   }
   std::lock_guard<std::mutex> g(g_mu);
+  // Drop the hooks of every module that died since: what they hold (fully_shard's state,
+  // with its parameter shards) is freed now, not when the address happens to be reused.
+  for (auto it = g_hooks.begin(); it != g_hooks.end();) {
+    if (it->second.expired()) {
+      for (auto& e : it->second.entries) graveyard.push_back(std::move(e));
+      it = g_hooks.erase(it);
+    } else {
+      ++it;
+    }
+  }
   Slot* s = find_slot(m, &graveyard);
   if (s == nullptr) {
     s = &g_hooks[&m];

@@ -103,6 +103,9 @@ class FSDPModule {
   // reduced shards until a backward with it on.
   void set_requires_all_reduce(bool on, bool recurse = true);
   void set_reshard_after_backward(bool on, bool recurse = true);
+  // Off: the parameters stay unsharded after forward (a pipeline stage running several
+  // micro-batches between its UNSHARD and RESHARD); on: as the options say.
+  void set_reshard_after_forward(bool on, bool recurse = true);
   // False keeps the parameters unsharded after this backward (e.g. before another
   // micro-batch); true (the default) reshards as configured.
   void set_is_last_backward(bool last);
