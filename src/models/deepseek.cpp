@@ -189,23 +189,27 @@ at::Tensor DeepSeekBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos
   return h + (dense ? hp::call(dense, n) : hp::call(moe, n));
 }
 
-DeepSeekImpl::DeepSeekImpl(const DeepSeekConfig& c) : config(c) {
+DeepSeekImpl::DeepSeekImpl(const DeepSeekConfig& c, const PipelineSlice& sl) : config(c), slice(sl) {
   c.validate();
-  tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
-  for (int64_t i = 0; i < c.layers; ++i) {
+  const int64_t end = check_slice(sl, c.layers);
+  if (sl.embedding) tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  for (int64_t i = sl.first_layer; i < end; ++i) {
     blocks.push_back(register_module("layers_" + std::to_string(i), DeepSeekBlock(c, i < c.dense_layers)));
   }
-  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
-  output = register_module("output", linear(c.dim, c.vocab));
+  if (sl.head) {
+    norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+    output = register_module("output", linear(c.dim, c.vocab));
+  }
   if (!hp::memory::deferring()) init_weights(0);  // built without storage: fully_shard initializes
 }
 
-at::Tensor DeepSeekImpl::forward(const at::Tensor& tokens) {
-  const int64_t T = tokens.size(1);
+at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
+  const int64_t T = tok_emb ? x.size(1) : x.size(1) * stream_split;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.qk_rope_dim, config.rope_theta);
-  at::Tensor h = hp::call(tok_emb, tokens);
+  at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
+  if (!output) return h;
   return hp::call(output, hp::call(norm, h));
 }
 

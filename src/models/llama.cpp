@@ -146,23 +146,63 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, c
   return h + hp::call(mlp, hp::call(ffn_norm, h));
 }
 
-LlamaImpl::LlamaImpl(const LlamaConfig& c) : config(c) {
+std::vector<PipelineSlice> split_layers(int64_t layers, int stages, const std::vector<int64_t>& counts) {
+  HP_CHECK(stages >= 1, "pipeline stages must be at least 1, got ", stages);
+  HP_CHECK(stages <= layers, "pipeline of ", stages, " stages over ", layers,
+           " layers: each stage needs at least one layer (more stages than layers)");
+  std::vector<int64_t> n = counts;
+  if (n.empty()) {
+    for (int s = 0; s < stages; ++s) n.push_back(layers / stages + (s < layers % stages ? 1 : 0));
+  }
+  HP_CHECK(static_cast<int>(n.size()) == stages, "pipeline layer counts: ", n.size(), " entries for ", stages,
+           " stages");
+  int64_t sum = 0;
+  for (size_t s = 0; s < n.size(); ++s) {
+    HP_CHECK(n[s] >= 1, "pipeline layer counts: stage ", s, " has ", n[s], " layers (each needs at least one)");
+    sum += n[s];
+  }
+  HP_CHECK(sum == layers, "pipeline layer counts sum to ", sum, ", the model has ", layers, " layers");
+  std::vector<PipelineSlice> out;
+  int64_t first = 0;
+  for (int s = 0; s < stages; ++s) {
+    out.push_back(PipelineSlice{first, first + n[s], s == 0, s == stages - 1});
+    first += n[s];
+  }
+  return out;
+}
+
+int64_t check_slice(const PipelineSlice& sl, int64_t layers) {
+  const int64_t end = sl.end_layer < 0 ? layers : sl.end_layer;
+  HP_CHECK(sl.first_layer >= 0 && sl.first_layer <= end && end <= layers, "pipeline slice: layers [",
+           sl.first_layer, ", ", end, ") are not within the model's ", layers, " layers");
+  return end;
+}
+
+LlamaImpl::LlamaImpl(const LlamaConfig& c, const PipelineSlice& sl) : config(c), slice(sl) {
   c.validate();
-  tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
-  for (int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("layers_" + std::to_string(i), LlamaBlock(c)));
-  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
-  if (!c.tie_embeddings) {
-    output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
+  const int64_t end = check_slice(sl, c.layers);
+  HP_CHECK(!c.tie_embeddings || (sl.embedding && sl.head), "tie_embeddings with the embedding and the output head ",
+           "on different pipeline stages is not supported yet");
+  if (sl.embedding) tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  for (int64_t i = sl.first_layer; i < end; ++i) {
+    blocks.push_back(register_module("layers_" + std::to_string(i), LlamaBlock(c)));
+  }
+  if (sl.head) {
+    norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+    if (!c.tie_embeddings) {
+      output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
+    }
   }
   if (!hp::memory::deferring()) init_weights(0);  // built without storage: fully_shard initializes
 }
 
-at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
-  const int64_t T = tokens.size(1);
+at::Tensor LlamaImpl::forward(const at::Tensor& x) {
+  const int64_t T = tok_emb ? x.size(1) : x.size(1) * stream_split;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope_theta);
-  at::Tensor h = hp::call(tok_emb, tokens);
+  at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
+  if (!norm) return h;
   h = hp::call(norm, h);
   return output ? hp::call(output, h) : h.matmul(tok_emb->weight.t());
 }

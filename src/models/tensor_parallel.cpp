@@ -50,6 +50,22 @@ void add_common(ParallelizePlan& plan, const Placement& stream, const TensorPara
   }
 }
 
+// A pipeline stage holds part of a model: its plan keeps the entries that name a module
+// it has (the whole model has every one).
+ParallelizePlan present(const ParallelizePlan& plan, torch::nn::Module& m) {
+  ParallelizePlan out;
+  const auto named = m.named_modules();
+  for (const auto& item : plan) {
+    for (const auto& kv : named) {
+      if (match_module_name(item.first, kv.key())) {
+        out.push_back(item);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
 // Attention's input gathered (or entered) once: (x, cos, sin).
 PrepareModuleInput attention_input(const Placement& stream) {
   return PrepareModuleInput({stream, c10::nullopt, c10::nullopt}, {Replicate(), c10::nullopt, c10::nullopt});
@@ -68,8 +84,9 @@ void parallelize_llama(Llama& model, const CommPtr& group, const TensorParallelO
       {"layers_*.attn.wo", RowwiseParallel().output(stream)},
   };
   add_common(plan, stream, o, "layers_*.mlp");
-  parallelize_module(*model, group, plan, ParallelizeOptions{o.reduce_dtype});
+  parallelize_module(*model, group, present(plan, *model), ParallelizeOptions{o.reduce_dtype});
   if (o.loss_parallel) model->vocab_parallel_loss = group;
+  if (o.sequence_parallel) model->stream_split = group->size();
 }
 
 void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorParallelOptions& o) {
@@ -86,7 +103,7 @@ void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorPar
       {"layers_*.attn.wkv_b", ColwiseParallel().prepared_input()},
       {"layers_*.attn.wo", RowwiseParallel().output(stream)},
   };
-  if (c.layers > c.dense_layers) {
+  {
     const Placement partial = Partial();
     plan.push_back({"layers_*.moe", PrepareModuleInput({stream}, {Replicate()})});
     plan.push_back({"layers_*.moe", PrepareModuleOutput(partial, stream)});
@@ -97,19 +114,10 @@ void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorPar
       plan.push_back({e + ".w2", RowwiseParallel().output(partial)});
     }
   }
-  const bool has_dense = c.dense_layers > 0;
-  if (!has_dense) {
-    // add_common's MLP pattern must match something: without dense layers there is none.
-    ParallelizePlan rest;
-    add_common(rest, stream, o, "layers_*.mlp");
-    for (auto& item : rest) {
-      if (item.first.rfind("layers_*.mlp", 0) != 0) plan.push_back(item);
-    }
-  } else {
-    add_common(plan, stream, o, "layers_*.mlp");
-  }
-  parallelize_module(*model, group, plan, ParallelizeOptions{o.reduce_dtype});
+  add_common(plan, stream, o, "layers_*.mlp");
+  parallelize_module(*model, group, present(plan, *model), ParallelizeOptions{o.reduce_dtype});
   if (o.loss_parallel) model->vocab_parallel_loss = group;
+  if (o.sequence_parallel) model->stream_split = group->size();
 }
 
 }  // namespace hp::models

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -27,6 +28,14 @@ const char* kind_token(ActionKind k) {
       return "RESHARD";
     case ActionKind::kReduceGrad:
       return "REDUCE_GRAD";
+    case ActionKind::kSendForward:
+      return "SEND_F";
+    case ActionKind::kRecvForward:
+      return "RECV_F";
+    case ActionKind::kSendBackward:
+      return "SEND_B";
+    case ActionKind::kRecvBackward:
+      return "RECV_B";
   }
   return "?";
 }
@@ -41,9 +50,14 @@ bool Action::is_compute() const {
   return kind == ActionKind::kForward || is_backward(kind);
 }
 
+bool Action::is_comm() const {
+  return kind == ActionKind::kSendForward || kind == ActionKind::kRecvForward || kind == ActionKind::kSendBackward ||
+         kind == ActionKind::kRecvBackward;
+}
+
 std::string Action::to_string() const {
   std::string s = std::to_string(stage) + kind_token(kind);
-  if (is_compute()) s += std::to_string(microbatch);
+  if (is_compute() || is_comm()) s += std::to_string(microbatch);
   return s;
 }
 
@@ -51,7 +65,8 @@ Action Action::parse(const std::string& token) {
   size_t i = 0;
   while (i < token.size() && std::isdigit(static_cast<unsigned char>(token[i]))) ++i;
   HP_CHECK(i > 0 && i < token.size() && i <= 9, "pipeline schedule: '", token,
-           "' is not an action (a stage number, then F, B, I, W with a micro-batch, or UNSHARD, RESHARD, REDUCE_GRAD)");
+           "' is not an action (a stage number, then F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B with a micro-batch, "
+           "or UNSHARD, RESHARD, REDUCE_GRAD)");
   Action a;
   a.stage = std::stoi(token.substr(0, i));
   const std::string rest = token.substr(i);
@@ -61,15 +76,30 @@ Action Action::parse(const std::string& token) {
       return a;
     }
   }
-  const std::string digits = rest.substr(1);
+  size_t name_len = 1;
+  a.kind = ActionKind::kForward;
+  bool known = std::string("FBIW").find(rest[0]) != std::string::npos;
+  if (known) {
+    a.kind = rest[0] == 'F' ? ActionKind::kForward
+             : rest[0] == 'B' ? ActionKind::kBackward
+             : rest[0] == 'I' ? ActionKind::kBackwardInput
+                              : ActionKind::kBackwardWeight;
+  }
+  for (ActionKind k : {ActionKind::kSendForward, ActionKind::kRecvForward, ActionKind::kSendBackward,
+                       ActionKind::kRecvBackward}) {
+    const std::string name = kind_token(k);
+    if (rest.compare(0, name.size(), name) == 0) {
+      a.kind = k;
+      name_len = name.size();
+      known = true;
+    }
+  }
+  const std::string digits = rest.substr(std::min(name_len, rest.size()));
   const bool number = !digits.empty() && digits.size() <= 9 &&
                       std::all_of(digits.begin(), digits.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
-  HP_CHECK(number && std::string("FBIW").find(rest[0]) != std::string::npos, "pipeline schedule: '", token,
-           "' is not an action (a stage number, then F, B, I, W with a micro-batch, or UNSHARD, RESHARD, REDUCE_GRAD)");
-  a.kind = rest[0] == 'F' ? ActionKind::kForward
-           : rest[0] == 'B' ? ActionKind::kBackward
-           : rest[0] == 'I' ? ActionKind::kBackwardInput
-                            : ActionKind::kBackwardWeight;
+  HP_CHECK(known && number, "pipeline schedule: '", token,
+           "' is not an action (a stage number, then F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B with a micro-batch, "
+           "or UNSHARD, RESHARD, REDUCE_GRAD)");
   a.microbatch = std::stoi(digits);
   return a;
 }
@@ -242,6 +272,239 @@ SimResult replay(const Schedule& s, const Costs& c) {
 
 }  // namespace
 
+namespace {
+
+bool is_send(ActionKind k) { return k == ActionKind::kSendForward || k == ActionKind::kSendBackward; }
+
+// The stage at the other end of a transfer.
+int peer_stage(const Action& a) {
+  return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kRecvBackward ? a.stage + 1 : a.stage - 1;
+}
+
+// The other end of a transfer.
+Action counterpart(const Action& a) {
+  const ActionKind k = a.kind == ActionKind::kSendForward    ? ActionKind::kRecvForward
+                       : a.kind == ActionKind::kRecvForward  ? ActionKind::kSendForward
+                       : a.kind == ActionKind::kSendBackward ? ActionKind::kRecvBackward
+                                                             : ActionKind::kSendBackward;
+  return Action{peer_stage(a), k, a.microbatch};
+}
+
+// Replays the transfers with the strictest transport: a rank runs its other actions freely
+// and waits at each batch (a run of consecutive comm actions) until every transfer in it
+// meets its other end in the peer's current batch. With `fix`, a rank whose send waits on
+// a peer that waits elsewhere gets the peer's receive joined to the batch the peer waits at
+// (a receive may always be posted earlier); without, the wait is an error.
+void replay_transfers(Schedule& s, bool fix) {
+  const int R = s.ranks;
+  std::vector<size_t> at(R, 0);
+  auto batch_end = [&](int r) {
+    size_t e = at[r];
+    while (e < s.actions[r].size() && s.actions[r][e].is_comm()) ++e;
+    return e;
+  };
+  auto in_batch = [&](int r, const Action& a) {
+    const size_t e = batch_end(r);
+    for (size_t i = at[r]; i < e; ++i) {
+      if (s.actions[r][i] == a) return true;
+    }
+    return false;
+  };
+  // A transfer by its sending end.
+  auto key_of = [](const Action& a) {
+    const Action send = is_send(a.kind) ? a : counterpart(a);
+    return Key{send.stage, static_cast<int>(send.kind), send.microbatch};
+  };
+  std::set<Key> matched;
+  for (;;) {
+    bool progress = false, all_done = true;
+    for (int r = 0; r < R; ++r) {
+      while (at[r] < s.actions[r].size() && !s.actions[r][at[r]].is_comm()) ++at[r];
+    }
+    // A transfer is matched once both ends are posted at the same time; it stays matched.
+    for (int r = 0; r < R; ++r) {
+      for (size_t i = at[r], e = batch_end(r); i < e; ++i) {
+        const Action& a = s.actions[r][i];
+        if (in_batch(s.rank_of(peer_stage(a)), counterpart(a))) matched.insert(key_of(a));
+      }
+    }
+    std::vector<bool> complete(R, false);
+    for (int r = 0; r < R; ++r) {
+      if (at[r] == s.actions[r].size()) continue;
+      all_done = false;
+      bool ok = true;
+      for (size_t i = at[r], e = batch_end(r); i < e && ok; ++i) ok = matched.count(key_of(s.actions[r][i])) > 0;
+      complete[r] = ok;
+    }
+    if (all_done) return;
+    for (int r = 0; r < R; ++r) {
+      if (complete[r]) {
+        at[r] = batch_end(r);
+        progress = true;
+      }
+    }
+    if (progress) continue;
+    if (fix) {
+      // A send whose receive the peer posts only later: post it at the peer's batch.
+      for (int r = 0; r < R && !progress; ++r) {
+        for (size_t i = at[r], e = batch_end(r); i < e && !progress; ++i) {
+          const Action& a = s.actions[r][i];
+          if (!is_send(a.kind) || matched.count(key_of(a))) continue;
+          const int q = s.rank_of(peer_stage(a));
+          const Action want = counterpart(a);
+          if (in_batch(q, want)) continue;
+          auto& list = s.actions[q];
+          auto it = std::find(list.begin() + static_cast<std::ptrdiff_t>(batch_end(q)), list.end(), want);
+          if (it == list.end()) continue;
+          list.erase(it);
+          list.insert(list.begin() + static_cast<std::ptrdiff_t>(batch_end(q)), want);
+          progress = true;
+        }
+      }
+      if (progress) continue;
+    }
+    std::string stuck;
+    for (int r = 0; r < R; ++r) {
+      if (at[r] == s.actions[r].size()) continue;
+      stuck += detail::str_cat(stuck.empty() ? "" : ", ", "rank ", r, " at ", s.actions[r][at[r]].to_string(),
+                               " (action ", at[r], ")");
+    }
+    HP_CHECK(false, "pipeline schedule: its transfers cannot complete (each waits for a receive its peer posts only ",
+             "later): ", stuck);
+  }
+}
+
+void validate_transfers(const Schedule& s) {
+  bool lowered = false;
+  for (const auto& list : s.actions) {
+    for (const auto& a : list) lowered = lowered || a.is_comm();
+  }
+  if (!lowered) return;
+  std::map<Key, int> count;
+  for (int r = 0; r < s.ranks; ++r) {
+    std::map<Key, size_t> pos;  // of every action on this rank
+    const auto& list = s.actions[r];
+    for (size_t i = 0; i < list.size(); ++i) pos[Key{list[i].stage, static_cast<int>(list[i].kind), list[i].microbatch}] = i;
+    auto find = [&](int stage, ActionKind k, int mb) -> long {
+      auto it = pos.find(Key{stage, static_cast<int>(k), mb});
+      return it == pos.end() ? -1 : static_cast<long>(it->second);
+    };
+    auto bwd = [&](int stage, int mb) {
+      const long b = find(stage, ActionKind::kBackward, mb);
+      return b >= 0 ? b : find(stage, ActionKind::kBackwardInput, mb);
+    };
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Action& a = list[i];
+      const std::string where = detail::str_cat("rank ", r, ", action ", i, " (", a.to_string(), ")");
+      if (a.is_compute() && a.kind != ActionKind::kBackwardWeight) {
+        // Every transfer a compute action needs is there.
+        const bool fwd = a.kind == ActionKind::kForward;
+        const int in_stage = fwd ? a.stage - 1 : a.stage + 1;
+        if (in_stage >= 0 && in_stage < s.stages && s.rank_of(in_stage) != r) {
+          const ActionKind k = fwd ? ActionKind::kRecvForward : ActionKind::kRecvBackward;
+          HP_CHECK(find(a.stage, k, a.microbatch) >= 0, "pipeline schedule: ", where, " has no ",
+                   Action{a.stage, k, a.microbatch}.to_string(), " (a lowered schedule receives what it reads)");
+        }
+        const int out_stage = fwd ? a.stage + 1 : a.stage - 1;
+        if (out_stage >= 0 && out_stage < s.stages && s.rank_of(out_stage) != r) {
+          const ActionKind k = fwd ? ActionKind::kSendForward : ActionKind::kSendBackward;
+          HP_CHECK(find(a.stage, k, a.microbatch) >= 0, "pipeline schedule: ", where, " has no ",
+                   Action{a.stage, k, a.microbatch}.to_string(), " (a lowered schedule sends what it produces)");
+        }
+        continue;
+      }
+      if (!a.is_comm()) continue;
+      HP_CHECK(a.microbatch >= 0 && a.microbatch < s.microbatches, "pipeline schedule: ", where, ": micro-batch ",
+               a.microbatch, " is not one of the ", s.microbatches);
+      const int peer = peer_stage(a);
+      HP_CHECK(peer >= 0 && peer < s.stages, "pipeline schedule: ", where, ": stage ", a.stage,
+               " has no neighbour stage ", peer);
+      HP_CHECK(s.rank_of(peer) != r, "pipeline schedule: ", where, ": stage ", peer,
+               " is on this rank too (neighbours on one rank pass tensors without a transfer)");
+      const Key key{a.stage, static_cast<int>(a.kind), a.microbatch};
+      HP_CHECK(++count[key] == 1, "pipeline schedule: ", where, ": runs twice");
+      const bool forward = a.kind == ActionKind::kSendForward || a.kind == ActionKind::kRecvForward;
+      const long user = forward ? find(a.stage, ActionKind::kForward, a.microbatch) : bwd(a.stage, a.microbatch);
+      HP_CHECK(user >= 0, "pipeline schedule: ", where, ": stage ", a.stage, " never ",
+               forward ? "forwards" : "backwards", " micro-batch ", a.microbatch);
+      if (is_send(a.kind)) {
+        HP_CHECK(static_cast<long>(i) > user, "pipeline schedule: ", where, ": sent before ",
+                 list[static_cast<size_t>(user)].to_string(), " produced it");
+      } else {
+        HP_CHECK(static_cast<long>(i) < user, "pipeline schedule: ", where, ": received after ",
+                 list[static_cast<size_t>(user)].to_string(), " read it");
+      }
+    }
+  }
+  for (const auto& [k, n] : count) {
+    const Action a{std::get<0>(k), static_cast<ActionKind>(std::get<1>(k)), std::get<2>(k)};
+    const Action c = counterpart(a);
+    const Key ck{c.stage, static_cast<int>(c.kind), c.microbatch};
+    HP_CHECK(count.count(ck), "pipeline schedule: ", a.to_string(),
+             " on rank ", s.rank_of(a.stage), " has no matching ", c.to_string(), " on rank ", s.rank_of(c.stage));
+  }
+  Schedule copy = s;
+  replay_transfers(copy, /*fix=*/false);
+}
+
+}  // namespace
+
+int transfer_tag(const Schedule& s, const Action& a) {
+  HP_CHECK(a.is_comm(), "transfer_tag of ", a.to_string(), ", which is not a transfer");
+  const bool grad = a.kind == ActionKind::kSendBackward || a.kind == ActionKind::kRecvBackward;
+  const int sender = is_send(a.kind) ? a.stage : peer_stage(a);
+  const int64_t t = ((grad ? 1 : 0) * static_cast<int64_t>(s.stages) + sender) * s.microbatches + a.microbatch;
+  return static_cast<int>(t % 32768);
+}
+
+Schedule lower(const Schedule& in, const LowerOptions& o) {
+  validate(in);
+  bool lowered = false, has_fsdp = false;
+  for (const auto& list : in.actions) {
+    for (const auto& a : list) {
+      lowered = lowered || a.is_comm();
+      has_fsdp = has_fsdp || (!a.is_comm() && !a.is_compute());
+    }
+  }
+  if (lowered) return in;
+  Schedule s = in;
+  for (int r = 0; r < s.ranks; ++r) {
+    auto remote = [&](int stage) { return stage >= 0 && stage < s.stages && s.rank_of(stage) != r; };
+    std::vector<Action> out;
+    for (const Action& a : in.actions[r]) {
+      const bool fwd = a.kind == ActionKind::kForward;
+      const bool bwd = a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput;
+      if (fwd && remote(a.stage - 1)) out.push_back(Action{a.stage, ActionKind::kRecvForward, a.microbatch});
+      if (bwd && remote(a.stage + 1)) out.push_back(Action{a.stage, ActionKind::kRecvBackward, a.microbatch});
+      out.push_back(a);
+      if (fwd && remote(a.stage + 1)) out.push_back(Action{a.stage, ActionKind::kSendForward, a.microbatch});
+      if (bwd && remote(a.stage - 1)) out.push_back(Action{a.stage, ActionKind::kSendBackward, a.microbatch});
+    }
+    if (o.fully_shard && !has_fsdp) {
+      std::map<int, size_t> first, last_bwd;
+      for (size_t i = 0; i < out.size(); ++i) {
+        if (!first.count(out[i].stage)) first[out[i].stage] = i;
+        if (is_backward(out[i].kind) || out[i].kind == ActionKind::kSendBackward) last_bwd[out[i].stage] = i;
+      }
+      std::vector<Action> with;
+      for (size_t i = 0; i < out.size(); ++i) {
+        const int st = out[i].stage;
+        if (first[st] == i) with.push_back(Action{st, ActionKind::kUnshard, -1});
+        with.push_back(out[i]);
+        if (last_bwd.count(st) && last_bwd[st] == i) {
+          with.push_back(Action{st, ActionKind::kReduceGrad, -1});
+          with.push_back(Action{st, ActionKind::kReshard, -1});
+        }
+      }
+      out = std::move(with);
+    }
+    s.actions[r] = std::move(out);
+  }
+  replay_transfers(s, /*fix=*/true);
+  validate(s);
+  return s;
+}
+
 void validate(const Schedule& s) {
   HP_CHECK(s.ranks >= 1 && static_cast<int>(s.actions.size()) == s.ranks, "pipeline schedule: ", s.actions.size(),
            " rank lists for ", s.ranks, " ranks");
@@ -249,6 +512,12 @@ void validate(const Schedule& s) {
            " stages do not divide over ", s.ranks, " ranks");
   std::map<Key, int> count;
   std::map<int, int> reduce_grads;
+  std::map<int, bool> unsharded;  // stages with UNSHARD actions: whether unsharded now
+  for (const auto& list : s.actions) {
+    for (const auto& a : list) {
+      if (a.kind == ActionKind::kUnshard) unsharded[a.stage] = false;
+    }
+  }
   for (int r = 0; r < s.ranks; ++r) {
     std::map<Key, bool> seen;  // compute actions so far on this rank
     for (size_t i = 0; i < s.actions[r].size(); ++i) {
@@ -258,6 +527,12 @@ void validate(const Schedule& s) {
                " is not one of the ", s.stages, " stages");
       HP_CHECK(s.rank_of(a.stage) == r, "pipeline schedule: ", where, ": stage ", a.stage, " runs on rank ",
                s.rank_of(a.stage), ", not ", r);
+      if (a.kind == ActionKind::kUnshard || a.kind == ActionKind::kReshard) {
+        unsharded[a.stage] = a.kind == ActionKind::kUnshard;
+        continue;
+      }
+      HP_CHECK(!a.is_compute() || !unsharded.count(a.stage) || unsharded[a.stage], "pipeline schedule: ", where,
+               ": compute on stage ", a.stage, " while it is sharded (outside its UNSHARD ... RESHARD)");
       if (a.kind == ActionKind::kReduceGrad) {
         HP_CHECK(++reduce_grads[a.stage] == 1, "pipeline schedule: ", where, ": a second REDUCE_GRAD of stage ",
                  a.stage);
@@ -292,6 +567,7 @@ void validate(const Schedule& s) {
     }
   }
   replay(s, Costs{});
+  validate_transfers(s);
 }
 
 SimResult simulate(const Schedule& s, const Costs& c) { return replay(s, c); }

@@ -86,4 +86,68 @@ TEST(PpSchedule, BrokenSchedulesAreNamed) {
                          {"W before its I"});
 }
 
+// Lowering, checked against a hand-lowered 1F1B (p = 2, m = 3): each receive right before
+// the compute that reads it, each send right after the compute that produced it; the
+// consecutive send/receive pairs are the batched exchanges of 1F1B's steady state.
+TEST(PpSchedule, LoweringInsertsTheTransfers) {
+  auto low = hp::pp::lower(hp::pp::one_f_one_b(2, 3));
+  EXPECT_EQ(low.to_string(),
+            "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0RECV_B2 0B2\n"
+            "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2\n");
+  auto back = hp::pp::Schedule::parse(low.to_string(), low.stages, low.microbatches);
+  EXPECT_EQ(back.actions, low.actions);
+  auto fs = hp::pp::lower(hp::pp::one_f_one_b(2, 2), {.fully_shard = true});
+  EXPECT_EQ(fs.to_string(),
+            "rank 0: 0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD 0RESHARD\n"
+            "rank 1: 1UNSHARD 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1REDUCE_GRAD 1RESHARD\n");
+  for (const char* t : {"0SEND_F1", "1RECV_F0", "3SEND_B12", "0RECV_B2"}) EXPECT_EQ(Action::parse(t).to_string(), t);
+  hp::test::expect_error([] { Action::parse("0SEND_X1"); }, {"'0SEND_X1' is not an action"});
+}
+
+// Every built-in lowers to a schedule that validates (transfers matched, in order, and
+// completing with the strictest transport), with one send and one receive per transfer:
+// (stages - 1) activations and as many gradients per micro-batch.
+TEST(PpSchedule, BuiltinsLowerAndValidate) {
+  for (int p : {2, 4}) {
+    for (int v : {1, 2}) {
+      for (int m : {p, 2 * p, 2 * p + 1}) {
+        if (v > 1 && m % p != 0) continue;
+        std::vector<hp::pp::Schedule> all = {hp::pp::interleaved_1f1b(p, v, m)};
+        if (v == 1) all.push_back(hp::pp::gpipe(p, m));
+        for (const auto& s : all) {
+          for (bool fsdp : {false, true}) {
+            auto low = hp::pp::lower(s, {.fully_shard = fsdp});
+            hp::pp::validate(low);
+            int comm = 0;
+            for (const auto& list : low.actions) {
+              for (const auto& a : list) comm += a.is_comm();
+            }
+            EXPECT_EQ(comm, 4 * (low.stages - 1) * m) << "p=" << p << " v=" << v << " m=" << m;
+            auto sim = hp::pp::simulate(low);
+            EXPECT_DOUBLE_EQ(sim.makespan, hp::pp::simulate(s).makespan);  // transfers cost nothing
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PpSchedule, BrokenTransfersAreNamed) {
+  auto two = [](const std::string& t) { return hp::pp::Schedule::parse(t, 2, 1); };
+  hp::test::expect_error(
+      [&] { hp::pp::validate(two("rank 0: 0F0 0SEND_F0 0RECV_B0 0B0\nrank 1: 1F0 1B0 1SEND_B0\n")); },
+      {"rank 1, action 0 (1F0) has no 1RECV_F0"});
+  hp::test::expect_error(
+      [&] { hp::pp::validate(two("rank 0: 0SEND_F0 0F0 0RECV_B0 0B0\nrank 1: 1RECV_F0 1F0 1B0 1SEND_B0\n")); },
+      {"(0SEND_F0)", "sent before 0F0 produced it"});
+  hp::test::expect_error(
+      [&] { hp::pp::validate(two("rank 0: 0F0 0SEND_F0 0B0 0RECV_B0\nrank 1: 1RECV_F0 1F0 1B0 1SEND_B0\n")); },
+      {"(0RECV_B0)", "received after 0B0 read it"});
+  // Rank 0 receives the gradient before it sends the activation, in separate batches:
+  // each waits for the other.
+  hp::test::expect_error(
+      [&] { hp::pp::validate(two("rank 0: 0RECV_B0 0F0 0SEND_F0 0B0\nrank 1: 1RECV_F0 1F0 1B0 1SEND_B0\n")); },
+      {"transfers cannot complete", "rank 0 at 0RECV_B0", "rank 1 at 1RECV_F0"});
+}
+
 }  // namespace

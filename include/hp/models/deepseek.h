@@ -87,7 +87,8 @@ struct DeepSeekBlockImpl : torch::nn::Module {
 TORCH_MODULE(DeepSeekBlock);
 
 struct DeepSeekImpl : torch::nn::Module {
-  explicit DeepSeekImpl(const DeepSeekConfig& c);
+  explicit DeepSeekImpl(const DeepSeekConfig& c, const PipelineSlice& slice = {});
+  // Logits of tokens (a pipeline stage: see PipelineSlice in llama.h).
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy of forward's logits (vocabulary-split ones with loss
   // parallel), computed in fp32.
@@ -96,14 +97,16 @@ struct DeepSeekImpl : torch::nn::Module {
   // `dp`: the data-parallel group (tensor-parallel ranks see the same tokens: not in it).
   void update_balancing_bias(const CommPtr& dp = nullptr);
   DeepSeekConfig config;
+  PipelineSlice slice;
+  int64_t stream_split = 1;  // as LlamaImpl::stream_split
   // Set by parallelize_deepseek with loss parallel (see LlamaImpl::vocab_parallel_loss).
   CommPtr vocab_parallel_loss;
   // Set: each block is checkpointed with this policy (activations recomputed in backward).
   c10::optional<RecomputePolicy> recompute;
-  torch::nn::Embedding tok_emb{nullptr};
+  torch::nn::Embedding tok_emb{nullptr};  // null on a pipeline stage without the embedding
   std::vector<DeepSeekBlock> blocks;
-  RMSNorm norm{nullptr};
-  torch::nn::Linear output{nullptr};
+  RMSNorm norm{nullptr};              // null on a stage without the head
+  torch::nn::Linear output{nullptr};  // null on a stage without the head
 };
 TORCH_MODULE(DeepSeek);
 

@@ -22,6 +22,29 @@
 
 namespace hp::models {
 
+// The part of a model one pipeline stage holds (hp/pp/pipeline.h): the embedding on the
+// first stage, blocks [first_layer, end_layer) under their global names (so initialization
+// and checkpoints are those of the whole model), the final norm and the output head on the
+// last. The default is the whole model. A stage without the embedding takes the previous
+// stage's hidden states [B, T, dim] (under sequence parallelism its sequence piece); a
+// stage without the head returns them.
+struct PipelineSlice {
+  int64_t first_layer = 0;
+  int64_t end_layer = -1;  // -1: through the last layer
+  bool embedding = true;
+  bool head = true;
+
+  bool whole(int64_t layers) const { return first_layer == 0 && (end_layer < 0 || end_layer == layers) && embedding && head; }
+};
+
+// The layers of `layers` split over `stages` pipeline stages: `counts` (one entry per stage,
+// each at least 1, summing to `layers`) when given, else as evenly as possible (the earlier
+// stages take the remainder). Raises naming the values for more stages than layers or
+// counts that do not fit.
+std::vector<PipelineSlice> split_layers(int64_t layers, int stages, const std::vector<int64_t>& counts = {});
+// The slice's end layer (resolving -1); raises naming the values for a slice outside the model.
+int64_t check_slice(const PipelineSlice& slice, int64_t layers);
+
 struct LlamaConfig {
   int64_t vocab = 256;
   int64_t dim = 64;
@@ -110,8 +133,8 @@ struct LlamaBlockImpl : torch::nn::Module {
 TORCH_MODULE(LlamaBlock);
 
 struct LlamaImpl : torch::nn::Module {
-  explicit LlamaImpl(const LlamaConfig& c);
-  // Logits [B, T, vocab] of tokens [B, T].
+  explicit LlamaImpl(const LlamaConfig& c, const PipelineSlice& slice = {});
+  // Logits [B, T, vocab] of tokens [B, T] (a pipeline stage: see PipelineSlice).
   at::Tensor forward(const at::Tensor& tokens);
   // Mean next-token cross-entropy (computed in fp32). Calls forward directly: under
   // fully_shard, call the root through hp::call and use loss_of_logits.
@@ -122,15 +145,19 @@ struct LlamaImpl : torch::nn::Module {
   void init_weights(uint64_t seed);
 
   LlamaConfig config;
+  PipelineSlice slice;
+  // Set by parallelize_llama with sequence parallelism: a stage's hidden-state input holds
+  // T / stream_split of the sequence's T tokens.
+  int64_t stream_split = 1;
   // Set: each block is checkpointed with this policy (activations recomputed in backward).
   c10::optional<RecomputePolicy> recompute;
   // Set (by parallelize_llama with loss parallel): the output head's logits are split on
   // the vocabulary over this group, and loss() reduces them without gathering.
   CommPtr vocab_parallel_loss;
-  torch::nn::Embedding tok_emb{nullptr};
+  torch::nn::Embedding tok_emb{nullptr};  // null on a pipeline stage without the embedding
   std::vector<LlamaBlock> blocks;
-  RMSNorm norm{nullptr};
-  torch::nn::Linear output{nullptr};  // null when tied to tok_emb
+  RMSNorm norm{nullptr};              // null on a stage without the head
+  torch::nn::Linear output{nullptr};  // null when tied to tok_emb, or without the head
 };
 TORCH_MODULE(Llama);
 

@@ -1,11 +1,13 @@
 // Pipeline schedules as data: per rank, the list of actions it runs in order. Pure: built,
-// printed, parsed, validated and simulated without ranks (the runtime that executes them is
-// not built yet).
+// printed, parsed, lowered, validated and simulated without ranks; hp/pp/pipeline.h runs
+// them.
 //
 // An action names a stage, a kind and (for compute) a micro-batch. Text form, one token
 // per action: "0F1" (stage 0, forward of micro-batch 1), "1B0" (full backward), "2I3"
 // (input-gradient backward), "2W3" (weight-gradient backward), "1UNSHARD", "1RESHARD",
-// "1REDUCE_GRAD" (fully_shard's verbs for a stage). A schedule prints as one line per rank,
+// "1REDUCE_GRAD" (fully_shard's verbs for a stage), and the transfers lower() inserts:
+// "0SEND_F1" / "1RECV_F1" (stage 0's activation of micro-batch 1 to stage 1),
+// "1SEND_B1" / "0RECV_B1" (stage 1's input gradient back to stage 0). A schedule prints as one line per rank,
 // "rank 0: 0F0 0F1 0B0 ...", and parses back to the same schedule.
 //
 // Stages are placed on ranks in a loop: stage s on rank s % ranks (with v stages per rank,
@@ -25,7 +27,22 @@
 
 namespace hp::pp {
 
-enum class ActionKind { kForward, kBackward, kBackwardInput, kBackwardWeight, kUnshard, kReshard, kReduceGrad };
+enum class ActionKind {
+  kForward,
+  kBackward,
+  kBackwardInput,
+  kBackwardWeight,
+  kUnshard,
+  kReshard,
+  kReduceGrad,
+  // Inserted by lower(): the activation of a forward of `stage` sent to stage + 1 (SEND_F),
+  // received by stage + 1 (RECV_F, its stage is the receiver); the input gradient of a
+  // backward of `stage` sent to stage - 1 (SEND_B), received there (RECV_B).
+  kSendForward,
+  kRecvForward,
+  kSendBackward,
+  kRecvBackward,
+};
 
 struct Action {
   int stage = 0;
@@ -33,6 +50,7 @@ struct Action {
   int microbatch = -1;  // compute actions only
 
   bool is_compute() const;
+  bool is_comm() const;  // SEND_F, RECV_F, SEND_B, RECV_B
   std::string to_string() const;
   // Raises hp::Error naming the token for text that is not an action.
   static Action parse(const std::string& token);
@@ -58,8 +76,32 @@ Schedule one_f_one_b(int ranks, int m);
 // v > 1 stages per rank, in a loop; m must be a multiple of ranks (others: "not supported yet").
 Schedule interleaved_1f1b(int ranks, int v, int m);
 
-// Raises hp::Error (see the file comment).
+// Raises hp::Error (see the file comment). For a lowered schedule also: every send meets
+// exactly one receive of the same micro-batch on the neighbouring stage's rank, a receive
+// comes before the compute that reads it and a send after the compute that produces it,
+// and the communication order completes when every send waits for its receive (the
+// strictest transport): consecutive SEND/RECV actions of a rank form one batch, posted
+// together and finished together.
 void validate(const Schedule& s);
+
+struct LowerOptions {
+  // Insert fully_shard's verbs: UNSHARD before a stage's first action, REDUCE_GRAD after
+  // its last backward, RESHARD after that.
+  bool fully_shard = false;
+};
+
+// Inserts the point-to-point transfers between stages on different ranks: a receive right
+// before the compute that needs it, a send right after the compute that produced it; then
+// replays the order with the strictest transport and, where two ranks would wait on each
+// other (each sending what the other receives only later), posts the waiting receive
+// earlier in the receiver's list, joined to the batch it waits at. The result validates;
+// it raises for a schedule whose compute order itself cannot complete. A schedule already
+// holding comm actions is returned unchanged (validated).
+Schedule lower(const Schedule& s, const LowerOptions& o = {});
+
+// The tag of a transfer (the same on both sides): distinct for the transfers of one step
+// up to 32768 of them.
+int transfer_tag(const Schedule& s, const Action& a);
 
 struct Costs {
   double forward = 1, backward = 2;  // a full backward (I + W)

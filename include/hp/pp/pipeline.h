@@ -1,0 +1,116 @@
+// Pipeline parallel runtime: runs a schedule (hp/pp/schedule.h) on this rank's stages,
+// moving activations and their gradients between the ranks of the pp group.
+//
+//   auto slices = hp::models::split_layers(cfg.layers, pp);            // or explicit counts
+//   hp::models::DeepSeek stage(cfg, slices[pp_rank]);                   // this rank's part
+//   ... parallelize / fully_shard the stage as a whole model ...
+//   hp::pp::Pipeline pipe(hp::pp::one_f_one_b(pp, m),
+//                         {{pp_rank, [&](const at::Tensor& x) { return hp::call(stage, x); }, stage.ptr().get()}},
+//                         mesh->group("pp"), loss_fn);
+//   at::Tensor loss = pipe.step(tokens, targets);   // forward and backward of m micro-batches
+//   optimizer.step();
+//
+// Communication: the schedule is lowered (hp::pp::lower) so that every rank's sends and
+// receives are in an order that completes even when every send waits for its receive;
+// consecutive transfers of a rank go out as one batch (Communicator::batch_send_recv), and a
+// received tensor is waited for only by the compute action that reads it. The
+// shape and dtype of each stage's input are sent ahead of micro-batch 0's activation every
+// step (one small message per stage boundary); the other micro-batches reuse them. A
+// received activation lives until its backward has run; a gradient until it was used.
+//
+// fully_shard inside a stage: when any stage of the pipeline holds fully_shard'ed modules
+// (the stage's module or modules inside it), the schedule gets UNSHARD, REDUCE_GRAD and
+// RESHARD per stage: the parameters are gathered once per step, stay gathered across the
+// micro-batches, the gradients accumulate unreduced and are reduce-scattered once, after
+// the stage's last backward.
+//
+// Loss scaling: each micro-batch's loss is divided by the micro-batch count, so the
+// gradients are those of the mean loss over the step's batch (micro-batches of equal size),
+// as one process computing the loss of the whole batch gets them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+#include "hp/pp/schedule.h"
+
+namespace hp {
+class FSDPModule;
+}
+
+namespace hp::pp {
+
+struct PipelineStage {
+  int stage = 0;
+  // The stage's computation: the first stage gets a micro-batch of the step's inputs, every
+  // other the previous stage's output (one tensor).
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  // The module holding the stage's parameters, or null: the fully_shard handles on it and
+  // inside it get the schedule's UNSHARD, REDUCE_GRAD and RESHARD.
+  torch::nn::Module* module = nullptr;
+};
+
+// The last stage's loss of one micro-batch: (its output, its targets) -> a scalar mean.
+using PipelineLoss = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& targets)>;
+
+class Pipeline {
+ public:
+  // `schedule`: the whole pipeline's (every rank's list; lowered here when it is not); this
+  // rank runs list group->rank(). `stages`: every stage the schedule places on this rank,
+  // once each. A collective over `group` (whether any rank has fully_shard'ed stages).
+  // Raises hp::Error for a schedule whose ranks differ from the group's size, stages not
+  // matching the schedule, a missing loss on the last stage's rank, and split backwards
+  // (I, W: not supported yet).
+  Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss);
+
+  // One step's forwards and backwards: `inputs` and `targets` are the step's batch, split on
+  // dim 0 into schedule.microbatches equal micro-batches (an error naming the sizes when
+  // they do not divide). The first stage's rank reads inputs, the last stage's targets;
+  // other ranks may pass undefined tensors. Returns the mean loss over the micro-batches on
+  // the rank holding the last stage, an undefined tensor elsewhere. Gradients are left
+  // where the stages' parameters hold them (.grad; under fully_shard the reduced shards).
+  at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
+
+  const Schedule& schedule() const { return schedule_; }
+  bool holds_stage(int stage) const;
+  int rank() const { return rank_; }
+
+ private:
+  using Key = std::pair<int, int>;  // stage, micro-batch
+  struct Meta {
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> shape;
+  };
+  void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  void run_batch(size_t begin, size_t end);
+  void run_fsdp(const Action& a);
+  // Waits for the receive of `k` when it is still in flight (and makes a received
+  // activation a leaf that requires grad).
+  void await(std::map<Key, std::shared_ptr<Work>>& pending, const Key& k, bool make_leaf);
+  PipelineStage& stage(int s);
+
+  Schedule schedule_;
+  std::vector<PipelineStage> stages_;
+  CommPtr group_;
+  PipelineLoss loss_;
+  int rank_ = 0;
+  std::map<int, std::vector<std::shared_ptr<FSDPModule>>> fsdp_;  // per stage
+
+  // Per step.
+  std::map<Key, at::Tensor> input_;        // a stage's input (a leaf requiring grad past stage 0)
+  std::map<Key, at::Tensor> output_;       // a stage's output (the last stage: its scaled loss)
+  std::map<Key, at::Tensor> grad_output_;  // the gradient of a stage's output
+  std::map<int, Meta> input_meta_;         // per receiving stage, from micro-batch 0's header
+  std::map<Key, std::shared_ptr<Work>> pending_input_, pending_grad_;  // receives in flight
+  std::vector<Work> sends_;
+  at::Tensor loss_sum_;
+};
+
+}  // namespace hp::pp

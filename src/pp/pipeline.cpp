@@ -1,0 +1,327 @@
+#include "hp/pp/pipeline.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <set>
+
+#include "hp/core/error.h"
+#include "hp/core/trace.h"
+#include "hp/fsdp/fully_shard.h"
+
+namespace hp::pp {
+
+namespace {
+
+constexpr int kMaxDims = 8;
+constexpr int64_t kHeaderLen = 2 + kMaxDims;  // dtype, ndim, dims
+
+bool is_forward_transfer(ActionKind k) { return k == ActionKind::kSendForward || k == ActionKind::kRecvForward; }
+
+int peer_stage_of(const Action& a) {
+  return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kRecvBackward ? a.stage + 1 : a.stage - 1;
+}
+
+}  // namespace
+
+Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
+    : stages_(std::move(stages)), group_(std::move(group)), loss_(std::move(loss)) {
+  HP_CHECK(group_ != nullptr, "Pipeline: no pp group");
+  HP_CHECK(schedule.ranks == group_->size(), "Pipeline: the schedule is for ", schedule.ranks,
+           " ranks, the pp group '", group_->name(), "' has ", group_->size());
+  rank_ = group_->rank();
+  for (const auto& list : schedule.actions) {
+    for (const auto& a : list) {
+      HP_CHECK(a.kind != ActionKind::kBackwardInput && a.kind != ActionKind::kBackwardWeight, "Pipeline: ",
+               a.to_string(), ": split backwards (I and W, zero-bubble schedules) are not supported yet by the runtime");
+    }
+  }
+  std::set<int> mine;
+  for (const auto& st : stages_) {
+    HP_CHECK(st.stage >= 0 && st.stage < schedule.stages, "Pipeline: stage ", st.stage, " is not one of the schedule's ",
+             schedule.stages);
+    HP_CHECK(schedule.rank_of(st.stage) == rank_, "Pipeline: stage ", st.stage, " runs on pp rank ",
+             schedule.rank_of(st.stage), ", this is pp rank ", rank_);
+    HP_CHECK(mine.insert(st.stage).second, "Pipeline: stage ", st.stage, " given twice");
+    HP_CHECK(st.forward != nullptr, "Pipeline: stage ", st.stage, " has no forward");
+    if (st.module) {
+      for (const auto& m : st.module->modules(/*include_self=*/true)) {
+        if (auto h = fsdp_handle(*m)) fsdp_[st.stage].push_back(h);
+      }
+    }
+  }
+  for (int s = rank_; s < schedule.stages; s += schedule.ranks) {
+    HP_CHECK(mine.count(s), "Pipeline: the schedule runs stage ", s, " on pp rank ", rank_, ", which was not given");
+  }
+  HP_CHECK(!holds_stage(schedule.stages - 1) || loss_ != nullptr, "Pipeline: pp rank ", rank_,
+           " holds the last stage but no loss function was given");
+  // Every rank must run the same lowered schedule: fully_shard verbs where any rank has them.
+  at::Tensor any = at::full({1}, fsdp_.empty() ? 0 : 1, at::kInt);
+  group_->all_reduce(any, {ReduceOp::MAX}).wait();
+  schedule_ = lower(schedule, LowerOptions{any.item<int>() == 1});
+}
+
+bool Pipeline::holds_stage(int s) const {
+  return std::any_of(stages_.begin(), stages_.end(), [&](const PipelineStage& st) { return st.stage == s; });
+}
+
+PipelineStage& Pipeline::stage(int s) {
+  for (auto& st : stages_) {
+    if (st.stage == s) return st;
+  }
+  HP_INTERNAL_ASSERT(false, "stage ", s, " not held (validated schedule)");
+  return stages_.front();
+}
+
+at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  const int m = schedule_.microbatches;
+  auto split = [&](const at::Tensor& t, const char* what) {
+    std::vector<at::Tensor> out;
+    if (!t.defined()) return out;
+    HP_CHECK(t.dim() >= 1 && t.size(0) % m == 0, "Pipeline::step: ", what, " of ", t.dim() >= 1 ? t.size(0) : 0,
+             " rows does not split into ", m, " equal micro-batches");
+    return t.split(t.size(0) / m);
+  };
+  const auto in_mb = split(inputs, "inputs");
+  const auto tgt_mb = split(targets, "targets");
+  HP_CHECK(!holds_stage(0) || !in_mb.empty(), "Pipeline::step: pp rank ", rank_,
+           " holds the first stage and needs the inputs");
+  HP_CHECK(!holds_stage(schedule_.stages - 1) || !tgt_mb.empty(), "Pipeline::step: pp rank ", rank_,
+           " holds the last stage and needs the targets");
+  loss_sum_ = at::Tensor();
+  input_meta_.clear();
+  const auto& list = schedule_.actions[rank_];
+  try {
+    for (size_t i = 0; i < list.size();) {
+      const Action& a = list[i];
+      if (a.is_comm()) {
+        size_t e = i;
+        while (e < list.size() && list[e].is_comm()) ++e;
+        run_batch(i, e);
+        i = e;
+        continue;
+      }
+      if (a.is_compute()) {
+        run_compute(a, in_mb, tgt_mb);
+      } else {
+        run_fsdp(a);
+      }
+      ++i;
+    }
+    for (auto& w : sends_) w.wait();
+  } catch (...) {
+    sends_.clear();
+    pending_input_.clear();
+    pending_grad_.clear();
+    input_.clear();
+    output_.clear();
+    grad_output_.clear();
+    throw;
+  }
+  sends_.clear();
+  HP_INTERNAL_ASSERT(input_.empty() && output_.empty() && grad_output_.empty(),
+                     "pipeline step ended with tensors of unfinished micro-batches");
+  return loss_sum_;
+}
+
+void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& inputs,
+                           const std::vector<at::Tensor>& targets) {
+  const Key k{a.stage, a.microbatch};
+  const int last = schedule_.stages - 1;
+  auto local = [&](int s) { return s >= 0 && s <= last && holds_stage(s); };
+  // What this action reads, if it is still being received (outside the compute spans).
+  if (a.kind == ActionKind::kForward) {
+    await(pending_input_, k, /*make_leaf=*/true);
+  } else {
+    await(pending_grad_, k, /*make_leaf=*/false);
+  }
+  if (a.kind == ActionKind::kForward) {
+    trace::Span span("pp forward " + a.to_string(), "compute");
+    at::Tensor in;
+    if (a.stage == 0) {
+      in = inputs[static_cast<size_t>(a.microbatch)];
+    } else {
+      auto it = input_.find(k);
+      HP_INTERNAL_ASSERT(it != input_.end(), "no input for ", a.to_string());
+      in = it->second;
+    }
+    if (a.stage == 0) input_[k] = in;
+    at::Tensor out = stage(a.stage).forward(in);
+    if (a.stage == last) {
+      at::Tensor l = loss_(out, targets[static_cast<size_t>(a.microbatch)]) / schedule_.microbatches;
+      HP_CHECK(l.numel() == 1, "Pipeline: the loss of ", a.to_string(), " has ", l.numel(), " elements, not one");
+      loss_sum_ = loss_sum_.defined() ? loss_sum_ + l.detach() : l.detach();
+      out = l;
+    } else if (local(a.stage + 1)) {
+      input_[Key{a.stage + 1, a.microbatch}] = out.detach().requires_grad_(out.requires_grad());
+    }
+    output_[k] = out;
+    return;
+  }
+  // A full backward.
+  trace::Span span("pp backward " + a.to_string(), "compute");
+  auto out = output_.find(k);
+  HP_INTERNAL_ASSERT(out != output_.end(), "no output for ", a.to_string());
+  if (a.stage == last) {
+    torch::autograd::backward({out->second});
+  } else {
+    auto g = grad_output_.find(k);
+    HP_INTERNAL_ASSERT(g != grad_output_.end(), "no output gradient for ", a.to_string());
+    if (out->second.requires_grad()) torch::autograd::backward({out->second}, {g->second});
+    grad_output_.erase(g);
+  }
+  output_.erase(out);
+  auto in = input_.find(k);
+  if (in != input_.end()) {
+    if (a.stage > 0 && local(a.stage - 1)) {
+      at::Tensor g = in->second.grad();
+      grad_output_[Key{a.stage - 1, a.microbatch}] = g.defined() ? g : at::zeros_like(in->second);
+    } else if (a.stage > 0) {
+      return;  // SEND_B reads the gradient, then drops the input
+    }
+    input_.erase(in);
+  }
+}
+
+void Pipeline::run_batch(size_t begin, size_t end) {
+  const auto& list = schedule_.actions[rank_];
+  // Micro-batch 0's activations carry a header first: the receiver learns the shape and dtype.
+  std::vector<P2POp> header;
+  std::vector<std::pair<int, at::Tensor>> header_in;  // receiving stage, buffer
+  for (size_t i = begin; i < end; ++i) {
+    const Action& a = list[i];
+    if (!is_forward_transfer(a.kind) || a.microbatch != 0) continue;
+    const int peer = schedule_.rank_of(peer_stage_of(a));
+    const int tag = transfer_tag(schedule_, a);
+    if (a.kind == ActionKind::kSendForward) {
+      const at::Tensor& out = output_.at(Key{a.stage, a.microbatch});
+      HP_CHECK(out.dim() <= kMaxDims, "Pipeline: stage ", a.stage, "'s output has ", out.dim(), " dims (at most ",
+               kMaxDims, " supported)");
+      at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
+      auto* p = h.data_ptr<int64_t>();
+      p[0] = static_cast<int64_t>(out.scalar_type());
+      p[1] = out.dim();
+      for (int64_t d = 0; d < out.dim(); ++d) p[2 + d] = out.size(d);
+      header.push_back(P2POp{P2POp::kSend, h, peer, tag});
+    } else {
+      at::Tensor h = at::empty({kHeaderLen}, at::kLong);
+      header.push_back(P2POp{P2POp::kRecv, h, peer, tag});
+      header_in.emplace_back(a.stage, h);
+    }
+  }
+  if (!header.empty()) group_->batch_send_recv(header).wait();
+  for (auto& [s, h] : header_in) {
+    const auto* p = h.data_ptr<int64_t>();
+    Meta meta;
+    meta.dtype = static_cast<at::ScalarType>(p[0]);
+    meta.shape.assign(p + 2, p + 2 + p[1]);
+    input_meta_[s] = meta;
+  }
+  std::vector<P2POp> ops;
+  std::vector<std::pair<Action, at::Tensor>> received;
+  bool any_recv = false;
+  for (size_t i = begin; i < end; ++i) {
+    const Action& a = list[i];
+    const Key k{a.stage, a.microbatch};
+    const int peer = schedule_.rank_of(peer_stage_of(a));
+    const int tag = transfer_tag(schedule_, a);
+    switch (a.kind) {
+      case ActionKind::kSendForward:
+        ops.push_back(P2POp{P2POp::kSend, output_.at(k).detach().contiguous(), peer, tag});
+        break;
+      case ActionKind::kSendBackward: {
+        auto in = input_.find(k);
+        HP_INTERNAL_ASSERT(in != input_.end(), "no input to send the gradient of for ", a.to_string());
+        at::Tensor g = in->second.grad();
+        ops.push_back(P2POp{P2POp::kSend, g.defined() ? g.contiguous() : at::zeros_like(in->second), peer, tag});
+        input_.erase(in);
+        break;
+      }
+      case ActionKind::kRecvForward: {
+        auto meta = input_meta_.find(a.stage);
+        HP_INTERNAL_ASSERT(meta != input_meta_.end(), "no header for ", a.to_string());
+        at::Tensor buf = at::empty(meta->second.shape, at::TensorOptions().dtype(meta->second.dtype));
+        ops.push_back(P2POp{P2POp::kRecv, buf, peer, tag});
+        received.emplace_back(a, buf);
+        any_recv = true;
+        break;
+      }
+      case ActionKind::kRecvBackward: {
+        const at::Tensor& out = output_.at(k);
+        at::Tensor buf = at::empty(out.sizes(), out.options().requires_grad(false));
+        ops.push_back(P2POp{P2POp::kRecv, buf, peer, tag});
+        received.emplace_back(a, buf);
+        any_recv = true;
+        break;
+      }
+      default:
+        HP_INTERNAL_ASSERT(false, "not a transfer: ", a.to_string());
+    }
+  }
+  // Not waited for here: a receive the lowering posted early (joined to an earlier batch)
+  // is waited for by the compute action that reads it, so the rank computes meanwhile.
+  // Batches complete in issue order, so a later wait covers the sends before it.
+  auto w = std::make_shared<Work>(group_->batch_send_recv(std::move(ops)));
+  if (!any_recv) {
+    sends_.push_back(*w);  // its tensors stay alive in the op; waited at the end of the step
+    return;
+  }
+  for (auto& [a, buf] : received) {
+    const Key k{a.stage, a.microbatch};
+    if (a.kind == ActionKind::kRecvForward) {
+      input_[k] = buf;
+      pending_input_[k] = w;
+    } else {
+      grad_output_[k] = buf;
+      pending_grad_[k] = w;
+    }
+  }
+}
+
+void Pipeline::await(std::map<Key, std::shared_ptr<Work>>& pending, const Key& k, bool make_leaf) {
+  auto it = pending.find(k);
+  if (it == pending.end()) return;
+  {
+    trace::Span span("pp wait recv", "wait");
+    it->second->wait();
+  }
+  pending.erase(it);
+  if (make_leaf) {
+    at::Tensor& t = input_.at(k);
+    if (t.is_floating_point()) t.requires_grad_(true);
+  }
+}
+
+void Pipeline::run_fsdp(const Action& a) {
+  auto it = fsdp_.find(a.stage);
+  if (it == fsdp_.end()) return;  // this stage has no fully_shard'ed modules (another rank's have)
+  auto& handles = it->second;
+  switch (a.kind) {
+    case ActionKind::kUnshard:
+      for (auto& h : handles) {
+        h->set_reshard_after_forward(false, /*recurse=*/false);
+        h->set_reshard_after_backward(false, /*recurse=*/false);
+        h->set_requires_gradient_sync(false, /*recurse=*/false);
+        h->unshard(/*async=*/true);
+      }
+      for (auto& h : handles) h->wait_for_unshard();
+      break;
+    case ActionKind::kReduceGrad:
+      for (auto& h : handles) h->reduce_grads();
+      for (auto& h : handles) {
+        h->finalize_backward();
+        h->set_requires_gradient_sync(true, /*recurse=*/false);
+        h->set_reshard_after_backward(true, /*recurse=*/false);
+        h->set_reshard_after_forward(true, /*recurse=*/false);
+      }
+      break;
+    case ActionKind::kReshard:
+      for (auto& h : handles) h->reshard();
+      break;
+    default:
+      HP_INTERNAL_ASSERT(false, "not a fully_shard verb: ", a.to_string());
+  }
+}
+
+}  // namespace hp::pp
