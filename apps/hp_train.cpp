@@ -165,6 +165,7 @@ int run(const Args& args, const hp::CommPtr& world) {
   // Every check before training starts; all ranks agree on the outcome.
   TrainConfig c;
   hp::MemoryEstimate est;
+  std::vector<int64_t> stage_counts;  // pipeline_parallel > 1: parameters per stage
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<MetricsLog> metrics;
   std::string error;
@@ -172,7 +173,23 @@ int run(const Args& args, const hp::CommPtr& world) {
     c = load_config(args.config, args.overrides);
     c.validate(args.world > 0 ? args.world : world->size());
     // Under tensor parallelism fully_shard shards each tp rank's pieces.
-    est = hp::estimate_memory(c.model.params_per_tp_rank(c.tensor_parallel),
+    // Under pipeline parallelism a rank holds its stages only: the fullest pp rank's share,
+    // with tensor parallelism dividing it as it divides the whole model.
+    int64_t rank_params = c.model.params_per_tp_rank(c.tensor_parallel);
+    if (c.pipeline_parallel > 1) {
+      stage_counts = stage_params(c);
+      int64_t fullest = 0;
+      for (int64_t r = 0; r < c.pipeline_parallel; ++r) {
+        int64_t n = 0;
+        for (size_t st = static_cast<size_t>(r); st < stage_counts.size(); st += static_cast<size_t>(c.pipeline_parallel)) {
+          n += stage_counts[st];
+        }
+        fullest = std::max(fullest, n);
+      }
+      rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(rank_params) /
+                                         static_cast<double>(c.model.num_params()));
+    }
+    est = hp::estimate_memory(rank_params,
                               c.model.largest_block_params_per_tp_rank(c.tensor_parallel), c.params_dtype,
                                       mixed_precision(c),
                                       {c.data_parallel, c.data_parallel_shard,
@@ -219,6 +236,11 @@ int run(const Args& args, const hp::CommPtr& world) {
                     static_cast<long long>(c.model.largest_block_params_per_tp_rank(c.tensor_parallel)),
                     c.model.type == "deepseek" ? ", MLA down-projections and routers" : "");
       say(line);
+    }
+    if (!stage_counts.empty()) {
+      std::string st = "pipeline: " + std::to_string(stage_counts.size()) + " stages, parameters per stage (before tensor parallelism):";
+      for (int64_t n : stage_counts) st += " " + std::to_string(n);
+      say(st + "; a rank holds stages r, r + " + std::to_string(c.pipeline_parallel) + ", ...");
     }
     say("per rank, without activations: sharded params " + format_bytes(est.sharded_params) + ", grads " +
         format_bytes(est.sharded_grads) + ", optimizer " + format_bytes(est.optimizer_state) + ", fp32 masters " +

@@ -16,6 +16,7 @@
 namespace hp::train {
 
 int64_t ModelSpec::vocab() const { return type == "llama" ? llama.vocab : deepseek.vocab; }
+int64_t ModelSpec::layers() const { return type == "llama" ? llama.layers : deepseek.layers; }
 int64_t ModelSpec::max_seq() const { return type == "llama" ? llama.max_seq : deepseek.max_seq; }
 int64_t ModelSpec::num_params() const {
   return type == "llama" ? llama.num_params() : deepseek.num_params();
@@ -276,11 +277,19 @@ const std::vector<Key>& keys() {
         [](TrainConfig& c, const Value& v) { c.tensor_parallel = as_int(v, 1, kMaxRanks); });
     top("sequence_parallel", "bool", "false", "sequence parallel (needs tensor_parallel > 1)",
         [](TrainConfig& c, const Value& v) { c.sequence_parallel = as_bool(v); });
-    top("pipeline_parallel", "int", "1", "pipeline stages (only 1 yet)",
+    top("pipeline_parallel", "int", "1", "pipeline-parallel size (ranks the layers are split over)",
         [](TrainConfig& c, const Value& v) { c.pipeline_parallel = as_int(v, 1, kMaxRanks); });
-    top("pipeline_parallel_interleave_num", "int", "1", "virtual stages per pipeline rank",
+    top("pipeline_parallel_interleave_num", "int", "1", "stages per pipeline rank (interleaved schedule)",
         [](TrainConfig& c, const Value& v) { c.pipeline_parallel_interleave_num = as_int(v, 1, kMaxRanks); });
-    top("micro_batch_num", "int", "1", "micro-batches per step (gradient accumulation)",
+    top("pipeline_schedule", "auto|gpipe|1f1b|interleaved", "auto",
+        "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1",
+        [](TrainConfig& c, const Value& v) {
+          if (v.text == "zbv" || v.text == "zb-h1" || v.text == "zbh1") {
+            v.fail("zero-bubble schedules are not supported yet by the pipeline runtime");
+          }
+          c.pipeline_schedule = as_choice(v, {"auto", "gpipe", "1f1b", "interleaved"});
+        });
+    top("micro_batch_num", "int", "1", "micro-batches per step (pipeline micro-batches, or gradient accumulation)",
         [](TrainConfig& c, const Value& v) { c.micro_batch_num = as_int(v, 1, kMaxRanks); });
     top("global_batch_size", "int", "8", "samples per optimizer step, all ranks together",
         [](TrainConfig& c, const Value& v) { c.global_batch_size = as_int(v, 1, kMaxRanks); });
@@ -489,11 +498,23 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(!sequence_parallel || seq_length % tensor_parallel == 0, s, ": seq_length=", seq_length,
              " is not divisible by tensor_parallel=", tensor_parallel, " (sequence_parallel splits the sequence)");
   }
-  HP_CHECK(pipeline_parallel == 1, s, ": pipeline_parallel=", pipeline_parallel,
-           ": pipeline parallelism is not supported yet (use 1)");
-  HP_CHECK(pipeline_parallel_interleave_num == 1, s, ": pipeline_parallel_interleave_num=",
-           pipeline_parallel_interleave_num, " needs pipeline_parallel > 1 (pipeline_parallel=",
-           pipeline_parallel, ")");
+  const int64_t pp = pipeline_parallel, v = pipeline_parallel_interleave_num;
+  HP_CHECK(v == 1 || pp > 1, s, ": pipeline_parallel_interleave_num=", v,
+           " needs pipeline_parallel > 1 (pipeline_parallel=", pp, ")");
+  if (pipeline_schedule == "auto") pipeline_schedule = v > 1 ? "interleaved" : "1f1b";
+  HP_CHECK(v == 1 || pipeline_schedule == "interleaved", s, ": pipeline_schedule=", pipeline_schedule,
+           " runs one stage per rank, but pipeline_parallel_interleave_num=", v, " (use interleaved)");
+  if (pp > 1) {
+    HP_CHECK(pp * v <= model.layers(), s, ": pipeline_parallel=", pp, " x pipeline_parallel_interleave_num=", v,
+             " = ", pp * v, " stages, but the model has ", model.layers(),
+             " layers (each stage needs at least one: more stages than layers)");
+    HP_CHECK(pipeline_schedule != "interleaved" || micro_batch_num % pp == 0, s, ": micro_batch_num=",
+             micro_batch_num, " with the interleaved schedule must be a multiple of pipeline_parallel=", pp,
+             " (other counts are not supported yet)");
+    HP_CHECK(model.type != "llama" || !model.llama.tie_embeddings, s,
+             ": tie_embeddings with pipeline_parallel > 1 (the embedding and the head on different stages) is ",
+             "not supported yet");
+  }
   // Products checked step by step against the world size, so none can overflow.
   auto layout_error = [&] {
     return detail::str_cat(s, ": data_parallel=", data_parallel, " x data_parallel_shard=", data_parallel_shard,
@@ -506,8 +527,9 @@ void TrainConfig::validate(int world_size) {
     others *= f;
   }
   if (data_parallel_shard == -1) {
-    HP_CHECK(world_size % others == 0, s, ": data_parallel=", data_parallel,
-             " does not divide the world size ", world_size, " (so data_parallel_shard=-1 has no value)");
+    HP_CHECK(world_size % others == 0, s, ": data_parallel=", data_parallel, " x tensor_parallel=", tensor_parallel,
+             " x pipeline_parallel=", pipeline_parallel, " = ", others, " does not divide the world size ", world_size,
+             " (so data_parallel_shard=-1 has no value)");
     data_parallel_shard = world_size / others;
   }
   HP_CHECK(data_parallel_shard <= world_size / others && others * data_parallel_shard == world_size, layout_error());
@@ -607,6 +629,7 @@ std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainCo
   add("comm_fusion", c.comm_fusion), add("recompute", c.recompute);
   add("tensor_parallel", c.tensor_parallel), add("sequence_parallel", c.sequence_parallel);
   add("pipeline_parallel", c.pipeline_parallel), add("pipeline_parallel_interleave_num", c.pipeline_parallel_interleave_num);
+  add("pipeline_schedule", c.pipeline_schedule);
   add("micro_batch_num", c.micro_batch_num), add("global_batch_size", c.global_batch_size);
   add("seq_length", c.seq_length), add("lr", c.lr), add("min_lr", c.min_lr), add("lr_warmup_steps", c.lr_warmup_steps);
   add("lr_decay_style", c.lr_decay_style), add("weight_decay", c.weight_decay), add("adam_beta1", c.adam_beta1);
@@ -622,6 +645,7 @@ std::string describe(const TrainConfig& c) {
      << " parameters); data " << c.data.type << (c.data.path.empty() ? "" : " " + c.data.path) << "\n";
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
      << (c.tensor_parallel > 1 ? detail::str_cat(" x tensor_parallel ", c.tensor_parallel) : std::string())
+     << (c.pipeline_parallel > 1 ? detail::str_cat(" x pipeline_parallel ", c.pipeline_parallel) : std::string())
      << (c.data_parallel > 1 ? " (HSDP" : " (FSDP")
      << (c.tensor_parallel > 1 ? detail::str_cat(" + TP, sequence_parallel ", c.sequence_parallel ? "on" : "off",
                                                  ", loss parallel)")
@@ -631,6 +655,11 @@ std::string describe(const TrainConfig& c) {
              ? detail::str_cat(" (resharded to groups of ", c.reshard_after_forward_group_size, " after forward)")
              : c.reshard_after_forward_group_size == 1 ? std::string(" (group of 1: kept gathered after forward)")
                                                        : std::string())
+     << (c.pipeline_parallel > 1
+             ? detail::str_cat(", pipeline ", c.pipeline_schedule, " with ", c.pipeline_parallel * c.pipeline_parallel_interleave_num,
+                               " stages (", c.pipeline_parallel_interleave_num, " per rank) x ", c.micro_batch_num,
+                               " micro-batches")
+             : std::string())
      << ", comm_fusion " << (c.comm_fusion ? "on" : "off")
      << (c.recompute == "none" ? std::string() : ", recompute " + c.recompute) << "\n";
   const GroupDtypes d = resolve_dtypes(mixed_precision(c), c.params_dtype);

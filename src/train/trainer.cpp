@@ -16,6 +16,7 @@
 #include "hp/models/llama.h"
 #include "hp/models/tensor_parallel.h"
 #include "hp/optim/foreach_adamw.h"
+#include "hp/pp/pipeline.h"
 #include "hp/tp/dtensor.h"
 
 namespace hp::train {
@@ -35,6 +36,11 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& sha
 
 double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& split, const CommPtr& shards,
                         const CommPtr& tp) {
+  return global_grad_norm(grads, split, shards, tp, nullptr);
+}
+
+double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& split, const CommPtr& shards,
+                        const CommPtr& tp, const CommPtr& pp) {
   HP_CHECK(split.size() == grads.size(), "global_grad_norm: ", grads.size(), " gradients but ", split.size(),
            " split flags");
   at::Tensor sums = at::zeros({2}, at::kDouble);  // [whole on every tp rank, tp pieces]
@@ -48,6 +54,7 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<
     tp->all_reduce(pieces).wait();
     sums[1] = pieces[0];
   }
+  if (pp && pp->size() > 1) pp->all_reduce(sums).wait();
   return std::sqrt(sums.sum().item<double>());
 }
 
@@ -137,7 +144,7 @@ at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, 
 
 }  // namespace
 
-std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred) {
+std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred, const models::PipelineSlice& slice) {
   std::unique_ptr<memory::DeferredAllocation> scope;
   if (deferred) scope = std::make_unique<memory::DeferredAllocation>();
   std::unique_ptr<TrainModel> out;
@@ -145,12 +152,12 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred) {
   if (c.recompute == "full") recompute = RecomputePolicy::kFull;
   if (c.recompute == "selective") recompute = RecomputePolicy::kKeepMatmuls;
   if (c.model.type == "llama") {
-    models::Llama m(c.model.llama);
+    models::Llama m(c.model.llama, slice);
     if (!deferred) m->init_weights(c.seed);
     m->recompute = recompute;
     out = std::make_unique<ModelOf<models::Llama>>(m);
   } else {
-    models::DeepSeek m(c.model.deepseek);
+    models::DeepSeek m(c.model.deepseek, slice);
     if (!deferred) m->init_weights(c.seed);
     m->recompute = recompute;
     out = std::make_unique<ModelOf<models::DeepSeek>>(m);
@@ -159,13 +166,28 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred) {
   return out;
 }
 
+std::vector<int64_t> stage_params(const TrainConfig& c) {
+  const int stages = static_cast<int>(c.pipeline_parallel * c.pipeline_parallel_interleave_num);
+  std::vector<int64_t> out;
+  for (const auto& slice : models::split_layers(c.model.layers(), stages)) {
+    auto m = make_model(c, /*deferred=*/true, slice);
+    int64_t n = 0;
+    for (const auto& p : m->root().parameters()) n += p.numel();
+    out.push_back(n);
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------
 
 struct Trainer::Impl {
   TrainConfig c;
-  CommPtr world, dp, shards, tp;
+  CommPtr world, dp, shards, tp, pp;
   std::shared_ptr<DeviceMesh> mesh;
-  std::unique_ptr<TrainModel> model;
+  std::unique_ptr<TrainModel> model;  // without pipeline parallelism
+  // With it: this rank's stages (each a part of the model), run by `pipe`.
+  std::vector<std::unique_ptr<TrainModel>> stages;
+  std::unique_ptr<pp::Pipeline> pipe;
   std::vector<FSDPHandle> handles;
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<DataSharder> sharder;
@@ -207,11 +229,14 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.c = cfg;
   s.world = std::move(world);
   const TrainConfig& c = s.c;
-  HP_CHECK(c.dp_size() * c.tensor_parallel == s.world->size(), "Trainer: the config's layout (", c.data_parallel,
-           " x ", c.data_parallel_shard, " x tensor_parallel ", c.tensor_parallel, ") does not cover the world of ",
-           s.world->size(), " (validate the config first)");
-  // (dp_replicate, dp_shard, tp): tensor parallel innermost, on consecutive ranks.
+  HP_CHECK(c.dp_size() * c.tensor_parallel * c.pipeline_parallel == s.world->size(), "Trainer: the config's layout (",
+           c.data_parallel, " x ", c.data_parallel_shard, " x tensor_parallel ", c.tensor_parallel,
+           " x pipeline_parallel ", c.pipeline_parallel, ") does not cover the world of ", s.world->size(),
+           " (validate the config first)");
+  // (pp, dp_replicate, dp_shard, tp): tensor parallel innermost, on consecutive ranks;
+  // pipeline stages outermost.
   std::vector<MeshDim> dims;
+  dims.push_back({"pp", c.pipeline_parallel});
   if (c.data_parallel > 1) dims.push_back({"dp_replicate", c.data_parallel});
   dims.push_back({"dp_shard", c.data_parallel_shard});
   dims.push_back({"tp", c.tensor_parallel});
@@ -219,35 +244,62 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.dp = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard"}) : s.mesh->group("dp_shard");
   s.shards = s.mesh->group("dp_shard");
   s.tp = s.mesh->group("tp");
+  s.pp = s.mesh->group("pp");
   s.dp_rank = s.dp->rank();
 
   // Built without storage: each rank materializes only its shards (plus one parameter at a
   // time), so a model larger than a rank's memory can be trained.
-  s.model = make_model(c, /*deferred=*/true);
-  if (c.tensor_parallel > 1) {
-    // Before fully_shard, which then shards each rank's pieces; the initializer reads each
-    // piece's box of the global tensor.
-    s.model->parallelize(s.tp, c.sequence_parallel, mixed_precision(c).reduce_dtype);
-  }
-  FullyShardOptions o;
-  o.param_init = models::parameter_initializer(s.model->root(), c.seed);
-  o.mesh = s.mesh;
-  o.reshard_after_forward = c.data_parallel_shard_strategy == "optim_grads_params";
-  o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
-  o.comm_fusion = c.comm_fusion;
-  o.mp_policy = mixed_precision(c);
-  for (torch::nn::Module* b : s.model->blocks()) s.handles.push_back(fully_shard(*b, o));
-  s.handles.push_back(fully_shard(s.model->root(), o));
-  materialize_deferred_buffers(s.model->root());
-  for (auto& h : s.handles) {
-    std::vector<at::Tensor> sharded = h->parameters();
-    std::vector<ShardedTensor> entries = h->state_dict();
-    auto module_params = h->module().named_parameters();
-    HP_INTERNAL_ASSERT(sharded.size() == entries.size(), "fully_shard handle: parameters and state_dict differ");
-    for (size_t i = 0; i < sharded.size(); ++i) {
-      if (tp::parameter_spec(module_params[entries[i].name])) s.tp_pieces.insert(sharded[i].unsafeGetTensorImpl());
-      s.params.push_back(sharded[i]);
+  auto shard_model = [&](TrainModel& m) {
+    if (c.tensor_parallel > 1) {
+      // Before fully_shard, which then shards each rank's pieces; the initializer reads each
+      // piece's box of the global tensor.
+      m.parallelize(s.tp, c.sequence_parallel, mixed_precision(c).reduce_dtype);
     }
+    FullyShardOptions o;
+    o.param_init = models::parameter_initializer(m.root(), c.seed);
+    o.mesh = s.mesh;
+    o.reshard_after_forward = c.data_parallel_shard_strategy == "optim_grads_params";
+    o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
+    o.comm_fusion = c.comm_fusion;
+    o.mp_policy = mixed_precision(c);
+    const size_t first = s.handles.size();
+    for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, o));
+    s.handles.push_back(fully_shard(m.root(), o));
+    materialize_deferred_buffers(m.root());
+    for (size_t k = first; k < s.handles.size(); ++k) {
+      auto& h = s.handles[k];
+      std::vector<at::Tensor> sharded = h->parameters();
+      std::vector<ShardedTensor> entries = h->state_dict();
+      auto module_params = h->module().named_parameters();
+      HP_INTERNAL_ASSERT(sharded.size() == entries.size(), "fully_shard handle: parameters and state_dict differ");
+      for (size_t i = 0; i < sharded.size(); ++i) {
+        if (tp::parameter_spec(module_params[entries[i].name])) s.tp_pieces.insert(sharded[i].unsafeGetTensorImpl());
+        s.params.push_back(sharded[i]);
+      }
+    }
+  };
+  if (c.pipeline_parallel == 1) {
+    s.model = make_model(c, /*deferred=*/true);
+    shard_model(*s.model);
+  } else {
+    const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
+    const auto slices = models::split_layers(c.model.layers(), pp * v);
+    std::vector<pp::PipelineStage> stages;
+    for (int st = s.pp->rank(); st < pp * v; st += pp) {
+      s.stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
+      TrainModel* m = s.stages.back().get();
+      shard_model(*m);
+      stages.push_back({st, [m](const at::Tensor& x) { return m->forward(x, /*hooked=*/true); }, &m->root()});
+    }
+    const int m = static_cast<int>(c.micro_batch_num);
+    pp::Schedule schedule = c.pipeline_schedule == "gpipe" ? pp::gpipe(pp, m)
+                            : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(pp, m)
+                                                            : pp::interleaved_1f1b(pp, v, m);
+    TrainModel* last = s.stages.back().get();
+    s.pipe = std::make_unique<pp::Pipeline>(schedule, std::move(stages), s.pp,
+                                            [last](const at::Tensor& out, const at::Tensor& y) {
+                                              return last->loss_of_logits(out, y);
+                                            });
   }
   if (c.fp32_master()) {
     s.master = std::make_unique<FP32MasterOptimizer>(
@@ -268,23 +320,34 @@ StepStats Trainer::step() {
   const TrainConfig& c = s.c;
   memory::reset_peak();
   const auto t0 = Clock::now();
-  double loss_sum = 0;
+  double loss_sum = 0;  // of the micro-batches' mean losses (on this data-parallel rank)
+  std::vector<at::Tensor> batches;
   for (int64_t j = 0; j < c.micro_batch_num; ++j) {
-    at::Tensor batch;
     try {
-      batch = load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length);
+      batches.push_back(load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length));
     } catch (const Error& e) {
       throw Error(detail::str_cat("step ", s.steps + 1, ", micro-batch ", j + 1, ": ", e.what()));
     }
-    at::Tensor loss = next_token_loss(*s.model, batch, c.seq_length, /*hooked=*/true);
+    if (s.pipe) continue;
+    at::Tensor loss = next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true);
     (loss / static_cast<double>(c.micro_batch_num)).backward();
     loss_sum += loss.item<double>();
+    batches.clear();
+  }
+  if (s.pipe) {
+    // The micro-batches in order, one after the other: the pipeline splits them back.
+    at::Tensor all = at::cat(batches);
+    at::Tensor mean = s.pipe->step(all.narrow(1, 0, c.seq_length), all.narrow(1, 1, c.seq_length));
+    // The mean is on the last stage's ranks: summed over pp (zeros elsewhere).
+    at::Tensor l = at::full({1}, mean.defined() ? mean.item<double>() : 0.0, at::kDouble);
+    s.pp->all_reduce(l).wait();
+    loss_sum = l.item<double>() * static_cast<double>(c.micro_batch_num);
   }
   StepStats st;
   st.step = s.steps + 1;
   std::vector<bool> split;
   std::vector<at::Tensor> grads = s.grads(&split);
-  st.grad_norm = global_grad_norm(grads, split, s.shards, s.tp);  // the same on every rank
+  st.grad_norm = global_grad_norm(grads, split, s.shards, s.tp, s.pp);  // the same on every rank
   check_finite(st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
@@ -297,7 +360,8 @@ StepStats Trainer::step() {
     s.opt->step();
     s.opt->zero_grad();
   }
-  s.model->after_step(s.dp);
+  if (s.model) s.model->after_step(s.dp);
+  for (auto& m : s.stages) m->after_step(s.dp);
 
   at::Tensor loss = at::full({1}, loss_sum / c.micro_batch_num, at::kDouble);
   s.dp->all_reduce(loss, {ReduceOp::AVG}).wait();
@@ -319,6 +383,7 @@ std::vector<at::Tensor> Trainer::sharded_grads() const { return impl_->grads(); 
 const std::vector<FSDPHandle>& Trainer::handles() const { return impl_->handles; }
 const CommPtr& Trainer::shard_group() const { return impl_->shards; }
 const CommPtr& Trainer::tp_group() const { return impl_->tp; }
+const CommPtr& Trainer::pp_group() const { return impl_->pp; }
 std::string Trainer::describe_data() const { return impl_->data->describe(); }
 
 // ---------------------------------------------------------------------------------------

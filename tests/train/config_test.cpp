@@ -131,11 +131,17 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
       {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},
       // layouts the model cannot be split into
+      {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 4\n", {}, 4, {"= 8 stages", "more stages than layers"}},
+      {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\npipeline_schedule: 1f1b\n", {}, 4,
+       {"pipeline_schedule=1f1b", "pipeline_parallel_interleave_num=2", "use interleaved"}},
+      {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\nmicro_batch_num: 3\nglobal_batch_size: 6\nmodel:\n  layers: 4\n", {}, 4,
+       {"micro_batch_num=3", "multiple of pipeline_parallel=2"}},
+      {"pipeline_parallel: 3\n", {}, 4, {"pipeline_parallel=3 = 3 does not divide the world size 4"}},
       {"tensor_parallel: 3\n", {}, 3, {"tensor_parallel=3", "heads=4 is not divisible"}},
       {"tensor_parallel: 2\nsequence_parallel: true\nseq_length: 63\n", {}, 4,
        {"seq_length=63", "not divisible by tensor_parallel=2"}},
       // capabilities not built yet
-      {"pipeline_parallel: 2\n", {}, 4, {"pipeline_parallel=2", "not supported yet"}},
+      {"pipeline_schedule: zbv\n", {}, 4, {"pipeline_schedule", "zero-bubble", "not supported yet"}},
       {"params_dtype: float16\n", {}, 4, {"params_dtype=float16", "not supported yet"}},
       {"compute_dtype: fp16\n", {}, 4, {"compute_dtype=float16", "not supported yet"}},
       {"data_parallel_shard_strategy: optim\n", {}, 4, {"data_parallel_shard_strategy=optim", "not supported yet"}},
@@ -184,7 +190,7 @@ TEST(TrainConfig, EveryKeyIsListedOnce) {
   }
   for (const char* want : {"params_dtype", "compute_dtype", "accumulate_allreduce_grads_in_fp32", "data_parallel",
                            "data_parallel_shard", "data_parallel_shard_strategy", "comm_fusion", "recompute", "tensor_parallel",
-                           "sequence_parallel", "pipeline_parallel", "pipeline_parallel_interleave_num",
+                           "sequence_parallel", "pipeline_parallel", "pipeline_parallel_interleave_num", "pipeline_schedule",
                            "micro_batch_num", "global_batch_size", "seq_length", "lr", "min_lr", "lr_warmup_steps",
                            "lr_decay_style", "weight_decay", "clip_grad", "train_steps", "seed", "model.type"}) {
     EXPECT_TRUE(seen.count(want)) << want;

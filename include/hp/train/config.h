@@ -31,6 +31,7 @@ struct ModelSpec {
   models::LlamaConfig llama = models::LlamaConfig::tiny();
   int64_t vocab() const;
   int64_t max_seq() const;
+  int64_t layers() const;
   int64_t num_params() const;
   int64_t largest_block_params() const;
   int64_t largest_param() const;
@@ -70,6 +71,9 @@ struct TrainConfig {
   bool sequence_parallel = false;
   int64_t pipeline_parallel = 1;
   int64_t pipeline_parallel_interleave_num = 1;
+  // gpipe | 1f1b | interleaved; "auto": 1f1b, or interleaved with interleave_num > 1.
+  // validate() resolves auto.
+  std::string pipeline_schedule = "auto";
 
   int64_t micro_batch_num = 1;
   int64_t global_batch_size = 8;

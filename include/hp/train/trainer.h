@@ -1,6 +1,9 @@
 // hp-train's training loop, in two forms that must agree:
 //   Trainer          the config's layout: one process per rank, the model's blocks and
-//                    root under fully_shard on the (dp_replicate, dp_shard) mesh.
+//                    root under fully_shard on the (pp, dp_replicate, dp_shard, tp) mesh;
+//                    with pipeline_parallel > 1 each rank holds its stages' part of the
+//                    model (each under fully_shard) and a step runs the pipeline schedule
+//                    over the micro-batches (hp/pp/pipeline.h).
 //   ReferenceTrainer the same config in one process on the global batch, no fully_shard
 //                    (what --verify compares against).
 // A step: for each micro-batch, forward, next-token cross-entropy (in fp32) scaled by
@@ -19,6 +22,7 @@
 #include "hp/comm/communicator.h"
 #include "hp/core/error.h"
 #include "hp/fsdp/fully_shard.h"
+#include "hp/models/llama.h"
 #include "hp/train/config.h"
 #include "hp/train/data.h"
 
@@ -36,6 +40,10 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& sha
 // (summed over `tp` too) and whole on every tp rank otherwise (counted once).
 double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& split, const CommPtr& shards,
                         const CommPtr& tp);
+// The same with pipeline parallelism: each pp rank holds different parameters (summed over
+// `pp` too).
+double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<bool>& split, const CommPtr& shards,
+                        const CommPtr& tp, const CommPtr& pp);
 // Scales `grads` by max_norm / (norm + 1e-6) when norm > max_norm > 0; returns the scale.
 double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm);
 
@@ -77,7 +85,13 @@ class TrainModel {
 // `deferred`: built under hp::memory::DeferredAllocation and not initialized (no storage of
 // its own); fully_shard with param_init = models::parameter_initializer(root, seed) gives
 // every rank bitwise the shards of the initialized model.
-std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = false);
+// `slice`: a pipeline stage's part of the model (default: all of it).
+std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = false,
+                                       const models::PipelineSlice& slice = {});
+
+// Parameters of each of the pipeline_parallel x interleave stages (before tensor
+// parallelism), counted on the stages' models built without storage.
+std::vector<int64_t> stage_params(const TrainConfig& c);
 
 class Trainer {
  public:
@@ -96,6 +110,8 @@ class Trainer {
   const CommPtr& shard_group() const;
   // The tensor-parallel group (size 1 without tensor parallelism).
   const CommPtr& tp_group() const;
+  // The pipeline-parallel group (size 1 without pipeline parallelism).
+  const CommPtr& pp_group() const;
   std::string describe_data() const;
 
   struct Impl;
