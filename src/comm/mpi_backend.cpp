@@ -349,21 +349,40 @@ class MpiTransport final : public Transport {
               "MPI_Alltoallv");
   }
 
+  // Point-to-point ops are posted nonblocking and polled with growing sleeps: a receive
+  // posted early (a pipeline's) waits on the communicator's thread without spinning on the
+  // core the rank computes on, as MPI_Recv would.
   void send(const at::Tensor& x, int dst, int tag) override {
-    mpi_check(MPI_Send(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), dst, tag,
-                       comm_),
-              "MPI_Send");
+    MPI_Request req;
+    mpi_check(MPI_Isend(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), dst, tag, comm_, &req),
+              "MPI_Isend");
+    poll(&req, nullptr);
   }
 
   void recv(const at::Tensor& x, int src, int tag) override {
     MPI_Status st;
     MPI_Datatype t = mpi_type(x.scalar_type());
-    mpi_check(MPI_Recv(x.data_ptr(), as_count(x.numel()), t, src, tag, comm_, &st), "MPI_Recv");
+    MPI_Request req;
+    mpi_check(MPI_Irecv(x.data_ptr(), as_count(x.numel()), t, src, tag, comm_, &req), "MPI_Irecv");
+    poll(&req, &st);
     int got = 0;
     mpi_check(MPI_Get_count(&st, t, &got), "MPI_Get_count");
     HP_CHECK(got == x.numel(), "received ", got, " elements from rank ", src,
              " but the receive tensor has ", x.numel());
   }
+
+  // Polls `req` until it completes, sleeping between tests (growing from kFirstPollSleep
+  // to kLastPollSleep).
+  static void poll(MPI_Request* req, MPI_Status* st) {
+    auto sleep = kFirstPollSleep;
+    for (int done = 0;;) {
+      mpi_check(MPI_Test(req, &done, st ? st : MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, kLastPollSleep);
+    }
+  }
+  static constexpr std::chrono::microseconds kFirstPollSleep{5}, kLastPollSleep{500};
 
   // Every op posted nonblocking, then polled with growing sleeps (as barrier is).
   void batch_send_recv(const std::vector<P2POp>& ops) override {
@@ -380,12 +399,12 @@ class MpiTransport final : public Transport {
       }
     }
     std::vector<MPI_Status> st(ops.size());
-    auto sleep = std::chrono::microseconds(5);
+    auto sleep = kFirstPollSleep;
     for (int done = 0;;) {
       mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, st.data()), "MPI_Testall");
       if (done) break;
       std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+      sleep = std::min(sleep * 2, kLastPollSleep);
     }
     for (size_t i = 0; i < ops.size(); ++i) {
       if (ops[i].kind != P2POp::kRecv) continue;

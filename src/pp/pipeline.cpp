@@ -60,6 +60,24 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
   at::Tensor any = at::full({1}, fsdp_.empty() ? 0 : 1, at::kInt);
   group_->all_reduce(any, {ReduceOp::MAX}).wait();
   schedule_ = lower(schedule, LowerOptions{any.item<int>() == 1});
+  // One communicator per ordered pair of neighbouring pp ranks (stage s talks only to s - 1
+  // and s + 1): its sender only sends on it, its receiver only receives, so a receive posted
+  // early waits on its own link without holding up anything else. Made by splitting the pp
+  // group, the same list of pairs on every rank.
+  const int p = schedule_.ranks;
+  std::set<std::pair<int, int>> pairs;
+  for (int a = 0; a < p && p > 1; ++a) {
+    pairs.insert({a, (a + 1) % p});
+    pairs.insert({(a + 1) % p, a});
+  }
+  for (const auto& [from, to] : pairs) {
+    const bool member = rank_ == from || rank_ == to;
+    CommOptions o;
+    o.name = group_->name() + " " + std::to_string(from) + "->" + std::to_string(to);
+    CommPtr c = group_->split(member ? 1 : -1, rank_ == from ? 0 : 1, o);  // the sender is rank 0 of it
+    if (rank_ == from) send_link_[to] = c;
+    if (rank_ == to) recv_link_[from] = c;
+  }
 }
 
 bool Pipeline::holds_stage(int s) const {
@@ -96,13 +114,8 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     for (size_t i = 0; i < list.size();) {
       const Action& a = list[i];
       if (a.is_comm()) {
-        size_t e = i;
-        while (e < list.size() && list[e].is_comm()) ++e;
-        run_batch(i, e);
-        i = e;
-        continue;
-      }
-      if (a.is_compute()) {
+        run_transfer(a);
+      } else if (a.is_compute()) {
         run_compute(a, in_mb, tgt_mb);
       } else {
         run_fsdp(a);
@@ -147,7 +160,17 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
       in = it->second;
     }
     if (a.stage == 0) input_[k] = in;
-    at::Tensor out = stage(a.stage).forward(in);
+    at::Tensor out;
+    try {
+      out = stage(a.stage).forward(in);
+    } catch (const std::exception& e) {
+      // Name the stage and what it was given: a stage whose input does not fit (the
+      // previous stage's output shape) fails here.
+      throw Error(detail::str_cat("Pipeline: stage ", a.stage, "'s forward of micro-batch ", a.microbatch,
+                                  " failed on its input of shape ", in.sizes(), " (", in.scalar_type(), ")",
+                                  a.stage > 0 ? detail::str_cat(", stage ", a.stage - 1, "'s output") : std::string(),
+                                  ": ", e.what()));
+    }
     if (a.stage == last) {
       at::Tensor l = loss_(out, targets[static_cast<size_t>(a.microbatch)]) / schedule_.microbatches;
       HP_CHECK(l.numel() == 1, "Pipeline: the loss of ", a.to_string(), " has ", l.numel(), " elements, not one");
@@ -184,98 +207,65 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
   }
 }
 
-void Pipeline::run_batch(size_t begin, size_t end) {
-  const auto& list = schedule_.actions[rank_];
-  // Micro-batch 0's activations carry a header first: the receiver learns the shape and dtype.
-  std::vector<P2POp> header;
-  std::vector<std::pair<int, at::Tensor>> header_in;  // receiving stage, buffer
-  for (size_t i = begin; i < end; ++i) {
-    const Action& a = list[i];
-    if (!is_forward_transfer(a.kind) || a.microbatch != 0) continue;
-    const int peer = schedule_.rank_of(peer_stage_of(a));
-    const int tag = transfer_tag(schedule_, a);
-    if (a.kind == ActionKind::kSendForward) {
-      const at::Tensor& out = output_.at(Key{a.stage, a.microbatch});
-      HP_CHECK(out.dim() <= kMaxDims, "Pipeline: stage ", a.stage, "'s output has ", out.dim(), " dims (at most ",
-               kMaxDims, " supported)");
-      at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
-      auto* p = h.data_ptr<int64_t>();
-      p[0] = static_cast<int64_t>(out.scalar_type());
-      p[1] = out.dim();
-      for (int64_t d = 0; d < out.dim(); ++d) p[2 + d] = out.size(d);
-      header.push_back(P2POp{P2POp::kSend, h, peer, tag});
-    } else {
-      at::Tensor h = at::empty({kHeaderLen}, at::kLong);
-      header.push_back(P2POp{P2POp::kRecv, h, peer, tag});
-      header_in.emplace_back(a.stage, h);
+void Pipeline::run_transfer(const Action& a) {
+  const Key k{a.stage, a.microbatch};
+  const int peer = schedule_.rank_of(peer_stage_of(a));
+  const int tag = transfer_tag(schedule_, a);
+  PointToPointOptions o;
+  o.tag = tag;
+  switch (a.kind) {
+    case ActionKind::kSendForward: {
+      const CommPtr& link = send_link_.at(peer);
+      at::Tensor out = output_.at(k).detach().contiguous();
+      if (a.microbatch == 0) {
+        // The header first: the receiver learns the shape and dtype of the stage's input.
+        HP_CHECK(out.dim() <= kMaxDims, "Pipeline: stage ", a.stage, "'s output has ", out.dim(), " dims (at most ",
+                 kMaxDims, " supported)");
+        at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
+        auto* p = h.data_ptr<int64_t>();
+        p[0] = static_cast<int64_t>(out.scalar_type());
+        p[1] = out.dim();
+        for (int64_t d = 0; d < out.dim(); ++d) p[2 + d] = out.size(d);
+        sends_.push_back(link->send(h, 1, o));
+      }
+      sends_.push_back(link->send(out, 1, o));  // its tensor stays alive in the op
+      break;
     }
-  }
-  if (!header.empty()) group_->batch_send_recv(header).wait();
-  for (auto& [s, h] : header_in) {
-    const auto* p = h.data_ptr<int64_t>();
-    Meta meta;
-    meta.dtype = static_cast<at::ScalarType>(p[0]);
-    meta.shape.assign(p + 2, p + 2 + p[1]);
-    input_meta_[s] = meta;
-  }
-  std::vector<P2POp> ops;
-  std::vector<std::pair<Action, at::Tensor>> received;
-  bool any_recv = false;
-  for (size_t i = begin; i < end; ++i) {
-    const Action& a = list[i];
-    const Key k{a.stage, a.microbatch};
-    const int peer = schedule_.rank_of(peer_stage_of(a));
-    const int tag = transfer_tag(schedule_, a);
-    switch (a.kind) {
-      case ActionKind::kSendForward:
-        ops.push_back(P2POp{P2POp::kSend, output_.at(k).detach().contiguous(), peer, tag});
-        break;
-      case ActionKind::kSendBackward: {
-        auto in = input_.find(k);
-        HP_INTERNAL_ASSERT(in != input_.end(), "no input to send the gradient of for ", a.to_string());
-        at::Tensor g = in->second.grad();
-        ops.push_back(P2POp{P2POp::kSend, g.defined() ? g.contiguous() : at::zeros_like(in->second), peer, tag});
-        input_.erase(in);
-        break;
-      }
-      case ActionKind::kRecvForward: {
-        auto meta = input_meta_.find(a.stage);
-        HP_INTERNAL_ASSERT(meta != input_meta_.end(), "no header for ", a.to_string());
-        at::Tensor buf = at::empty(meta->second.shape, at::TensorOptions().dtype(meta->second.dtype));
-        ops.push_back(P2POp{P2POp::kRecv, buf, peer, tag});
-        received.emplace_back(a, buf);
-        any_recv = true;
-        break;
-      }
-      case ActionKind::kRecvBackward: {
-        const at::Tensor& out = output_.at(k);
-        at::Tensor buf = at::empty(out.sizes(), out.options().requires_grad(false));
-        ops.push_back(P2POp{P2POp::kRecv, buf, peer, tag});
-        received.emplace_back(a, buf);
-        any_recv = true;
-        break;
-      }
-      default:
-        HP_INTERNAL_ASSERT(false, "not a transfer: ", a.to_string());
+    case ActionKind::kSendBackward: {
+      auto in = input_.find(k);
+      HP_INTERNAL_ASSERT(in != input_.end(), "no input to send the gradient of for ", a.to_string());
+      at::Tensor g = in->second.grad();
+      sends_.push_back(send_link_.at(peer)->send(g.defined() ? g.contiguous() : at::zeros_like(in->second), 1, o));
+      input_.erase(in);
+      break;
     }
-  }
-  // Not waited for here: a receive the lowering posted early (joined to an earlier batch)
-  // is waited for by the compute action that reads it, so the rank computes meanwhile.
-  // Batches complete in issue order, so a later wait covers the sends before it.
-  auto w = std::make_shared<Work>(group_->batch_send_recv(std::move(ops)));
-  if (!any_recv) {
-    sends_.push_back(*w);  // its tensors stay alive in the op; waited at the end of the step
-    return;
-  }
-  for (auto& [a, buf] : received) {
-    const Key k{a.stage, a.microbatch};
-    if (a.kind == ActionKind::kRecvForward) {
+    case ActionKind::kRecvForward: {
+      const CommPtr& link = recv_link_.at(peer);
+      if (a.microbatch == 0) {
+        at::Tensor h = at::empty({kHeaderLen}, at::kLong);
+        {
+          trace::Span span("pp wait header", "wait");
+          link->recv(h, 0, o).wait();
+        }
+        const auto* p = h.data_ptr<int64_t>();
+        input_meta_[a.stage] = Meta{static_cast<at::ScalarType>(p[0]), std::vector<int64_t>(p + 2, p + 2 + p[1])};
+      }
+      auto meta = input_meta_.find(a.stage);
+      HP_INTERNAL_ASSERT(meta != input_meta_.end(), "no header for ", a.to_string());
+      at::Tensor buf = at::empty(meta->second.shape, at::TensorOptions().dtype(meta->second.dtype));
       input_[k] = buf;
-      pending_input_[k] = w;
-    } else {
-      grad_output_[k] = buf;
-      pending_grad_[k] = w;
+      pending_input_[k] = std::make_shared<Work>(link->recv(buf, 0, o));
+      break;
     }
+    case ActionKind::kRecvBackward: {
+      const at::Tensor& out = output_.at(k);
+      at::Tensor buf = at::empty(out.sizes(), out.options().requires_grad(false));
+      grad_output_[k] = buf;
+      pending_grad_[k] = std::make_shared<Work>(recv_link_.at(peer)->recv(buf, 0, o));
+      break;
+    }
+    default:
+      HP_INTERNAL_ASSERT(false, "not a transfer: ", a.to_string());
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -290,87 +291,119 @@ Action counterpart(const Action& a) {
   return Action{peer_stage(a), k, a.microbatch};
 }
 
-// Replays the transfers with the strictest transport: a rank runs its other actions freely
-// and waits at each batch (a run of consecutive comm actions) until every transfer in it
-// meets its other end in the peer's current batch. With `fix`, a rank whose send waits on
-// a peer that waits elsewhere gets the peer's receive joined to the batch the peer waits at
-// (a receive may always be posted earlier); without, the wait is an error.
+// Replays the transfers as the runtime moves them: each ordered pair of ranks has its own
+// link (a communicator), on which the sender's sends and the receiver's receives are each
+// handled one at a time in the order they were posted, every send waiting until its receive
+// is posted (the strictest transport). Posting never blocks a rank; a compute action waits
+// until the transfer it reads has completed. A transfer completes when it heads both its
+// link's send queue and its receive queue. So the receives on a link must be posted in the
+// order the sender sends, and early enough. The receive of micro-batch 0's activation also
+// blocks its rank until the transfer went through (the runtime waits there for the shape
+// header). With `fix`, a link whose head send has no
+// matching head receive gets that receive moved up in the receiver's list (to the receiver's
+// current position, or before the first receive already posted on the link that has not
+// completed): a receive may always be posted earlier. Without, the wait is an error.
 void replay_transfers(Schedule& s, bool fix) {
   const int R = s.ranks;
-  std::vector<size_t> at(R, 0);
-  auto batch_end = [&](int r) {
-    size_t e = at[r];
-    while (e < s.actions[r].size() && s.actions[r][e].is_comm()) ++e;
-    return e;
-  };
-  auto in_batch = [&](int r, const Action& a) {
-    const size_t e = batch_end(r);
-    for (size_t i = at[r]; i < e; ++i) {
-      if (s.actions[r][i] == a) return true;
-    }
-    return false;
-  };
-  // A transfer by its sending end.
-  auto key_of = [](const Action& a) {
+  auto key_of = [](const Action& a) {  // a transfer, by its sending end
     const Action send = is_send(a.kind) ? a : counterpart(a);
     return Key{send.stage, static_cast<int>(send.kind), send.microbatch};
   };
-  std::set<Key> matched;
+  auto reads = [](const Action& a) -> std::optional<Action> {  // the receive a compute action reads
+    if (a.kind == ActionKind::kForward) return Action{a.stage, ActionKind::kRecvForward, a.microbatch};
+    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
+      return Action{a.stage, ActionKind::kRecvBackward, a.microbatch};
+    }
+    return std::nullopt;
+  };
   for (;;) {
-    bool progress = false, all_done = true;
-    for (int r = 0; r < R; ++r) {
-      while (at[r] < s.actions[r].size() && !s.actions[r][at[r]].is_comm()) ++at[r];
-    }
-    // A transfer is matched once both ends are posted at the same time; it stays matched.
-    for (int r = 0; r < R; ++r) {
-      for (size_t i = at[r], e = batch_end(r); i < e; ++i) {
-        const Action& a = s.actions[r][i];
-        if (in_batch(s.rank_of(peer_stage(a)), counterpart(a))) matched.insert(key_of(a));
+    std::vector<size_t> at(R, 0);
+    std::set<Key> done;
+    std::set<std::string> posted;  // comm actions posted (their text is unique)
+    // Per link (sender, receiver): what was posted, in order, not yet completed.
+    std::map<std::pair<int, int>, std::vector<Action>> sends, recvs;
+    std::set<Key> received_somewhere;  // transfers whose receive is in some list
+    for (const auto& list : s.actions) {
+      for (const auto& a : list) {
+        if (a.is_comm() && !is_send(a.kind)) received_somewhere.insert(key_of(a));
       }
     }
-    std::vector<bool> complete(R, false);
-    for (int r = 0; r < R; ++r) {
-      if (at[r] == s.actions[r].size()) continue;
-      all_done = false;
-      bool ok = true;
-      for (size_t i = at[r], e = batch_end(r); i < e && ok; ++i) ok = matched.count(key_of(s.actions[r][i])) > 0;
-      complete[r] = ok;
-    }
-    if (all_done) return;
-    for (int r = 0; r < R; ++r) {
-      if (complete[r]) {
-        at[r] = batch_end(r);
-        progress = true;
+    bool all_done = false;
+    for (bool progress = true; progress;) {
+      progress = false;
+      all_done = true;
+      for (int r = 0; r < R; ++r) {
+        while (at[r] < s.actions[r].size()) {
+          const Action& a = s.actions[r][at[r]];
+          if (a.is_comm()) {
+            const int q = s.rank_of(peer_stage(a));
+            if (posted.insert(a.to_string()).second) (is_send(a.kind) ? sends[{r, q}] : recvs[{q, r}]).push_back(a);
+            // Micro-batch 0's activation comes after a header the receiver waits for (it
+            // sizes the buffer): that receive blocks until the transfer went through.
+            if (a.kind == ActionKind::kRecvForward && a.microbatch == 0 && !done.count(key_of(a))) break;
+          } else if (auto in = reads(a)) {
+            // A remote input must have arrived (a local one, or none, needs nothing).
+            const int from = s.rank_of(peer_stage(*in));
+            const bool remote = peer_stage(*in) >= 0 && peer_stage(*in) < s.stages && from != r;
+            if (remote && received_somewhere.count(key_of(*in)) && !done.count(key_of(*in))) break;
+          }
+          ++at[r];
+          progress = true;
+        }
+        all_done = all_done && at[r] == s.actions[r].size();
       }
-    }
-    if (progress) continue;
-    if (fix) {
-      // A send whose receive the peer posts only later: post it at the peer's batch.
-      for (int r = 0; r < R && !progress; ++r) {
-        for (size_t i = at[r], e = batch_end(r); i < e && !progress; ++i) {
-          const Action& a = s.actions[r][i];
-          if (!is_send(a.kind) || matched.count(key_of(a))) continue;
-          const int q = s.rank_of(peer_stage(a));
-          const Action want = counterpart(a);
-          if (in_batch(q, want)) continue;
-          auto& list = s.actions[q];
-          auto it = std::find(list.begin() + static_cast<std::ptrdiff_t>(batch_end(q)), list.end(), want);
-          if (it == list.end()) continue;
-          list.erase(it);
-          list.insert(list.begin() + static_cast<std::ptrdiff_t>(batch_end(q)), want);
+      for (auto& [link, q] : sends) {
+        auto& rq = recvs[link];
+        while (!q.empty() && !rq.empty() && key_of(q.front()) == key_of(rq.front())) {
+          done.insert(key_of(q.front()));
+          q.erase(q.begin());
+          rq.erase(rq.begin());
           progress = true;
         }
       }
-      if (progress) continue;
     }
+    bool links_empty = true;
+    for (auto& [link, q] : sends) links_empty = links_empty && q.empty() && recvs[link].empty();
+    if (all_done && links_empty) return;
+    bool moved = false;
+    if (fix) {
+      for (auto& [link, q] : sends) {
+        if (q.empty()) continue;
+        const Action want = counterpart(q.front());
+        auto& rq = recvs[link];
+        if (!rq.empty() && key_of(rq.front()) == key_of(want)) continue;
+        auto& list = s.actions[static_cast<size_t>(link.second)];
+        auto it = std::find(list.begin(), list.end(), want);
+        if (it == list.end()) continue;
+        // Before the first receive posted on this link that has not completed, else at the
+        // receiver's current position.
+        size_t to = at[static_cast<size_t>(link.second)];
+        if (!rq.empty()) to = static_cast<size_t>(std::find(list.begin(), list.end(), rq.front()) - list.begin());
+        const size_t from = static_cast<size_t>(it - list.begin());
+        if (from <= to) continue;  // already posted in place: not this link's problem
+        list.erase(it);
+        list.insert(list.begin() + static_cast<std::ptrdiff_t>(to), want);
+        moved = true;
+        break;
+      }
+    }
+    if (moved) continue;  // replay again from the start with the new order
     std::string stuck;
     for (int r = 0; r < R; ++r) {
       if (at[r] == s.actions[r].size()) continue;
       stuck += detail::str_cat(stuck.empty() ? "" : ", ", "rank ", r, " at ", s.actions[r][at[r]].to_string(),
                                " (action ", at[r], ")");
     }
-    HP_CHECK(false, "pipeline schedule: its transfers cannot complete (each waits for a receive its peer posts only ",
-             "later): ", stuck);
+    for (auto& [link, q] : sends) {
+      if (q.empty()) continue;
+      auto& rq = recvs[link];
+      stuck += detail::str_cat(stuck.empty() ? "" : ", ", "link ", link.first, "->", link.second, " sends ",
+                               q.front().to_string(), " first but rank ", link.second,
+                               rq.empty() ? std::string(" has not posted its receive")
+                                          : " posted " + rq.front().to_string() + " first");
+    }
+    HP_CHECK(false, "pipeline schedule: its transfers cannot complete (a link's receives are posted out of the ",
+             "order its sends go, or too late): ", stuck);
   }
 }
 

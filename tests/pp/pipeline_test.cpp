@@ -307,6 +307,15 @@ TEST(Pipeline, BadInputIsNamed) {
   hp::pp::Pipeline pipe(hp::pp::gpipe(1, 2), {{0, fwd, m.ptr().get()}}, self, loss);
   hp::test::Batch b = hp::test::batch(0, 3, 4, 32);
   hp::test::expect_error([&] { pipe.step(b.x, b.y); }, {"inputs of 3 rows does not split into 2 equal micro-batches"});
+  // A stage whose input does not fit: named with the shape it got.
+  hp::models::Llama head(llama_config(2), hp::models::PipelineSlice{1, 2, false, true});
+  auto mismatch = [head](const at::Tensor& x) mutable { return hp::call(head, x); };
+  hp::pp::Pipeline two(hp::pp::interleaved_1f1b(1, 2, 2),
+                       {{0, [](const at::Tensor& x) { return at::randn({x.size(0), 8, 5}, at::kDouble); }, nullptr},
+                        {1, mismatch, nullptr}},
+                       self, loss);
+  hp::test::expect_error([&] { two.step(b.x.narrow(0, 0, 2), b.y.narrow(0, 0, 2)); },
+                         {"stage 1's forward of micro-batch 0 failed on its input of shape [1, 8, 5]", "stage 0's output"});
   auto split = hp::pp::Schedule::parse("rank 0: 0F0 0I0 0W0\n", 1, 1);
   hp::test::expect_error([&] { hp::pp::Pipeline(split, {{0, fwd, nullptr}}, self, loss); },
                          {"split backwards", "not supported yet"});

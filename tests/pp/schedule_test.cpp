@@ -4,6 +4,8 @@
 // compute time (p - 1) / (v m)).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "hp/pp/schedule.h"
 #include "test_util.h"
 
@@ -87,8 +89,8 @@ TEST(PpSchedule, BrokenSchedulesAreNamed) {
 }
 
 // Lowering, checked against a hand-lowered 1F1B (p = 2, m = 3): each receive right before
-// the compute that reads it, each send right after the compute that produced it; the
-// consecutive send/receive pairs are the batched exchanges of 1F1B's steady state.
+// the compute that reads it, each send right after the compute that produced it; 1F1B's
+// links already carry their transfers in one order on both ends, so nothing moves.
 TEST(PpSchedule, LoweringInsertsTheTransfers) {
   auto low = hp::pp::lower(hp::pp::one_f_one_b(2, 3));
   EXPECT_EQ(low.to_string(),
@@ -143,11 +145,24 @@ TEST(PpSchedule, BrokenTransfersAreNamed) {
   hp::test::expect_error(
       [&] { hp::pp::validate(two("rank 0: 0F0 0SEND_F0 0B0 0RECV_B0\nrank 1: 1RECV_F0 1F0 1B0 1SEND_B0\n")); },
       {"(0RECV_B0)", "received after 0B0 read it"});
-  // Rank 0 receives the gradient before it sends the activation, in separate batches:
-  // each waits for the other.
-  hp::test::expect_error(
-      [&] { hp::pp::validate(two("rank 0: 0RECV_B0 0F0 0SEND_F0 0B0\nrank 1: 1RECV_F0 1F0 1B0 1SEND_B0\n")); },
-      {"transfers cannot complete", "rank 0 at 0RECV_B0", "rank 1 at 1RECV_F0"});
+  // Rank 1 posts its receive of micro-batch 1's activation before micro-batch 0's, but rank 0
+  // sends 0 first: on their link each waits for the other.
+  auto two_mb = [](const std::string& t) { return hp::pp::Schedule::parse(t, 2, 2); };
+  const char* fifo =
+      "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1\n"
+      "rank 1: 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F0 1F0 1B0 1SEND_B0\n";
+  hp::test::expect_error([&] { hp::pp::validate(two_mb(fifo)); },
+                         {"transfers cannot complete", "link 0->1 sends 0SEND_F0 first but rank 1 posted 1RECV_F1 first"});
+  // Lowering orders each link's receives as its sends go: 1RECV_F0 and 0RECV_B1 earlier.
+  hp::pp::Schedule fixed = two_mb(fifo);
+  for (auto& list : fixed.actions) {
+    list.erase(std::remove_if(list.begin(), list.end(), [](const Action& a) { return a.is_comm(); }), list.end());
+  }
+  auto low = hp::pp::lower(fixed);
+  hp::pp::validate(low);
+  EXPECT_EQ(low.to_string(),
+            "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B1 0RECV_B0 0B0 0B1\n"
+            "rank 1: 1RECV_F0 1RECV_F1 1F1 1B1 1SEND_B1 1F0 1B0 1SEND_B0\n");
 }
 
 }  // namespace

@@ -10,10 +10,12 @@
 //   at::Tensor loss = pipe.step(tokens, targets);   // forward and backward of m micro-batches
 //   optimizer.step();
 //
-// Communication: the schedule is lowered (hp::pp::lower) so that every rank's sends and
-// receives are in an order that completes even when every send waits for its receive;
-// consecutive transfers of a rank go out as one batch (Communicator::batch_send_recv), and a
-// received tensor is waited for only by the compute action that reads it. The
+// Communication: each ordered pair of neighbouring pp ranks has its own communicator (split
+// from the pp group), on which one only sends and the other only receives. The schedule is
+// lowered (hp::pp::lower) so that on every link the receives are posted in the order the
+// sends go, early enough that the order completes even when every send waits for its
+// receive. Posting never blocks the rank; a received tensor is waited for only by the compute
+// action that reads it, and the sends at the end of the step. The
 // shape and dtype of each stage's input are sent ahead of micro-batch 0's activation every
 // step (one small message per stage boundary); the other micro-batches reuse them. A
 // received activation lives until its backward has run; a gradient until it was used.
@@ -89,7 +91,7 @@ class Pipeline {
     std::vector<int64_t> shape;
   };
   void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
-  void run_batch(size_t begin, size_t end);
+  void run_transfer(const Action& a);
   void run_fsdp(const Action& a);
   // Waits for the receive of `k` when it is still in flight (and makes a received
   // activation a leaf that requires grad).
@@ -101,6 +103,7 @@ class Pipeline {
   CommPtr group_;
   PipelineLoss loss_;
   int rank_ = 0;
+  std::map<int, CommPtr> send_link_, recv_link_;  // per neighbouring pp rank
   std::map<int, std::vector<std::shared_ptr<FSDPModule>>> fsdp_;  // per stage
 
   // Per step.

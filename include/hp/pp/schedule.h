@@ -47,7 +47,7 @@ enum class ActionKind {
 struct Action {
   int stage = 0;
   ActionKind kind = ActionKind::kForward;
-  int microbatch = -1;  // compute actions only
+  int microbatch = -1;  // compute and transfer actions only
 
   bool is_compute() const;
   bool is_comm() const;  // SEND_F, RECV_F, SEND_B, RECV_B
@@ -76,12 +76,14 @@ Schedule one_f_one_b(int ranks, int m);
 // v > 1 stages per rank, in a loop; m must be a multiple of ranks (others: "not supported yet").
 Schedule interleaved_1f1b(int ranks, int v, int m);
 
-// Raises hp::Error (see the file comment). For a lowered schedule also: every send meets
-// exactly one receive of the same micro-batch on the neighbouring stage's rank, a receive
-// comes before the compute that reads it and a send after the compute that produces it,
-// and the communication order completes when every send waits for its receive (the
-// strictest transport): consecutive SEND/RECV actions of a rank form one batch, posted
-// together and finished together.
+// Raises hp::Error (see the file comment). For a lowered schedule also: every compute
+// action has the receive it reads and the send of what it produces, every send meets exactly
+// one receive of the same micro-batch on the neighbouring stage's rank, a receive comes
+// before the compute that reads it and a send after the compute that produces it, and the
+// transfers complete as the runtime moves them: per ordered pair of ranks one link on which
+// sends and receives are each handled in posting order, every send waiting for its receive
+// (the strictest transport); posting never blocks, a compute action waits for what it reads,
+// and the receive of micro-batch 0's activation waits for its shape header.
 void validate(const Schedule& s);
 
 struct LowerOptions {
@@ -92,11 +94,11 @@ struct LowerOptions {
 
 // Inserts the point-to-point transfers between stages on different ranks: a receive right
 // before the compute that needs it, a send right after the compute that produced it; then
-// replays the order with the strictest transport and, where two ranks would wait on each
-// other (each sending what the other receives only later), posts the waiting receive
-// earlier in the receiver's list, joined to the batch it waits at. The result validates;
-// it raises for a schedule whose compute order itself cannot complete. A schedule already
-// holding comm actions is returned unchanged (validated).
+// replays them as validate() does and, where a link's receives are posted out of its sends'
+// order or too late, moves the receive up in the receiver's list (a receive may always be
+// posted earlier). The result validates; it raises for a schedule whose compute order itself
+// cannot complete. A schedule already holding comm actions is returned unchanged
+// (validated).
 Schedule lower(const Schedule& s, const LowerOptions& o = {});
 
 // The tag of a transfer (the same on both sides): distinct for the transfers of one step
