@@ -2,11 +2,12 @@
 //
 //   mpirun -np P build/pp_bench [steps]
 //
-// For GPipe, 1F1B and interleaved 1F1B (2 stages per rank) at m = P, 2P, 4P micro-batches,
+// For GPipe, 1F1B, interleaved 1F1B (2 stages per rank) and ZB-H1 at m = P, 2P, 4P micro-batches,
 // on the reference Llama at bench dims split into P x v stages (fp32, no data parallelism):
 //   - the measured step time (median over `steps`, slowest rank), and the step time the
 //     simulator predicts from this run's own measured costs: the median forward and backward
-//     time of one stage on one micro-batch, taken from the trace spans of the timed steps;
+//     (ZB-H1: input- and weight-gradient) time of one stage on one micro-batch, taken from the
+//     trace spans of the timed steps;
 //   - the measured bubble (1 - compute time / step time, mean over ranks) against the
 //     simulator's;
 //   - the peak tensor memory held during the step beyond what was held before it (activations
@@ -32,6 +33,7 @@
 #include "hp/mesh/device_mesh.h"
 #include "hp/models/llama.h"
 #include "hp/pp/pipeline.h"
+#include "hp/pp/schedule.h"
 #include "hp/runtime.h"
 
 namespace {
@@ -69,11 +71,12 @@ Row run(const hp::CommPtr& world, const std::string& kind, int v, int m, int ste
   for (int s = r; s < p * v; s += p) {
     hp::models::Llama mdl(c, slices[static_cast<size_t>(s)]);
     chunks.push_back(mdl);
-    stages.push_back({s, [mdl](const at::Tensor& x) mutable { return hp::call(mdl, x); }, nullptr});
+    stages.push_back({s, [mdl](const at::Tensor& x) mutable { return hp::call(mdl, x); }, mdl.ptr().get()});
   }
   hp::models::Llama last = chunks.back();
-  hp::pp::Schedule sched = kind == "gpipe" ? hp::pp::gpipe(p, m)
+  hp::pp::Schedule sched = kind == "gpipe"  ? hp::pp::gpipe(p, m)
                            : kind == "1f1b" ? hp::pp::one_f_one_b(p, m)
+                           : kind == "zbh1" ? hp::pp::zero_bubble_h1(p, m)
                                             : hp::pp::interleaved_1f1b(p, v, m);
   hp::pp::Pipeline pipe(sched, stages, world,
                         [last](const at::Tensor& o, const at::Tensor& y) { return last->loss_of_logits(o, y); });
@@ -88,7 +91,7 @@ Row run(const hp::CommPtr& world, const std::string& kind, int v, int m, int ste
   };
   step_once(0);  // warm-up: allocations, the shape headers
 
-  std::vector<double> times, fwd, bwd;
+  std::vector<double> times, fwd, bwd, bwd_in, bwd_w;
   double busy = 0, peak = 0;
   for (int s = 0; s < steps; ++s) {
     world->barrier().wait();
@@ -105,7 +108,14 @@ Row run(const hp::CommPtr& world, const std::string& kind, int v, int m, int ste
       if (e.cat != "compute") continue;
       const double d = static_cast<double>(e.dur_us) * 1e-6;
       if (e.name.rfind("pp forward", 0) == 0) fwd.push_back(d);
-      if (e.name.rfind("pp backward", 0) == 0) bwd.push_back(d);
+      if (e.name.rfind("pp backward", 0) == 0) {
+        // "pp backward 3I1": the action's kind follows its stage number.
+        const auto a = hp::pp::Action::parse(e.name.substr(12));
+        (a.kind == hp::pp::ActionKind::kBackwardInput    ? bwd_in
+         : a.kind == hp::pp::ActionKind::kBackwardWeight ? bwd_w
+                                                        : bwd)
+            .push_back(d);
+      }
       if (e.name.rfind("pp ", 0) == 0) compute += d;
     }
     hp::trace::disable();
@@ -119,11 +129,14 @@ Row run(const hp::CommPtr& world, const std::string& kind, int v, int m, int ste
   row.m = m;
   row.step_s = hp::bench::median(times);
   // Costs: the medians over every rank's spans.
-  at::Tensor costs = at::tensor({hp::bench::median(fwd), hp::bench::median(bwd), busy / steps}, at::kDouble);
+  auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : hp::bench::median(v); };
+  at::Tensor costs = at::tensor({med(fwd), med(bwd), busy / steps, med(bwd_in), med(bwd_w)}, at::kDouble);
   world->all_reduce(costs, {hp::ReduceOp::AVG}).wait();
   hp::pp::Costs k;
   k.forward = costs[0].item<double>();
   k.backward = costs[1].item<double>();
+  k.backward_input = costs[3].item<double>();
+  k.backward_weight = costs[4].item<double>();
   const auto sim = hp::pp::simulate(sched, k);
   row.predicted_s = sim.makespan;
   row.bubble = 1.0 - costs[2].item<double>() / row.step_s;
@@ -168,6 +181,7 @@ int main(int argc, char** argv) {
       rows.push_back(run(world, "gpipe", 1, m, steps));
       rows.push_back(run(world, "1f1b", 1, m, steps));
       rows.push_back(run(world, "interleaved", 2, m, steps));
+      rows.push_back(run(world, "zbh1", 1, m, steps));
     }
     if (world->rank() == 0) {
       std::printf("pp_bench: %d ranks, Llama dim %lld x %lld layers, %lld x %lld tokens per micro-batch, fp32, "

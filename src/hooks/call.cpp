@@ -42,6 +42,18 @@ Slot* find_slot(const torch::nn::Module& m, std::vector<Entry>* graveyard) {
   return &it->second;
 }
 
+// Call with g_mu held: moves the hooks of every dead module to `graveyard`.
+void drop_expired(std::vector<Entry>* graveyard) {
+  for (auto it = g_hooks.begin(); it != g_hooks.end();) {
+    if (it->second.expired()) {
+      for (auto& e : it->second.entries) graveyard->push_back(std::move(e));
+      it = g_hooks.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 std::vector<ForwardHooks> hooks_of(const torch::nn::Module& m) {
   std::vector<Entry> graveyard;  // destroyed after the lock is released
   std::vector<ForwardHooks> out;
@@ -66,14 +78,7 @@ HookHandle register_forward_hooks(torch::nn::Module& m, ForwardHooks hooks) {
   std::lock_guard<std::mutex> g(g_mu);
   // Drop the hooks of every module that died since: what they hold (fully_shard's state,
   // with its parameter shards) is freed now, not when the address happens to be reused.
-  for (auto it = g_hooks.begin(); it != g_hooks.end();) {
-    if (it->second.expired()) {
-      for (auto& e : it->second.entries) graveyard.push_back(std::move(e));
-      it = g_hooks.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  drop_expired(&graveyard);
   Slot* s = find_slot(m, &graveyard);
   if (s == nullptr) {
     s = &g_hooks[&m];
@@ -109,14 +114,7 @@ void register_error_translator(ErrorTranslator t) {
 void purge_expired_forward_hooks() {
   std::vector<Entry> graveyard;
   std::lock_guard<std::mutex> g(g_mu);
-  for (auto it = g_hooks.begin(); it != g_hooks.end();) {
-    if (it->second.expired()) {
-      for (auto& e : it->second.entries) graveyard.push_back(std::move(e));
-      it = g_hooks.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  drop_expired(&graveyard);
 }
 
 bool has_forward_hooks(const torch::nn::Module& m) {

@@ -9,6 +9,7 @@
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
 #include "hp/fsdp/fully_shard.h"
+#include "hp/hooks/call.h"
 
 namespace hp::pp {
 
@@ -32,10 +33,7 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
            " ranks, the pp group '", group_->name(), "' has ", group_->size());
   rank_ = group_->rank();
   for (const auto& list : schedule.actions) {
-    for (const auto& a : list) {
-      HP_CHECK(a.kind != ActionKind::kBackwardInput && a.kind != ActionKind::kBackwardWeight, "Pipeline: ",
-               a.to_string(), ": split backwards (I and W, zero-bubble schedules) are not supported yet by the runtime");
-    }
+    for (const auto& a : list) split_ = split_ || a.kind == ActionKind::kBackwardInput;
   }
   std::set<int> mine;
   for (const auto& st : stages_) {
@@ -45,9 +43,12 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
              schedule.rank_of(st.stage), ", this is pp rank ", rank_);
     HP_CHECK(mine.insert(st.stage).second, "Pipeline: stage ", st.stage, " given twice");
     HP_CHECK(st.forward != nullptr, "Pipeline: stage ", st.stage, " has no forward");
+    HP_CHECK(!split_ || st.module != nullptr, "Pipeline: stage ", st.stage,
+             " has no module: a schedule with split backwards (I, W) needs each stage's module");
     if (st.module) {
       for (const auto& m : st.module->modules(/*include_self=*/true)) {
         if (auto h = fsdp_handle(*m)) fsdp_[st.stage].push_back(h);
+        if (split_) watch_weights(*m);
       }
     }
   }
@@ -78,6 +79,25 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
     if (rank_ == from) send_link_[to] = c;
     if (rank_ == to) recv_link_[from] = c;
   }
+}
+
+Pipeline::~Pipeline() {
+  for (HookHandle h : hooks_) remove_forward_hooks(h);
+}
+
+void Pipeline::watch_weights(torch::nn::Module& m) {
+  std::vector<at::Tensor> own;
+  for (const auto& p : m.parameters(/*recurse=*/false)) {
+    if (p.requires_grad()) own.push_back(p);
+  }
+  if (own.empty()) return;
+  torch::nn::Module* mp = &m;
+  ForwardHooks h;
+  h.cast_output = [this, mp](torch::nn::Module&, const at::Tensor& out) {
+    if (recording_ != nullptr && out.requires_grad()) recording_->push_back({mp, out});
+    return out;
+  };
+  hooks_.push_back(register_forward_hooks(m, std::move(h)));
 }
 
 bool Pipeline::holds_stage(int s) const {
@@ -124,6 +144,9 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     }
     for (auto& w : sends_) w.wait();
   } catch (...) {
+    recording_ = nullptr;
+    weight_grads_.clear();
+    module_outputs_.clear();
     sends_.clear();
     pending_input_.clear();
     pending_grad_.clear();
@@ -133,7 +156,8 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     throw;
   }
   sends_.clear();
-  HP_INTERNAL_ASSERT(input_.empty() && output_.empty() && grad_output_.empty(),
+  HP_INTERNAL_ASSERT(input_.empty() && output_.empty() && grad_output_.empty() && weight_grads_.empty() &&
+                         module_outputs_.empty(),
                      "pipeline step ended with tensors of unfinished micro-batches");
   return loss_sum_;
 }
@@ -162,8 +186,11 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     if (a.stage == 0) input_[k] = in;
     at::Tensor out;
     try {
+      if (split_) recording_ = &module_outputs_[k];
       out = stage(a.stage).forward(in);
+      recording_ = nullptr;
     } catch (const std::exception& e) {
+      recording_ = nullptr;
       // Name the stage and what it was given: a stage whose input does not fit (the
       // previous stage's output shape) fails here.
       throw Error(detail::str_cat("Pipeline: stage ", a.stage, "'s forward of micro-batch ", a.microbatch,
@@ -182,20 +209,67 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     output_[k] = out;
     return;
   }
-  // A full backward.
+  if (a.kind == ActionKind::kBackwardWeight) {
+    // The weight gradients: from each recorded module output and the gradient the input
+    // backward left on it, down to that module's own parameters only.
+    trace::Span span("pp backward " + a.to_string(), "compute");
+    auto it = weight_grads_.find(k);
+    HP_INTERNAL_ASSERT(it != weight_grads_.end(), "no input backward before ", a.to_string());
+    for (auto& [m, y, gy] : it->second) {
+      std::vector<at::Tensor> own;
+      for (const auto& p : m->parameters(/*recurse=*/false)) {
+        if (p.requires_grad()) own.push_back(p);
+      }
+      torch::autograd::backward({y}, {gy}, /*retain_graph=*/true, /*create_graph=*/false, own);
+    }
+    weight_grads_.erase(it);
+    return;
+  }
+  // A full backward, or (I) the input gradient only, keeping what the weight gradients need.
   trace::Span span("pp backward " + a.to_string(), "compute");
   auto out = output_.find(k);
   HP_INTERNAL_ASSERT(out != output_.end(), "no output for ", a.to_string());
-  if (a.stage == last) {
-    torch::autograd::backward({out->second});
-  } else {
+  auto in = input_.find(k);
+  at::Tensor grad_out;
+  if (a.stage != last) {
     auto g = grad_output_.find(k);
     HP_INTERNAL_ASSERT(g != grad_output_.end(), "no output gradient for ", a.to_string());
-    if (out->second.requires_grad()) torch::autograd::backward({out->second}, {g->second});
+    grad_out = g->second;
     grad_output_.erase(g);
   }
+  if (a.kind == ActionKind::kBackward) {
+    if (a.stage == last) {
+      torch::autograd::backward({out->second});
+    } else if (out->second.requires_grad()) {
+      torch::autograd::backward({out->second}, {grad_out});
+    }
+  } else if (out->second.requires_grad()) {
+    // Gradients of the stage's input and of every recorded module output, not of any
+    // parameter (autograd skips the weight halves of the nodes); the graph is kept for W.
+    std::vector<at::Tensor> wrt;
+    const bool has_input = in != input_.end() && in->second.requires_grad();
+    if (has_input) wrt.push_back(in->second);
+    auto rec = module_outputs_.find(k);
+    if (rec != module_outputs_.end()) {
+      for (auto& [m, y] : rec->second) wrt.push_back(y);
+    }
+    std::vector<at::Tensor> grads;
+    if (!wrt.empty()) {
+      grads = torch::autograd::grad({out->second}, wrt, a.stage == last ? std::vector<at::Tensor>{} : std::vector<at::Tensor>{grad_out},
+                                    /*retain_graph=*/true, /*create_graph=*/false, /*allow_unused=*/true);
+    }
+    size_t j = 0;
+    if (has_input) in->second.mutable_grad() = grads[j++];
+    auto& pending = weight_grads_[k];
+    if (rec != module_outputs_.end()) {
+      for (auto& [m, y] : rec->second) {
+        if (grads[j].defined()) pending.push_back({m, y, grads[j]});
+        ++j;
+      }
+    }
+  }
+  module_outputs_.erase(k);
   output_.erase(out);
-  auto in = input_.find(k);
   if (in != input_.end()) {
     if (a.stage > 0 && local(a.stage - 1)) {
       at::Tensor g = in->second.grad();

@@ -197,6 +197,55 @@ Schedule interleaved_1f1b(int ranks, int v, int m) {
   return s;
 }
 
+Schedule zero_bubble_h1(int ranks, int m) {
+  const Schedule base = one_f_one_b(ranks, m);
+  Schedule s = empty(ranks, ranks, m);
+  // Unit-cost replay: at each slot every free rank takes its next F or I when its input is
+  // ready (unless that F would exceed the memory bound), else its oldest pending W.
+  std::map<std::tuple<int, int, int>, int> done_at;  // (stage, kind, mb) -> slot it ends
+  auto done = [&](int stage, ActionKind k, int mb, int t) {
+    auto it = done_at.find({stage, static_cast<int>(k), mb});
+    return it != done_at.end() && it->second <= t;
+  };
+  std::vector<size_t> next(ranks, 0);
+  std::vector<std::vector<int>> pending(ranks);  // micro-batches whose I ran, W not yet
+  std::vector<int> held(ranks, 0);               // micro-batches between F and W
+  size_t left = static_cast<size_t>(3 * m * ranks);  // an F, an I and a W per micro-batch and rank
+  for (int t = 0; left > 0; ++t) {
+    HP_INTERNAL_ASSERT(t < 16 * (m + ranks) + 64, "zero_bubble_h1 replay did not finish");
+    for (int r = 0; r < ranks; ++r) {
+      Action pick;
+      bool have = false;
+      if (next[r] < base.actions[r].size()) {
+        const Action& a = base.actions[r][next[r]];
+        const bool fwd = a.kind == ActionKind::kForward;
+        const bool ready = fwd ? (r == 0 || done(r - 1, ActionKind::kForward, a.microbatch, t))
+                               : (r == ranks - 1 || done(r + 1, ActionKind::kBackwardInput, a.microbatch, t));
+        const bool over = fwd && held[r] >= ranks && !pending[r].empty();
+        if (ready && !over) {
+          pick = fwd ? a : Action{r, ActionKind::kBackwardInput, a.microbatch};
+          have = true;
+          ++next[r];
+          if (fwd) ++held[r];
+        }
+      }
+      if (!have && !pending[r].empty()) {
+        pick = Action{r, ActionKind::kBackwardWeight, pending[r].front()};
+        pending[r].erase(pending[r].begin());
+        --held[r];
+        have = true;
+      }
+      if (!have) continue;
+      if (pick.kind == ActionKind::kBackwardInput) pending[r].push_back(pick.microbatch);
+      done_at[{pick.stage, static_cast<int>(pick.kind), pick.microbatch}] = t + 1;
+      s.actions[r].push_back(pick);
+      --left;
+    }
+  }
+  validate(s);
+  return s;
+}
+
 namespace {
 
 using Key = std::tuple<int, int, int>;  // stage, kind, micro-batch

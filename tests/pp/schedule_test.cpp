@@ -165,4 +165,28 @@ TEST(PpSchedule, BrokenTransfersAreNamed) {
             "rank 1: 1RECV_F0 1RECV_F1 1F1 1B1 1SEND_B1 1F0 1B0 1SEND_B0\n");
 }
 
+// ZB-H1 against the zero-bubble paper's closed form at F = I = W = 1: 3m + p - 1 slots
+// (1F1B: 3(m + p - 1)), its bubble (p - 1) / (3m + p - 1), and at most p micro-batches held
+// (from F to W) on any rank, as 1F1B's first rank holds from F to B.
+TEST(PpSchedule, ZeroBubbleH1MatchesTheClosedForm) {
+  for (int p : {2, 4}) {
+    for (int m : {p, 2 * p, 2 * p + 1, 3 * p}) {
+      auto s = hp::pp::zero_bubble_h1(p, m);
+      hp::pp::validate(s);
+      auto back = hp::pp::Schedule::parse(s.to_string(), s.stages, s.microbatches);
+      EXPECT_EQ(back.actions, s.actions);
+      auto r = hp::pp::simulate(s, hp::pp::Costs{1, 2, 1, 1});
+      EXPECT_DOUBLE_EQ(r.makespan, 3.0 * m + p - 1) << "p=" << p << " m=" << m << "\n" << s.to_string();
+      auto one = hp::pp::simulate(hp::pp::one_f_one_b(p, m), hp::pp::Costs{1, 2, 1, 1});
+      EXPECT_DOUBLE_EQ(one.makespan, 3.0 * (m + p - 1));
+      for (int rank = 0; rank < p; ++rank) {
+        EXPECT_NEAR(r.bubble[rank], (p - 1.0) / (3.0 * m + p - 1), 1e-12);
+        EXPECT_LE(r.peak_in_flight[rank], p);
+      }
+      auto low = hp::pp::lower(s, {.fully_shard = true});
+      hp::pp::validate(low);
+    }
+  }
+}
+
 }  // namespace

@@ -68,9 +68,12 @@ class Pipeline {
   // rank runs list group->rank(). `stages`: every stage the schedule places on this rank,
   // once each. A collective over `group` (whether any rank has fully_shard'ed stages).
   // Raises hp::Error for a schedule whose ranks differ from the group's size, stages not
-  // matching the schedule, a missing loss on the last stage's rank, and split backwards
-  // (I, W: not supported yet).
+  // matching the schedule, a missing loss on the last stage's rank, and a stage without a
+  // module under a schedule with split backwards.
   Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
 
   // One step's forwards and backwards: `inputs` and `targets` are the step's batch, split on
   // dim 0 into schedule.microbatches equal micro-batches (an error naming the sizes when
@@ -92,6 +95,9 @@ class Pipeline {
   };
   void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_transfer(const Action& a);
+  // Split backwards: records the output of every module of a stage owning trainable
+  // parameters (called through hp::call) during forwards.
+  void watch_weights(torch::nn::Module& m);
   void run_fsdp(const Action& a);
   // Waits for the receive of `k` when it is still in flight (and makes a received
   // activation a leaf that requires grad).
@@ -104,12 +110,22 @@ class Pipeline {
   PipelineLoss loss_;
   int rank_ = 0;
   std::map<int, CommPtr> send_link_, recv_link_;  // per neighbouring pp rank
+  bool split_ = false;                             // the schedule has I and W
+  std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
+  using Recorded = std::vector<std::pair<torch::nn::Module*, at::Tensor>>;
+  Recorded* recording_ = nullptr;                  // during a forward under split_
+  struct WeightGrad {
+    torch::nn::Module* module;
+    at::Tensor output, grad;
+  };
   std::map<int, std::vector<std::shared_ptr<FSDPModule>>> fsdp_;  // per stage
 
   // Per step.
   std::map<Key, at::Tensor> input_;        // a stage's input (a leaf requiring grad past stage 0)
   std::map<Key, at::Tensor> output_;       // a stage's output (the last stage: its scaled loss)
   std::map<Key, at::Tensor> grad_output_;  // the gradient of a stage's output
+  std::map<Key, Recorded> module_outputs_;  // split: outputs of parameter-owning modules
+  std::map<Key, std::vector<WeightGrad>> weight_grads_;  // split: from I, for W
   std::map<int, Meta> input_meta_;         // per receiving stage, from micro-batch 0's header
   std::map<Key, std::shared_ptr<Work>> pending_input_, pending_grad_;  // receives in flight
   std::vector<Work> sends_;

@@ -76,6 +76,14 @@ Schedule one_f_one_b(int ranks, int m);
 // v > 1 stages per rank, in a loop; m must be a multiple of ranks (others: "not supported yet").
 Schedule interleaved_1f1b(int ranks, int v, int m);
 
+// ZB-H1 (zero bubble, about the memory of 1F1B): 1F1B's order of forwards with each
+// backward split into I (input gradient) and W (weight gradient), the W's deferred into what
+// would be bubbles: a rank runs its oldest pending W when its next F or I is not ready, and
+// before an F that would hold more than `ranks` micro-batches (held from F to W; 1F1B's
+// first rank holds as many, from F to B). The order is fixed by replaying unit costs
+// (F = I = W = 1); at those costs it takes 3m + p - 1 slots where 1F1B takes 3(m + p - 1).
+Schedule zero_bubble_h1(int ranks, int m);
+
 // Raises hp::Error (see the file comment). For a lowered schedule also: every compute
 // action has the receive it reads and the send of what it produces, every send meets exactly
 // one receive of the same micro-batch on the neighbouring stage's rank, a receive comes
