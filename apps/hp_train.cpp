@@ -11,6 +11,7 @@
 // loss difference against it. See docs/train.md.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,10 +19,12 @@
 #include <map>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <thread>
 
+#include "hp/ckpt/checkpoint.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/memory_estimate.h"
@@ -44,16 +47,19 @@ struct Args {
   std::string config;
   std::vector<std::string> overrides;
   bool verify = false, list_keys = false, help = false, estimate = false;
+  bool resume = false;
+  std::string resume_dir;  // empty: save_dir's latest
   int world = 0;  // --world: the rank count --estimate assumes (0 = this run's)
 };
 
 const char* kUsage =
-    "usage: hp-train --config FILE [--set key=value]... [--verify]\n"
+    "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR]]\n"
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --list-keys\n"
     "  --config FILE    YAML config (configs/*.yaml)\n"
     "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
     "  --verify         also train in one process on the global batch and compare losses\n"
+    "  --resume [DIR]   continue from a checkpoint: DIR, or the newest under save_dir\n"
     "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
     "                   and exit, allocating nothing (any size, deepseek_v3 included)\n"
     "  --world N        the number of ranks --estimate assumes (default: this run's)\n"
@@ -78,6 +84,12 @@ Args parse_args(int argc, char** argv) {
       a.overrides.push_back(s.substr(6));
     } else if (s == "--verify") {
       a.verify = true;
+    } else if (s == "--resume") {
+      a.resume = true;
+      if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) a.resume_dir = argv[++i];
+    } else if (s.rfind("--resume=", 0) == 0) {
+      a.resume = true;
+      a.resume_dir = s.substr(9);
     } else if (s == "--estimate") {
       a.estimate = true;
     } else if (s == "--world") {
@@ -101,6 +113,7 @@ Args parse_args(int argc, char** argv) {
   if (!a.help && !a.list_keys) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
   HP_CHECK(a.world == 0 || a.estimate, "hp-train: --world only goes with --estimate");
   HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
+  HP_CHECK(!(a.resume && a.estimate), "hp-train: --resume trains, --estimate only sizes: use one of them");
   return a;
 }
 
@@ -152,6 +165,67 @@ std::string config_mismatch(const hp::CommPtr& world, const std::vector<std::pai
     }
   }
   return "";
+}
+
+// The newest committed checkpoint under `save_dir` (its 'latest' file names it).
+std::string latest_checkpoint(const std::string& save_dir) {
+  HP_CHECK(!save_dir.empty(), "--resume: no checkpoint folder (set save_dir or output_dir, or pass --resume DIR)");
+  std::ifstream f(save_dir + "/latest");
+  std::string name;
+  HP_CHECK(f && std::getline(f, name) && !name.empty(), "--resume: no checkpoint to resume from in '", save_dir,
+           "' (no 'latest' file: nothing was saved there yet)");
+  const std::string dir = save_dir + "/" + name;
+  HP_CHECK(std::filesystem::exists(dir + "/metadata.json"), "--resume: '", save_dir, "/latest' names ", name,
+           ", which is not a committed checkpoint (no metadata.json)");
+  return dir;
+}
+
+// Points save_dir/latest at `name` (written to a temporary name and renamed) and prunes all
+// but the newest keep_last_n committed checkpoints. Rank 0, after the save committed.
+void commit_latest(const hp::train::TrainConfig& c, const std::string& name) {
+  const std::string tmp = c.save_dir + "/latest.tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << name << "\n";
+    HP_CHECK(f.good(), "could not write ", tmp);
+  }
+  std::filesystem::rename(tmp, c.save_dir + "/latest");
+  if (c.keep_last_n <= 0) return;
+  std::vector<std::string> saved;
+  for (const auto& e : std::filesystem::directory_iterator(c.save_dir)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find('.') == std::string::npos &&
+        std::filesystem::exists(e.path() / "metadata.json")) {
+      saved.push_back(n);
+    }
+  }
+  std::sort(saved.begin(), saved.end());  // zero-padded: oldest first
+  for (size_t i = 0; i + static_cast<size_t>(c.keep_last_n) < saved.size(); ++i) {
+    if (saved[i] != name) std::filesystem::remove_all(c.save_dir + "/" + saved[i]);
+  }
+}
+
+// Saves the training state to save_dir/step_<k> (collective; committed by a rename), then
+// commit_latest. With async_save the state is copied and written in the background, and the
+// pointer moves once that save committed. Returns the folder.
+std::string save_checkpoint(hp::train::Trainer& t, const hp::train::TrainConfig& c, const hp::CommPtr& world) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(t.steps_done()));
+  const std::string name = buf, dir = c.save_dir + "/" + name;
+  std::filesystem::create_directories(c.save_dir);
+  const int rank = world->rank();
+  auto then = [c, name, rank] {
+    hp::ckpt::crash_point("latest", rank);
+    if (rank == 0) commit_latest(c, name);
+  };
+  if (c.async_save) {
+    t.save_async(dir, then);
+    return dir;
+  }
+  t.save(dir);
+  then();
+  world->barrier().wait();
+  return dir;
 }
 
 int run(const Args& args, const hp::CommPtr& world) {
@@ -289,11 +363,30 @@ int run(const Args& args, const hp::CommPtr& world) {
 
   Trainer trainer(c, world, data);
   say("data: " + trainer.describe_data());
+  if (args.resume) {
+    error.clear();
+    std::string dir = args.resume_dir;
+    try {
+      if (dir.empty()) dir = latest_checkpoint(c.save_dir);
+      trainer.load(dir);
+      HP_CHECK(trainer.steps_done() <= c.train_steps, "resume from ", dir, ": it is at step ", trainer.steps_done(),
+               ", past train_steps=", c.train_steps);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (!all_ok(world, error.empty(), error)) return 1;
+    say("resumed from " + dir + " after step " + std::to_string(trainer.steps_done()));
+    if (trainer.steps_done() == c.train_steps) {
+      say("nothing to train: the checkpoint is at train_steps=" + std::to_string(c.train_steps));
+      return 0;
+    }
+  }
 
   std::vector<double> losses;
   double total_s = 0, first_s = 0, worst_diff = 0, worst_rel = 0;
   int64_t worst_step = 0, peak = 0;
-  for (int64_t s = 0; s < c.train_steps; ++s) {
+  const int64_t first_step = trainer.steps_done();
+  for (int64_t s = first_step; s < c.train_steps; ++s) {
     StepStats st;
     try {
       st = trainer.step();
@@ -303,26 +396,40 @@ int run(const Args& args, const hp::CommPtr& world) {
     }
     losses.push_back(st.loss);
     total_s += st.step_time_s;
-    if (s == 0) first_s = st.step_time_s;
+    if (s == first_step) first_s = st.step_time_s;
     peak = std::max(peak, st.peak_bytes);
     const double ref = args.verify && lead ? ref_loss[s] : std::numeric_limits<double>::quiet_NaN();
     if (!std::isnan(ref)) {
       const double d = std::fabs(st.loss - ref);
-      if (s == 0 || std::isnan(d) || (!std::isnan(worst_diff) && d > worst_diff)) worst_diff = d, worst_step = st.step, worst_rel = d / std::fabs(ref);
+      if (s == first_step || std::isnan(d) || (!std::isnan(worst_diff) && d > worst_diff)) worst_diff = d, worst_step = st.step, worst_rel = d / std::fabs(ref);
     }
     if (metrics) metrics->step(st, ref);
     if (lead && (st.step % c.log_interval == 0 || st.step == 1 || st.step == c.train_steps)) {
       const double eta = total_s / st.step * (c.train_steps - st.step);
       std::cout << progress_line(st, c.train_steps, eta, ref) << std::endl;
     }
+    if (c.save_interval > 0 && (st.step % c.save_interval == 0 || st.step == c.train_steps)) {
+      const std::string dir = save_checkpoint(trainer, c, world);
+      say((c.async_save ? "saving " + dir + " in the background" : "saved " + dir));
+    }
+  }
+  if (c.async_save) {
+    error.clear();
+    try {
+      trainer.wait_for_save();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (!all_ok(world, error.empty(), "the background save failed: " + error)) return 1;
   }
 
   // Summary: the first step (warm-up of allocations and caches) is left out of the rate.
   const double tokens = static_cast<double>(c.global_batch_size * c.seq_length);
-  const double rate = c.train_steps > 1 ? tokens * (c.train_steps - 1) / (total_s - first_s) : tokens / total_s;
+  const int64_t trained = c.train_steps - first_step;
+  const double rate = trained > 1 ? tokens * static_cast<double>(trained - 1) / (total_s - first_s) : tokens / total_s;
   char line[512];
   std::snprintf(line, sizeof line, "done: %lld steps in %s | loss %.4f -> %.4f | %s tok/s | peak %s per rank",
-                static_cast<long long>(c.train_steps), format_duration(total_s).c_str(), losses.front(),
+                static_cast<long long>(trained), format_duration(total_s).c_str(), losses.front(),
                 losses.back(), format_rate(rate).c_str(), format_bytes(peak).c_str());
   say(line);
   if (args.verify) {

@@ -2,13 +2,17 @@
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 
@@ -33,20 +37,8 @@ uint64_t fnv(const std::string& s) {
   return h;
 }
 
-// Every rank's boxes, gathered to every rank as JSON text.
-std::vector<json> gather_boxes(const std::vector<Item>& items, const CommPtr& world) {
-  json mine = json::array();
-  for (const auto& it : items) {
-    HP_CHECK(it.local.defined() && it.local.device().is_cpu(), "ckpt::save: tensor '", it.name,
-             "' must be a defined CPU tensor");
-    HP_CHECK(it.local.sizes().vec() == it.spec.lengths || (it.local.dim() == 0 && it.spec.numel() == 1),
-             "ckpt::save: tensor '", it.name, "' is ", it.local.sizes(), " but its spec says ", it.spec.to_string());
-    mine.push_back({{"name", it.name},
-                    {"dtype", dtype_string(it.local.scalar_type())},
-                    {"shape", it.spec.global_shape},
-                    {"offsets", it.spec.offsets},
-                    {"lengths", it.spec.lengths}});
-  }
+// Every rank's `mine`, gathered to every rank (as JSON text).
+std::vector<json> gather_json(const json& mine, const CommPtr& world) {
   const std::string text = mine.dump();
   at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
   world->all_reduce(len, {ReduceOp::MAX}).wait();
@@ -63,6 +55,119 @@ std::vector<json> gather_boxes(const std::vector<Item>& items, const CommPtr& wo
   return out;
 }
 
+// Files are checksummed in blocks, so a load that reads a few byte ranges verifies only the
+// blocks under them (each once). The hash: 64-bit words folded by multiply and rotate, a
+// 64-bit FNV-style prime; not cryptographic, it catches flipped and lost bytes.
+constexpr int64_t kChecksumBlock = int64_t(1) << 20;
+
+uint64_t block_hash(const uint8_t* p, size_t n) {
+  uint64_t h = 1469598103934665603ULL ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 1099511628211ULL;
+    h ^= h >> 29;
+  }
+  for (; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+
+// Size and per-block checksums of a file, read back from disk.
+json file_checksums(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  HP_CHECK(fd >= 0, "ckpt::save: cannot open '", path, "' to checksum it: ", std::strerror(errno));
+  std::unique_ptr<int, void (*)(int*)> closer(&fd, [](int* q) { ::close(*q); });
+  std::vector<uint8_t> buf(static_cast<size_t>(kChecksumBlock));
+  json sums = json::array();
+  int64_t total = 0;
+  for (;;) {
+    int64_t got = 0;
+    while (got < kChecksumBlock) {
+      ssize_t r = ::pread(fd, buf.data() + got, static_cast<size_t>(kChecksumBlock - got), static_cast<off_t>(total + got));
+      if (r < 0 && errno == EINTR) continue;
+      HP_CHECK(r >= 0, "ckpt::save: reading back '", path, "' failed: ", std::strerror(errno));
+      if (r == 0) break;
+      got += r;
+    }
+    if (got == 0) break;
+    sums.push_back(std::to_string(block_hash(buf.data(), static_cast<size_t>(got))));
+    total += got;
+    if (got < kChecksumBlock) break;
+  }
+  return {{"bytes", total}, {"block", kChecksumBlock}, {"checksums", sums}};
+}
+
+// A data file opened for loading: its size checked against the metadata at once, and each
+// block checked against its checksum the first time a read touches it.
+class CheckedFile {
+ public:
+  CheckedFile(std::string path, const json& info) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    HP_CHECK(fd_ >= 0, "ckpt::load: cannot open '", path_, "': ", std::strerror(errno));
+    if (info.is_null()) return;  // a checkpoint written before checksums: nothing to check
+    bytes_ = info["bytes"].get<int64_t>();
+    block_ = info["block"].get<int64_t>();
+    for (const auto& c : info["checksums"]) sums_.push_back(std::stoull(c.get<std::string>()));
+    verified_.assign(sums_.size(), false);
+    struct stat st{};
+    HP_CHECK(::fstat(fd_, &st) == 0, "ckpt::load: cannot stat '", path_, "': ", std::strerror(errno));
+    HP_CHECK(st.st_size == bytes_, "ckpt::load: '", path_, "' has ", static_cast<int64_t>(st.st_size),
+             " bytes, the checkpoint wrote ", bytes_, " (truncated or changed since)");
+  }
+  ~CheckedFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  CheckedFile(const CheckedFile&) = delete;
+  CheckedFile& operator=(const CheckedFile&) = delete;
+  int fd() const { return fd_; }
+  // Verifies every block under [offset, offset + n); `what` names the reader in errors.
+  void verify(int64_t offset, int64_t n, const std::string& what) {
+    if (sums_.empty() || n <= 0) return;
+    std::vector<uint8_t> buf;
+    for (int64_t b = offset / block_; b <= (offset + n - 1) / block_; ++b) {
+      HP_CHECK(b < static_cast<int64_t>(sums_.size()), "ckpt::load: '", path_, "': ", what, " reads past its end");
+      if (verified_[static_cast<size_t>(b)]) continue;
+      const int64_t begin = b * block_, len = std::min(block_, bytes_ - begin);
+      buf.resize(static_cast<size_t>(len));
+      int64_t got = 0;
+      while (got < len) {
+        ssize_t r = ::pread(fd_, buf.data() + got, static_cast<size_t>(len - got), static_cast<off_t>(begin + got));
+        if (r < 0 && errno == EINTR) continue;
+        HP_CHECK(r > 0, "ckpt::load: reading '", path_, "' failed: ", r < 0 ? std::strerror(errno) : "the file is shorter");
+        got += r;
+      }
+      HP_CHECK(block_hash(buf.data(), buf.size()) == sums_[static_cast<size_t>(b)], "ckpt::load: '", path_,
+               "' is corrupted: bytes ", begin, "-", begin + len, " do not match their checksum (", what, ")");
+      verified_[static_cast<size_t>(b)] = true;
+    }
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t bytes_ = 0, block_ = 1;
+  std::vector<uint64_t> sums_;
+  std::vector<bool> verified_;
+};
+
+// Every rank's boxes, gathered to every rank as JSON text.
+std::vector<json> gather_boxes(const std::vector<Item>& items, const CommPtr& world) {
+  json mine = json::array();
+  for (const auto& it : items) {
+    HP_CHECK(it.local.defined() && it.local.device().is_cpu(), "ckpt::save: tensor '", it.name,
+             "' must be a defined CPU tensor");
+    HP_CHECK(it.local.sizes().vec() == it.spec.lengths || (it.local.dim() == 0 && it.spec.numel() == 1),
+             "ckpt::save: tensor '", it.name, "' is ", it.local.sizes(), " but its spec says ", it.spec.to_string());
+    mine.push_back({{"name", it.name},
+                    {"dtype", dtype_string(it.local.scalar_type())},
+                    {"shape", it.spec.global_shape},
+                    {"offsets", it.spec.offsets},
+                    {"lengths", it.spec.lengths}});
+  }
+  return gather_json(mine, world);
+}
+
 void fsync_path(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   HP_CHECK(fd >= 0, "ckpt: cannot open '", path, "' to sync it: ", std::strerror(errno));
@@ -74,9 +179,10 @@ void fsync_path(const std::string& path) {
 // Reads the part `sub` (offsets within the chunk, lengths) of a row-major chunk of shape
 // `chunk` stored at byte `base` of the open file into `out` (contiguous, sub's shape):
 // one read per contiguous run.
-void read_sub_box(int fd, const std::string& path, int64_t base, const std::vector<int64_t>& chunk,
-                  const std::vector<int64_t>& sub_off, const std::vector<int64_t>& sub_len, int64_t elem,
-                  char* out) {
+void read_sub_box(CheckedFile& file, const std::string& path, const std::string& what, int64_t base,
+                  const std::vector<int64_t>& chunk, const std::vector<int64_t>& sub_off,
+                  const std::vector<int64_t>& sub_len, int64_t elem, char* out) {
+  const int fd = file.fd();
   const int64_t nd = static_cast<int64_t>(chunk.size());
   // The dims from `k` on are read in one run: those after k are taken whole.
   int64_t k = nd == 0 ? 0 : nd - 1;
@@ -89,6 +195,7 @@ void read_sub_box(int fd, const std::string& path, int64_t base, const std::vect
   for (;;) {
     int64_t lin = 0;
     for (int64_t d = 0; d < nd; ++d) lin += (sub_off[d] + (d < k ? idx[d] : 0)) * stride[d];
+    file.verify(base + lin * elem, run, what);
     int64_t done = 0;
     while (done < run) {
       ssize_t r = ::pread(fd, out + done, static_cast<size_t>(run - done), static_cast<off_t>(base + lin * elem + done));
@@ -106,9 +213,29 @@ void read_sub_box(int fd, const std::string& path, int64_t base, const std::vect
 
 }  // namespace
 
+namespace {
+std::atomic<int> g_saves{0};  // saves started by this process
+}  // namespace
+
+void crash_point(const char* point, int rank) {
+  const char* spec = std::getenv("HP_CKPT_CRASH");
+  if (spec == nullptr || *spec == 0) return;
+  std::string want = spec, who;
+  if (auto colon = want.find(':'); colon != std::string::npos) {
+    who = want.substr(colon + 1);
+    want = want.substr(0, colon);
+  }
+  const char* nth = std::getenv("HP_CKPT_CRASH_SAVE");
+  const int n = nth && *nth ? std::atoi(nth) : 1;
+  if (want != point || g_saves != n) return;
+  if (!who.empty() && std::atoi(who.c_str()) != rank) return;
+  std::raise(SIGKILL);
+}
+
 void save(const std::vector<Item>& items, const std::string& dir, const CommPtr& world,
           const std::map<std::string, std::string>& values) {
   const int rank = world->rank();
+  ++g_saves;
   const std::string tmp = dir + ".tmp";
   if (rank == 0) {
     std::error_code ec;
@@ -135,14 +262,25 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   }
   const std::string file = "rank" + std::to_string(rank) + ".safetensors";
   std::string error;
+  crash_point("write", rank);
   try {
     write_file(tmp + "/" + file, mine);
   } catch (const std::exception& e) {
     error = e.what();
   }
+  crash_point("written", rank);
+  json sums;
+  if (error.empty()) {
+    try {
+      sums = file_checksums(tmp + "/" + file);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
   at::Tensor bad = at::full({1}, error.empty() ? 0 : 1, at::kInt);
   world->all_reduce(bad, {ReduceOp::MAX}).wait();
   HP_CHECK(bad.item<int>() == 0, "ckpt::save to '", dir, "' failed", error.empty() ? " on another rank" : ": " + error);
+  const std::vector<json> files = gather_json(json{{"file", file}, {"sums", sums}}, world);
   if (rank == 0) {
     json meta;
     meta["format"] = "hyperparallel-checkpoint-1";
@@ -169,6 +307,9 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
       }
     }
     meta["tensors"] = tensors;
+    json fj = json::object();
+    for (const auto& f : files) fj[f["file"].get<std::string>()] = f["sums"];
+    meta["files"] = fj;
     {
       std::ofstream f(tmp + "/metadata.json.partial");
       f << meta.dump(1);
@@ -180,6 +321,7 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
     fsync_path(tmp);
     // Commit: the folder appears under its name in one rename (an older one is set aside
     // first and removed after).
+    crash_point("commit", rank);
     std::error_code ec;
     const std::string old = dir + ".old";
     fs::remove_all(old, ec);
@@ -205,6 +347,7 @@ std::map<std::string, std::string> load(const std::vector<Item>& items, const st
   HP_CHECK(meta.value("format", "") == "hyperparallel-checkpoint-1", "ckpt::load: '", mpath,
            "' is not a hyperparallel checkpoint");
   std::map<std::string, SafetensorsHeader> headers;
+  std::map<std::string, std::unique_ptr<CheckedFile>> checked;
   for (const auto& it : items) {
     HP_CHECK(meta["tensors"].contains(it.name), "ckpt::load: tensor '", it.name, "' is not in the checkpoint '", dir, "'");
     const json& t = meta["tensors"][it.name];
@@ -221,20 +364,29 @@ std::map<std::string, std::string> load(const std::vector<Item>& items, const st
       chunk.lengths = c["lengths"].get<std::vector<int64_t>>();
       BoxOverlap o;
       if (!intersect(chunk, it.spec, &o)) continue;
-      const std::string file = dir + "/" + c["file"].get<std::string>();
+      const std::string fname = c["file"].get<std::string>();
+      const std::string file = dir + "/" + fname;
+      auto cf = checked.find(file);
+      if (cf == checked.end()) {
+        const json info = meta.contains("files") && meta["files"].contains(fname) ? meta["files"][fname] : json();
+        cf = checked.emplace(file, std::make_unique<CheckedFile>(file, info)).first;
+      }
       auto h = headers.find(file);
-      if (h == headers.end()) h = headers.emplace(file, read_header(file)).first;
+      if (h == headers.end()) {
+        // The header's bytes are checked before they are trusted: its 8-byte length first.
+        cf->second->verify(0, 8, "its header");
+        uint64_t hlen = 0;
+        HP_CHECK(::pread(cf->second->fd(), &hlen, 8, 0) == 8, "ckpt::load: '", file, "' is shorter than a header");
+        cf->second->verify(8, static_cast<int64_t>(std::min<uint64_t>(hlen, uint64_t(1) << 40)), "its header");
+        h = headers.emplace(file, read_header(file)).first;
+      }
       const TensorEntry* e = h->second.find(c["key"].get<std::string>());
       HP_CHECK(e != nullptr && e->shape == chunk.lengths && e->dtype == it.local.scalar_type(), "ckpt::load: '", file,
                "' lacks the chunk '", c["key"].get<std::string>(), "' its metadata lists");
       at::Tensor part = at::empty(o.lengths, it.local.options());
-      {
-        int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-        HP_CHECK(fd >= 0, "ckpt::load: cannot open '", file, "': ", std::strerror(errno));
-        std::unique_ptr<int, void (*)(int*)> closer(&fd, [](int* p) { ::close(*p); });
-        read_sub_box(fd, file, h->second.data_start + e->begin, chunk.lengths, o.offsets_in_a, o.lengths,
-                     static_cast<int64_t>(it.local.element_size()), static_cast<char*>(part.data_ptr()));
-      }
+      read_sub_box(*cf->second, file, "tensor '" + it.name + "'", h->second.data_start + e->begin, chunk.lengths,
+                   o.offsets_in_a, o.lengths, static_cast<int64_t>(it.local.element_size()),
+                   static_cast<char*>(part.data_ptr()));
       at::Tensor dst = it.local.dim() == 0 ? it.local.view({1}) : it.local;
       for (size_t d = 0; d < o.lengths.size(); ++d) {
         dst = dst.narrow(static_cast<int64_t>(d), o.offsets_in_b[d], o.lengths[d]);

@@ -107,6 +107,23 @@ int64_t as_int(const Value& v, int64_t min = INT64_MIN, int64_t max = INT64_MAX)
   return x;
 }
 
+// "[2, 1, 1]" or "2,1,1" (empty: none), each entry an integer in [min, max].
+std::vector<int64_t> as_int_list(const Value& v, int64_t min, int64_t max) {
+  std::string t = v.text;
+  if (!t.empty() && t.front() == '[') {
+    if (t.back() != ']') v.fail("expected a list like [2, 1, 1]");
+    t = t.substr(1, t.size() - 2);
+  }
+  std::vector<int64_t> out;
+  std::stringstream ss(t);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a == std::string::npos) v.fail("an empty entry in the list");
+    out.push_back(as_int(Value{v.key, item.substr(a, b - a + 1), v.origin}, min, max));
+  }
+  return out;
+}
+
 double as_double(const Value& v) {
   const double x = parse_whole<double>(v, [](const std::string& t, size_t* n) { return std::stod(t, n); }, "a number");
   if (!std::isfinite(x)) v.fail("expected a finite number");
@@ -281,14 +298,16 @@ const std::vector<Key>& keys() {
         [](TrainConfig& c, const Value& v) { c.pipeline_parallel = as_int(v, 1, kMaxRanks); });
     top("pipeline_parallel_interleave_num", "int", "1", "stages per pipeline rank (interleaved schedule)",
         [](TrainConfig& c, const Value& v) { c.pipeline_parallel_interleave_num = as_int(v, 1, kMaxRanks); });
-    top("pipeline_schedule", "auto|gpipe|1f1b|interleaved", "auto",
-        "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1",
+    top("pipeline_schedule", "auto|gpipe|1f1b|interleaved|zbh1", "auto",
+        "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1; zbh1 = "
+        "zero bubble (backward split into input and weight gradients)",
         [](TrainConfig& c, const Value& v) {
-          if (v.text == "zbv" || v.text == "zb-h1" || v.text == "zbh1") {
-            v.fail("zero-bubble schedules are not supported yet by the pipeline runtime");
-          }
-          c.pipeline_schedule = as_choice(v, {"auto", "gpipe", "1f1b", "interleaved"});
+          if (v.text == "zbv") v.fail("the ZBV schedule (two stages per rank in a V) is not supported yet; use zbh1");
+          c.pipeline_schedule = as_choice(v, {"auto", "gpipe", "1f1b", "interleaved", "zbh1"});
         });
+    top("pipeline_stage_layers", "list", "[] (even)",
+        "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); empty = even",
+        [](TrainConfig& c, const Value& v) { c.pipeline_stage_layers = as_int_list(v, 1, kMaxModelInt); });
     top("micro_batch_num", "int", "1", "micro-batches per step (pipeline micro-batches, or gradient accumulation)",
         [](TrainConfig& c, const Value& v) { c.micro_batch_num = as_int(v, 1, kMaxRanks); });
     top("global_batch_size", "int", "8", "samples per optimizer step, all ranks together",
@@ -337,6 +356,14 @@ const std::vector<Key>& keys() {
     });
     top("output_dir", "path", "hp-train-out", "metrics.jsonl and loss.svg go here; empty = none",
         [](TrainConfig& c, const Value& v) { c.output_dir = v.text; });
+    top("save_interval", "int", "0", "save a checkpoint every this many steps and after the last; 0 = never",
+        [](TrainConfig& c, const Value& v) { c.save_interval = as_int(v, 0, kMaxModelInt); });
+    top("save_dir", "path", "output_dir/checkpoints", "checkpoints go here (step_<k> folders and 'latest')",
+        [](TrainConfig& c, const Value& v) { c.save_dir = v.text; });
+    top("keep_last_n", "int", "0", "keep only the newest n checkpoints (older ones removed after a save); 0 = all",
+        [](TrainConfig& c, const Value& v) { c.keep_last_n = as_int(v, 0, kMaxModelInt); });
+    top("async_save", "bool", "false", "write checkpoints in the background (the state is copied first)",
+        [](TrainConfig& c, const Value& v) { c.async_save = as_bool(v); });
     return k;
   }();
   return k;
@@ -386,6 +413,14 @@ void flatten(const YAML::Node& n, const std::string& prefix, const std::string& 
       out.push_back({key, v.Scalar(), origin});
     } else if (v.IsNull()) {
       throw Error(origin + ": config key '" + key + "' has no value");
+    } else if (v.IsSequence() && key == "pipeline_stage_layers") {
+      // The one list-valued key: its items as "[a, b, ...]" (as_int_list reads that form).
+      std::string text;
+      for (const auto& item : v) {
+        if (!item.IsScalar()) throw Error(origin + ": config key '" + key + "' must be a list of numbers");
+        text += (text.empty() ? "" : ", ") + item.Scalar();
+      }
+      out.push_back({key, "[" + text + "]", origin});
     } else {
       throw Error(origin + ": config key '" + key + "' is a list; every key takes a single value");
     }
@@ -483,6 +518,9 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
 
 void TrainConfig::validate(int world_size) {
   const std::string& s = source;
+  if (save_dir.empty() && !output_dir.empty()) save_dir = output_dir + "/checkpoints";
+  HP_CHECK(save_interval == 0 || !save_dir.empty(), s, ": save_interval=", save_interval,
+           " needs save_dir (or output_dir, whose checkpoints/ it defaults to)");
   HP_CHECK(!sequence_parallel || tensor_parallel > 1, s,
            ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=", tensor_parallel, ")");
   if (tensor_parallel > 1) {
@@ -502,6 +540,8 @@ void TrainConfig::validate(int world_size) {
   HP_CHECK(v == 1 || pp > 1, s, ": pipeline_parallel_interleave_num=", v,
            " needs pipeline_parallel > 1 (pipeline_parallel=", pp, ")");
   if (pipeline_schedule == "auto") pipeline_schedule = v > 1 ? "interleaved" : "1f1b";
+  HP_CHECK(pipeline_stage_layers.empty() || pp > 1, s, ": pipeline_stage_layers needs pipeline_parallel > 1 ",
+           "(pipeline_parallel=", pp, ")");
   HP_CHECK(v == 1 || pipeline_schedule == "interleaved", s, ": pipeline_schedule=", pipeline_schedule,
            " runs one stage per rank, but pipeline_parallel_interleave_num=", v, " (use interleaved)");
   if (pp > 1) {
@@ -511,6 +551,13 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(pipeline_schedule != "interleaved" || micro_batch_num % pp == 0, s, ": micro_batch_num=",
              micro_batch_num, " with the interleaved schedule must be a multiple of pipeline_parallel=", pp,
              " (other counts are not supported yet)");
+    try {
+      models::split_layers(model.layers(), static_cast<int>(pp * v), pipeline_stage_layers);
+    } catch (const Error& e) {
+      throw Error(detail::str_cat(s, ": pipeline_stage_layers: ", e.what()));
+    }
+    HP_CHECK(pipeline_schedule != "zbh1" || recompute == "none", s, ": pipeline_schedule=zbh1 with recompute=",
+             recompute, " is not supported yet (the weight gradients are taken from the forward's graph)");
     HP_CHECK(model.type != "llama" || !model.llama.tie_embeddings, s,
              ": tie_embeddings with pipeline_parallel > 1 (the embedding and the head on different stages) is ",
              "not supported yet");
@@ -630,12 +677,19 @@ std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainCo
   add("tensor_parallel", c.tensor_parallel), add("sequence_parallel", c.sequence_parallel);
   add("pipeline_parallel", c.pipeline_parallel), add("pipeline_parallel_interleave_num", c.pipeline_parallel_interleave_num);
   add("pipeline_schedule", c.pipeline_schedule);
+  {
+    std::string l;
+    for (int64_t n : c.pipeline_stage_layers) l += (l.empty() ? "" : ",") + std::to_string(n);
+    add("pipeline_stage_layers", "[" + l + "]");
+  }
   add("micro_batch_num", c.micro_batch_num), add("global_batch_size", c.global_batch_size);
   add("seq_length", c.seq_length), add("lr", c.lr), add("min_lr", c.min_lr), add("lr_warmup_steps", c.lr_warmup_steps);
   add("lr_decay_style", c.lr_decay_style), add("weight_decay", c.weight_decay), add("adam_beta1", c.adam_beta1);
   add("adam_beta2", c.adam_beta2), add("adam_eps", c.adam_eps), add("clip_grad", c.clip_grad);
   add("train_steps", c.train_steps), add("seed", c.seed), add("log_interval", c.log_interval);
   add("output_dir", c.output_dir);
+  add("save_interval", c.save_interval), add("save_dir", c.save_dir), add("keep_last_n", c.keep_last_n);
+  add("async_save", c.async_save);
   return out;
 }
 

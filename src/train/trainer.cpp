@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <set>
+#include <thread>
 
+#include "hp/ckpt/checkpoint.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/fully_shard.h"
@@ -169,7 +171,7 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred, cons
 std::vector<int64_t> stage_params(const TrainConfig& c) {
   const int stages = static_cast<int>(c.pipeline_parallel * c.pipeline_parallel_interleave_num);
   std::vector<int64_t> out;
-  for (const auto& slice : models::split_layers(c.model.layers(), stages)) {
+  for (const auto& slice : models::split_layers(c.model.layers(), stages, c.pipeline_stage_layers)) {
     auto m = make_model(c, /*deferred=*/true, slice);
     int64_t n = 0;
     for (const auto& p : m->root().parameters()) n += p.numel();
@@ -193,6 +195,15 @@ struct Trainer::Impl {
   std::unique_ptr<DataSharder> sharder;
   int64_t dp_rank = 0;
   std::vector<at::Tensor> params;
+  // Per params[i]: its name in the whole model and its box of the global tensor.
+  std::vector<std::string> names;
+  std::vector<ShardSpec> specs;
+  std::vector<torch::nn::Module*> roots;  // the model, or this rank's stages
+  // save_async: the thread writing the copied state, over its own communicator (split from
+  // the world when first needed, so its collectives never interleave with training's).
+  CommPtr ckpt_comm;
+  std::thread saver;
+  std::exception_ptr save_error;
   // The sharded parameters that are shards of tensor-parallel pieces.
   std::set<const c10::TensorImpl*> tp_pieces;
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -266,8 +277,14 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, o));
     s.handles.push_back(fully_shard(m.root(), o));
     materialize_deferred_buffers(m.root());
+    s.roots.push_back(&m.root());
     for (size_t k = first; k < s.handles.size(); ++k) {
       auto& h = s.handles[k];
+      // The module's name in the model ("layers_3."), for the whole model's parameter names.
+      std::string prefix;
+      for (const auto& item : m.root().named_modules("", /*include_self=*/false)) {
+        if (item.value().get() == &h->module()) prefix = item.key() + ".";
+      }
       std::vector<at::Tensor> sharded = h->parameters();
       std::vector<ShardedTensor> entries = h->state_dict();
       auto module_params = h->module().named_parameters();
@@ -275,6 +292,8 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       for (size_t i = 0; i < sharded.size(); ++i) {
         if (tp::parameter_spec(module_params[entries[i].name])) s.tp_pieces.insert(sharded[i].unsafeGetTensorImpl());
         s.params.push_back(sharded[i]);
+        s.names.push_back(prefix + entries[i].name);
+        s.specs.push_back(entries[i].spec);
       }
     }
   };
@@ -283,7 +302,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     shard_model(*s.model);
   } else {
     const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
-    const auto slices = models::split_layers(c.model.layers(), pp * v);
+    const auto slices = models::split_layers(c.model.layers(), pp * v, c.pipeline_stage_layers);
     std::vector<pp::PipelineStage> stages;
     for (int st = s.pp->rank(); st < pp * v; st += pp) {
       s.stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
@@ -292,8 +311,9 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       stages.push_back({st, [m](const at::Tensor& x) { return m->forward(x, /*hooked=*/true); }, &m->root()});
     }
     const int m = static_cast<int>(c.micro_batch_num);
-    pp::Schedule schedule = c.pipeline_schedule == "gpipe" ? pp::gpipe(pp, m)
+    pp::Schedule schedule = c.pipeline_schedule == "gpipe"  ? pp::gpipe(pp, m)
                             : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(pp, m)
+                            : c.pipeline_schedule == "zbh1" ? pp::zero_bubble_h1(pp, m)
                                                             : pp::interleaved_1f1b(pp, v, m);
     TrainModel* last = s.stages.back().get();
     s.pipe = std::make_unique<pp::Pipeline>(schedule, std::move(stages), s.pp,
@@ -313,7 +333,9 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
                                             c.seed, c.data.shuffle);
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  if (impl_ && impl_->saver.joinable()) impl_->saver.join();  // a save in flight completes
+}
 
 StepStats Trainer::step() {
   Impl& s = *impl_;
@@ -375,6 +397,146 @@ StepStats Trainer::step() {
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
   ++s.steps;
   return st;
+}
+
+namespace {
+
+// The settings a checkpoint cannot be resumed under a change of: the model's.
+std::vector<std::pair<std::string, std::string>> fixed_settings(const TrainConfig& c) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [k, v] : resolved_settings(c)) {
+    if (k.rfind("model.", 0) == 0) out.emplace_back(k, v);
+  }
+  return out;
+}
+
+// The optimizer's AdamW state of `p`, created (zeros, step 0: what the first step would
+// create) when it has none yet.
+torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const at::Tensor& p) {
+  auto& states = opt.state();
+  auto key = optim::state_key(states, p);
+  auto it = states.find(key);
+  if (it == states.end()) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(0);
+    st->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+    st->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    it = states.emplace(key, std::move(st)).first;
+  }
+  return static_cast<torch::optim::AdamWParamState&>(*it->second);
+}
+
+}  // namespace
+
+// Every tensor of the training state as checkpoint items (see save()), and the optimizer's
+// step count through `step`.
+static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step) {
+  std::vector<ckpt::Item> items;
+  torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
+  size_t j = 0;  // index into the masters: the parameters that require grad
+  *step = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    items.push_back({s.names[i], s.params[i].detach(), s.specs[i]});
+    if (!s.params[i].requires_grad()) continue;
+    at::Tensor stepped = s.params[i];
+    if (s.master) {
+      stepped = s.master->masters()[j++];
+      items.push_back({s.names[i] + ".master", stepped.detach(), s.specs[i]});
+    }
+    auto& st = adamw_state(opt, stepped);
+    *step = std::max<int64_t>(*step, st.step());
+    items.push_back({s.names[i] + ".exp_avg", st.exp_avg(), s.specs[i]});
+    items.push_back({s.names[i] + ".exp_avg_sq", st.exp_avg_sq(), s.specs[i]});
+  }
+  for (torch::nn::Module* root : s.roots) {
+    for (const auto& b : root->named_buffers()) {
+      std::vector<int64_t> shape = b.value().sizes().vec();
+      if (shape.empty()) shape = {1};
+      items.push_back({b.key(), b.value().view(shape), make_shard_spec(shape, {})});
+    }
+  }
+  return items;
+}
+
+// The small values of a checkpoint: the steps done, AdamW's step, the model settings.
+static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, int64_t opt_step) {
+  std::map<std::string, std::string> values = {{"steps", std::to_string(s.steps)},
+                                               {"optimizer_step", std::to_string(opt_step)}};
+  for (const auto& [k, v] : fixed_settings(s.c)) values["config." + k] = v;
+  return values;
+}
+
+void Trainer::save(const std::string& dir) const {
+  Impl& s = *impl_;
+  HP_CHECK(!s.saver.joinable(), "Trainer::save while a save_async is running: call wait_for_save() first");
+  int64_t opt_step = 0;
+  auto items = state_items(s, &opt_step);
+  std::map<std::string, std::string> values = saved_values(s, opt_step);
+  ckpt::save(items, dir, s.world, values);
+}
+
+void Trainer::wait_for_save() {
+  Impl& s = *impl_;
+  if (s.saver.joinable()) s.saver.join();
+  if (s.save_error) {
+    std::exception_ptr e = s.save_error;
+    s.save_error = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void Trainer::save_async(const std::string& dir, std::function<void()> then) {
+  Impl& s = *impl_;
+  wait_for_save();
+  if (!s.ckpt_comm) {
+    CommOptions o;
+    o.name = "checkpoint";
+    s.ckpt_comm = s.world->split(0, s.world->rank(), o);
+  }
+  int64_t opt_step = 0;
+  auto items = state_items(s, &opt_step);
+  for (auto& it : items) it.local = it.local.clone();  // the state as it is now
+  std::map<std::string, std::string> values = saved_values(s, opt_step);
+  s.saver = std::thread([&s, items = std::move(items), values = std::move(values), dir, then = std::move(then)] {
+    try {
+      ckpt::save(items, dir, s.ckpt_comm, values);
+      if (then) then();
+    } catch (...) {
+      s.save_error = std::current_exception();
+    }
+  });
+}
+
+void Trainer::load(const std::string& dir) {
+  Impl& s = *impl_;
+  // The saved settings first (the metadata alone): a changed model is named by its key,
+  // not by the first tensor whose shape it changed.
+  const std::map<std::string, std::string> values = ckpt::load({}, dir);
+  for (const auto& [k, v] : fixed_settings(s.c)) {
+    auto it = values.find("config." + k);
+    HP_CHECK(it != values.end() && it->second == v, "resume from ", dir, ": ", k, "=",
+             it == values.end() ? std::string("(not saved)") : it->second, " in the checkpoint but ", k, "=", v,
+             " in this config (the model cannot change on resume)");
+  }
+  int64_t unused = 0;
+  auto items = state_items(s, &unused);
+  {
+    at::NoGradGuard ng;
+    ckpt::load(items, dir);
+  }
+  auto number = [&](const char* key) {
+    auto it = values.find(key);
+    HP_CHECK(it != values.end(), "resume from ", dir, ": the checkpoint has no '", key, "' (not written by hp-train)");
+    return std::stoll(it->second);
+  };
+  s.steps = number("steps");
+  const int64_t opt_step = number("optimizer_step");
+  torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
+  size_t j = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.params[i].requires_grad()) continue;
+    adamw_state(opt, s.master ? s.master->masters()[j++] : s.params[i]).step(opt_step);
+  }
 }
 
 int64_t Trainer::steps_done() const { return impl_->steps; }

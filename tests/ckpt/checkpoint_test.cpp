@@ -7,6 +7,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/ckpt/safetensors.h"
@@ -122,6 +123,50 @@ TEST(Checkpoint, OnlyCommittedFoldersLoadAndMismatchesAreNamed) {
   auto any = items(g, {{"a", {}}, {"b", {}}, {"c", {}}}, false);
   hp::test::expect_error([&] { hc::load(any, half); }, {"not a committed checkpoint"});
   w->barrier().wait();
+}
+
+// Integrity: every data file is checksummed in 1 MiB blocks. A flipped byte in a tensor's
+// bytes, in the file's header, a truncated or a grown file: each an error naming the file
+// (and the tensor whose read found it); a load that reads only intact blocks still works.
+// One process (the corruptions are made here on its only file).
+TEST(Checkpoint, CorruptionIsNamed) {
+  auto w = hp::world();
+  if (w->size() != 1) GTEST_SKIP() << "corrupts the single rank's file";
+  at::manual_seed(3);
+  // a: 3 MiB (blocks 0-3), then b: 2 MiB, alone in the file's last block.
+  std::map<std::string, at::Tensor> g = {{"a", at::randn({768, 1024})}, {"b", at::randn({512, 1024})}};
+  const std::string dir = dir_for("corrupt");
+  hc::save(items(g, {{"a", {}}, {"b", {}}}, true), dir, w);
+  const std::string file = dir + "/rank0.safetensors";
+  const auto size = static_cast<int64_t>(fs::file_size(file));
+  auto flip = [&](int64_t at) {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(at);
+    f.write(&c, 1);
+  };
+  auto load_one = [&](const std::string& name) {
+    auto it = items({{name, g.at(name)}}, {{name, {}}}, false);
+    hc::load(it, dir);
+    EXPECT_TRUE(at::equal(it[0].local, g.at(name))) << name;
+  };
+  load_one("a");
+  flip(size - 10);  // in b's last bytes
+  hp::test::expect_error([&] { load_one("b"); }, {file, "is corrupted", "tensor 'b'"});
+  load_one("a");  // a's blocks are intact
+  flip(size - 10);
+  load_one("b");
+  flip(20);  // in the JSON header
+  hp::test::expect_error([&] { load_one("a"); }, {file, "is corrupted", "its header"});
+  flip(20);
+  fs::resize_file(file, static_cast<uintmax_t>(size - 1));
+  hp::test::expect_error([&] { load_one("a"); }, {file, "has " + std::to_string(size - 1) + " bytes",
+                                                  "wrote " + std::to_string(size), "truncated"});
+  fs::resize_file(file, static_cast<uintmax_t>(size + 1));
+  hp::test::expect_error([&] { load_one("a"); }, {file, "has " + std::to_string(size + 1) + " bytes"});
 }
 
 // fully_shard's shards (state_dict: local rows and spec) saved, then loaded into a freshly

@@ -150,6 +150,39 @@ if [ -n "$mpirun" ]; then
   [ "$(grep -c 'different configs: seed=2 on rank 1 but seed=1 on rank 0' "$work/out")" = 1 ] ||
     fail "config mismatch not named once: $(cat "$work/out")"
 fi
+# Checkpoints: 6 steps saving every 2 and keeping the newest 2; --resume from step 4's
+# continues with the losses the run had for steps 5 and 6 (bitwise: the same printed digits).
+ck=$work/ck
+run_np $n --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 --set save_interval=2 \
+  --set keep_last_n=2 --set log_interval=1 --set output_dir= --set save_dir="$ck" > "$work/straight" 2>&1 ||
+  fail "run with save_interval failed: $(cat "$work/straight")"
+grep -q "^saved $ck/step_00000004" "$work/straight" || fail "no saved line: $(cat "$work/straight")"
+[ "$(cat "$ck/latest")" = step_00000006 ] || fail "latest does not name step_00000006: $(cat "$ck/latest")"
+[ "$(ls "$ck" | grep '^step_' | tr '\n' ' ')" = "step_00000004 step_00000006 " ] || fail "keep_last_n=2 left: $(ls "$ck")"
+run_np $n --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 --set log_interval=1 \
+  --set output_dir= --set save_dir="$ck" --resume "$ck/step_00000004" > "$work/resumed" 2>&1 ||
+  fail "--resume failed: $(cat "$work/resumed")"
+grep -q "^resumed from $ck/step_00000004 after step 4" "$work/resumed" || fail "no resumed line: $(cat "$work/resumed")"
+for k in 5 6; do
+  a=$(sed -n "s/^step $k\/6 | loss \([0-9.]*\) .*/\1/p" "$work/straight")
+  b=$(sed -n "s/^step $k\/6 | loss \([0-9.]*\) .*/\1/p" "$work/resumed")
+  [ -n "$a" ] && [ "$a" = "$b" ] || fail "step $k: straight loss '$a', resumed '$b'"
+done
+grep -q "^step 4/6" "$work/resumed" && fail "the resumed run trained step 4 again"
+run_np $n --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 --set output_dir= \
+  --set save_dir="$ck" --resume > "$work/out" 2>&1 || fail "--resume at the end failed: $(cat "$work/out")"
+grep -q "nothing to train" "$work/out" || fail "--resume from latest (step 6 of 6): $(cat "$work/out")"
+# The same saves in the background: announced, and 'latest' moved once each committed.
+ca=$work/ck_async
+run_np $n --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 --set save_interval=2 \
+  --set async_save=true --set output_dir= --set save_dir="$ca" > "$work/async" 2>&1 ||
+  fail "run with async_save failed: $(cat "$work/async")"
+grep -q "^saving $ca/step_00000006 in the background" "$work/async" || fail "no background save line: $(cat "$work/async")"
+[ "$(cat "$ca/latest")" = step_00000006 ] || fail "async: latest names '$(cat "$ca/latest")'"
+for k in 2 4 6; do [ -e "$ca/step_0000000$k/metadata.json" ] || fail "async: step $k not committed"; done
+"$bin" --config "$cfg" --set data_parallel=1 --set save_dir="$work/none" --resume > "$work/out" 2>&1 &&
+  fail "--resume without a checkpoint was accepted"
+grep -q "no checkpoint to resume from in '$work/none'" "$work/out" || fail "missing checkpoint not named: $(cat "$work/out")"
 printf '# nothing here\n' > "$work/empty.yaml"
 "$bin" --config "$work/empty.yaml" > "$work/out" 2>&1; [ $? = 1 ] || fail "an empty config did not exit 1"
 grep -q "holds no settings" "$work/out" || fail "empty config not named: $(cat "$work/out")"

@@ -136,12 +136,18 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
        {"pipeline_schedule=1f1b", "pipeline_parallel_interleave_num=2", "use interleaved"}},
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\nmicro_batch_num: 3\nglobal_batch_size: 6\nmodel:\n  layers: 4\n", {}, 4,
        {"micro_batch_num=3", "multiple of pipeline_parallel=2"}},
+      {"pipeline_parallel: 2\npipeline_stage_layers: [2, 2]\n", {}, 4, {"pipeline_stage_layers", "sum to 4", "3 layers"}},
+      {"pipeline_stage_layers: [3]\n", {}, 4, {"pipeline_stage_layers needs pipeline_parallel > 1"}},
+      {"pipeline_parallel: 2\npipeline_stage_layers: [3]\n", {}, 4, {"pipeline_stage_layers", "1 entries for 2 stages"}},
+      {"pipeline_parallel: 2\npipeline_stage_layers: [2, x]\n", {}, 4, {"pipeline_stage_layers=x", "integer"}},
       {"pipeline_parallel: 3\n", {}, 4, {"pipeline_parallel=3 = 3 does not divide the world size 4"}},
       {"tensor_parallel: 3\n", {}, 3, {"tensor_parallel=3", "heads=4 is not divisible"}},
       {"tensor_parallel: 2\nsequence_parallel: true\nseq_length: 63\n", {}, 4,
        {"seq_length=63", "not divisible by tensor_parallel=2"}},
       // capabilities not built yet
-      {"pipeline_schedule: zbv\n", {}, 4, {"pipeline_schedule", "zero-bubble", "not supported yet"}},
+      {"pipeline_schedule: zbv\n", {}, 4, {"pipeline_schedule", "ZBV", "not supported yet"}},
+      {"pipeline_parallel: 2\npipeline_schedule: zbh1\nrecompute: full\n", {}, 4,
+       {"pipeline_schedule=zbh1 with recompute=full", "not supported yet"}},
       {"params_dtype: float16\n", {}, 4, {"params_dtype=float16", "not supported yet"}},
       {"compute_dtype: fp16\n", {}, 4, {"compute_dtype=float16", "not supported yet"}},
       {"data_parallel_shard_strategy: optim\n", {}, 4, {"data_parallel_shard_strategy=optim", "not supported yet"}},
@@ -157,6 +163,16 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       EXPECT_NE(err.find(want), std::string::npos) << "error for\n" << k.yaml << "is: " << err << "\nmissing: " << want;
     }
   }
+}
+
+TEST(TrainConfig, PipelineStageLayersList) {
+  ht::TrainConfig c = ht::parse_config("pipeline_parallel: 2\npipeline_stage_layers: [2, 1]\n");
+  EXPECT_EQ(c.pipeline_stage_layers, (std::vector<int64_t>{2, 1}));
+  c.validate(4);
+  ht::TrainConfig o = ht::parse_config("pipeline_parallel: 2\n", {"pipeline_stage_layers=1,2"});
+  EXPECT_EQ(o.pipeline_stage_layers, (std::vector<int64_t>{1, 2}));
+  hp::test::expect_error([] { ht::parse_config("pipeline_stage_layers: [[1], 2]\n"); }, {"must be a list of numbers"});
+  hp::test::expect_error([] { ht::parse_config("seed: [1, 2]\n"); }, {"'seed' is a list"});
 }
 
 TEST(TrainConfig, EmptyOrCommentOnlyFileIsAnError) {

@@ -37,7 +37,16 @@ struct Item {
 void save(const std::vector<Item>& items, const std::string& dir, const CommPtr& world,
           const std::map<std::string, std::string>& values = {});
 
-// Fills every item's `local` in place; returns the saved string values.
+// Fills every item's `local` in place; returns the saved string values. With no items it
+// reads the values only (the metadata).
 std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir);
+
+// Crash testing: when HP_CKPT_CRASH is "<point>" or "<point>:<rank>" and this is the Nth
+// save of the process (N = HP_CKPT_CRASH_SAVE, default 1), the rank (every rank without
+// ":<rank>") kills itself with SIGKILL at `point`. save() has the points "write" (before
+// its data file), "written" (after it, before the commit), "commit" (rank 0, before the
+// rename); hp-train adds "latest" (after the save, before the latest pointer). Unset: does
+// nothing. A tool for the kill tests, never set in training.
+void crash_point(const char* point, int rank);
 
 }  // namespace hp::ckpt

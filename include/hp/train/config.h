@@ -74,6 +74,16 @@ struct TrainConfig {
   // gpipe | 1f1b | interleaved; "auto": 1f1b, or interleaved with interleave_num > 1.
   // validate() resolves auto.
   std::string pipeline_schedule = "auto";
+  // Layers of each of the pipeline_parallel x interleave stages; empty: as even as possible.
+  std::vector<int64_t> pipeline_stage_layers;
+
+  // Checkpoints: every save_interval steps (and after the last), to save_dir/step_<k>, with
+  // save_dir/latest naming the newest; keep_last_n > 0 prunes older ones after a save
+  // committed. save_dir empty: output_dir/checkpoints.
+  int64_t save_interval = 0;
+  std::string save_dir;
+  int64_t keep_last_n = 0;
+  bool async_save = false;  // copy the state, write it in the background while training goes on
 
   int64_t micro_batch_num = 1;
   int64_t global_batch_size = 8;

@@ -15,6 +15,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -113,6 +114,24 @@ class Trainer {
   // The pipeline-parallel group (size 1 without pipeline parallelism).
   const CommPtr& pp_group() const;
   std::string describe_data() const;
+
+  // Checkpoints (hp/ckpt/checkpoint.h), collective over the world. save(dir) writes the
+  // whole training state: every parameter's shards under the whole model's names, fp32
+  // masters where kept, AdamW's moments and step, the model's buffers (DeepSeek's balancing
+  // bias), the steps done (which fix the data position and the learning rate) and the model
+  // settings. load(dir) restores them into this trainer, from a checkpoint of any layout
+  // (resharded on load); training then continues exactly where the saved one stopped.
+  // Raises naming the key for model settings that differ from the checkpoint's.
+  void save(const std::string& dir) const;
+  void load(const std::string& dir);
+  // The same save in the background: the state is copied now (training may change it right
+  // after this returns), then written and committed by a thread of this trainer over its
+  // own communicator, so training goes on meanwhile; `then` runs on that thread after the
+  // commit (hp-train moves its 'latest' pointer there). A save still running is waited for
+  // first, as by wait_for_save() and the destructor. Errors of a background save are raised
+  // by the next save_async() or wait_for_save().
+  void save_async(const std::string& dir, std::function<void()> then = nullptr);
+  void wait_for_save();
 
   struct Impl;
 
