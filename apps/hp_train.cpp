@@ -255,8 +255,11 @@ int run(const Args& args, const hp::CommPtr& world) {
       int64_t fullest = 0;
       for (int64_t r = 0; r < c.pipeline_parallel; ++r) {
         int64_t n = 0;
-        for (size_t st = static_cast<size_t>(r); st < stage_counts.size(); st += static_cast<size_t>(c.pipeline_parallel)) {
-          n += stage_counts[st];
+        for (size_t st = 0; st < stage_counts.size(); ++st) {
+          const int64_t S = static_cast<int64_t>(stage_counts.size()), k = static_cast<int64_t>(st);
+          // zbv places stage k on rank k, then back (a V); the others in a loop.
+          const int64_t owner = c.pipeline_schedule == "zbv" ? (k < S / 2 ? k : S - 1 - k) : k % c.pipeline_parallel;
+          if (owner == r) n += stage_counts[st];
         }
         fullest = std::max(fullest, n);
       }
@@ -314,7 +317,8 @@ int run(const Args& args, const hp::CommPtr& world) {
     if (!stage_counts.empty()) {
       std::string st = "pipeline: " + std::to_string(stage_counts.size()) + " stages, parameters per stage (before tensor parallelism):";
       for (int64_t n : stage_counts) st += " " + std::to_string(n);
-      say(st + "; a rank holds stages r, r + " + std::to_string(c.pipeline_parallel) + ", ...");
+      say(st + (c.pipeline_schedule == "zbv" ? "; rank r holds stages r and " + std::to_string(stage_counts.size() - 1) + " - r"
+                                             : "; a rank holds stages r, r + " + std::to_string(c.pipeline_parallel) + ", ..."));
     }
     say("per rank, without activations: sharded params " + format_bytes(est.sharded_params) + ", grads " +
         format_bytes(est.sharded_grads) + ", optimizer " + format_bytes(est.optimizer_state) + ", fp32 masters " +

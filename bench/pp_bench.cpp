@@ -66,18 +66,20 @@ Row run(const hp::CommPtr& world, const std::string& kind, int v, int m, int ste
   const int p = world->size(), r = world->rank();
   const auto c = bench_config();
   const auto slices = hp::models::split_layers(c.layers, p * v);
-  std::vector<hp::models::Llama> chunks;
-  std::vector<hp::pp::PipelineStage> stages;
-  for (int s = r; s < p * v; s += p) {
-    hp::models::Llama mdl(c, slices[static_cast<size_t>(s)]);
-    chunks.push_back(mdl);
-    stages.push_back({s, [mdl](const at::Tensor& x) mutable { return hp::call(mdl, x); }, mdl.ptr().get()});
-  }
-  hp::models::Llama last = chunks.back();
   hp::pp::Schedule sched = kind == "gpipe"  ? hp::pp::gpipe(p, m)
                            : kind == "1f1b" ? hp::pp::one_f_one_b(p, m)
                            : kind == "zbh1" ? hp::pp::zero_bubble_h1(p, m)
+                           : kind == "zbv"  ? hp::pp::zero_bubble_v(p, m)
                                             : hp::pp::interleaved_1f1b(p, v, m);
+  std::vector<hp::models::Llama> chunks;
+  std::vector<hp::pp::PipelineStage> stages;
+  hp::models::Llama last{nullptr};
+  for (int s : sched.stages_of(r)) {
+    hp::models::Llama mdl(c, slices[static_cast<size_t>(s)]);
+    chunks.push_back(mdl);
+    if (s == p * v - 1 || !last) last = mdl;
+    stages.push_back({s, [mdl](const at::Tensor& x) mutable { return hp::call(mdl, x); }, mdl.ptr().get()});
+  }
   hp::pp::Pipeline pipe(sched, stages, world,
                         [last](const at::Tensor& o, const at::Tensor& y) { return last->loss_of_logits(o, y); });
   const int64_t B = kRowsPerMicrobatch * m;
@@ -182,6 +184,7 @@ int main(int argc, char** argv) {
       rows.push_back(run(world, "1f1b", 1, m, steps));
       rows.push_back(run(world, "interleaved", 2, m, steps));
       rows.push_back(run(world, "zbh1", 1, m, steps));
+      rows.push_back(run(world, "zbv", 2, m, steps));
     }
     if (world->rank() == 0) {
       std::printf("pp_bench: %d ranks, Llama dim %lld x %lld layers, %lld x %lld tokens per micro-batch, fp32, "

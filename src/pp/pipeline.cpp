@@ -52,7 +52,7 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
       }
     }
   }
-  for (int s = rank_; s < schedule.stages; s += schedule.ranks) {
+  for (int s : schedule.stages_of(rank_)) {
     HP_CHECK(mine.count(s), "Pipeline: the schedule runs stage ", s, " on pp rank ", rank_, ", which was not given");
   }
   HP_CHECK(!holds_stage(schedule.stages - 1) || loss_ != nullptr, "Pipeline: pp rank ", rank_,

@@ -105,8 +105,21 @@ Action Action::parse(const std::string& token) {
   return a;
 }
 
+std::vector<int> Schedule::stages_of(int r) const {
+  std::vector<int> out;
+  for (int st = 0; st < stages; ++st) {
+    if (rank_of(st) == r) out.push_back(st);
+  }
+  return out;
+}
+
 std::string Schedule::to_string() const {
   std::ostringstream os;
+  if (!placement.empty()) {
+    os << "placement:";
+    for (int r : placement) os << " " << r;
+    os << "\n";
+  }
   for (size_t r = 0; r < actions.size(); ++r) {
     os << "rank " << r << ":";
     for (const auto& a : actions[r]) os << " " << a.to_string();
@@ -123,6 +136,13 @@ Schedule Schedule::parse(const std::string& text, int stages, int microbatches) 
   std::string line;
   while (std::getline(lines, line)) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    if (line.rfind("placement:", 0) == 0 && s.actions.empty() && s.placement.empty()) {
+      std::istringstream words(line.substr(10));
+      for (int r; words >> r;) s.placement.push_back(r);
+      HP_CHECK(static_cast<int>(s.placement.size()) == stages, "pipeline schedule: the placement line gives ",
+               s.placement.size(), " ranks for ", stages, " stages");
+      continue;
+    }
     std::istringstream words(line);
     std::string rank_word, label;
     words >> rank_word >> label;
@@ -135,6 +155,9 @@ Schedule Schedule::parse(const std::string& text, int stages, int microbatches) 
   HP_CHECK(!s.actions.empty(), "pipeline schedule: no 'rank 0:' line");
   s.ranks = static_cast<int>(s.actions.size());
   HP_CHECK(stages % s.ranks == 0, "pipeline schedule: ", stages, " stages do not divide over ", s.ranks, " ranks");
+  for (int r : s.placement) {
+    HP_CHECK(r >= 0 && r < s.ranks, "pipeline schedule: the placement names rank ", r, " of ", s.ranks);
+  }
   return s;
 }
 
@@ -237,6 +260,63 @@ Schedule zero_bubble_h1(int ranks, int m) {
       }
       if (!have) continue;
       if (pick.kind == ActionKind::kBackwardInput) pending[r].push_back(pick.microbatch);
+      done_at[{pick.stage, static_cast<int>(pick.kind), pick.microbatch}] = t + 1;
+      s.actions[r].push_back(pick);
+      --left;
+    }
+  }
+  validate(s);
+  return s;
+}
+
+Schedule zero_bubble_v(int ranks, int m) {
+  Schedule s = empty(ranks, 2 * ranks, m);
+  const int S = 2 * ranks;
+  for (int st = 0; st < S; ++st) s.placement.push_back(st < ranks ? st : S - 1 - st);
+  std::map<std::tuple<int, int, int>, int> done_at;  // (stage, kind, mb) -> slot it ends
+  auto done = [&](int stage, ActionKind k, int mb, int t) {
+    auto it = done_at.find({stage, static_cast<int>(k), mb});
+    return it != done_at.end() && it->second <= t;
+  };
+  std::vector<int> next_f(S, 0), next_i(S, 0);
+  std::vector<std::vector<std::pair<int, int>>> pending(ranks);  // (stage, mb) whose W is due
+  std::vector<int> held(ranks, 0);
+  size_t left = static_cast<size_t>(3 * m * S);
+  for (int t = 0; left > 0; ++t) {
+    HP_INTERNAL_ASSERT(t < 32 * (m + ranks) + 64, "zero_bubble_v replay did not finish");
+    for (int r = 0; r < ranks; ++r) {
+      const int later = S - 1 - r, earlier = r;  // this rank's two stages
+      Action pick;
+      bool have = false;
+      for (int st : {later, earlier}) {  // a ready input-gradient backward, the later stage first
+        const int mb = next_i[st];
+        if (have || mb >= m || !done(st, ActionKind::kForward, mb, t)) continue;
+        if (st + 1 < S && !done(st + 1, ActionKind::kBackwardInput, mb, t)) continue;
+        pick = Action{st, ActionKind::kBackwardInput, mb};
+        have = true;
+      }
+      for (int st : {later, earlier}) {  // a ready forward, within the memory bound
+        const int mb = next_f[st];
+        if (have || mb >= m || held[r] >= S) continue;
+        if (st > 0 && !done(st - 1, ActionKind::kForward, mb, t)) continue;
+        pick = Action{st, ActionKind::kForward, mb};
+        have = true;
+      }
+      if (!have && !pending[r].empty()) {
+        pick = Action{pending[r].front().first, ActionKind::kBackwardWeight, pending[r].front().second};
+        pending[r].erase(pending[r].begin());
+        have = true;
+      }
+      if (!have) continue;
+      if (pick.kind == ActionKind::kForward) {
+        ++next_f[pick.stage];
+        ++held[r];
+      } else if (pick.kind == ActionKind::kBackwardInput) {
+        ++next_i[pick.stage];
+        pending[r].push_back({pick.stage, pick.microbatch});
+      } else {
+        --held[r];
+      }
       done_at[{pick.stage, static_cast<int>(pick.kind), pick.microbatch}] = t + 1;
       s.actions[r].push_back(pick);
       --left;
@@ -592,6 +672,12 @@ void validate(const Schedule& s) {
            " rank lists for ", s.ranks, " ranks");
   HP_CHECK(s.stages >= s.ranks && s.stages % s.ranks == 0, "pipeline schedule: ", s.stages,
            " stages do not divide over ", s.ranks, " ranks");
+  HP_CHECK(s.placement.empty() || static_cast<int>(s.placement.size()) == s.stages, "pipeline schedule: a placement of ",
+           s.placement.size(), " stages for ", s.stages);
+  for (int r = 0; r < s.ranks; ++r) {
+    HP_CHECK(static_cast<int>(s.stages_of(r).size()) == s.stages / s.ranks, "pipeline schedule: rank ", r, " holds ",
+             s.stages_of(r).size(), " stages; every rank holds ", s.stages / s.ranks);
+  }
   std::map<Key, int> count;
   std::map<int, int> reduce_grads;
   std::map<int, bool> unsharded;  // stages with UNSHARD actions: whether unsharded now

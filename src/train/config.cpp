@@ -298,12 +298,12 @@ const std::vector<Key>& keys() {
         [](TrainConfig& c, const Value& v) { c.pipeline_parallel = as_int(v, 1, kMaxRanks); });
     top("pipeline_parallel_interleave_num", "int", "1", "stages per pipeline rank (interleaved schedule)",
         [](TrainConfig& c, const Value& v) { c.pipeline_parallel_interleave_num = as_int(v, 1, kMaxRanks); });
-    top("pipeline_schedule", "auto|gpipe|1f1b|interleaved|zbh1", "auto",
+    top("pipeline_schedule", "auto|gpipe|1f1b|interleaved|zbh1|zbv", "auto",
         "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1; zbh1 = "
-        "zero bubble (backward split into input and weight gradients)",
+        "zero bubble (backward split into input and weight gradients); zbv = zero bubble with 2 stages per rank "
+        "in a V (pipeline_parallel_interleave_num 2)",
         [](TrainConfig& c, const Value& v) {
-          if (v.text == "zbv") v.fail("the ZBV schedule (two stages per rank in a V) is not supported yet; use zbh1");
-          c.pipeline_schedule = as_choice(v, {"auto", "gpipe", "1f1b", "interleaved", "zbh1"});
+          c.pipeline_schedule = as_choice(v, {"auto", "gpipe", "1f1b", "interleaved", "zbh1", "zbv"});
         });
     top("pipeline_stage_layers", "list", "[] (even)",
         "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); empty = even",
@@ -542,8 +542,11 @@ void TrainConfig::validate(int world_size) {
   if (pipeline_schedule == "auto") pipeline_schedule = v > 1 ? "interleaved" : "1f1b";
   HP_CHECK(pipeline_stage_layers.empty() || pp > 1, s, ": pipeline_stage_layers needs pipeline_parallel > 1 ",
            "(pipeline_parallel=", pp, ")");
-  HP_CHECK(v == 1 || pipeline_schedule == "interleaved", s, ": pipeline_schedule=", pipeline_schedule,
-           " runs one stage per rank, but pipeline_parallel_interleave_num=", v, " (use interleaved)");
+  HP_CHECK(v == 1 || pipeline_schedule == "interleaved" || pipeline_schedule == "zbv", s, ": pipeline_schedule=",
+           pipeline_schedule, " runs one stage per rank, but pipeline_parallel_interleave_num=", v,
+           " (use interleaved or zbv)");
+  HP_CHECK(pipeline_schedule != "zbv" || v == 2, s, ": pipeline_schedule=zbv places two stages per rank: it needs ",
+           "pipeline_parallel_interleave_num=2, not ", v);
   if (pp > 1) {
     HP_CHECK(pp * v <= model.layers(), s, ": pipeline_parallel=", pp, " x pipeline_parallel_interleave_num=", v,
              " = ", pp * v, " stages, but the model has ", model.layers(),
@@ -556,8 +559,9 @@ void TrainConfig::validate(int world_size) {
     } catch (const Error& e) {
       throw Error(detail::str_cat(s, ": pipeline_stage_layers: ", e.what()));
     }
-    HP_CHECK(pipeline_schedule != "zbh1" || recompute == "none", s, ": pipeline_schedule=zbh1 with recompute=",
-             recompute, " is not supported yet (the weight gradients are taken from the forward's graph)");
+    HP_CHECK((pipeline_schedule != "zbh1" && pipeline_schedule != "zbv") || recompute == "none", s,
+             ": pipeline_schedule=", pipeline_schedule, " with recompute=", recompute,
+             " is not supported yet (the weight gradients are taken from the forward's graph)");
     HP_CHECK(model.type != "llama" || !model.llama.tie_embeddings, s,
              ": tie_embeddings with pipeline_parallel > 1 (the embedding and the head on different stages) is ",
              "not supported yet");

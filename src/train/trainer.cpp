@@ -302,22 +302,28 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     shard_model(*s.model);
   } else {
     const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
-    const auto slices = models::split_layers(c.model.layers(), pp * v, c.pipeline_stage_layers);
-    std::vector<pp::PipelineStage> stages;
-    for (int st = s.pp->rank(); st < pp * v; st += pp) {
-      s.stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
-      TrainModel* m = s.stages.back().get();
-      shard_model(*m);
-      stages.push_back({st, [m](const at::Tensor& x) { return m->forward(x, /*hooked=*/true); }, &m->root()});
-    }
     const int m = static_cast<int>(c.micro_batch_num);
     pp::Schedule schedule = c.pipeline_schedule == "gpipe"  ? pp::gpipe(pp, m)
                             : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(pp, m)
                             : c.pipeline_schedule == "zbh1" ? pp::zero_bubble_h1(pp, m)
+                            : c.pipeline_schedule == "zbv"  ? pp::zero_bubble_v(pp, m)
                                                             : pp::interleaved_1f1b(pp, v, m);
-    TrainModel* last = s.stages.back().get();
+    const auto slices = models::split_layers(c.model.layers(), pp * v, c.pipeline_stage_layers);
+    std::vector<pp::PipelineStage> stages;
+    for (int st : schedule.stages_of(s.pp->rank())) {
+      s.stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
+      TrainModel* mdl = s.stages.back().get();
+      shard_model(*mdl);
+      stages.push_back({st, [mdl](const at::Tensor& x) { return mdl->forward(x, /*hooked=*/true); }, &mdl->root()});
+    }
+    // The last stage's model (under ZBV on rank 0, with the first).
+    TrainModel* last = nullptr;
+    for (size_t k = 0; k < stages.size(); ++k) {
+      if (stages[k].stage == pp * v - 1) last = s.stages[k].get();
+    }
     s.pipe = std::make_unique<pp::Pipeline>(schedule, std::move(stages), s.pp,
                                             [last](const at::Tensor& out, const at::Tensor& y) {
+                                              HP_INTERNAL_ASSERT(last != nullptr, "a loss on a rank without the last stage");
                                               return last->loss_of_logits(out, y);
                                             });
   }

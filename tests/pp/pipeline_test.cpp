@@ -58,7 +58,7 @@ hp::models::DeepSeekConfig deepseek_config() {
   return c;
 }
 
-enum class Kind { kGpipe, k1F1B, kInterleaved, kZbH1 };
+enum class Kind { kGpipe, k1F1B, kInterleaved, kZbH1, kZbV };
 
 struct Layout {
   int pp = 1, v = 1, m = 1;
@@ -67,7 +67,7 @@ struct Layout {
   bool fusion = true;
   int64_t rep = 1;  // dp_replicate (HSDP when > 1)
   std::string name() const {
-    const char* k = kind == Kind::kGpipe ? "gpipe" : kind == Kind::k1F1B ? "1f1b" : kind == Kind::kZbH1 ? "zb-h1" : "interleaved";
+    const char* k = kind == Kind::kGpipe ? "gpipe" : kind == Kind::k1F1B ? "1f1b" : kind == Kind::kZbH1 ? "zb-h1" : kind == Kind::kZbV ? "zbv" : "interleaved";
     return hp::detail::str_cat(k, " pp=", pp, " v=", v, " m=", m, " dp_replicate=", rep, " dp_shard=", dp, " tp=", tp,
                                fusion ? "" : " unfused");
   }
@@ -81,6 +81,8 @@ hp::pp::Schedule schedule_of(const Layout& l) {
       return hp::pp::one_f_one_b(l.pp, l.m);
     case Kind::kZbH1:
       return hp::pp::zero_bubble_h1(l.pp, l.m);
+    case Kind::kZbV:
+      return hp::pp::zero_bubble_v(l.pp, l.m);
     case Kind::kInterleaved:
       break;
   }
@@ -117,7 +119,9 @@ Result train(const Config& c, const Layout& l, int steps = 2, bool trace_last = 
   std::vector<std::vector<hp::FSDPHandle>> handles;
   std::vector<hp::pp::PipelineStage> pstages;
   std::vector<at::Tensor> params;
-  for (int s = static_cast<int>(pp->rank()); s < stages; s += l.pp) {
+  const hp::pp::Schedule sched = schedule_of(l);
+  const std::vector<int> mine = sched.stages_of(static_cast<int>(pp->rank()));
+  for (int s : mine) {
     Model m(c, slices[static_cast<size_t>(s)]);
     if (l.tp > 1) hp::models::parallelize(m, tp, {});
     m->init_weights(7);
@@ -140,11 +144,13 @@ Result train(const Config& c, const Layout& l, int steps = 2, bool trace_last = 
   }
   for (size_t i = 0; i < chunks.size(); ++i) {
     Model m = chunks[i];
-    pstages.push_back({static_cast<int>(pp->rank()) + static_cast<int>(i) * l.pp,
-                       [m](const at::Tensor& x) mutable { return hp::call(m, x); }, m.ptr().get()});
+    pstages.push_back({mine[i], [m](const at::Tensor& x) mutable { return hp::call(m, x); }, m.ptr().get()});
   }
-  Model last = chunks.back();
-  hp::pp::Pipeline pipe(schedule_of(l), pstages, pp,
+  Model last = chunks.back();  // the last stage's where this rank holds it (the loss runs only there)
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (mine[i] == stages - 1) last = chunks[i];
+  }
+  hp::pp::Pipeline pipe(sched, pstages, pp,
                         [last](const at::Tensor& out, const at::Tensor& y) { return last->loss_of_logits(out, y); });
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
 
@@ -239,6 +245,7 @@ std::vector<Layout> pure_pipelines(int p) {
     out.push_back({p, 1, m, Kind::kGpipe});
     out.push_back({p, 1, m, Kind::k1F1B});
     out.push_back({p, 1, m, Kind::kZbH1});
+    out.push_back({p, 2, m, Kind::kZbV});
     if (m % p == 0) out.push_back({p, 2, m, Kind::kInterleaved});
   }
   return out;
@@ -257,7 +264,7 @@ TEST(Pipeline, FullyShardInsideStagesMatchesOneProcess) {
   if (w % 2 != 0 || w < 4) GTEST_SKIP() << "needs pp 2 x dp_shard 2";
   for (bool fusion : {true, false}) {
     for (Layout l : {Layout{2, 1, 2, Kind::k1F1B}, Layout{2, 2, 4, Kind::kInterleaved}, Layout{2, 1, 3, Kind::kGpipe},
-                     Layout{2, 1, 3, Kind::kZbH1}}) {
+                     Layout{2, 1, 3, Kind::kZbH1}, Layout{2, 2, 3, Kind::kZbV}}) {
       l.dp = w / 2;
       l.fusion = fusion;
       SCOPED_TRACE(l.name());
@@ -276,7 +283,8 @@ TEST(Pipeline, FullyShardInsideStagesMatchesOneProcess) {
 TEST(Pipeline, TensorParallelInsideStagesMatchesOneProcess) {
   const int w = hp::world()->size();
   if (w % 2 != 0 || w < 4) GTEST_SKIP() << "needs pp 2 x tp 2";
-  for (Layout l : {Layout{2, 1, 2, Kind::k1F1B}, Layout{2, 2, 2, Kind::kInterleaved}, Layout{2, 1, 3, Kind::kZbH1}}) {
+  for (Layout l : {Layout{2, 1, 2, Kind::k1F1B}, Layout{2, 2, 2, Kind::kInterleaved}, Layout{2, 1, 3, Kind::kZbH1},
+                   Layout{2, 2, 3, Kind::kZbV}}) {
     l.tp = w / 2;
     SCOPED_TRACE(l.name());
     expect_matches(train<hp::models::DeepSeek>(deepseek_config(), l));

@@ -189,4 +189,30 @@ TEST(PpSchedule, ZeroBubbleH1MatchesTheClosedForm) {
   }
 }
 
+// ZBV: two stages per rank in a V (stage s on rank s, then back), the backward split. At
+// unit costs per stage (F = I = W = 1) it takes 6m + p - 1 slots within one (where ZB-H1 over
+// p stages of twice the size takes 2(3m + p - 1)), holds at most 2p stage-micro-batches per
+// rank (p of 1F1B's whole-rank ones), and round-trips through its text form with the
+// placement line.
+TEST(PpSchedule, ZeroBubbleVIsNearlyBubbleFree) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int m : {p, 2 * p, 2 * p + 1, 4 * p}) {
+      auto s = hp::pp::zero_bubble_v(p, m);
+      hp::pp::validate(s);
+      for (int r = 0; r < p; ++r) EXPECT_EQ(s.stages_of(r), (std::vector<int>{r, 2 * p - 1 - r}));
+      auto back = hp::pp::Schedule::parse(s.to_string(), s.stages, s.microbatches);
+      EXPECT_EQ(back.placement, s.placement);
+      EXPECT_EQ(back.actions, s.actions);
+      auto r = hp::pp::simulate(s, hp::pp::Costs{1, 2, 1, 1});
+      EXPECT_GE(r.makespan, 6.0 * m + p - 1) << "p=" << p << " m=" << m;
+      EXPECT_LE(r.makespan, 6.0 * m + p) << "p=" << p << " m=" << m;
+      EXPECT_LT(r.makespan, 2 * (3.0 * m + p - 1));
+      for (int rank = 0; rank < p; ++rank) EXPECT_LE(r.peak_in_flight[rank], 2 * p);
+      hp::pp::validate(hp::pp::lower(s, {.fully_shard = true}));
+    }
+  }
+  hp::test::expect_error([] { hp::pp::Schedule::parse("placement: 0 1 2\nrank 0: 0F0\n", 2, 1); },
+                         {"placement line gives 3 ranks for 2 stages"});
+}
+
 }  // namespace

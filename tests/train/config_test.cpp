@@ -133,7 +133,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       // layouts the model cannot be split into
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 4\n", {}, 4, {"= 8 stages", "more stages than layers"}},
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\npipeline_schedule: 1f1b\n", {}, 4,
-       {"pipeline_schedule=1f1b", "pipeline_parallel_interleave_num=2", "use interleaved"}},
+       {"pipeline_schedule=1f1b", "pipeline_parallel_interleave_num=2", "use interleaved or zbv"}},
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\nmicro_batch_num: 3\nglobal_batch_size: 6\nmodel:\n  layers: 4\n", {}, 4,
        {"micro_batch_num=3", "multiple of pipeline_parallel=2"}},
       {"pipeline_parallel: 2\npipeline_stage_layers: [2, 2]\n", {}, 4, {"pipeline_stage_layers", "sum to 4", "3 layers"}},
@@ -145,7 +145,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"tensor_parallel: 2\nsequence_parallel: true\nseq_length: 63\n", {}, 4,
        {"seq_length=63", "not divisible by tensor_parallel=2"}},
       // capabilities not built yet
-      {"pipeline_schedule: zbv\n", {}, 4, {"pipeline_schedule", "ZBV", "not supported yet"}},
+      {"pipeline_parallel: 2\npipeline_schedule: zbv\n", {}, 4, {"pipeline_schedule=zbv", "interleave_num=2, not 1"}},
       {"pipeline_parallel: 2\npipeline_schedule: zbh1\nrecompute: full\n", {}, 4,
        {"pipeline_schedule=zbh1 with recompute=full", "not supported yet"}},
       {"params_dtype: float16\n", {}, 4, {"params_dtype=float16", "not supported yet"}},

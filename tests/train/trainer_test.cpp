@@ -275,6 +275,10 @@ TEST(TrainDist, PipelineMatchesSingleProcess) {
     expect_matches_naive("deepseek", tp, 2, 1, "zbh1");
   }
   {
+    SCOPED_TRACE("zbv");
+    expect_matches_naive("deepseek", tp, 2, 2, "zbv");
+  }
+  {
     SCOPED_TRACE("explicit stage layers [3, 1]");
     expect_matches_naive("deepseek", tp, 2, 1, "1f1b", {3, 1});
   }

@@ -10,8 +10,10 @@
 // "1SEND_B1" / "0RECV_B1" (stage 1's input gradient back to stage 0). A schedule prints as one line per rank,
 // "rank 0: 0F0 0F1 0B0 ...", and parses back to the same schedule.
 //
-// Stages are placed on ranks in a loop: stage s on rank s % ranks (with v stages per rank,
-// rank r holds stages r, r + ranks, ...).
+// Stages are placed on ranks in a loop by default: stage s on rank s % ranks (with v stages
+// per rank, rank r holds stages r, r + ranks, ...). A schedule may give another placement
+// (ZBV's V: rank r holds stages r and 2 ranks - 1 - r); its text form then starts with a
+// line "placement: <rank of stage 0> <rank of stage 1> ...".
 //
 // validate() checks what every schedule must satisfy and raises hp::Error naming the rank
 // and the action: every micro-batch forwarded once per stage and backwarded once (B, or I
@@ -65,7 +67,13 @@ struct Schedule {
   int microbatches = 1;
   std::vector<std::vector<Action>> actions;  // per rank, in order
 
-  int rank_of(int stage) const { return stage % ranks; }
+  std::vector<int> placement;  // the rank of each stage; empty: the loop (stage % ranks)
+
+  int rank_of(int stage) const {
+    return placement.empty() ? stage % ranks : placement[static_cast<size_t>(stage)];
+  }
+  // The stages rank `r` holds, in increasing order.
+  std::vector<int> stages_of(int r) const;
   std::string to_string() const;
   static Schedule parse(const std::string& text, int stages, int microbatches);
 };
@@ -83,6 +91,16 @@ Schedule interleaved_1f1b(int ranks, int v, int m);
 // first rank holds as many, from F to B). The order is fixed by replaying unit costs
 // (F = I = W = 1); at those costs it takes 3m + p - 1 slots where 1F1B takes 3(m + p - 1).
 Schedule zero_bubble_h1(int ranks, int m);
+
+// ZBV (zero bubble in a V): two stages per rank placed as a V (rank r holds stages r and
+// 2p - 1 - r, so the first and the last stage share rank 0 and the middle two rank p - 1,
+// passing between them without a transfer), each backward split into I and W. A unit-cost
+// replay orders each rank's actions: a ready I first (the later stage first), then a ready F
+// (the later stage first) unless the rank would hold more than 2p stage-micro-batches (held
+// from F to W: p of 1F1B's whole-rank micro-batches), then the oldest pending W. At unit
+// costs per stage it takes 6m + p - 1 slots (within one slot), where ZB-H1 over p stages of
+// twice the size takes 2(3m + p - 1).
+Schedule zero_bubble_v(int ranks, int m);
 
 // Raises hp::Error (see the file comment). For a lowered schedule also: every compute
 // action has the receive it reads and the send of what it produces, every send meets exactly
