@@ -192,23 +192,27 @@ Schedule one_f_one_b(int ranks, int m) { return interleaved_1f1b(ranks, 1, m); }
 Schedule interleaved_1f1b(int ranks, int v, int m) {
   HP_CHECK(v >= 1, "pipeline schedule: stages per rank must be at least 1, got ", v);
   Schedule s = empty(ranks, ranks * v, m);
-  HP_CHECK(v == 1 || m % ranks == 0, "pipeline schedule: interleaved 1F1B with ", m,
-           " micro-batches over ", ranks, " ranks (not a multiple) is not supported yet");
+  // Micro-batches go through the chunks in rounds of `per_round` (ranks when m is a
+  // multiple of it; otherwise as many rounds as fit, m / rounds each, as the anchors do).
+  const int rounds = std::max(1, m / ranks);
+  HP_CHECK(v == 1 || m % rounds == 0, "pipeline schedule: interleaved 1F1B with ", m, " micro-batches over ", ranks,
+           " ranks (", rounds, " rounds that do not divide them) is not supported yet");
+  const int per_round = v == 1 ? ranks : m / rounds;
   const int total = m * v;  // forwards (and backwards) per rank
   for (int r = 0; r < ranks; ++r) {
-    // Forward k runs chunk (k / ranks) % v on micro-batch (k / (ranks v)) ranks + k % ranks;
-    // backward k the chunks in reverse. With v = 1 this is plain 1F1B.
+    // Forward k runs chunk (k / per_round) % v on micro-batch (k / (per_round v)) per_round +
+    // k % per_round; backward k the chunks in reverse. With v = 1 this is plain 1F1B.
     auto fwd = [&](int k) {
-      const int chunk = v == 1 ? 0 : (k / ranks) % v;
-      const int mb = v == 1 ? k : (k / (ranks * v)) * ranks + k % ranks;
+      const int chunk = v == 1 ? 0 : (k / per_round) % v;
+      const int mb = v == 1 ? k : (k / (per_round * v)) * per_round + k % per_round;
       return compute(chunk * ranks + r, ActionKind::kForward, mb);
     };
     auto bwd = [&](int k) {
-      const int chunk = v == 1 ? 0 : v - 1 - (k / ranks) % v;
-      const int mb = v == 1 ? k : (k / (ranks * v)) * ranks + k % ranks;
+      const int chunk = v == 1 ? 0 : v - 1 - (k / per_round) % v;
+      const int mb = v == 1 ? k : (k / (per_round * v)) * per_round + k % per_round;
       return compute(chunk * ranks + r, ActionKind::kBackward, mb);
     };
-    const int warmup = std::min(total, v == 1 ? ranks - r - 1 : (ranks - r - 1) * 2 + (v - 1) * ranks);
+    const int warmup = std::min(total, v == 1 ? ranks - r - 1 : (ranks - r - 1) * 2 + (v - 1) * per_round);
     int f = 0, b = 0;
     for (; f < warmup; ++f) s.actions[r].push_back(fwd(f));
     while (f < total) {

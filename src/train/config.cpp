@@ -551,9 +551,11 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(pp * v <= model.layers(), s, ": pipeline_parallel=", pp, " x pipeline_parallel_interleave_num=", v,
              " = ", pp * v, " stages, but the model has ", model.layers(),
              " layers (each stage needs at least one: more stages than layers)");
-    HP_CHECK(pipeline_schedule != "interleaved" || micro_batch_num % pp == 0, s, ": micro_batch_num=",
-             micro_batch_num, " with the interleaved schedule must be a multiple of pipeline_parallel=", pp,
-             " (other counts are not supported yet)");
+    // Interleaved runs the micro-batches in rounds of m / max(1, m / pp): that must divide.
+    const int64_t rounds = std::max<int64_t>(1, micro_batch_num / pp);
+    HP_CHECK(pipeline_schedule != "interleaved" || micro_batch_num % rounds == 0, s, ": micro_batch_num=",
+             micro_batch_num, " with the interleaved schedule over pipeline_parallel=", pp, " would run in ", rounds,
+             " rounds that do not divide it (not supported yet; a multiple of ", pp, " always works)");
     try {
       models::split_layers(model.layers(), static_cast<int>(pp * v), pipeline_stage_layers);
     } catch (const Error& e) {

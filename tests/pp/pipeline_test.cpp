@@ -246,8 +246,10 @@ std::vector<Layout> pure_pipelines(int p) {
     out.push_back({p, 1, m, Kind::k1F1B});
     out.push_back({p, 1, m, Kind::kZbH1});
     out.push_back({p, 2, m, Kind::kZbV});
-    if (m % p == 0) out.push_back({p, 2, m, Kind::kInterleaved});
+    // Interleaved runs in rounds of m / max(1, m / p) where that divides (2p + 1 at p = 1, 2).
+    if (m % std::max(1, m / p) == 0) out.push_back({p, 2, m, Kind::kInterleaved});
   }
+  if (p > 1) out.push_back({p, 2, p + 1, Kind::kInterleaved});  // one round of p + 1
   return out;
 }
 

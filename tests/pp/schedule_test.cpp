@@ -60,7 +60,14 @@ TEST(PpSchedule, InterleavedBubbleIsDividedByTheChunks) {
       }
     }
   }
-  hp::test::expect_error([] { hp::pp::interleaved_1f1b(2, 2, 3); }, {"3 micro-batches", "not supported yet"});
+  // Counts that are not multiples of the ranks: in rounds of m / max(1, m / p) where that
+  // divides (as the anchors run them); 5 over 2 ranks (2 rounds of 2.5) is not.
+  for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 3}, {4, 6}, {4, 10}, {4, 5}}) {
+    auto s = hp::pp::interleaved_1f1b(p, 2, m);
+    hp::pp::validate(s);
+    hp::pp::validate(hp::pp::lower(s, {.fully_shard = true}));
+  }
+  hp::test::expect_error([] { hp::pp::interleaved_1f1b(2, 2, 5); }, {"5 micro-batches", "not supported yet"});
 }
 
 TEST(PpSchedule, BrokenSchedulesAreNamed) {

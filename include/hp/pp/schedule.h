@@ -81,7 +81,9 @@ struct Schedule {
 // Built-in schedules over `ranks` ranks, `m` micro-batches.
 Schedule gpipe(int ranks, int m);
 Schedule one_f_one_b(int ranks, int m);
-// v > 1 stages per rank, in a loop; m must be a multiple of ranks (others: "not supported yet").
+// v > 1 stages per rank, in a loop. Micro-batches go through the chunks in rounds: of `ranks`
+// when m is a multiple of it; otherwise max(1, m / ranks) rounds of m / rounds each, when
+// that divides (others: "not supported yet").
 Schedule interleaved_1f1b(int ranks, int v, int m);
 
 // ZB-H1 (zero bubble, about the memory of 1F1B): 1F1B's order of forwards with each
