@@ -181,9 +181,11 @@ int64_t check_slice(const PipelineSlice& sl, int64_t layers) {
 LlamaImpl::LlamaImpl(const LlamaConfig& c, const PipelineSlice& sl) : config(c), slice(sl) {
   c.validate();
   const int64_t end = check_slice(sl, c.layers);
-  HP_CHECK(!c.tie_embeddings || (sl.embedding && sl.head), "tie_embeddings with the embedding and the output head ",
-           "on different pipeline stages is not supported yet");
-  if (sl.embedding) tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  // Tied embeddings: the last stage holds its own copy of the embedding (same name, same
+  // initial values) for the output head; the trainer sums the two copies' gradients.
+  if (sl.embedding || (sl.head && c.tie_embeddings)) {
+    tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  }
   for (int64_t i = sl.first_layer; i < end; ++i) {
     blocks.push_back(register_module("layers_" + std::to_string(i), LlamaBlock(c)));
   }
@@ -197,10 +199,10 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c, const PipelineSlice& sl) : config(c),
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& x) {
-  const int64_t T = tok_emb ? x.size(1) : x.size(1) * stream_split;
+  const int64_t T = slice.embedding ? x.size(1) : x.size(1) * stream_split;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope_theta);
-  at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;
+  at::Tensor h = slice.embedding ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!norm) return h;
   h = hp::call(norm, h);

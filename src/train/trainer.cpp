@@ -4,6 +4,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <set>
@@ -210,25 +211,29 @@ struct Trainer::Impl {
   std::unique_ptr<FP32MasterOptimizer> master;
   int64_t steps = 0;
 
+  // Tied embeddings under pipeline parallelism: the first and the last stage each hold a copy
+  // of the embedding; their gradients are summed over `tie_group` (the pp ranks of the two
+  // stages with this rank's dp/tp coordinates) after each backward, and the last stage's copy
+  // is left out of the gradient norm (counted once).
+  std::vector<size_t> tied;       // indices into params of this rank's copies
+  std::vector<bool> norm_skip;    // per params[i]: the duplicate copy
+  CommPtr tie_group;
+  std::vector<at::Tensor> main_grads_of;  // per params[i]: its fp32 main gradient (with masters)
+
+  // The gradient the optimizer steps params[i] with (its main gradient with fp32 masters).
+  at::Tensor grad_of(size_t i) const { return master ? main_grads_of[i] : params[i].grad(); }
+
   // The gradients to clip and step with; `split` (when given) says which are
-  // tensor-parallel pieces.
-  std::vector<at::Tensor> grads(std::vector<bool>* split = nullptr) const {
+  // tensor-parallel pieces, `skip` which are the duplicate copy of a tied parameter.
+  std::vector<at::Tensor> grads(std::vector<bool>* split = nullptr, std::vector<bool>* skip = nullptr) const {
     std::vector<at::Tensor> out;
-    auto add = [&](const at::Tensor& g, const at::Tensor& param) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].requires_grad()) continue;
+      at::Tensor g = grad_of(i);
+      if (!g.defined()) continue;
       out.push_back(g);
-      if (split) split->push_back(tp_pieces.count(param.unsafeGetTensorImpl()) > 0);
-    };
-    if (master) {
-      for (auto& h : handles) {
-        std::vector<at::Tensor> ps = h->parameters(), gs = h->main_grads();
-        for (size_t i = 0; i < gs.size(); ++i) {
-          if (gs[i].defined()) add(gs[i], ps[i]);
-        }
-      }
-    } else {
-      for (auto& p : params) {
-        if (p.requires_grad() && p.grad().defined()) add(p.grad(), p);
-      }
+      if (split) split->push_back(tp_pieces.count(params[i].unsafeGetTensorImpl()) > 0);
+      if (skip) skip->push_back(!norm_skip.empty() && norm_skip[i]);
     }
     return out;
   }
@@ -294,6 +299,8 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
         s.params.push_back(sharded[i]);
         s.names.push_back(prefix + entries[i].name);
         s.specs.push_back(entries[i].spec);
+        s.main_grads_of.push_back(h->main_grads()[i]);
+        s.norm_skip.push_back(false);
       }
     }
   };
@@ -320,6 +327,19 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     TrainModel* last = nullptr;
     for (size_t k = 0; k < stages.size(); ++k) {
       if (stages[k].stage == pp * v - 1) last = s.stages[k].get();
+    }
+    if (c.model.type == "llama" && c.model.llama.tie_embeddings) {
+      const int first = schedule.rank_of(0), last_rank = schedule.rank_of(pp * v - 1);
+      HP_INTERNAL_ASSERT(first != last_rank, "tied copies on one rank (validated away)");
+      if (s.pp->rank() == first || s.pp->rank() == last_rank) s.tie_group = s.pp->new_group({first, last_rank});
+      // This rank's copies: on the first stage, and (skipped by the norm) on the last.
+      const std::vector<int> held = schedule.stages_of(s.pp->rank());
+      const bool holds_last = std::find(held.begin(), held.end(), pp * v - 1) != held.end();
+      for (size_t i = 0; i < s.params.size(); ++i) {
+        if (s.names[i] != "tok_emb.weight") continue;
+        s.tied.push_back(i);
+        s.norm_skip[i] = holds_last;
+      }
     }
     s.pipe = std::make_unique<pp::Pipeline>(schedule, std::move(stages), s.pp,
                                             [last](const at::Tensor& out, const at::Tensor& y) {
@@ -371,11 +391,25 @@ StepStats Trainer::step() {
     s.pp->all_reduce(l).wait();
     loss_sum = l.item<double>() * static_cast<double>(c.micro_batch_num);
   }
+  if (s.tie_group) {
+    for (size_t i : s.tied) {
+      at::Tensor g = s.grad_of(i);
+      HP_INTERNAL_ASSERT(g.defined(), "a tied embedding without a gradient");
+      s.tie_group->all_reduce(g).wait();  // both copies: the sum of their stages' parts
+    }
+  }
   StepStats st;
   st.step = s.steps + 1;
-  std::vector<bool> split;
-  std::vector<at::Tensor> grads = s.grads(&split);
-  st.grad_norm = global_grad_norm(grads, split, s.shards, s.tp, s.pp);  // the same on every rank
+  std::vector<bool> split, skip;
+  std::vector<at::Tensor> grads = s.grads(&split, &skip);
+  std::vector<at::Tensor> counted;
+  std::vector<bool> counted_split;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (skip[i]) continue;
+    counted.push_back(grads[i]);
+    counted_split.push_back(split[i]);
+  }
+  st.grad_norm = global_grad_norm(counted, counted_split, s.shards, s.tp, s.pp);  // the same on every rank
   check_finite(st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);

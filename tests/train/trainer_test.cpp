@@ -196,11 +196,13 @@ at::Tensor tp_whole(const at::Tensor& piece, const at::Tensor& param, const hp::
 }
 
 void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
-                          const std::string& schedule = "auto", const std::vector<int64_t>& stage_layers = {}) {
+                          const std::string& schedule = "auto", const std::vector<int64_t>& stage_layers = {},
+                          bool tie = false) {
   auto w = hp::world();
   ht::TrainConfig c = small_config(type, w->size(), tp, pp, v);
   c.pipeline_schedule = schedule;
   c.pipeline_stage_layers = stage_layers;
+  c.model.llama.tie_embeddings = tie;
   c.validate(w->size());
   c.params_dtype = c.compute_dtype = at::kDouble;
   Naive naive = naive_run(c);
@@ -282,7 +284,13 @@ TEST(TrainDist, PipelineMatchesSingleProcess) {
     SCOPED_TRACE("explicit stage layers [3, 1]");
     expect_matches_naive("deepseek", tp, 2, 1, "1f1b", {3, 1});
   }
-  if (w != 8) expect_matches_naive("llama", 1, 2, 1);
+  if (w != 8) {
+    expect_matches_naive("llama", 1, 2, 1);
+    // Tied embeddings: a copy on the first and on the last stage, gradients summed, the norm
+    // counting it once; each copy sharded by FSDP at 4 ranks, and stepped with fp32 masters.
+    SCOPED_TRACE("llama, tied embeddings over the stages");
+    expect_matches_naive("llama", 1, 2, 1, "auto", {}, /*tie=*/true);
+  }
 }
 // Resume is exact: 6 steps straight, against 3 steps, save (also in the background, while the
 // next steps change the state), a new Trainer that loads the checkpoint, and 3 more: the losses and gradient norms of steps 4-6 and every parameter
@@ -338,6 +346,13 @@ TEST(TrainDist, ResumeIsBitwise) {
   expect_resume_bitwise(bf, "bf16");
   if (w->size() % 2 == 0) {
     expect_resume_bitwise(small_config("deepseek", w->size(), tp, 2), "pp");
+  }
+  if (w->size() == 2 || w->size() == 4) {
+    // Tied embeddings over the stages: both copies under one name, written once, loaded into both.
+    ht::TrainConfig tied = small_config("llama", w->size(), 1, 2);
+    tied.model.llama.tie_embeddings = true;
+    tied.validate(w->size());
+    expect_resume_bitwise(tied, "tied_pp");
   }
   expect_resume_bitwise(bf, "bf16_async", /*async=*/true);
 }

@@ -154,7 +154,9 @@ struct LlamaImpl : torch::nn::Module {
   // Set (by parallelize_llama with loss parallel): the output head's logits are split on
   // the vocabulary over this group, and loss() reduces them without gathering.
   CommPtr vocab_parallel_loss;
-  torch::nn::Embedding tok_emb{nullptr};  // null on a pipeline stage without the embedding
+  // Null on a pipeline stage without the embedding (with tie_embeddings the last stage holds
+  // a copy of it for the output head).
+  torch::nn::Embedding tok_emb{nullptr};
   std::vector<LlamaBlock> blocks;
   RMSNorm norm{nullptr};              // null on a stage without the head
   torch::nn::Linear output{nullptr};  // null when tied to tok_emb, or without the head
