@@ -111,6 +111,14 @@ class CheckedFile {
   CheckedFile(std::string path, const json& info) : path_(std::move(path)) {
     fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
     HP_CHECK(fd_ >= 0, "ckpt::load: cannot open '", path_, "': ", std::strerror(errno));
+    try {
+      check(info);
+    } catch (...) {
+      ::close(fd_);  // the destructor does not run for a constructor that throws
+      throw;
+    }
+  }
+  void check(const json& info) {
     if (info.is_null()) return;  // a checkpoint written before checksums: nothing to check
     bytes_ = info["bytes"].get<int64_t>();
     block_ = info["block"].get<int64_t>();

@@ -113,6 +113,8 @@ PipelineStage& Pipeline::stage(int s) {
 }
 
 at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  HP_CHECK(!broken_, "Pipeline::step: an earlier step failed part way; its transfers may still be posted on the ",
+           "links and fully_shard's settings changed, so this pipeline cannot run again (build a new one)");
   const int m = schedule_.microbatches;
   auto split = [&](const at::Tensor& t, const char* what) {
     std::vector<at::Tensor> out;
@@ -144,6 +146,7 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     }
     for (auto& w : sends_) w.wait();
   } catch (...) {
+    broken_ = true;
     recording_ = nullptr;
     weight_grads_.clear();
     module_outputs_.clear();
@@ -243,7 +246,9 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     } else if (out->second.requires_grad()) {
       torch::autograd::backward({out->second}, {grad_out});
     }
-  } else if (out->second.requires_grad()) {
+  } else if (!out->second.requires_grad()) {
+    weight_grads_[k];  // nothing for W to do
+  } else {
     // Gradients of the stage's input and of every recorded module output, not of any
     // parameter (autograd skips the weight halves of the nodes); the graph is kept for W.
     std::vector<at::Tensor> wrt;
@@ -251,7 +256,14 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     if (has_input) wrt.push_back(in->second);
     auto rec = module_outputs_.find(k);
     if (rec != module_outputs_.end()) {
-      for (auto& [m, y] : rec->second) wrt.push_back(y);
+      std::set<torch::nn::Module*> seen;
+      for (auto& [m, y] : rec->second) {
+        // W runs back from each output to the module's weights: from a second call's output
+        // that path would run through the first call too and count it twice.
+        HP_CHECK(seen.insert(m).second, "Pipeline: ", describe_module(*m), " ran more than once in stage ", a.stage,
+                 "'s forward; a split backward (I, W) of a module called twice is not supported yet");
+        wrt.push_back(y);
+      }
     }
     std::vector<at::Tensor> grads;
     if (!wrt.empty()) {

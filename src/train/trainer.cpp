@@ -468,9 +468,12 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const a
 
 }  // namespace
 
-// Every tensor of the training state as checkpoint items (see save()), and the optimizer's
-// step count through `step`.
-static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step) {
+// Every tensor of the training state as checkpoint items (see save()), the optimizer's
+// largest step count through `step`, and each parameter's own (AdamW skips a parameter
+// without a gradient, as an MoE expert no token reached: the counts can differ) through
+// `steps` when given.
+static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step,
+                                           std::map<std::string, int64_t>* steps = nullptr) {
   std::vector<ckpt::Item> items;
   torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
   size_t j = 0;  // index into the masters: the parameters that require grad
@@ -485,6 +488,7 @@ static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step) {
     }
     auto& st = adamw_state(opt, stepped);
     *step = std::max<int64_t>(*step, st.step());
+    if (steps) (*steps)[s.names[i]] = st.step();
     items.push_back({s.names[i] + ".exp_avg", st.exp_avg(), s.specs[i]});
     items.push_back({s.names[i] + ".exp_avg_sq", st.exp_avg_sq(), s.specs[i]});
   }
@@ -499,9 +503,17 @@ static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step) {
 }
 
 // The small values of a checkpoint: the steps done, AdamW's step, the model settings.
-static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, int64_t opt_step) {
+static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, int64_t opt_step,
+                                                       const std::map<std::string, int64_t>& steps) {
   std::map<std::string, std::string> values = {{"steps", std::to_string(s.steps)},
                                                {"optimizer_step", std::to_string(opt_step)}};
+  for (const auto& [name, n] : steps) values["optimizer_step." + name] = std::to_string(n);
+  // Which parameters hold a (zeroed) gradient between steps: libtorch 1.x's zero_grad() keeps
+  // one, and AdamW then steps the parameter even when it gets no gradient (an MoE expert no
+  // token reached), where one that never had a gradient is skipped. Restored on load.
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.master && s.params[i].requires_grad() && s.params[i].grad().defined()) values["grad_held." + s.names[i]] = "1";
+  }
   for (const auto& [k, v] : fixed_settings(s.c)) values["config." + k] = v;
   return values;
 }
@@ -510,8 +522,9 @@ void Trainer::save(const std::string& dir) const {
   Impl& s = *impl_;
   HP_CHECK(!s.saver.joinable(), "Trainer::save while a save_async is running: call wait_for_save() first");
   int64_t opt_step = 0;
-  auto items = state_items(s, &opt_step);
-  std::map<std::string, std::string> values = saved_values(s, opt_step);
+  std::map<std::string, int64_t> steps;
+  auto items = state_items(s, &opt_step, &steps);
+  std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
   ckpt::save(items, dir, s.world, values);
 }
 
@@ -534,9 +547,10 @@ void Trainer::save_async(const std::string& dir, std::function<void()> then) {
     s.ckpt_comm = s.world->split(0, s.world->rank(), o);
   }
   int64_t opt_step = 0;
-  auto items = state_items(s, &opt_step);
+  std::map<std::string, int64_t> steps;
+  auto items = state_items(s, &opt_step, &steps);
   for (auto& it : items) it.local = it.local.clone();  // the state as it is now
-  std::map<std::string, std::string> values = saved_values(s, opt_step);
+  std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
   s.saver = std::thread([&s, items = std::move(items), values = std::move(values), dir, then = std::move(then)] {
     try {
       ckpt::save(items, dir, s.ckpt_comm, values);
@@ -575,7 +589,11 @@ void Trainer::load(const std::string& dir) {
   size_t j = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
     if (!s.params[i].requires_grad()) continue;
-    adamw_state(opt, s.master ? s.master->masters()[j++] : s.params[i]).step(opt_step);
+    // Each parameter's own count (the largest for a checkpoint that has none per parameter).
+    auto it = values.find("optimizer_step." + s.names[i]);
+    const int64_t n = it == values.end() ? opt_step : std::stoll(it->second);
+    adamw_state(opt, s.master ? s.master->masters()[j++] : s.params[i]).step(n);
+    if (!s.master && values.count("grad_held." + s.names[i])) s.params[i].mutable_grad() = at::zeros_like(s.params[i]);
   }
 }
 

@@ -355,6 +355,16 @@ TEST(TrainDist, ResumeIsBitwise) {
     expect_resume_bitwise(tied, "tied_pp");
   }
   expect_resume_bitwise(bf, "bf16_async", /*async=*/true);
+  // Many experts, one per token, few tokens: most experts get no token in a step. AdamW skips
+  // an expert that never had a gradient and steps one whose gradient was zeroed (libtorch
+  // 1.x's zero_grad), so the step counts differ per parameter and whether a gradient is held
+  // matters: both are saved and restored.
+  ht::TrainConfig sparse = small_config("deepseek", w->size(), tp);
+  sparse.model.deepseek.experts = 64;
+  sparse.model.deepseek.experts_per_token = 1;
+  sparse.seq_length = 4;
+  sparse.validate(w->size());
+  expect_resume_bitwise(sparse, "sparse_experts");
 }
 
 TEST(TrainDist, ResumeUnderAnotherLayoutContinues) {

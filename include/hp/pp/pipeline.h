@@ -111,6 +111,7 @@ class Pipeline {
   int rank_ = 0;
   std::map<int, CommPtr> send_link_, recv_link_;  // per neighbouring pp rank
   bool split_ = false;                             // the schedule has I and W
+  bool broken_ = false;                            // a step failed part way
   std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
   using Recorded = std::vector<std::pair<torch::nn::Module*, at::Tensor>>;
   Recorded* recording_ = nullptr;                  // during a forward under split_
