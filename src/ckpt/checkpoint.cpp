@@ -166,13 +166,34 @@ class CheckedFile {
 };
 
 // Every rank's boxes, gathered to every rank as JSON text.
+// Raises on every rank when `error` is set on any: the rank's own message, or the first
+// failing rank named (so no rank is left waiting in a later collective).
+void agree(const CommPtr& world, const std::string& error, const std::string& dir) {
+  at::Tensor first = at::full({1}, error.empty() ? world->size() : world->rank(), at::kInt);
+  world->all_reduce(first, {ReduceOp::MIN}).wait();
+  const int bad = first.item<int>();
+  if (bad == world->size()) return;
+  HP_CHECK(error.empty(), error);
+  HP_CHECK(false, "ckpt::save to '", dir, "' failed on rank ", bad, " (its error says why)");
+}
+
+// This rank's items as a save can take them; "" when they are fine.
+std::string check_items(const std::vector<Item>& items) {
+  for (const auto& it : items) {
+    if (!it.local.defined() || !it.local.device().is_cpu()) {
+      return "ckpt::save: tensor '" + it.name + "' must be a defined CPU tensor";
+    }
+    if (!(it.local.sizes().vec() == it.spec.lengths || (it.local.dim() == 0 && it.spec.numel() == 1))) {
+      return detail::str_cat("ckpt::save: tensor '", it.name, "' is ", it.local.sizes(), " but its spec says ",
+                             it.spec.to_string());
+    }
+  }
+  return "";
+}
+
 std::vector<json> gather_boxes(const std::vector<Item>& items, const CommPtr& world) {
   json mine = json::array();
   for (const auto& it : items) {
-    HP_CHECK(it.local.defined() && it.local.device().is_cpu(), "ckpt::save: tensor '", it.name,
-             "' must be a defined CPU tensor");
-    HP_CHECK(it.local.sizes().vec() == it.spec.lengths || (it.local.dim() == 0 && it.spec.numel() == 1),
-             "ckpt::save: tensor '", it.name, "' is ", it.local.sizes(), " but its spec says ", it.spec.to_string());
     mine.push_back({{"name", it.name},
                     {"dtype", dtype_string(it.local.scalar_type())},
                     {"shape", it.spec.global_shape},
@@ -251,13 +272,16 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   const int rank = world->rank();
   ++g_saves;
   const std::string tmp = dir + ".tmp";
-  if (rank == 0) {
+  std::string problem = check_items(items);
+  if (rank == 0 && problem.empty()) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
-    HP_CHECK(fs::create_directories(tmp, ec) || fs::is_directory(tmp), "ckpt::save: cannot create '", tmp, "': ",
-             ec.message());
+    if (!fs::create_directories(tmp, ec) && !fs::is_directory(tmp)) {
+      problem = "ckpt::save: cannot create '" + tmp + "': " + ec.message();
+    }
   }
-  std::vector<json> boxes = gather_boxes(items, world);  // also orders the folder's creation first
+  agree(world, problem, dir);  // also orders the folder's creation before any write
+  std::vector<json> boxes = gather_boxes(items, world);
   // The writer of each distinct box: one of the ranks holding it, by the tensor's name.
   std::map<std::string, std::vector<int>> holders;
   for (int r = 0; r < world->size(); ++r) {
@@ -295,7 +319,8 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   world->all_reduce(bad, {ReduceOp::MAX}).wait();
   HP_CHECK(bad.item<int>() == 0, "ckpt::save to '", dir, "' failed", error.empty() ? " on another rank" : ": " + error);
   const std::vector<json> files = gather_json(json{{"file", file}, {"sums", sums}}, world);
-  if (rank == 0) {
+  std::string commit_error;
+  if (rank == 0) try {
     json meta;
     meta["format"] = "hyperparallel-checkpoint-1";
     meta["values"] = values;
@@ -344,8 +369,10 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
     fs::remove_all(old, ec);
     const fs::path parent = fs::absolute(dir).parent_path();
     fsync_path(parent.string());
+  } catch (const std::exception& e) {
+    commit_error = e.what();
   }
-  world->barrier().wait();
+  agree(world, commit_error, dir);  // every rank returns once the commit is done (or fails with it)
 }
 
 std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir) {

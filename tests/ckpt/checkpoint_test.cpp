@@ -125,6 +125,30 @@ TEST(Checkpoint, OnlyCommittedFoldersLoadAndMismatchesAreNamed) {
   w->barrier().wait();
 }
 
+// A bad item on one rank only: every rank raises (that rank with its reason, the others
+// naming it) instead of the others waiting in the next collective; the communicator stays
+// usable and the next save works.
+TEST(Checkpoint, AFailureOnOneRankFailsEveryRank) {
+  auto w = hp::world();
+  if (w->size() < 2) GTEST_SKIP() << "needs a second rank";
+  auto g = globals();
+  auto its = items(g, {{"a", {}}, {"b", {}}, {"c", {}}}, true);
+  if (w->rank() == 1) its[0].local = at::zeros({3});  // not its spec's shape
+  std::string msg;
+  try {
+    hc::save(its, dir_for("one_fails"), w);
+  } catch (const hp::Error& e) {
+    msg = e.what();
+  }
+  if (w->rank() == 1) {
+    EXPECT_NE(msg.find("tensor 'a' is [3] but its spec says"), std::string::npos) << msg;
+  } else {
+    EXPECT_NE(msg.find("failed on rank 1"), std::string::npos) << msg;
+  }
+  hc::save(items(g, {{"a", {}}, {"b", {}}, {"c", {}}}, true), dir_for("one_fails"), w);
+  EXPECT_TRUE(fs::exists(dir_for("one_fails") + "/metadata.json"));
+}
+
 // Integrity: every data file is checksummed in 1 MiB blocks. A flipped byte in a tensor's
 // bytes, in the file's header, a truncated or a grown file: each an error naming the file
 // (and the tensor whose read found it); a load that reads only intact blocks still works.
