@@ -10,8 +10,6 @@
 // global batch (rank 0; the other ranks wait without spinning) and shows each step's
 // loss difference against it. See docs/train.md.
 #include <ATen/ATen.h>
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -193,16 +191,9 @@ void commit_latest(const hp::train::TrainConfig& c, const std::string& name) {
     HP_CHECK(f.good(), "could not write ", tmp);
   }
   // Durable before it replaces the old pointer, and the rename durable after.
-  auto sync = [](const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    HP_CHECK(fd >= 0, "could not open ", path, " to sync it");
-    const int rc = ::fsync(fd);
-    ::close(fd);
-    HP_CHECK(rc == 0, "could not sync ", path);
-  };
-  sync(tmp);
+  hp::ckpt::fsync_path(tmp);
   std::filesystem::rename(tmp, c.save_dir + "/latest");
-  sync(c.save_dir);
+  hp::ckpt::fsync_path(c.save_dir);
   if (c.keep_last_n <= 0) return;
   std::vector<std::string> saved;
   for (const auto& e : std::filesystem::directory_iterator(c.save_dir)) {

@@ -203,13 +203,6 @@ std::vector<json> gather_boxes(const std::vector<Item>& items, const CommPtr& wo
   return gather_json(mine, world);
 }
 
-void fsync_path(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  HP_CHECK(fd >= 0, "ckpt: cannot open '", path, "' to sync it: ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  HP_CHECK(rc == 0, "ckpt: fsync of '", path, "' failed: ", std::strerror(errno));
-}
 
 // Reads the part `sub` (offsets within the chunk, lengths) of a row-major chunk of shape
 // `chunk` stored at byte `base` of the open file into `out` (contiguous, sub's shape):
@@ -247,6 +240,14 @@ void read_sub_box(CheckedFile& file, const std::string& path, const std::string&
 }
 
 }  // namespace
+
+void fsync_path(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  HP_CHECK(fd >= 0, "ckpt: cannot open '", path, "' to sync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  HP_CHECK(rc == 0, "ckpt: fsync of '", path, "' failed: ", std::strerror(errno));
+}
 
 namespace {
 std::atomic<int> g_saves{0};  // saves started by this process

@@ -18,12 +18,6 @@ namespace {
 constexpr int kMaxDims = 8;
 constexpr int64_t kHeaderLen = 2 + kMaxDims;  // dtype, ndim, dims
 
-bool is_forward_transfer(ActionKind k) { return k == ActionKind::kSendForward || k == ActionKind::kRecvForward; }
-
-int peer_stage_of(const Action& a) {
-  return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kRecvBackward ? a.stage + 1 : a.stage - 1;
-}
-
 }  // namespace
 
 Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
@@ -295,7 +289,7 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
 
 void Pipeline::run_transfer(const Action& a) {
   const Key k{a.stage, a.microbatch};
-  const int peer = schedule_.rank_of(peer_stage_of(a));
+  const int peer = schedule_.rank_of(a.peer_stage());
   const int tag = transfer_tag(schedule_, a);
   PointToPointOptions o;
   o.tag = tag;

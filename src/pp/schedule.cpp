@@ -56,6 +56,10 @@ bool Action::is_comm() const {
          kind == ActionKind::kRecvBackward;
 }
 
+int Action::peer_stage() const {
+  return kind == ActionKind::kSendForward || kind == ActionKind::kRecvBackward ? stage + 1 : stage - 1;
+}
+
 std::string Action::to_string() const {
   std::string s = std::to_string(stage) + kind_token(kind);
   if (is_compute() || is_comm()) s += std::to_string(microbatch);
@@ -410,10 +414,7 @@ namespace {
 
 bool is_send(ActionKind k) { return k == ActionKind::kSendForward || k == ActionKind::kSendBackward; }
 
-// The stage at the other end of a transfer.
-int peer_stage(const Action& a) {
-  return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kRecvBackward ? a.stage + 1 : a.stage - 1;
-}
+int peer_stage(const Action& a) { return a.peer_stage(); }
 
 // The other end of a transfer.
 Action counterpart(const Action& a) {

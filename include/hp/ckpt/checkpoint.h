@@ -41,6 +41,10 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
 // reads the values only (the metadata).
 std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir);
 
+// fsync of a file or a folder (a rename is durable once its folder is synced); raises
+// naming the path.
+void fsync_path(const std::string& path);
+
 // Crash testing: when HP_CKPT_CRASH is "<point>" or "<point>:<rank>" and this is the Nth
 // save of the process (N = HP_CKPT_CRASH_SAVE, default 1), the rank (every rank without
 // ":<rank>") kills itself with SIGKILL at `point`. save() has the points "write" (before

@@ -53,6 +53,8 @@ struct Action {
 
   bool is_compute() const;
   bool is_comm() const;  // SEND_F, RECV_F, SEND_B, RECV_B
+  // A transfer's other end: stage + 1 for SEND_F and RECV_B, stage - 1 for RECV_F and SEND_B.
+  int peer_stage() const;
   std::string to_string() const;
   // Raises hp::Error naming the token for text that is not an action.
   static Action parse(const std::string& token);
