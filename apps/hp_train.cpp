@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cctype>
 #include <cstdio>
 #include <sstream>
 #include <map>
@@ -50,11 +51,15 @@ struct Args {
   bool resume = false;
   std::string resume_dir;  // empty: save_dir's latest
   int world = 0;  // --world: the rank count --estimate assumes (0 = this run's)
+  // --export-hf CKPT OUT [--dtype D] [--max-shard-size N]
+  std::string export_ckpt, export_out, export_dtype;
+  int64_t max_shard_bytes = 0;  // 0: the default
 };
 
 const char* kUsage =
     "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR]]\n"
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
+    "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size N]\n"
     "       hp-train --list-keys\n"
     "  --config FILE    YAML config (configs/*.yaml)\n"
     "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
@@ -63,8 +68,33 @@ const char* kUsage =
     "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
     "                   and exit, allocating nothing (any size, deepseek_v3 included)\n"
     "  --world N        the number of ranks --estimate assumes (default: this run's)\n"
+    "  --export-hf CKPT_DIR OUT_DIR\n"
+    "                   write a checkpoint's Llama to the new folder OUT_DIR in Hugging Face's\n"
+    "                   layout (config.json, safetensors shards, index); CKPT_DIR may be a\n"
+    "                   save_dir (its latest checkpoint is exported). Under mpirun the\n"
+    "                   ranks share the files. --dtype: the weights' dtype (default: the\n"
+    "                   parameters'); --max-shard-size: bytes per file (5GB; K/M/GB suffixes)\n"
     "  --list-keys      print every config key with its default\n"
     "Run under mpirun for several ranks; see docs/train.md.\n";
+
+// "5GB", "500MB", "100K", "12345": decimal units, as Hugging Face writes them.
+int64_t parse_bytes(const std::string& v) {
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = v.substr(used);
+  for (auto& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  const std::map<std::string, double> scale = {{"", 1}, {"B", 1}, {"K", 1e3}, {"KB", 1e3}, {"M", 1e6},
+                                               {"MB", 1e6}, {"G", 1e9}, {"GB", 1e9}};
+  auto it = scale.find(unit);
+  HP_CHECK(used > 0 && it != scale.end() && x * it->second >= 1 && x * it->second < 9e18,
+           "hp-train: --max-shard-size ", v, ": expected a positive size in bytes (e.g. 5GB, 500MB, 1048576)");
+  return static_cast<int64_t>(x * it->second);
+}
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -102,6 +132,15 @@ Args parse_args(int argc, char** argv) {
       }
       if (used != v.size()) a.world = 0;
       HP_CHECK(a.world > 0, "hp-train: --world ", v, ": expected a positive number of ranks");
+    } else if (s == "--export-hf") {
+      a.export_ckpt = value();
+      a.export_out = value();
+    } else if (s == "--dtype") {
+      a.export_dtype = value();
+      HP_CHECK(a.export_dtype == "fp32" || a.export_dtype == "bf16" || a.export_dtype == "fp16",
+               "hp-train: --dtype ", a.export_dtype, ": expected fp32, bf16 or fp16");
+    } else if (s == "--max-shard-size") {
+      a.max_shard_bytes = parse_bytes(value());
     } else if (s == "--list-keys") {
       a.list_keys = true;
     } else if (s == "--help" || s == "-h") {
@@ -110,7 +149,13 @@ Args parse_args(int argc, char** argv) {
       throw hp::Error("hp-train: unknown argument '" + s + "'\n" + kUsage);
     }
   }
-  if (!a.help && !a.list_keys) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
+  const bool exporting = !a.export_ckpt.empty();
+  HP_CHECK(exporting || (a.export_dtype.empty() && a.max_shard_bytes == 0),
+           "hp-train: --dtype and --max-shard-size only go with --export-hf");
+  HP_CHECK(!exporting || (a.config.empty() && a.overrides.empty() && !a.verify && !a.resume && !a.estimate),
+           "hp-train: --export-hf takes the model from the checkpoint: no --config, --set, --verify, --resume or "
+           "--estimate with it");
+  if (!a.help && !a.list_keys && !exporting) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
   HP_CHECK(a.world == 0 || a.estimate, "hp-train: --world only goes with --estimate");
   HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
   HP_CHECK(!(a.resume && a.estimate), "hp-train: --resume trains, --estimate only sizes: use one of them");
@@ -494,6 +539,21 @@ int main(int argc, char** argv) {
     std::_Exit(1);  // other ranks may be inside MPI's start-up: do not wait for them
   }
   try {
+    if (!args.export_ckpt.empty()) {
+      hp::ckpt::ExportOptions o;
+      if (args.max_shard_bytes > 0) o.max_shard_bytes = args.max_shard_bytes;
+      if (!args.export_dtype.empty()) {
+        o.dtype = args.export_dtype == "bf16" ? at::kBFloat16 : args.export_dtype == "fp16" ? at::kHalf : at::kFloat;
+      }
+      // A checkpoint, or a save_dir whose 'latest' names one.
+      std::string from = args.export_ckpt;
+      if (!std::filesystem::exists(from + "/metadata.json") && std::filesystem::exists(from + "/latest")) {
+        from = latest_checkpoint(from);
+      }
+      hp::train::export_hf(from, args.export_out, world, o);
+      if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (Hugging Face Llama)" << std::endl;
+      return 0;
+    }
     return run(args, world);
   } catch (const std::exception& e) {
     // A failure after the agreed checks may leave other ranks inside a collective: exit at

@@ -19,6 +19,7 @@ hp_deps_packages=(
   nlohmann-json3-dev
   libyaml-cpp-dev
   python3-venv
+  python3-torch
 )
 
 hp_deps_missing=()

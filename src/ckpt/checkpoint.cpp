@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "hp/ckpt/safetensors.h"
+#include "reader.h"
 #include "hp/core/error.h"
 
 namespace hp::ckpt {
@@ -165,18 +166,6 @@ class CheckedFile {
   std::vector<bool> verified_;
 };
 
-// Every rank's boxes, gathered to every rank as JSON text.
-// Raises on every rank when `error` is set on any: the rank's own message, or the first
-// failing rank named (so no rank is left waiting in a later collective).
-void agree(const CommPtr& world, const std::string& error, const std::string& dir) {
-  at::Tensor first = at::full({1}, error.empty() ? world->size() : world->rank(), at::kInt);
-  world->all_reduce(first, {ReduceOp::MIN}).wait();
-  const int bad = first.item<int>();
-  if (bad == world->size()) return;
-  HP_CHECK(error.empty(), error);
-  HP_CHECK(false, "ckpt::save to '", dir, "' failed on rank ", bad, " (its error says why)");
-}
-
 // This rank's items as a save can take them; "" when they are fine.
 std::string check_items(const std::vector<Item>& items) {
   for (const auto& it : items) {
@@ -184,7 +173,7 @@ std::string check_items(const std::vector<Item>& items) {
       return "ckpt::save: tensor '" + it.name + "' must be a defined CPU tensor";
     }
     if (!(it.local.sizes().vec() == it.spec.lengths || (it.local.dim() == 0 && it.spec.numel() == 1))) {
-      return detail::str_cat("ckpt::save: tensor '", it.name, "' is ", it.local.sizes(), " but its spec says ",
+      return hp::detail::str_cat("ckpt::save: tensor '", it.name, "' is ", it.local.sizes(), " but its spec says ",
                              it.spec.to_string());
     }
   }
@@ -281,7 +270,7 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
       problem = "ckpt::save: cannot create '" + tmp + "': " + ec.message();
     }
   }
-  agree(world, problem, dir);  // also orders the folder's creation before any write
+  detail::agree(world, problem, "ckpt::save to '" + dir + "'");  // also orders the folder's creation before any write
   std::vector<json> boxes = gather_boxes(items, world);
   // The writer of each distinct box: one of the ranks holding it, by the tensor's name.
   std::map<std::string, std::vector<int>> holders;
@@ -373,31 +362,35 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   } catch (const std::exception& e) {
     commit_error = e.what();
   }
-  agree(world, commit_error, dir);  // every rank returns once the commit is done (or fails with it)
+  detail::agree(world, commit_error, "ckpt::save to '" + dir + "'");  // every rank returns once the commit is done (or fails with it)
 }
 
-std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir) {
-  const std::string mpath = dir + "/metadata.json";
-  std::ifstream mf(mpath);
-  HP_CHECK(mf.good(), "ckpt::load: '", dir, "' is not a committed checkpoint (no metadata.json)");
-  json meta;
-  try {
-    mf >> meta;
-  } catch (const std::exception& e) {
-    HP_CHECK(false, "ckpt::load: '", mpath, "' is not valid JSON: ", e.what());
-  }
-  HP_CHECK(meta.value("format", "") == "hyperparallel-checkpoint-1", "ckpt::load: '", mpath,
-           "' is not a hyperparallel checkpoint");
+namespace detail {
+
+void agree(const CommPtr& world, const std::string& error, const std::string& what) {
+  at::Tensor first = at::full({1}, error.empty() ? world->size() : world->rank(), at::kInt);
+  world->all_reduce(first, {ReduceOp::MIN}).wait();
+  const int bad = first.item<int>();
+  if (bad == world->size()) return;
+  HP_CHECK(error.empty(), error);
+  HP_CHECK(false, what, " failed on rank ", bad, " (its error says why)");
+}
+
+void load_boxes(const std::vector<Item>& items, const std::string& dir, const json& tensors, const json& files,
+                bool convert, const std::string& source) {
   std::map<std::string, SafetensorsHeader> headers;
   std::map<std::string, std::unique_ptr<CheckedFile>> checked;
   for (const auto& it : items) {
-    HP_CHECK(meta["tensors"].contains(it.name), "ckpt::load: tensor '", it.name, "' is not in the checkpoint '", dir, "'");
-    const json& t = meta["tensors"][it.name];
+    const std::string& name = it.source.empty() ? it.name : it.source;
+    const std::string called = name == it.name ? "'" + name + "'" : "'" + name + "' (for '" + it.name + "')";
+    HP_CHECK(tensors.contains(name), "ckpt::load: tensor ", called, " is not in ", source, " '", dir, "'");
+    const json& t = tensors[name];
     const auto shape = t["shape"].get<std::vector<int64_t>>();
-    HP_CHECK(shape == it.spec.global_shape, "ckpt::load: tensor '", it.name, "' was saved with shape ",
+    HP_CHECK(shape == it.spec.global_shape, "ckpt::load: tensor ", called, " was saved with shape ",
              c10::IntArrayRef(shape), ", the model has ", c10::IntArrayRef(it.spec.global_shape));
-    HP_CHECK(t["dtype"].get<std::string>() == dtype_string(it.local.scalar_type()), "ckpt::load: tensor '", it.name,
-             "' was saved as ", t["dtype"].get<std::string>(), ", the model holds ", it.local.scalar_type());
+    const std::string saved_dtype = t["dtype"].get<std::string>();
+    HP_CHECK(convert || saved_dtype == dtype_string(it.local.scalar_type()), "ckpt::load: tensor ", called,
+             " was saved as ", saved_dtype, ", the model holds ", it.local.scalar_type());
     int64_t covered = 0;
     for (const auto& c : t["chunks"]) {
       ShardSpec chunk;
@@ -410,7 +403,7 @@ std::map<std::string, std::string> load(const std::vector<Item>& items, const st
       const std::string file = dir + "/" + fname;
       auto cf = checked.find(file);
       if (cf == checked.end()) {
-        const json info = meta.contains("files") && meta["files"].contains(fname) ? meta["files"][fname] : json();
+        const json info = files.contains(fname) ? files[fname] : json();
         cf = checked.emplace(file, std::make_unique<CheckedFile>(file, info)).first;
       }
       auto h = headers.find(file);
@@ -423,30 +416,62 @@ std::map<std::string, std::string> load(const std::vector<Item>& items, const st
         h = headers.emplace(file, read_header(file)).first;
       }
       const TensorEntry* e = h->second.find(c["key"].get<std::string>());
-      HP_CHECK(e != nullptr && e->shape == chunk.lengths && e->dtype == it.local.scalar_type(), "ckpt::load: '", file,
-               "' lacks the chunk '", c["key"].get<std::string>(), "' its metadata lists");
+      HP_CHECK(e != nullptr && e->shape == chunk.lengths && dtype_string(e->dtype) == saved_dtype, "ckpt::load: '",
+               file, "' lacks the chunk '", c["key"].get<std::string>(), "' its metadata lists");
       at::Tensor dst = it.local.dim() == 0 ? it.local.view({1}) : it.local;
       for (size_t d = 0; d < o.lengths.size(); ++d) {
         dst = dst.narrow(static_cast<int64_t>(d), o.offsets_in_b[d], o.lengths[d]);
       }
-      // Straight into the item where the overlap is a contiguous part of it, else through a
-      // buffer.
-      const bool direct = dst.is_contiguous();
-      at::Tensor part = direct ? dst : at::empty(o.lengths, it.local.options());
-      read_sub_box(*cf->second, file, "tensor '" + it.name + "'", h->second.data_start + e->begin, chunk.lengths,
-                   o.offsets_in_a, o.lengths, static_cast<int64_t>(it.local.element_size()),
+      // Straight into the item where the overlap is a contiguous part of it in the saved
+      // dtype, else through a buffer (which a converting load casts from).
+      const bool direct = dst.is_contiguous() && e->dtype == it.local.scalar_type();
+      at::Tensor part = direct ? dst : at::empty(o.lengths, it.local.options().dtype(e->dtype));
+      read_sub_box(*cf->second, file, "tensor " + called, h->second.data_start + e->begin, chunk.lengths,
+                   o.offsets_in_a, o.lengths, static_cast<int64_t>(part.element_size()),
                    static_cast<char*>(part.data_ptr()));
       if (!direct) dst.copy_(part.view(dst.sizes()));
       int64_t n = 1;
       for (int64_t l : o.lengths) n *= l;
       covered += n;
     }
-    HP_CHECK(covered == it.spec.numel(), "ckpt::load: tensor '", it.name, "': the saved chunks cover ", covered, " of the ",
-             it.spec.numel(), " elements of this rank's box ", it.spec.to_string());
+    HP_CHECK(covered == it.spec.numel(), "ckpt::load: tensor ", called, ": the saved chunks cover ", covered,
+             " of the ", it.spec.numel(), " elements of this rank's box ", it.spec.to_string());
   }
+}
+
+json read_metadata(const std::string& dir) {
+  const std::string mpath = dir + "/metadata.json";
+  std::ifstream mf(mpath);
+  HP_CHECK(mf.good(), "ckpt::load: '", dir, "' is not a committed checkpoint (no metadata.json)");
+  json meta;
+  try {
+    mf >> meta;
+  } catch (const std::exception& e) {
+    HP_CHECK(false, "ckpt::load: '", mpath, "' is not valid JSON: ", e.what());
+  }
+  HP_CHECK(meta.value("format", "") == "hyperparallel-checkpoint-1", "ckpt::load: '", mpath,
+           "' is not a hyperparallel checkpoint");
+  return meta;
+}
+
+}  // namespace detail
+
+std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir) {
+  const json meta = detail::read_metadata(dir);
+  detail::load_boxes(items, dir, meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
+                     /*convert=*/false, "the checkpoint");
   std::map<std::string, std::string> values;
   if (meta.contains("values")) values = meta["values"].get<std::map<std::string, std::string>>();
   return values;
+}
+
+std::map<std::string, SavedTensor> saved_tensors(const std::string& dir) {
+  const json meta = detail::read_metadata(dir);
+  std::map<std::string, SavedTensor> out;
+  for (const auto& [name, t] : meta["tensors"].items()) {
+    out[name] = SavedTensor{t["dtype"].get<std::string>(), t["shape"].get<std::vector<int64_t>>()};
+  }
+  return out;
 }
 
 }  // namespace hp::ckpt

@@ -280,6 +280,14 @@ std::string dtype_string(at::ScalarType t) {
   return "";
 }
 
+at::ScalarType dtype_from_string(const std::string& s) {
+  for (const auto& [name, d] : dtype_names()) {
+    if (name == s) return d;
+  }
+  HP_CHECK(false, "'", s, "' is not a safetensors dtype (one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL)");
+  return at::kFloat;
+}
+
 SafetensorsHeader parse_header(const std::string& what, const uint8_t* bytes, size_t size, int64_t file_size) {
   HP_CHECK(size >= 8 && file_size >= 8, what, ": ", file_size, " bytes is too short for a safetensors file");
   uint64_t n = 0;

@@ -5,6 +5,8 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <limits>
 #include <map>
@@ -84,12 +86,16 @@ std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, d
   return {angles.cos(), angles.sin()};  // float64; apply_rotary casts them to its dtype
 }
 
-at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, RotaryPairs layout) {
   const int64_t T = x.size(-2), D = x.size(-1);
-  at::Tensor pairs = upcast(x).reshape({x.size(0), x.size(1), T, D / 2, 2});
-  at::Tensor a = pairs.select(-1, 0), b = pairs.select(-1, 1);
+  const bool halves = layout == RotaryPairs::kHalves;
+  // [B, H, T, D/2, 2] with the pair's elements on the last dim (halves: [B, H, T, 2, D/2]).
+  at::Tensor pairs = halves ? upcast(x).reshape({x.size(0), x.size(1), T, 2, D / 2})
+                            : upcast(x).reshape({x.size(0), x.size(1), T, D / 2, 2});
+  const int64_t pd = halves ? -2 : -1;
+  at::Tensor a = pairs.select(pd, 0), b = pairs.select(pd, 1);
   at::Tensor c = cos.narrow(0, 0, T).to(pairs.scalar_type()), s = sin.narrow(0, 0, T).to(pairs.scalar_type());
-  at::Tensor out = at::stack({a * c - b * s, a * s + b * c}, -1);
+  at::Tensor out = at::stack({a * c - b * s, a * s + b * c}, pd);
   return out.reshape(x.sizes()).to(x.scalar_type());
 }
 
@@ -107,8 +113,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   // Head counts come from the projections' outputs: under tensor parallelism each rank
   // holds heads / tp query heads and kv_heads / tp key/value heads.
   auto split = [&](const at::Tensor& t) { return t.view({B, T, -1, head_dim}).transpose(1, 2); };
-  at::Tensor q = apply_rotary(split(hp::call(wq, x)), cos, sin);
-  at::Tensor k = apply_rotary(split(hp::call(wk, x)), cos, sin);
+  at::Tensor q = apply_rotary(split(hp::call(wq, x)), cos, sin, RotaryPairs::kHalves);
+  at::Tensor k = apply_rotary(split(hp::call(wk, x)), cos, sin, RotaryPairs::kHalves);
   at::Tensor v = split(hp::call(wv, x));
   const int64_t local_heads = q.size(1);
   // Each group of heads / kv_heads query heads shares one key/value head.
@@ -283,5 +289,121 @@ std::function<void(const at::Tensor&, at::Tensor&)> parameter_initializer(torch:
 }
 
 void LlamaImpl::init_weights(uint64_t seed) { init_parameters(*this, seed); }
+
+std::vector<std::pair<std::string, std::string>> hf_names(const LlamaConfig& c) {
+  std::vector<std::pair<std::string, std::string>> out = {{"tok_emb.weight", "model.embed_tokens.weight"}};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string ours = "layers_" + std::to_string(i) + ".", theirs = "model.layers." + std::to_string(i) + ".";
+    for (const auto& [a, b] : std::vector<std::pair<const char*, const char*>>{
+             {"attn.wq.weight", "self_attn.q_proj.weight"},
+             {"attn.wk.weight", "self_attn.k_proj.weight"},
+             {"attn.wv.weight", "self_attn.v_proj.weight"},
+             {"attn.wo.weight", "self_attn.o_proj.weight"},
+             {"mlp.w1.weight", "mlp.gate_proj.weight"},
+             {"mlp.w3.weight", "mlp.up_proj.weight"},
+             {"mlp.w2.weight", "mlp.down_proj.weight"},
+             {"attn_norm.weight", "input_layernorm.weight"},
+             {"ffn_norm.weight", "post_attention_layernorm.weight"}}) {
+      out.emplace_back(ours + a, theirs + b);
+    }
+  }
+  out.emplace_back("norm.weight", "model.norm.weight");
+  if (!c.tie_embeddings) out.emplace_back("output.weight", "lm_head.weight");
+  return out;
+}
+
+std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
+  const char* torch_dtype = dtype == at::kBFloat16 ? "bfloat16"
+                            : dtype == at::kHalf   ? "float16"
+                            : dtype == at::kDouble ? "float64"
+                                                   : "float32";
+  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
+                      {"model_type", "llama"},
+                      {"vocab_size", c.vocab},
+                      {"hidden_size", c.dim},
+                      {"intermediate_size", c.hidden_dim()},
+                      {"num_hidden_layers", c.layers},
+                      {"num_attention_heads", c.heads},
+                      {"num_key_value_heads", c.kv_heads},
+                      {"head_dim", c.head_dim()},
+                      {"max_position_embeddings", c.max_seq},
+                      {"rope_theta", c.rope_theta},
+                      {"rope_scaling", nullptr},
+                      {"rms_norm_eps", c.norm_eps},
+                      {"hidden_act", "silu"},
+                      {"attention_bias", false},
+                      {"mlp_bias", false},
+                      {"tie_word_embeddings", c.tie_embeddings},
+                      {"torch_dtype", torch_dtype}};
+  return j.dump(2) + "\n";
+}
+
+LlamaConfig llama_config_from_hf(const std::string& text, const std::string& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    HP_CHECK(false, "'", path, "' is not valid JSON: ", e.what());
+  }
+  HP_CHECK(j.is_object(), "'", path, "' is not a JSON object");
+  auto integer = [&](const char* key, const c10::optional<int64_t>& fallback = c10::nullopt) -> int64_t {
+    if (!j.contains(key) && fallback) return *fallback;
+    HP_CHECK(j.contains(key) && j[key].is_number_integer(), "'", path, "': ", key,
+             j.contains(key) ? " is not an integer (" + j[key].dump() + ")" : std::string(" is missing"));
+    return j[key].get<int64_t>();
+  };
+  auto real = [&](const char* key, double fallback) -> double {
+    if (!j.contains(key)) return fallback;
+    HP_CHECK(j[key].is_number(), "'", path, "': ", key, " is not a number (", j[key].dump(), ")");
+    return j[key].get<double>();
+  };
+  if (j.contains("model_type")) {
+    HP_CHECK(j["model_type"] == "llama", "'", path, "': model_type ", j["model_type"].dump(),
+             " is not llama (not supported yet)");
+  }
+  HP_CHECK(!j.contains("hidden_act") || j["hidden_act"] == "silu", "'", path, "': hidden_act ",
+           j.value("hidden_act", nlohmann::json()).dump(), " is not supported yet (the model uses silu)");
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    HP_CHECK(!j.contains(key) || j[key] == false, "'", path, "': ", key, "=", j[key].dump(),
+             " is not supported yet (the model has no biases)");
+  }
+  HP_CHECK(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "'", path, "': rope_scaling ",
+           j.value("rope_scaling", nlohmann::json()).dump(), " is not supported yet (plain rotary only)");
+  LlamaConfig c;
+  c.vocab = integer("vocab_size");
+  c.dim = integer("hidden_size");
+  c.ffn_dim = integer("intermediate_size");
+  c.layers = integer("num_hidden_layers");
+  c.heads = integer("num_attention_heads");
+  c.kv_heads = integer("num_key_value_heads", c.heads);
+  c.max_seq = integer("max_position_embeddings", c.max_seq);
+  c.rope_theta = real("rope_theta", 10000.0);
+  c.norm_eps = real("rms_norm_eps", 1e-6);  // Hugging Face's default
+  HP_CHECK(!j.contains("tie_word_embeddings") || j["tie_word_embeddings"].is_boolean(), "'", path,
+           "': tie_word_embeddings is not true or false");
+  c.tie_embeddings = j.value("tie_word_embeddings", false);
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    HP_CHECK(c.heads > 0 && integer("head_dim") * c.heads == c.dim, "'", path, "': head_dim=", j["head_dim"].dump(),
+             " is not hidden_size / num_attention_heads (not supported yet)");
+  }
+  c.validate();
+  return c;
+}
+
+void check_hf_config(const LlamaConfig& c, const std::string& text, const std::string& path) {
+  const LlamaConfig h = llama_config_from_hf(text, path);
+  auto same = [&](const char* ours, const char* theirs, auto a, auto b) {
+    HP_CHECK(a == b, "model.", ours, "=", a, " but ", theirs, "=", b, " in '", path, "' (the model must match it)");
+  };
+  same("vocab", "vocab_size", c.vocab, h.vocab);
+  same("dim", "hidden_size", c.dim, h.dim);
+  same("ffn_dim", "intermediate_size", c.hidden_dim(), h.hidden_dim());
+  same("layers", "num_hidden_layers", c.layers, h.layers);
+  same("heads", "num_attention_heads", c.heads, h.heads);
+  same("kv_heads", "num_key_value_heads", c.kv_heads, h.kv_heads);
+  same("rope_theta", "rope_theta", c.rope_theta, h.rope_theta);
+  same("norm_eps", "rms_norm_eps", c.norm_eps, h.norm_eps);
+  same("tie_embeddings", "tie_word_embeddings", c.tie_embeddings, h.tie_embeddings);
+}
 
 }  // namespace hp::models

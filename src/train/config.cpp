@@ -364,6 +364,8 @@ const std::vector<Key>& keys() {
         [](TrainConfig& c, const Value& v) { c.keep_last_n = as_int(v, 0, kMaxModelInt); });
     top("async_save", "bool", "false", "write checkpoints in the background (the state is copied first)",
         [](TrainConfig& c, const Value& v) { c.async_save = as_bool(v); });
+    top("init_from_hf", "path", "", "start from the weights of this Hugging Face Llama folder instead of the seed",
+        [](TrainConfig& c, const Value& v) { c.init_from_hf = v.text; });
     return k;
   }();
   return k;
@@ -521,6 +523,8 @@ void TrainConfig::validate(int world_size) {
   if (save_dir.empty() && !output_dir.empty()) save_dir = output_dir + "/checkpoints";
   HP_CHECK(save_interval == 0 || !save_dir.empty(), s, ": save_interval=", save_interval,
            " needs save_dir (or output_dir, whose checkpoints/ it defaults to)");
+  HP_CHECK(init_from_hf.empty() || model.type == "llama", s, ": init_from_hf is not supported yet for model.type=",
+           model.type, " (llama only)");
   HP_CHECK(!sequence_parallel || tensor_parallel > 1, s,
            ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=", tensor_parallel, ")");
   if (tensor_parallel > 1) {
@@ -698,7 +702,7 @@ std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainCo
   add("train_steps", c.train_steps), add("seed", c.seed), add("log_interval", c.log_interval);
   add("output_dir", c.output_dir);
   add("save_interval", c.save_interval), add("save_dir", c.save_dir), add("keep_last_n", c.keep_last_n);
-  add("async_save", c.async_save);
+  add("async_save", c.async_save), add("init_from_hf", c.init_from_hf);
   return out;
 }
 

@@ -7,10 +7,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
+#include <sstream>
 #include <set>
 #include <thread>
 
 #include "hp/ckpt/checkpoint.h"
+#include "hp/ckpt/safetensors.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/fully_shard.h"
@@ -357,6 +360,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
+  if (!c.init_from_hf.empty()) load_hf(c.init_from_hf);
 }
 
 Trainer::~Trainer() {
@@ -597,6 +601,93 @@ void Trainer::load(const std::string& dir) {
   }
 }
 
+namespace {
+
+// The Hugging Face name of each parameter of the config's model, after checking the
+// folder's config.json against it.
+std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::string& dir) {
+  HP_CHECK(c.model.type == "llama", "init_from_hf: model.type=", c.model.type, " is not supported yet (llama only)");
+  const std::string path = dir + "/config.json";
+  std::ifstream f(path);
+  HP_CHECK(f.good(), "init_from_hf: '", dir, "' has no config.json (not a Hugging Face model folder)");
+  std::stringstream text;
+  text << f.rdbuf();
+  models::check_hf_config(c.model.llama, text.str(), path);
+  const auto names = models::hf_names(c.model.llama);
+  return {names.begin(), names.end()};
+}
+
+const std::string& hf_source(const std::map<std::string, std::string>& sources, const std::string& name) {
+  auto it = sources.find(name);
+  HP_INTERNAL_ASSERT(it != sources.end(), "no Hugging Face name for the parameter ", name);
+  return it->second;
+}
+
+}  // namespace
+
+void Trainer::load_hf(const std::string& dir) {
+  Impl& s = *impl_;
+  std::string error;
+  try {
+    const auto sources = hf_sources(s.c, dir);
+    std::vector<ckpt::Item> items;
+    size_t j = 0;
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const std::string& hf = hf_source(sources, s.names[i]);
+      items.push_back({s.names[i], s.params[i].detach(), s.specs[i], hf});
+      if (s.master && s.params[i].requires_grad()) {
+        items.push_back({s.names[i] + ".master", s.master->masters()[j++].detach(), s.specs[i], hf});
+      }
+    }
+    at::NoGradGuard ng;
+    ckpt::load_consolidated(items, dir);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // Each rank reads other bytes: a failure on one raises on all.
+  at::Tensor first = at::full({1}, error.empty() ? s.world->size() : s.world->rank(), at::kInt);
+  s.world->all_reduce(first, {ReduceOp::MIN}).wait();
+  const int bad = first.item<int>();
+  HP_CHECK(error.empty(), error);
+  HP_CHECK(bad == s.world->size(), "loading '", dir, "' failed on rank ", bad, " (its error says why)");
+}
+
+void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const CommPtr& world,
+               ckpt::ExportOptions o) {
+  const auto values = ckpt::load({}, ckpt_dir);
+  auto value = [&](const std::string& key) {
+    auto it = values.find("config.model." + key);
+    HP_CHECK(it != values.end(), "export of '", ckpt_dir, "': the checkpoint has no config.model.", key,
+             " (not saved by hp-train)");
+    return it->second;
+  };
+  HP_CHECK(value("type") == "llama", "export of '", ckpt_dir, "': model.type=", value("type"),
+           " is not supported yet (llama only)");
+  models::LlamaConfig m;
+  m.vocab = std::stoll(value("vocab"));
+  m.dim = std::stoll(value("dim"));
+  m.layers = std::stoll(value("layers"));
+  m.heads = std::stoll(value("heads"));
+  m.kv_heads = std::stoll(value("kv_heads"));
+  m.ffn_dim = std::stoll(value("ffn_dim"));
+  m.max_seq = std::stoll(value("max_seq"));
+  m.rope_theta = std::stod(value("rope_theta"));
+  m.norm_eps = std::stod(value("norm_eps"));
+  m.tie_embeddings = value("tie_embeddings") == "1";
+  m.validate();
+  const auto saved = ckpt::saved_tensors(ckpt_dir);
+  std::vector<std::pair<std::string, std::string>> tensors;
+  for (const auto& [ours, theirs] : models::hf_names(m)) {
+    auto it = saved.find(ours);
+    HP_CHECK(it != saved.end(), "export of '", ckpt_dir, "': the checkpoint lacks the parameter '", ours, "'");
+    // Written in the parameters' dtype unless asked otherwise (fp32 masters are the source
+    // where kept, so a bf16 run's export rounds once, from the masters).
+    if (!o.dtype) o.dtype = ckpt::dtype_from_string(it->second.dtype);
+    tensors.emplace_back(saved.count(ours + ".master") ? ours + ".master" : ours, theirs);
+  }
+  ckpt::export_consolidated(ckpt_dir, tensors, out_dir, world, o, {{"config.json", models::hf_config(m, *o.dtype)}});
+}
+
 int64_t Trainer::steps_done() const { return impl_->steps; }
 std::vector<at::Tensor> Trainer::sharded_params() const { return impl_->params; }
 std::vector<at::Tensor> Trainer::sharded_grads() const { return impl_->grads(); }
@@ -636,6 +727,24 @@ ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const
     p.set_data(p.to(c.compute_dtype));
     s.model_params.push_back(p);
     s.acc.push_back(at::zeros_like(p, p.options().dtype(s.acc_dtype)));
+  }
+  if (!c.init_from_hf.empty()) {
+    // The same values as the sharded run: the parameters cast from the file to
+    // params_dtype (then to compute_dtype), the optimizer's copies cast to its dtype.
+    const auto sources = hf_sources(c, c.init_from_hf);
+    std::vector<ckpt::Item> items;
+    std::vector<at::Tensor> stored;
+    auto named = s.model->root().named_parameters();
+    for (size_t i = 0; i < named.size(); ++i) {
+      const at::Tensor& p = named[i].value();
+      stored.push_back(at::empty(p.sizes(), p.options().dtype(c.params_dtype)));
+      const std::string& hf = hf_source(sources, named[i].key());
+      const ShardSpec whole = make_shard_spec(p.sizes().vec(), {});
+      items.push_back({named[i].key(), stored.back(), whole, hf});
+      items.push_back({named[i].key() + ".opt", s.opt_params[i], whole, hf});
+    }
+    ckpt::load_consolidated(items, c.init_from_hf);
+    for (size_t i = 0; i < named.size(); ++i) s.model_params[i].copy_(stored[i]);
   }
   s.opt = make_adamw(c, s.opt_params);
   s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);

@@ -46,14 +46,19 @@ TEST(Llama, RotaryRotatesEachPairByItsAngle) {
   const double theta = 10000;
   auto [cos, sin] = hp::models::rotary_tables(T, D, theta);
   at::Tensor x = at::randn({1, 2, T, D});
-  at::Tensor got = hp::models::apply_rotary(x, cos, sin);
-  for (int h = 0; h < 2; ++h) {
-    for (int t = 0; t < T; ++t) {
-      for (int i = 0; i < D / 2; ++i) {
-        double ang = t * std::pow(theta, -2.0 * i / D);
-        double a = x[0][h][t][2 * i].item<double>(), b = x[0][h][t][2 * i + 1].item<double>();
-        EXPECT_NEAR(got[0][h][t][2 * i].item<double>(), a * std::cos(ang) - b * std::sin(ang), 1e-5);
-        EXPECT_NEAR(got[0][h][t][2 * i + 1].item<double>(), a * std::sin(ang) + b * std::cos(ang), 1e-5);
+  // Interleaved pairs (x[2i], x[2i+1]) and halves (x[i], x[i + D/2]), by hand.
+  for (auto layout : {hp::models::RotaryPairs::kInterleaved, hp::models::RotaryPairs::kHalves}) {
+    const bool halves = layout == hp::models::RotaryPairs::kHalves;
+    at::Tensor got = hp::models::apply_rotary(x, cos, sin, layout);
+    for (int h = 0; h < 2; ++h) {
+      for (int t = 0; t < T; ++t) {
+        for (int i = 0; i < D / 2; ++i) {
+          const int ia = halves ? i : 2 * i, ib = halves ? i + D / 2 : 2 * i + 1;
+          double ang = t * std::pow(theta, -2.0 * i / D);
+          double a = x[0][h][t][ia].item<double>(), b = x[0][h][t][ib].item<double>();
+          EXPECT_NEAR(got[0][h][t][ia].item<double>(), a * std::cos(ang) - b * std::sin(ang), 1e-5);
+          EXPECT_NEAR(got[0][h][t][ib].item<double>(), a * std::sin(ang) + b * std::cos(ang), 1e-5);
+        }
       }
     }
   }
@@ -67,8 +72,10 @@ TEST(Llama, GroupedQueryAttentionMatchesANaiveLoop) {
   auto [cos, sin] = hp::models::rotary_tables(T, hd, c.rope_theta);
   at::Tensor got = att->forward(x, cos, sin);
   // Naive: per head h, its kv head is h / (heads / kv_heads); causal softmax by loops.
-  at::Tensor q = hp::models::apply_rotary(att->wq->forward(x).view({B, T, c.heads, hd}).transpose(1, 2), cos, sin);
-  at::Tensor k = hp::models::apply_rotary(att->wk->forward(x).view({B, T, c.kv_heads, hd}).transpose(1, 2), cos, sin);
+  at::Tensor q = hp::models::apply_rotary(att->wq->forward(x).view({B, T, c.heads, hd}).transpose(1, 2), cos, sin,
+                                            hp::models::RotaryPairs::kHalves);
+  at::Tensor k = hp::models::apply_rotary(att->wk->forward(x).view({B, T, c.kv_heads, hd}).transpose(1, 2), cos, sin,
+                                            hp::models::RotaryPairs::kHalves);
   at::Tensor v = att->wv->forward(x).view({B, T, c.kv_heads, hd}).transpose(1, 2);
   at::Tensor o = at::zeros({B, T, c.heads * hd});
   for (int64_t b = 0; b < B; ++b) {

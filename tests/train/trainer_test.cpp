@@ -7,7 +7,10 @@
 #include <torch/optim/adamw.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <set>
+#include <sstream>
 
 #include "hp/mesh/device_mesh.h"
 #include "hp/runtime.h"
@@ -407,6 +410,103 @@ TEST(TrainDist, ResumeRejectsAnotherModel) {
   c.model.deepseek.dense_hidden = 64;
   ht::Trainer r(c, w);
   hp::test::expect_error([&] { r.load(dir); }, {"model.dense_hidden=", "in the checkpoint but model.dense_hidden=64"});
+}
+
+// Hugging Face interchange: a trained Llama exported (from its checkpoint, the files spread
+// over the ranks, small files so that there are several) and imported by a new Trainer of the
+// same layout gives its parameters back bitwise: fp32; bf16 parameters with fp32 masters
+// exported as fp32 (the masters written, the parameters their rounding); pipeline parallel 2
+// with tied embeddings (the last stage's copy read from the same tensor).
+void expect_hf_round_trip(ht::TrainConfig c, const std::string& label, c10::optional<at::ScalarType> dtype) {
+  auto w = hp::world();
+  const std::string base = ::testing::TempDir() + "hp_hf_" + std::to_string(w->size()) + "_" + label;
+  const std::string ckpt = base + "_ckpt", out = base + "_out";
+  if (w->rank() == 0) std::filesystem::remove_all(out);
+  w->barrier().wait();
+  std::vector<at::Tensor> want;
+  {
+    ht::Trainer t(c, w);
+    t.step();
+    t.step();
+    t.save(ckpt);
+    for (const auto& p : t.sharded_params()) want.push_back(p.detach().clone());
+  }
+  hp::ckpt::ExportOptions o;
+  o.max_shard_bytes = 40000;
+  o.dtype = dtype;
+  ht::export_hf(ckpt, out, w, o);
+  // The index lists every tensor under Hugging Face's names, in several files.
+  std::ifstream f(out + "/model.safetensors.index.json");
+  std::stringstream index;
+  index << f.rdbuf();
+  EXPECT_NE(index.str().find("\"model.layers.1.self_attn.q_proj.weight\""), std::string::npos) << label;
+  EXPECT_NE(index.str().find("-of-00"), std::string::npos) << label;
+  EXPECT_EQ(index.str().find("lm_head") == std::string::npos, c.model.llama.tie_embeddings) << label;
+  EXPECT_TRUE(std::filesystem::exists(out + "/model-00002-of-" + index.str().substr(index.str().find("-of-") + 4, 5) +
+                                      ".safetensors")) << label;
+  ht::TrainConfig d = c;
+  d.init_from_hf = out;
+  ht::Trainer r(d, w);
+  auto got = r.sharded_params();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << label << " parameter " << i;
+  // The fp32 masters too: both trainers' checkpoints hold the same ones.
+  r.save(base + "_again");
+  int masters = 0;
+  for (const auto& [name, t] : hp::ckpt::saved_tensors(ckpt)) {
+    if (name.size() < 7 || name.compare(name.size() - 7, 7, ".master") != 0) continue;
+    ++masters;
+    at::Tensor a = at::empty(t.shape, at::kFloat), b = at::empty(t.shape, at::kFloat);
+    hp::ckpt::load({{name, a, hp::make_shard_spec(t.shape, {})}}, ckpt);
+    hp::ckpt::load({{name, b, hp::make_shard_spec(t.shape, {})}}, base + "_again");
+    EXPECT_TRUE(at::equal(a, b)) << label << " " << name;
+  }
+  EXPECT_EQ(masters > 0, c.fp32_master()) << label;
+}
+
+TEST(TrainDist, HuggingFaceExportImportIsBitwise) {
+  auto w = hp::world();
+  const int64_t tp = resume_tp(w->size());
+  expect_hf_round_trip(small_config("llama", w->size(), tp), "fp32", c10::nullopt);
+  ht::TrainConfig bf = small_config("llama", w->size(), tp);
+  bf.params_dtype = bf.compute_dtype = at::kBFloat16;
+  bf.accumulate_allreduce_grads_in_fp32 = true;
+  expect_hf_round_trip(bf, "bf16_masters", at::kFloat);
+  if (w->size() == 2 || w->size() == 4) {
+    ht::TrainConfig tied = small_config("llama", w->size(), 1, 2);
+    tied.model.llama.tie_embeddings = true;
+    tied.validate(w->size());
+    expect_hf_round_trip(tied, "tied_pp", c10::nullopt);
+  }
+}
+
+// What a user gets wrong: a config.json of another model (named by both keys), a folder that
+// exists (nothing overwritten), a model without Hugging Face support.
+TEST(TrainDist, HuggingFaceInterchangeErrors) {
+  auto w = hp::world();
+  const std::string base = ::testing::TempDir() + "hp_hf_err_" + std::to_string(w->size());
+  ht::TrainConfig c = small_config("llama", w->size(), resume_tp(w->size()));
+  {
+    ht::Trainer t(c, w);
+    t.save(base + "_ckpt");
+  }
+  if (w->rank() == 0) std::filesystem::remove_all(base + "_out");
+  w->barrier().wait();
+  ht::export_hf(base + "_ckpt", base + "_out", w);
+  hp::test::expect_error([&] { ht::export_hf(base + "_ckpt", base + "_out", w); },
+                         {"already exists", "nothing is overwritten"});
+  ht::TrainConfig other = c;
+  other.model.llama.kv_heads = 4;
+  other.init_from_hf = base + "_out";
+  hp::test::expect_error([&] { ht::Trainer t(other, w); },
+                         {"model.kv_heads=4 but num_key_value_heads=2", "config.json"});
+  ht::TrainConfig ds = small_config("deepseek", w->size(), resume_tp(w->size()));
+  {
+    ht::Trainer t(ds, w);
+    t.save(base + "_ds");
+  }
+  hp::test::expect_error([&] { ht::export_hf(base + "_ds", base + "_ds_out", w); },
+                         {"model.type=deepseek", "not supported yet"});
 }
 
 // --estimate's parameter counts under tensor parallelism against the pieces the plans

@@ -32,6 +32,14 @@ struct Item {
   std::string name;
   at::Tensor local;  // this rank's box of the tensor (contiguous or not; CPU)
   ShardSpec spec;    // where the box lies in the global tensor
+  // load(): the saved tensor to read, when it is not `name` (empty: `name`).
+  std::string source = {};
+};
+
+// A tensor as the checkpoint's metadata lists it.
+struct SavedTensor {
+  std::string dtype;  // safetensors' dtype string ("F32", "BF16", ...)
+  std::vector<int64_t> shape;
 };
 
 void save(const std::vector<Item>& items, const std::string& dir, const CommPtr& world,
@@ -40,6 +48,9 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
 // Fills every item's `local` in place; returns the saved string values. With no items it
 // reads the values only (the metadata).
 std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir);
+
+// The tensors of the committed checkpoint `dir`, by name (its metadata alone).
+std::map<std::string, SavedTensor> saved_tensors(const std::string& dir);
 
 // fsync of a file or a folder (a rename is durable once its folder is synced); raises
 // naming the path.

@@ -41,6 +41,8 @@ struct SafetensorsHeader {
 
 // "F32", "BF16", ... for the dtypes safetensors names; raises for others.
 std::string dtype_string(at::ScalarType t);
+// The inverse: the dtype of "F32", "BF16", ...; raises naming the string for others.
+at::ScalarType dtype_from_string(const std::string& s);
 
 // Parses and validates a header held in `bytes` (the file's first `size` bytes, at least
 // the 8-byte length and the JSON), for a file of `file_size` bytes. `what` names the file

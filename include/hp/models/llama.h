@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/comm/communicator.h"
@@ -104,9 +105,15 @@ TORCH_MODULE(RMSNorm);
 // cos and sin tables [seq, head_dim / 2] for positions 0..seq-1, in float64 (apply_rotary
 // rounds them to the dtype it computes in).
 std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta);
-// Rotates consecutive pairs (x[2i], x[2i+1]) of the last dim of x [B, H, T, D] by the
-// position's angle.
-at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// Which elements of a head's D dims rotate together by angle i (i < D / 2).
+enum class RotaryPairs {
+  kInterleaved,  // (x[2i], x[2i+1]): DeepSeek-V3's MLA rotary dims
+  kHalves,       // (x[i], x[i + D/2]): Llama, as Hugging Face's checkpoints expect it
+};
+// Rotates each pair of the last dim of x [B, H, T, D] by the position's angle i: the first
+// element of a pair becomes a cos - b sin, the second a sin + b cos.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        RotaryPairs pairs = RotaryPairs::kInterleaved);
 
 struct LlamaAttentionImpl : torch::nn::Module {
   explicit LlamaAttentionImpl(const LlamaConfig& c);
@@ -162,5 +169,24 @@ struct LlamaImpl : torch::nn::Module {
   torch::nn::Linear output{nullptr};  // null when tied to tok_emb, or without the head
 };
 TORCH_MODULE(Llama);
+
+// Hugging Face interchange (transformers' LlamaForCausalLM, hp/ckpt/consolidated.h moves
+// the bytes). The model computes what LlamaForCausalLM computes (rotary on halves, RMSNorm
+// in fp32, grouped-query heads repeated in order, SwiGLU as down(silu(gate) * up)), so the
+// tensors map one to one, unpermuted.
+//
+// Each parameter's name there, in the order Hugging Face writes them: (ours, theirs).
+// With tied embeddings there is no output head (lm_head) to map.
+std::vector<std::pair<std::string, std::string>> hf_names(const LlamaConfig& c);
+// The config.json of LlamaForCausalLM for `c`, its weights stored as `dtype`.
+std::string hf_config(const LlamaConfig& c, at::ScalarType dtype);
+// The model a config.json (its text; `path` names it in errors) describes. Raises naming
+// the key for a model this one does not compute (an activation other than silu, attention
+// or MLP biases, rope scaling, a head_dim other than hidden_size / num_attention_heads) or
+// a value that is missing or not a number. max_seq is max_position_embeddings.
+LlamaConfig llama_config_from_hf(const std::string& text, const std::string& path);
+// Raises naming the key (ours and Hugging Face's) where `c` and the config.json describe
+// different models (max_seq aside: it only bounds the sequence length).
+void check_hf_config(const LlamaConfig& c, const std::string& text, const std::string& path);
 
 }  // namespace hp::models

@@ -84,6 +84,10 @@ struct TrainConfig {
   std::string save_dir;
   int64_t keep_last_n = 0;
   bool async_save = false;  // copy the state, write it in the background while training goes on
+  // A Hugging Face model folder (config.json and safetensors) the weights start from instead
+  // of the seed (Llama only); the config's model must match its config.json. A resumed run
+  // takes its weights from the checkpoint instead.
+  std::string init_from_hf;
 
   int64_t micro_batch_num = 1;
   int64_t global_batch_size = 8;

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "hp/ckpt/consolidated.h"
 #include "hp/comm/communicator.h"
 #include "hp/core/error.h"
 #include "hp/fsdp/fully_shard.h"
@@ -132,12 +133,29 @@ class Trainer {
   // by the next save_async() or wait_for_save().
   void save_async(const std::string& dir, std::function<void()> then = nullptr);
   void wait_for_save();
+  // The model's weights (and fp32 masters) from a Hugging Face Llama folder (config.json,
+  // safetensors: hp/ckpt/consolidated.h), each rank reading only its shards' bytes, cast to
+  // the parameters' dtype; the optimizer's state is left as it is. Collective over the
+  // world (an error on any rank raises on all). Raises naming the key when config.json
+  // describes another model, and "not supported yet" for a model other than Llama. The
+  // constructor calls it for the config's init_from_hf.
+  void load_hf(const std::string& dir);
 
   struct Impl;
 
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// Writes the model of the committed checkpoint `ckpt_dir` (saved by Trainer::save, any
+// layout) to the new folder `out_dir` in Hugging Face's layout for LlamaForCausalLM
+// (config.json, model-0000k-of-0000n.safetensors of at most options.max_shard_bytes, the
+// index): the fp32 masters where the checkpoint holds them, else the parameters, written as
+// options.dtype (default: the parameters' dtype). Collective over `world`: the files are
+// spread over the ranks and no rank holds the whole model (ckpt::export_consolidated).
+// Raises "not supported yet" for a model other than Llama.
+void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const CommPtr& world,
+               ckpt::ExportOptions options = {});
 
 class ReferenceTrainer {
  public:

@@ -1,0 +1,181 @@
+#include "hp/ckpt/consolidated.h"
+
+#include <ATen/ATen.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "hp/ckpt/safetensors.h"
+#include "hp/core/error.h"
+#include "reader.h"
+
+namespace hp::ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr const char* kIndex = "model.safetensors.index.json";
+
+std::string shard_name(size_t k, size_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", k + 1, n);
+  return buf;
+}
+
+// `text` written to `path` through a temporary name, fsynced.
+void write_text(const std::string& path, const std::string& text) {
+  {
+    std::ofstream f(path + ".partial");
+    f << text;
+    f.close();
+    HP_CHECK(f.good(), "writing '", path, "' failed: ", std::strerror(errno));
+  }
+  fsync_path(path + ".partial");
+  fs::rename(path + ".partial", path);
+}
+
+}  // namespace
+
+void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pair<std::string, std::string>>& tensors,
+                         const std::string& out_dir, const CommPtr& world, const ExportOptions& o,
+                         const std::map<std::string, std::string>& extra_files) {
+  const int rank = world->rank(), size = world->size();
+  const std::string what = "export of '" + ckpt_dir + "' to '" + out_dir + "'";
+  const std::string tmp = out_dir + ".tmp";
+  // Everything checked (and the folder made) before any rank writes.
+  std::string problem;
+  json meta;
+  struct Planned {
+    std::string source, name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    int64_t bytes;
+  };
+  std::vector<Planned> plan;
+  try {
+    HP_CHECK(o.max_shard_bytes > 0, what, ": max_shard_bytes must be positive, got ", o.max_shard_bytes);
+    HP_CHECK(!fs::exists(out_dir), what, ": '", out_dir, "' already exists (choose a new folder; nothing is overwritten)");
+    meta = detail::read_metadata(ckpt_dir);
+    std::set<std::string> seen;
+    for (const auto& [source, name] : tensors) {
+      HP_CHECK(meta["tensors"].contains(source), what, ": tensor '", source, "' is not in the checkpoint");
+      HP_CHECK(!name.empty() && seen.insert(name).second, what, ": the output name '", name, "' is empty or repeated");
+      const json& t = meta["tensors"][source];
+      Planned p{source, name, o.dtype.value_or(dtype_from_string(t["dtype"].get<std::string>())),
+                t["shape"].get<std::vector<int64_t>>(), 0};
+      p.bytes = static_cast<int64_t>(c10::elementSize(p.dtype));
+      for (int64_t d : p.shape) p.bytes *= d;
+      plan.push_back(std::move(p));
+    }
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      HP_CHECK(fs::create_directories(tmp, ec), what, ": cannot create '", tmp, "': ", ec.message());
+    }
+  } catch (const std::exception& e) {
+    problem = e.what();
+  }
+  detail::agree(world, problem, what);
+  // Files filled in order up to max_shard_bytes.
+  std::vector<std::vector<size_t>> files;
+  int64_t in_file = 0, total = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (files.empty() || (in_file > 0 && in_file + plan[i].bytes > o.max_shard_bytes)) {
+      files.emplace_back();
+      in_file = 0;
+    }
+    files.back().push_back(i);
+    in_file += plan[i].bytes;
+    total += plan[i].bytes;
+  }
+  std::string error;
+  try {
+    for (size_t k = static_cast<size_t>(rank); k < files.size(); k += static_cast<size_t>(size)) {
+      std::vector<Item> items;
+      for (size_t i : files[k]) {
+        const Planned& p = plan[i];
+        items.push_back({p.name, at::empty(p.shape, at::TensorOptions().dtype(p.dtype)),
+                         make_shard_spec(p.shape, {}), p.source});
+      }
+      detail::load_boxes(items, ckpt_dir, meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
+                         /*convert=*/true, "the checkpoint");
+      std::vector<std::pair<std::string, at::Tensor>> out;
+      for (auto& it : items) out.emplace_back(it.name, it.local);
+      write_file(tmp + "/" + shard_name(k, files.size()), out, {{"format", "pt"}});
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  detail::agree(world, error, what);
+  std::string commit_error;
+  if (rank == 0) try {
+    json index;
+    index["metadata"] = {{"total_size", total}};
+    json map = json::object();
+    for (size_t k = 0; k < files.size(); ++k) {
+      for (size_t i : files[k]) map[plan[i].name] = shard_name(k, files.size());
+    }
+    index["weight_map"] = map;
+    write_text(tmp + "/" + kIndex, index.dump(2) + "\n");
+    for (const auto& [name, text] : extra_files) write_text(tmp + "/" + name, text);
+    fsync_path(tmp);
+    fs::rename(tmp, out_dir);
+    fsync_path(fs::absolute(out_dir).parent_path().string());
+  } catch (const std::exception& e) {
+    commit_error = e.what();
+  }
+  detail::agree(world, commit_error, what);
+}
+
+void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
+  // The weight map: the index's, or every tensor of a single model.safetensors.
+  std::map<std::string, std::string> where;
+  const std::string index_path = dir + "/" + kIndex;
+  if (fs::exists(index_path)) {
+    std::ifstream f(index_path);
+    json index;
+    try {
+      f >> index;
+      for (const auto& [name, file] : index.at("weight_map").items()) where[name] = file.get<std::string>();
+    } catch (const std::exception& e) {
+      HP_CHECK(false, "'", index_path, "' is not a safetensors index (a JSON object with a weight_map of file names): ",
+               e.what());
+    }
+  } else {
+    HP_CHECK(fs::exists(dir + "/model.safetensors"), "'", dir, "' holds neither ", kIndex,
+             " nor model.safetensors: not a consolidated checkpoint");
+    for (const auto& t : read_header(dir + "/model.safetensors").tensors) where[t.name] = "model.safetensors";
+  }
+  // The catalog of the tensors asked for: each a single chunk, the whole tensor.
+  json tensors = json::object();
+  std::map<std::string, SafetensorsHeader> headers;
+  for (const auto& it : items) {
+    const std::string& name = it.source.empty() ? it.name : it.source;
+    if (tensors.contains(name)) continue;
+    auto w = where.find(name);
+    HP_CHECK(w != where.end(), "load of '", dir, "': tensor '", name, "' is not in it");
+    const std::string& file = w->second;
+    HP_CHECK(file.find('/') == std::string::npos && !file.empty(), "'", index_path, "' maps '", name,
+             "' to the file '", file, "' (a file name in the folder is expected)");
+    auto h = headers.find(file);
+    if (h == headers.end()) h = headers.emplace(file, read_header(dir + "/" + file)).first;
+    const TensorEntry* e = h->second.find(name);
+    HP_CHECK(e != nullptr, "load of '", dir, "': '", file, "' lacks the tensor '", name, "' its index maps to it");
+    tensors[name] = {{"dtype", dtype_string(e->dtype)},
+                     {"shape", e->shape},
+                     {"chunks", json::array({{{"file", file},
+                                              {"key", name},
+                                              {"offsets", std::vector<int64_t>(e->shape.size(), 0)},
+                                              {"lengths", e->shape}}})}};
+  }
+  detail::load_boxes(items, dir, tensors, json::object(), /*convert=*/true, "the folder");
+}
+
+}  // namespace hp::ckpt
