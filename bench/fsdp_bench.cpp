@@ -7,21 +7,28 @@
 //                                             communication (trace "wait" spans) with overlap
 //                                             on and off, alternating step by step, at
 //                                             compute-heavy to communication-bound batches
+//   mpirun -np N build/fsdp_bench peer BxT [steps]
+//                                             median step and peak memory, one JSON line
+//                                             (bench/peers.sh sets it beside PyTorch's)
 //   mpirun -np N build/fsdp_bench memory      peak tensor bytes of one step vs the analytic
 //                                             (params + grads + AdamW state) / N + two
 //                                             unsharded blocks
 //
 // The model is the tests' small transformer (tests/fsdp/fsdp_model.h) at larger dims.
+#include <ATen/Parallel.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "bench_util.h"
 #include "fsdp/fsdp_model.h"
+#include "hp/comm/simulated_network.h"
 #include "hp/core/memory.h"
 #include "hp/core/trace.h"
 #include "hp/fsdp/fully_shard.h"
@@ -129,13 +136,21 @@ int steps_only(bool sharded, int steps) {
 // over rounds, the worst rank's.
 int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds) {
   auto w = hp::world();
+  hp::reset_fsdp_overlap();
+  if (w->rank() == 0) {
+    std::printf("HP_FSDP_OVERLAP=%s: overlap %s by default here (%d rank(s) on this node, %d compute thread(s) each, "
+                "spare core per rank: %s, simulated network: %s)\n",
+                std::getenv("HP_FSDP_OVERLAP") ? std::getenv("HP_FSDP_OVERLAP") : "auto",
+                hp::fsdp_overlap() ? "on" : "off", hp::local_world_size(), at::get_num_threads(),
+                hp::spare_core_per_rank() ? "yes" : "no", hp::simulated_network_active() ? "yes" : "no");
+  }
   TinyConfig c = model_config();
   for (auto [batch, tokens] : batches) {
     Trainer t(c, true, /*prefetch=*/true);
     auto [xf, yf] = data(c, batch);
     at::Tensor x = xf.narrow(1, 0, tokens), y = yf.narrow(1, 0, tokens);
     hp::trace::enable("/tmp/hp_fsdp_bench_trace");
-    std::vector<double> frac[2], step[2];  // [0]: off, [1]: on
+    std::vector<double> frac[2], step[2], model[2];  // [0]: off, [1]: on
     for (int r = -1; r < rounds; ++r) {
       for (int k = 0; k < 2; ++k) {
         const bool on = (r + k) % 2 == 0;  // alternate which goes first
@@ -145,19 +160,35 @@ int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds)
         double t0 = now_s();
         t.step(x, y);
         double dt = now_s() - t0;
-        double wait = 0;
+        double wait = 0, modelled = 0;
         for (const auto& e : hp::trace::events()) {
           if (e.cat == "wait") wait += e.dur_us * 1e-6;
+          // Under HP_SIM_NET each comm span carries the link model's time.
+          auto k = e.args.find("\"model_us\":");
+          if (e.cat == "comm" && k != std::string::npos) modelled += std::stod(e.args.substr(k + 11)) * 1e-6;
         }
         if (r < 0) continue;  // warm-up round
+        if (on && r == rounds - 1 && w->rank() == 0 && std::getenv("HP_BENCH_WAITS")) {
+          // Where the last overlapped step waited (rank 0), in order: what is exposed.
+          int64_t t0_us = INT64_MAX;
+          for (const auto& e : hp::trace::events()) t0_us = std::min(t0_us, e.ts_us);
+          for (const auto& e : hp::trace::events()) {
+            if (e.cat == "wait" && e.dur_us >= 500) {
+              std::printf("    at %6.1f ms waited %5.1f ms: %s\n", (e.ts_us - t0_us) * 1e-3, e.dur_us * 1e-3,
+                          e.name.c_str());
+            }
+          }
+        }
         frac[on].push_back(wait / dt);
         step[on].push_back(dt);
+        model[on].push_back(modelled);
       }
     }
     hp::trace::disable();
-    hp::set_fsdp_overlap(true);
+    hp::reset_fsdp_overlap();
     using hp::bench::median;
-    at::Tensor m = at::tensor({median(frac[1]), median(frac[0]), median(step[1]), median(step[0])}, at::kDouble);
+    at::Tensor m = at::tensor({median(frac[1]), median(frac[0]), median(step[1]), median(step[0]), median(model[0])},
+                              at::kDouble);
     w->all_reduce(m, {hp::ReduceOp::MAX}).wait();
     if (w->rank() == 0) {
       auto v = m.accessor<double, 1>();
@@ -165,6 +196,14 @@ int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds)
                   "%.1f%% on, %.1f%% off (exposed on/off %.2f)\n",
                   (long long)batch, (long long)tokens, v[2] * 1e3, v[3] * 1e3, v[0] * 100, v[1] * 100,
                   v[1] > 0 ? v[0] / v[1] : 0.0);
+      if (v[4] > 0) {
+        // Compute: the step with overlap off less the time it waited.
+        const double compute = v[3] * (1 - v[1]);
+        std::printf("  simulated network %s: modelled communication %.1f ms per step = %.0f%% of compute (%.1f ms); "
+                    "exposed %.1f ms on, %.1f ms off\n",
+                    std::getenv("HP_SIM_NET"), v[4] * 1e3, 100 * v[4] / compute, compute * 1e3, v[0] * v[2] * 1e3,
+                    v[1] * v[3] * 1e3);
+      }
     }
   }
   return 0;
@@ -174,8 +213,8 @@ int memory() {
   auto w = hp::world();
   const int n = w->size();
   TinyConfig c = model_config();
-  c.layers = 8;
-  c.seq = 4;  // activations negligible next to the model state
+  c.layers = 16;  // the blocks dominate the model
+  c.seq = 4;      // activations negligible next to the model state
   int64_t base = hp::memory::current_bytes();
   Trainer t(c, true, false);
   auto [x, y] = data(c, 1);
@@ -185,25 +224,101 @@ int memory() {
   t.step(x, y);
   int64_t peak = hp::memory::peak_bytes() - base;
   int64_t steady = hp::memory::current_bytes() - base;
-  // Analytic: P + G + O (AdamW: 2P) over N ranks, plus two unsharded blocks.
-  int64_t total_params = 0, block_params = 0;
+  // The analytic bound, fp32: (P + G + O) / N with AdamW's O = 2P, plus two unsharded
+  // blocks, plus the largest single gradient autograd holds beside its parameter, plus the
+  // root's unsharded parameters (kept from forward to its backward).
+  int64_t total_params = 0, block_params = 0, root_params = 0, largest = 0;
   for (size_t i = 0; i < t.handles.size(); ++i) {
     for (const auto& st : t.handles[i]->state_dict()) {
       int64_t numel = 1;
       for (int64_t d : st.global_shape) numel *= d;
       total_params += numel;
+      largest = std::max(largest, numel);
       if (i == 0) block_params += numel;
+      if (i + 1 == t.handles.size()) root_params += numel;
     }
   }
-  double analytic = 4.0 * (4.0 * total_params / n + 2.0 * block_params);
+  const double state = 16.0 * total_params / n;
+  const double bound = state + 4.0 * (2.0 * block_params + largest + root_params);
   at::Tensor p = at::tensor({static_cast<double>(peak), static_cast<double>(steady)}, at::kDouble);
   w->all_reduce(p, {hp::ReduceOp::MAX}).wait();
   if (w->rank() == 0) {
     double pk = p[0].item<double>(), st = p[1].item<double>();
-    std::printf("memory at %d ranks: step peak %.2f MB per rank (worst), between steps %.2f MB; analytic "
-                "(P+G+O)/N + 2 blocks %.2f MB, (P+G+O)/N %.2f MB; peak/analytic %.3f, between-steps/(P+G+O)/N %.3f\n",
-                n, pk / 1e6, st / 1e6, analytic / 1e6, 16.0 * total_params / n / 1e6, pk / analytic,
-                st / (16.0 * total_params / n));
+    std::printf("memory at %d ranks, %d blocks (%.2f M parameters): step peak %.2f MB per rank (worst), between "
+                "steps %.2f MB; (P+G+O)/N %.2f MB; bound = (P+G+O)/N + 2 blocks %.2f MB + largest gradient %.2f MB + "
+                "root %.2f MB = %.2f MB; peak/bound %.3f, between-steps/(P+G+O)/N %.3f\n",
+                n, (int)c.layers, total_params / 1e6, pk / 1e6, st / 1e6, state / 1e6, 8.0 * block_params / 1e6,
+                4.0 * largest / 1e6, 4.0 * root_params / 1e6, bound / 1e6, pk / bound, st / state);
+  }
+  return 0;
+}
+
+// The figure bench/peers.sh sets beside PyTorch's: the median step of fully_shard (each
+// block and the root, fp32, AdamW, HP_FSDP_OVERLAP's default) at B x T tokens per rank,
+// the slowest rank's, and the peak tensor memory per rank. One JSON line.
+// The model's matmuls in one step (forward; backward twice that), as (m, k, n) products
+// of an m x k by a k x n matrix: per block qkv, proj, fc1, fc2 and attention's two batched
+// products, then the tied head.
+std::vector<std::array<int64_t, 4>> step_matmuls(const TinyConfig& c, int64_t batch, int64_t tokens) {
+  const int64_t bt = batch * tokens, dh = c.dim / c.heads;
+  std::vector<std::array<int64_t, 4>> mm;  // {count, m, k, n}
+  mm.push_back({c.layers, bt, c.dim, 3 * c.dim});
+  mm.push_back({c.layers, bt, c.dim, c.dim});
+  mm.push_back({c.layers, bt, c.dim, c.ffn});
+  mm.push_back({c.layers, bt, c.ffn, c.dim});
+  mm.push_back({c.layers * batch * c.heads, tokens, dh, tokens});  // q k^T
+  mm.push_back({c.layers * batch * c.heads, tokens, tokens, dh});  // att v
+  mm.push_back({1, bt, c.dim, c.vocab});
+  return mm;
+}
+
+// Model FLOP utilization: the step's matmul FLOPs (3x the forward's) over step time x this
+// core's fp32 matmul throughput at the same shapes, measured now (best of 5 per shape, with
+// the rank's compute threads). Returns {utilization, GFLOP/s measured, GFLOP per step}.
+std::array<double, 3> mfu(const TinyConfig& c, int64_t batch, int64_t tokens, double step_s) {
+  double flops = 0, secs = 0;
+  for (const auto& [count, m, k, n] : step_matmuls(c, batch, tokens)) {
+    const double f = 2.0 * m * k * n;
+    flops += 3.0 * count * f;
+    at::Tensor a = at::randn({m, k}), b = at::randn({k, n});
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+      const int reps = std::max<int64_t>(1, 20000000 / std::max<int64_t>(1, m * k * n));
+      double t0 = now_s();
+      for (int i = 0; i < reps; ++i) at::mm(a, b);
+      best = std::min(best, (now_s() - t0) / reps);
+    }
+    secs += 3.0 * count * best;
+  }
+  const double rate = flops / secs;
+  return {flops / (step_s * rate), rate / 1e9, flops / 1e9};
+}
+
+int peer(int64_t batch, int64_t tokens, int steps) {
+  auto w = hp::world();
+  TinyConfig c = model_config();
+  Trainer t(c, true, /*prefetch=*/true);
+  auto [xf, yf] = data(c, batch);
+  at::Tensor x = xf.narrow(1, 0, tokens), y = yf.narrow(1, 0, tokens);
+  for (int i = 0; i < 3; ++i) t.step(x, y);
+  hp::memory::reset_peak();
+  std::vector<double> ms;
+  for (int i = 0; i < steps; ++i) {
+    w->barrier().wait();
+    double t0 = now_s();
+    t.step(x, y);
+    ms.push_back((now_s() - t0) * 1e3);
+  }
+  at::Tensor m = at::tensor({hp::bench::median(ms), static_cast<double>(hp::memory::peak_bytes())}, at::kDouble);
+  w->all_reduce(m, {hp::ReduceOp::MAX}).wait();
+  // Measured on every rank at once, as the steps ran (ranks share the node's cores).
+  auto [util, gflops, gflop] = mfu(c, batch, tokens, m[0].item<double>() * 1e-3);
+  if (w->rank() == 0) {
+    std::printf("{\"impl\": \"hyperparallel\", \"ranks\": %d, \"batch\": %lld, \"tokens\": %lld, \"step_ms\": %.2f, "
+                "\"peak_tensor_bytes\": %.0f, \"overlap\": \"%s\", \"matmul_gflop_per_step\": %.3f, "
+                "\"matmul_gflops_measured\": %.1f, \"mfu\": %.3f}\n",
+                w->size(), (long long)batch, (long long)tokens, m[0].item<double>(), m[1].item<double>(),
+                hp::fsdp_overlap() ? "on" : "off", gflop, gflops, util);
   }
   return 0;
 }
@@ -230,8 +345,17 @@ int main(int argc, char** argv) {
     if (ok) rc = overlap(batches, 15);
   }
   else if (mode == "memory") rc = memory();
+  else if (mode == "peer" && argc > 2) {
+    long long b = 0, t = 0;
+    if (std::sscanf(argv[2], "%lldx%lld", &b, &t) == 2 && b >= 1 && t >= 1 && t <= model_config().seq) {
+      rc = peer(b, t, argc > 3 ? std::atoi(argv[3]) : 15);
+    } else {
+      std::fprintf(stderr, "fsdp_bench peer: batch '%s' is not SEQUENCESxTOKENS (tokens 1..%lld)\n", argv[2],
+                   (long long)model_config().seq);
+    }
+  }
   else if (mode == "steps-plain" || mode == "steps-fsdp") rc = steps_only(mode == "steps-fsdp", argc > 2 ? std::atoi(argv[2]) : 1);
-  else std::fprintf(stderr, "usage: fsdp_bench overhead | overlap [SEQSxTOKENS ...] | memory\n");
+  else std::fprintf(stderr, "usage: fsdp_bench overhead | overlap [SEQSxTOKENS ...] | memory | peer SEQSxTOKENS [steps]\n");
   hp::finalize();
   return rc;
 }

@@ -160,6 +160,10 @@ int set_compute_threads(int n) {
 
 int local_world_size() { return g_local_size; }
 
+bool spare_core_per_rank() {
+  return usable_cores() >= std::max(1, g_local_size) * (at::get_num_threads() + 1);
+}
+
 bool initialized() {
   std::lock_guard<std::mutex> g(g_mu);
   return g_world != nullptr;
@@ -179,17 +183,20 @@ CommPtr init(const InitOptions& o) {
   HP_CHECK(backend == "auto" || backend == "mpi" || backend == "local" || backend == "nccl", "unknown backend '",
            backend, "' (HP_BACKEND / InitOptions::backend): expected auto, mpi, local or nccl");
   if (backend == "auto") backend = (mpi_available() && launched_by_mpi()) ? "mpi" : "local";
+  InitOptions opts = o;
+  if (opts.world.simulated_network.empty()) opts.world.simulated_network = env::get_string("HP_SIM_NET");
+  if (!opts.world.simulated_network.empty()) SimulatedNetwork::parse(opts.world.simulated_network);  // names a bad spec
 
   if (backend == "mpi") {
 #if HP_HAVE_MPI
     init_mpi();
-    g_world = make_mpi_world_communicator(o.world);
+    g_world = make_mpi_world_communicator(opts.world);
 #else
     HP_NOT_SUPPORTED("backend 'mpi': this build has no MPI");
 #endif
   } else if (backend == "nccl") {
 #if HP_HAVE_NCCL
-    g_world = make_nccl_world(o.world);
+    g_world = make_nccl_world(opts.world);
 #else
     HP_NOT_SUPPORTED("backend 'nccl': this build has no CUDA and NCCL (see the README's GPU build)");
 #endif
@@ -202,7 +209,7 @@ CommPtr init(const InitOptions& o) {
                "process would train alone as a world of one rank; unset HP_BACKEND or use mpi");
     }
     g_local_size = 1;
-    g_world = make_local_communicator(o.world);
+    g_world = make_local_communicator(opts.world);
   }
 
   int threads = o.num_threads > 0 ? o.num_threads

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "hp/runtime.h"
 
@@ -33,6 +34,10 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  // The tests exercise fully_shard's overlapped path (prefetches, reductions behind
+  // backward), which HP_FSDP_OVERLAP=auto turns off on a node without a spare core per
+  // rank; a test of the other path sets it itself.
+  setenv("HP_FSDP_OVERLAP", "1", /*overwrite=*/0);
   hp::CommPtr world = hp::init();
   if (world->rank() != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();

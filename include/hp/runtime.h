@@ -34,5 +34,9 @@ void finalize();
 int set_compute_threads(int n);
 // Ranks of the world sharing this node (1 without MPI).
 int local_world_size();
+// Whether each rank on this node has a core beyond its compute threads, for its
+// communication thread: the cores this process may run on, shared by the node's ranks,
+// give each at least its compute threads + 1.
+bool spare_core_per_rank();
 
 }  // namespace hp

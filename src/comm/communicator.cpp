@@ -102,7 +102,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
           ws->op, "comm", ws->issue_us, end - ws->issue_us, cs->lane, true,
           (static_cast<uint64_t>(cs->lane) << 40) | ws->seq,
           str_cat("{\"seq\":", ws->seq, ",\"group\":\"", cs->name, "\",\"bytes\":", ws->bytes,
-                  "}")});
+                  cs->transport->trace_note(), "}")});
     }
     std::function<void()> release;
     {
@@ -456,6 +456,7 @@ CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string
     HP_CHECK(s > 0, "HP_COMM_TIMEOUT_S=", s, " must be positive");
     timeout = Timeout(static_cast<int64_t>(s * 1000));
   }
+  if (!o.simulated_network.empty()) t = make_simulated_transport(std::move(t), SimulatedNetwork::parse(o.simulated_network));
   return std::make_shared<QueuedCommunicator>(std::move(t), name, timeout);
 }
 

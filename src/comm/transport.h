@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
+#include "hp/comm/simulated_network.h"
 #include "hp/config.h"
 
 namespace hp::detail {
@@ -68,7 +69,13 @@ class Transport {
   virtual void on_enqueue() {}
   virtual void run_op(const std::function<void()>& body) { body(); }
   virtual void skip_op() {}
+  // Extra fields for the trace span of the op run_op last ran (",\"key\":value..."), or "".
+  virtual std::string trace_note() const { return ""; }
 };
+
+// `inner` under a simulated network (hp/comm/simulated_network.h): every op, and every
+// group split from it, held until the modelled link would have finished it.
+std::unique_ptr<Transport> make_simulated_transport(std::unique_ptr<Transport> inner, const SimulatedNetwork& net);
 
 // Wraps a transport in the queued, validated, traced Communicator.
 CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string& name,

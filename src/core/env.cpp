@@ -23,9 +23,14 @@ const std::vector<Knob>& knobs() {
       {"HP_TRACE", "",
        "Directory for Chrome trace-event files (trace_rank<R>.json); empty = tracing off. Created "
        "and checked for writing at hp::init"},
-      {"HP_FSDP_OVERLAP", "1",
-       "fully_shard overlap: 1 = prefetch all-gathers and reduce while backward goes on; 0 = every "
-       "collective waited for where it is issued (for measuring what overlap hides)", 0, 1},
+      {"HP_FSDP_OVERLAP", "auto",
+       "fully_shard overlap: auto = on where the backend moves data without the CPU (nccl) or each "
+       "rank has a core to spare for its communication thread, else off; 1 = prefetch all-gathers and "
+       "reduce while backward goes on; 0 = every collective waited for where it is issued", 1, 0, "auto|0|1"},
+      {"HP_SIM_NET", "",
+       "Simulated network, a measuring tool (hp/comm/simulated_network.h): ALPHA_US:GB_PER_S, or "
+       "ALPHA_US:GB_PER_S,INTER_ALPHA_US:INTER_GB_PER_S:RANKS_PER_NODE; every op is held until the "
+       "modelled link would have finished it. Empty = off"},
       {"HP_RANK", "0", "nccl backend without MPI: this process's rank", 0, 16777215},
       {"HP_WORLD_SIZE", "1", "nccl backend without MPI: the number of ranks", 1, 16777216},
       {"HP_LOCAL_RANK", "-1",

@@ -182,7 +182,7 @@ struct FSDPModule::State {
   std::vector<PendingReduce> pending;
 
   int shards() const { return shard->size(); }
-  static bool overlap() { return fsdp_overlap(); }
+  bool overlap() const { return detail::fsdp_overlap_for(shard->backend()); }
   bool has_grads() const {
     for (const auto& p : params) {
       if (p.requires_grad) return true;
@@ -218,18 +218,34 @@ struct FSDPModule::State {
 };
 
 namespace {
-std::atomic<int> g_overlap{-1};  // -1: not yet read from HP_FSDP_OVERLAP
-}  // namespace
-
-void set_fsdp_overlap(bool on) { g_overlap.store(on ? 1 : 0); }
-bool fsdp_overlap() {
+// -1: HP_FSDP_OVERLAP not read yet; 0: off; 1: on; 2: auto.
+std::atomic<int> g_overlap{-1};
+int overlap_setting() {
   int v = g_overlap.load();
   if (v < 0) {
-    v = env::get_int("HP_FSDP_OVERLAP") != 0 ? 1 : 0;
+    const std::string s = env::get_string("HP_FSDP_OVERLAP");
+    v = s == "auto" ? 2 : s == "1" ? 1 : 0;
     g_overlap.store(v);
   }
-  return v != 0;
+  return v;
 }
+}  // namespace
+
+namespace detail {
+bool fsdp_overlap_for(const std::string& backend) {
+  const int v = overlap_setting();
+  if (v != 2) return v == 1;
+  // The collectives overlap compute for free where a device moves the bytes (nccl), or
+  // where the communication thread has a core of its own; otherwise its copies take the
+  // core compute needs, and waiting where each collective is issued is faster. (Not a
+  // simulated network: its link is modelled, but the real copies still take the core.)
+  return backend == "nccl" || spare_core_per_rank();
+}
+}  // namespace detail
+
+void set_fsdp_overlap(bool on) { g_overlap.store(on ? 1 : 0); }
+void reset_fsdp_overlap() { g_overlap.store(-1); }
+bool fsdp_overlap() { return detail::fsdp_overlap_for(""); }
 
 namespace {
 
@@ -461,9 +477,15 @@ void FSDPModule::State::pre_forward() {
 
 void FSDPModule::State::post_forward() {
   if (in_recompute()) return;  // keep the parameters for the backward that follows
-  if (--pass->forward_depth == 0) t_forward = nullptr;
+  const bool root = --pass->forward_depth == 0;
+  if (root) t_forward = nullptr;
   pass->forward_end_order.push_back(this);
   if (!opts.reshard_after_forward || !reshard_after_forward) return;
+  // The root of a forward that a backward follows, over fully_shard children, keeps its
+  // parameters (the embedding and the head, typically): its backward starts first and would
+  // gather them again at once, exposed (FSDP2 does the same). A root alone is the whole
+  // model and reshards as asked.
+  if (root && !nested.empty() && at::GradMode::is_enabled()) return;
   // Without grad mode no backward follows: nothing to keep the group's shares for.
   if (post_group && at::GradMode::is_enabled()) {
     reshard_to_group();

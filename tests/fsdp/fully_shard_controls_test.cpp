@@ -8,6 +8,7 @@
 #include "hp/core/trace.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/runtime.h"
+#include "fsdp/fsdp_model.h"
 #include "fsdp_test_util.h"
 #include "test_util.h"
 
@@ -383,4 +384,30 @@ TEST(FullyShardControls, ReshardAfterForwardToGroupsOfTwo) {
     // The mean over ranks of sums of per-rank slices: the global sum divided by n.
     EXPECT_TRUE(at::allclose(got[i], want[i] / n, 1e-5, 1e-6)) << "parameter " << i;
   }
+}
+
+// The root of a model whose blocks are sharded keeps its parameters from forward to its
+// backward (which starts first and would gather them again at once); the blocks reshard.
+// Without grad mode (no backward follows) the root reshards too; after backward it is
+// resharded. (Its gradients: every parity test runs with this.)
+TEST(FullyShardControls, RootKeepsItsParametersForBackward) {
+  auto w = hp::world();
+  if (w->size() < 2) GTEST_SKIP() << "one rank holds everything: nothing is resharded";
+  hp::test::TinyConfig c;
+  torch::manual_seed(5);
+  hp::test::TinyModel m(c);
+  std::vector<hp::FSDPHandle> blocks;
+  for (auto& b : m->blocks) blocks.push_back(hp::fully_shard(*b));
+  auto root = hp::fully_shard(*m);
+  at::Tensor x = at::randint(c.vocab, {2, c.seq}), y = at::randint(c.vocab, {2, c.seq});
+  {
+    at::NoGradGuard ng;
+    hp::call(m, x, y);
+    EXPECT_FALSE(root->is_unsharded()) << "kept without a backward to follow";
+  }
+  at::Tensor loss = hp::call(m, x, y);
+  EXPECT_TRUE(root->is_unsharded()) << "the root resharded after forward";
+  for (auto& b : blocks) EXPECT_FALSE(b->is_unsharded());
+  loss.backward();
+  EXPECT_FALSE(root->is_unsharded());
 }

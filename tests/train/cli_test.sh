@@ -134,7 +134,8 @@ expect_knob_error HP_COMM_TIMEOUT_S=inf "HP_COMM_TIMEOUT_S='inf' is not a finite
 expect_knob_error HP_COMM_TIMEOUT_S=1e300 "HP_COMM_TIMEOUT_S='1e300' is out of range"
 expect_knob_error HP_COMM_TIMEOUT_S=1e-9 "HP_COMM_TIMEOUT_S='1e-9' is out of range"
 expect_knob_error HP_NUM_THREADS=99999999999999999999 "HP_NUM_THREADS='99999999999999999999' is out of range: it must be in \[0, 1024\]"
-expect_knob_error HP_FSDP_OVERLAP=2 "HP_FSDP_OVERLAP='2' is out of range"
+expect_knob_error HP_FSDP_OVERLAP=2 "HP_FSDP_OVERLAP='2' is not one of auto|0|1"
+expect_knob_error HP_SIM_NET=5:0 "simulated network '5:0': bandwidth '0' is not a positive number"
 expect_knob_error HP_RS_SEGMENT_BYTES=12 "HP_RS_SEGMENT_BYTES='12' is out of range"
 expect_knob_error HP_TRACE=/etc/hostname "HP_TRACE='/etc/hostname' is not a directory"
 if [ -n "$mpirun" ]; then

@@ -76,6 +76,10 @@ struct CommOptions {
   Timeout timeout{0};
   // Group name used in errors and traces; empty = derived from the parent.
   std::string name;
+  // A simulated network spec (hp/comm/simulated_network.h) for a world communicator made
+  // by a factory or hp::init; groups made from it inherit it. Empty: none (hp::init reads
+  // HP_SIM_NET). Ignored by split and new_group.
+  std::string simulated_network = {};
 };
 
 class Communicator {

@@ -165,10 +165,21 @@ void materialize_deferred_buffers(torch::nn::Module& module);
 // The handle of a module fully_shard was applied to, or null.
 FSDPHandle fsdp_handle(const torch::nn::Module& module);
 
-// Process-wide, for measuring what overlap hides: off, every fully_shard collective is
-// waited for where it is issued and nothing is prefetched. Starts as HP_FSDP_OVERLAP says
-// (on by default). Change it between steps, not inside a forward or backward.
+// Overlap: on, all-gathers are prefetched and reductions run while backward goes on; off,
+// every fully_shard collective is waited for where it is issued and nothing is prefetched.
+// HP_FSDP_OVERLAP=auto (the default) turns it on for a module whose group's backend moves
+// data without the CPU (nccl), or where each rank has a core to spare for its
+// communication thread (hp::spare_core_per_rank()), and off otherwise: a communication
+// thread sharing the compute thread's core makes the step slower, not faster. 0 and 1 force
+// it. set_fsdp_overlap forces it process-wide (between steps, not inside a forward or
+// backward); reset_fsdp_overlap returns to HP_FSDP_OVERLAP. fsdp_overlap() says what a
+// CPU backend's module does now.
 void set_fsdp_overlap(bool on);
+void reset_fsdp_overlap();
 bool fsdp_overlap();
+namespace detail {
+// What a module whose shard group runs on `backend` does now.
+bool fsdp_overlap_for(const std::string& backend);
+}  // namespace detail
 
 }  // namespace hp

@@ -1,0 +1,213 @@
+#include "hp/comm/simulated_network.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "hp/core/error.h"
+#include "transport.h"
+
+namespace hp {
+namespace {
+
+std::vector<std::string> split_on(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == sep) {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+double number(const std::string& spec, const std::string& part, const char* what, bool positive) {
+  char* end = nullptr;
+  const double x = std::strtod(part.c_str(), &end);
+  HP_CHECK(!part.empty() && end == part.c_str() + part.size() && std::isfinite(x) && (positive ? x > 0 : x >= 0),
+           "simulated network '", spec, "': ", what, " '", part, "' is not a ", positive ? "positive" : "non-negative",
+           " number (expected ALPHA_US:GB_PER_S[,INTER_ALPHA_US:INTER_GB_PER_S:RANKS_PER_NODE])");
+  return x;
+}
+
+}  // namespace
+
+SimulatedNetwork SimulatedNetwork::parse(const std::string& spec) {
+  const auto links = split_on(spec, ',');
+  HP_CHECK(links.size() <= 2, "simulated network '", spec,
+           "': expected ALPHA_US:GB_PER_S[,INTER_ALPHA_US:INTER_GB_PER_S:RANKS_PER_NODE]");
+  SimulatedNetwork n;
+  const auto intra = split_on(links[0], ':');
+  HP_CHECK(intra.size() == 2, "simulated network '", spec, "': the intra-node link '", links[0],
+           "' is not ALPHA_US:GB_PER_S");
+  n.intra = {number(spec, intra[0], "latency", false), number(spec, intra[1], "bandwidth", true)};
+  if (links.size() == 2) {
+    const auto inter = split_on(links[1], ':');
+    HP_CHECK(inter.size() == 3, "simulated network '", spec, "': the inter-node link '", links[1],
+             "' is not INTER_ALPHA_US:INTER_GB_PER_S:RANKS_PER_NODE");
+    n.inter = {number(spec, inter[0], "latency", false), number(spec, inter[1], "bandwidth", true)};
+    const double k = number(spec, inter[2], "ranks per node", true);
+    HP_CHECK(k == std::floor(k) && k <= 1 << 24, "simulated network '", spec, "': ranks per node '", inter[2],
+             "' is not a whole number");
+    n.ranks_per_node = static_cast<int>(k);
+  } else {
+    n.inter = n.intra;
+  }
+  return n;
+}
+
+std::string SimulatedNetwork::to_string() const {
+  std::ostringstream os;
+  os << "intra-node " << intra.alpha_us << " us + bytes / " << intra.gbytes_per_s << " GB/s";
+  if (ranks_per_node > 0) {
+    os << ", inter-node " << inter.alpha_us << " us + bytes / " << inter.gbytes_per_s << " GB/s, " << ranks_per_node
+       << " ranks per node";
+  }
+  return os.str();
+}
+
+bool SimulatedNetwork::spans_nodes(const std::vector<int>& world_ranks) const {
+  if (ranks_per_node <= 0 || world_ranks.empty()) return false;
+  for (int r : world_ranks) {
+    if (r / ranks_per_node != world_ranks[0] / ranks_per_node) return true;
+  }
+  return false;
+}
+
+double SimulatedNetwork::seconds(const std::string& op, int64_t bytes, int n, const LinkModel& link) {
+  double factor = 1;
+  if (op == "all_gather" || op == "reduce_scatter" || op == "all_to_all") {
+    factor = (n - 1.0) / n;
+  } else if (op == "all_reduce") {
+    factor = 2.0 * (n - 1.0) / n;
+  } else if (op == "barrier") {
+    factor = 0;
+  } else {
+    HP_CHECK(op == "broadcast" || op == "send" || op == "recv" || op == "batch_send_recv",
+             "simulated network: no model for the op '", op, "'");
+  }
+  if (n <= 1 && op != "send" && op != "recv" && op != "batch_send_recv") return 0;
+  return link.alpha_us * 1e-6 + factor * static_cast<double>(bytes) / (link.gbytes_per_s * 1e9);
+}
+
+namespace {
+std::atomic<bool> g_active{false};
+}  // namespace
+
+bool simulated_network_active() { return g_active.load(); }
+
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Runs every op on the wrapped transport, then holds its completion until the modelled
+// time since it started has passed. Methods are called on the communicator's worker: the
+// op's body (inside run_op) calls one of the op methods, which notes the model's time.
+class SimulatedTransport final : public Transport {
+ public:
+  SimulatedTransport(std::unique_ptr<Transport> inner, const SimulatedNetwork& net)
+      : inner_(std::move(inner)), net_(net), link_(net.spans_nodes(inner_->world_ranks()) ? net.inter : net.intra) {
+    g_active = true;
+  }
+
+  std::string backend() const override { return inner_->backend(); }
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::vector<int> world_ranks() const override { return inner_->world_ranks(); }
+  bool supports_device(const c10::Device& d) const override { return inner_->supports_device(d); }
+
+  void all_gather(const at::Tensor& out, const at::Tensor& in) override {
+    model("all_gather", static_cast<int64_t>(out.nbytes()));
+    inner_->all_gather(out, in);
+  }
+  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
+    model("reduce_scatter", static_cast<int64_t>(in.nbytes()));
+    inner_->reduce_scatter(out, in, op);
+  }
+  void all_reduce(const at::Tensor& t, ReduceOp op) override {
+    model("all_reduce", static_cast<int64_t>(t.nbytes()));
+    inner_->all_reduce(t, op);
+  }
+  void broadcast(const at::Tensor& t, int root) override {
+    model("broadcast", static_cast<int64_t>(t.nbytes()));
+    inner_->broadcast(t, root);
+  }
+  void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_counts,
+                  const std::vector<int64_t>& in_counts) override {
+    model("all_to_all", static_cast<int64_t>(in.nbytes()));
+    inner_->all_to_all(out, in, out_counts, in_counts);
+  }
+  void send(const at::Tensor& t, int dst, int tag) override {
+    model("send", static_cast<int64_t>(t.nbytes()));
+    inner_->send(t, dst, tag);
+  }
+  void recv(const at::Tensor& t, int src, int tag) override {
+    model("recv", static_cast<int64_t>(t.nbytes()));
+    inner_->recv(t, src, tag);
+  }
+  void batch_send_recv(const std::vector<P2POp>& ops) override {
+    int64_t sent = 0, received = 0;
+    for (const auto& o : ops) (o.kind == P2POp::kSend ? sent : received) += static_cast<int64_t>(o.tensor.nbytes());
+    model("batch_send_recv", std::max(sent, received));
+    inner_->batch_send_recv(ops);
+  }
+  void barrier() override {
+    model("barrier", 0);
+    inner_->barrier();
+  }
+  std::unique_ptr<Transport> split(int color, int key) override {
+    auto child = inner_->split(color, key);
+    if (!child) return nullptr;
+    return std::make_unique<SimulatedTransport>(std::move(child), net_);
+  }
+  std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) override {
+    return std::make_unique<SimulatedTransport>(inner_->create_group(ranks), net_);
+  }
+  void abandon() override { inner_->abandon(); }
+  void note_started(uint64_t collective) override { inner_->note_started(collective); }
+  std::vector<int> behind(uint64_t collective, int* unknown) const override {
+    return inner_->behind(collective, unknown);
+  }
+  void on_enqueue() override { inner_->on_enqueue(); }
+  void skip_op() override { inner_->skip_op(); }
+
+  void run_op(const std::function<void()>& body) override {
+    const Clock::time_point start = Clock::now();
+    model_s_ = 0;
+    inner_->run_op(body);
+    const double real = std::chrono::duration<double>(Clock::now() - start).count();
+    if (model_s_ > real) std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                                                   std::chrono::duration<double>(model_s_)));
+    real_us_ = static_cast<int64_t>(real * 1e6);
+    model_us_ = static_cast<int64_t>(model_s_ * 1e6);
+  }
+  std::string trace_note() const override {
+    return ",\"model_us\":" + std::to_string(model_us_) + ",\"real_us\":" + std::to_string(real_us_);
+  }
+
+ private:
+  void model(const char* op, int64_t bytes) { model_s_ = SimulatedNetwork::seconds(op, bytes, size(), link_); }
+
+  std::unique_ptr<Transport> inner_;
+  SimulatedNetwork net_;
+  LinkModel link_;
+  double model_s_ = 0;
+  int64_t model_us_ = 0, real_us_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_simulated_transport(std::unique_ptr<Transport> inner, const SimulatedNetwork& net) {
+  return std::make_unique<SimulatedTransport>(std::move(inner), net);
+}
+
+}  // namespace detail
+}  // namespace hp
