@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/optim/adamw.h>
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -309,16 +311,20 @@ int peer(int64_t batch, int64_t tokens, int steps) {
     t.step(x, y);
     ms.push_back((now_s() - t0) * 1e3);
   }
-  at::Tensor m = at::tensor({hp::bench::median(ms), static_cast<double>(hp::memory::peak_bytes())}, at::kDouble);
+  struct rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);  // the peak resident set, as PyTorch's figure is
+  at::Tensor m = at::tensor({hp::bench::median(ms), static_cast<double>(hp::memory::peak_bytes()),
+                             static_cast<double>(ru.ru_maxrss) * 1024},
+                            at::kDouble);
   w->all_reduce(m, {hp::ReduceOp::MAX}).wait();
   // Measured on every rank at once, as the steps ran (ranks share the node's cores).
   auto [util, gflops, gflop] = mfu(c, batch, tokens, m[0].item<double>() * 1e-3);
   if (w->rank() == 0) {
     std::printf("{\"impl\": \"hyperparallel\", \"ranks\": %d, \"batch\": %lld, \"tokens\": %lld, \"step_ms\": %.2f, "
-                "\"peak_tensor_bytes\": %.0f, \"overlap\": \"%s\", \"matmul_gflop_per_step\": %.3f, "
-                "\"matmul_gflops_measured\": %.1f, \"mfu\": %.3f}\n",
+                "\"peak_tensor_bytes\": %.0f, \"peak_rss_bytes\": %.0f, \"overlap\": \"%s\", "
+                "\"matmul_gflop_per_step\": %.3f, \"matmul_gflops_measured\": %.1f, \"mfu\": %.3f}\n",
                 w->size(), (long long)batch, (long long)tokens, m[0].item<double>(), m[1].item<double>(),
-                hp::fsdp_overlap() ? "on" : "off", gflop, gflops, util);
+                m[2].item<double>(), hp::fsdp_overlap() ? "on" : "off", gflop, gflops, util);
   }
   return 0;
 }

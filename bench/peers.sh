@@ -68,7 +68,8 @@ for key in sorted({(r["batch"], r["tokens"]) for r in rows}):
     if not hp:
         continue
     print(f"batch {key[0]} x {key[1]} per rank: hyperparallel fully_shard {hp['step_ms']:.1f} ms "
-          f"(overlap {hp['overlap']}, peak tensors {hp['peak_tensor_bytes'] / 1e6:.1f} MB per rank; "
+          f"(overlap {hp['overlap']}, peak tensors {hp['peak_tensor_bytes'] / 1e6:.1f} MB, "
+          f"peak RSS {hp['peak_rss_bytes'] / 1e6:.0f} MB per rank; "
           f"model FLOP utilization {hp['mfu']:.2f} of {hp['matmul_gflops_measured']:.0f} GFLOP/s measured)")
     for r in rs:
         if r is hp:
