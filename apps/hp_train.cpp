@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "hp/ckpt/checkpoint.h"
+#include "hp/core/files.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/memory_estimate.h"
@@ -250,7 +251,10 @@ void commit_latest(const hp::train::TrainConfig& c, const std::string& name) {
   }
   std::sort(saved.begin(), saved.end());  // zero-padded: oldest first
   for (size_t i = 0; i + static_cast<size_t>(c.keep_last_n) < saved.size(); ++i) {
-    if (saved[i] != name) std::filesystem::remove_all(c.save_dir + "/" + saved[i]);
+    if (saved[i] != name) {
+      const std::string error = hp::files::remove_tree(c.save_dir + "/" + saved[i]);
+      HP_CHECK(error.empty(), "keep_last_n: ", error);
+    }
   }
 }
 

@@ -28,6 +28,7 @@
 
 #include "bench_util.h"
 #include "hp/ckpt/checkpoint.h"
+#include "hp/core/files.h"
 #include "hp/runtime.h"
 
 namespace {
@@ -151,7 +152,7 @@ int main(int argc, char** argv) {
                   async_wait_s, save_s, 100.0 * async_wait_s / save_s);
     }
     w->barrier().wait();
-    if (r == 0) std::filesystem::remove_all(root);
+    if (r == 0) hp::files::remove_tree(root);
   }
   hp::finalize();
   return 0;

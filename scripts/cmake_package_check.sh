@@ -20,18 +20,22 @@ run() {  # run <exe>
   fi
 }
 
+# The libtorch (and NCCL) the build was configured with, found again by the consumer.
+torch_prefix=$(sed -n 's/^CMAKE_PREFIX_PATH:[A-Z]*=//p' "$build/CMakeCache.txt")
+nccl_root=$(sed -n 's/^NCCL_ROOT:[A-Z]*=//p' "$build/CMakeCache.txt")
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
 test -f "$work/prefix/lib/cmake/hyperparallel/hyperparallelConfig.cmake"
 test -f "$work/prefix/lib/cmake/hyperparallel/hyperparallelConfigVersion.cmake"
 test -f "$work/prefix/include/hp/config.h"
 cmake -S "$src/tests/consumer" -B "$work/pkg" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/pkg.log"
+  -DCMAKE_PREFIX_PATH="$work/prefix${torch_prefix:+;$torch_prefix}" ${nccl_root:+-DNCCL_ROOT="$nccl_root"} > "$work/pkg.log"
 cmake --build "$work/pkg" > "$work/pkg-build.log"
 run "$work/pkg/consumer"
 echo "find_package consumer: ok"
 
 cmake -S "$src/tests/consumer" -B "$work/sub" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DHP_CONSUMER_SUBDIR="$src" > "$work/sub.log"
+  -DHP_CONSUMER_SUBDIR="$src" ${torch_prefix:+-DCMAKE_PREFIX_PATH="$torch_prefix"} ${nccl_root:+-DNCCL_ROOT="$nccl_root"} \
+  > "$work/sub.log"
 cmake --build "$work/sub" --target consumer -j "${HP_BUILD_JOBS:-2}" > "$work/sub-build.log"
 run "$work/sub/consumer"
 echo "add_subdirectory consumer: ok"

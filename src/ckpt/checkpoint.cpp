@@ -1,4 +1,5 @@
 #include "hp/ckpt/checkpoint.h"
+#include "hp/core/files.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
@@ -265,7 +266,7 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   std::string problem = check_items(items);
   if (rank == 0 && problem.empty()) {
     std::error_code ec;
-    fs::remove_all(tmp, ec);
+    files::remove_tree(tmp);
     if (!fs::create_directories(tmp, ec) && !fs::is_directory(tmp)) {
       problem = "ckpt::save: cannot create '" + tmp + "': " + ec.message();
     }
@@ -351,12 +352,11 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
     // Commit: the folder appears under its name in one rename (an older one is set aside
     // first and removed after).
     crash_point("commit", rank);
-    std::error_code ec;
     const std::string old = dir + ".old";
-    fs::remove_all(old, ec);
+    files::remove_tree(old);
     if (fs::exists(dir)) fs::rename(dir, old);
     fs::rename(tmp, dir);
-    fs::remove_all(old, ec);
+    files::remove_tree(old);
     const fs::path parent = fs::absolute(dir).parent_path();
     fsync_path(parent.string());
   } catch (const std::exception& e) {

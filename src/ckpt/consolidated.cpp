@@ -1,4 +1,5 @@
 #include "hp/ckpt/consolidated.h"
+#include "hp/core/files.h"
 
 #include <ATen/ATen.h>
 
@@ -76,7 +77,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
     }
     if (rank == 0) {
       std::error_code ec;
-      fs::remove_all(tmp, ec);
+      files::remove_tree(tmp);
       HP_CHECK(fs::create_directories(tmp, ec), what, ": cannot create '", tmp, "': ", ec.message());
     }
   } catch (const std::exception& e) {

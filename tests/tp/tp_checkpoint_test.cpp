@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "hp/ckpt/checkpoint.h"
+#include "hp/core/files.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/models/llama.h"
@@ -98,7 +99,7 @@ TEST(TpCheckpoint, SavedUnderTpFsdpLoadsIntoAnyLayoutBitwise) {
     }
   }
   w->barrier().wait();
-  if (w->rank() == 0) std::filesystem::remove_all(dir());
+  if (w->rank() == 0) hp::files::remove_tree(dir());
 }
 
 }  // namespace

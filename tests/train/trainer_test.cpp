@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "hp/mesh/device_mesh.h"
+#include "hp/core/files.h"
 #include "hp/runtime.h"
 #include "fsdp/fsdp_test_util.h"
 #include "test_util.h"
@@ -421,7 +422,7 @@ void expect_hf_round_trip(ht::TrainConfig c, const std::string& label, c10::opti
   auto w = hp::world();
   const std::string base = ::testing::TempDir() + "hp_hf_" + std::to_string(w->size()) + "_" + label;
   const std::string ckpt = base + "_ckpt", out = base + "_out";
-  if (w->rank() == 0) std::filesystem::remove_all(out);
+  if (w->rank() == 0) hp::files::remove_tree(out);
   w->barrier().wait();
   std::vector<at::Tensor> want;
   {
@@ -490,7 +491,7 @@ TEST(TrainDist, HuggingFaceInterchangeErrors) {
     ht::Trainer t(c, w);
     t.save(base + "_ckpt");
   }
-  if (w->rank() == 0) std::filesystem::remove_all(base + "_out");
+  if (w->rank() == 0) hp::files::remove_tree(base + "_out");
   w->barrier().wait();
   ht::export_hf(base + "_ckpt", base + "_out", w);
   hp::test::expect_error([&] { ht::export_hf(base + "_ckpt", base + "_out", w); },
