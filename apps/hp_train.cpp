@@ -221,7 +221,8 @@ std::string latest_checkpoint(const std::string& save_dir) {
   HP_CHECK(f && std::getline(f, name) && !name.empty(), "--resume: no checkpoint to resume from in '", save_dir,
            "' (no 'latest' file: nothing was saved there yet)");
   const std::string dir = save_dir + "/" + name;
-  HP_CHECK(std::filesystem::exists(dir + "/metadata.json"), "--resume: '", save_dir, "/latest' names ", name,
+  HP_CHECK(std::filesystem::exists(hp::ckpt::committed_dir(dir) + "/metadata.json"), "--resume: '", save_dir,
+           "/latest' names ", name,
            ", which is not a committed checkpoint (no metadata.json)");
   return dir;
 }
@@ -551,7 +552,8 @@ int main(int argc, char** argv) {
       }
       // A checkpoint, or a save_dir whose 'latest' names one.
       std::string from = args.export_ckpt;
-      if (!std::filesystem::exists(from + "/metadata.json") && std::filesystem::exists(from + "/latest")) {
+      if (!std::filesystem::exists(hp::ckpt::committed_dir(from) + "/metadata.json") &&
+          std::filesystem::exists(from + "/latest")) {
         from = latest_checkpoint(from);
       }
       hp::train::export_hf(from, args.export_out, world, o);

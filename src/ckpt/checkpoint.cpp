@@ -352,9 +352,15 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
     // Commit: the folder appears under its name in one rename (an older one is set aside
     // first and removed after).
     crash_point("commit", rank);
+    // Killed between the two renames, `dir` is missing and `dir`.old is the previous commit,
+    // which committed_dir() then finds; an `dir`.old left so is kept until `dir` is back.
     const std::string old = dir + ".old";
-    files::remove_tree(old);
-    if (fs::exists(dir)) fs::rename(dir, old);
+    if (fs::exists(dir)) {
+      const std::string error = files::remove_tree(old);
+      HP_CHECK(error.empty(), "ckpt::save: ", error);
+      fs::rename(dir, old);
+    }
+    crash_point("swap", rank);
     fs::rename(tmp, dir);
     files::remove_tree(old);
     const fs::path parent = fs::absolute(dir).parent_path();
@@ -456,7 +462,13 @@ json read_metadata(const std::string& dir) {
 
 }  // namespace detail
 
-std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir) {
+std::string committed_dir(const std::string& dir) {
+  if (fs::exists(dir + "/metadata.json") || !fs::exists(dir + ".old/metadata.json")) return dir;
+  return dir + ".old";
+}
+
+std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& saved) {
+  const std::string dir = committed_dir(saved);
   const json meta = detail::read_metadata(dir);
   detail::load_boxes(items, dir, meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
                      /*convert=*/false, "the checkpoint");
@@ -466,7 +478,7 @@ std::map<std::string, std::string> load(const std::vector<Item>& items, const st
 }
 
 std::map<std::string, SavedTensor> saved_tensors(const std::string& dir) {
-  const json meta = detail::read_metadata(dir);
+  const json meta = detail::read_metadata(committed_dir(dir));
   std::map<std::string, SavedTensor> out;
   for (const auto& [name, t] : meta["tensors"].items()) {
     out[name] = SavedTensor{t["dtype"].get<std::string>(), t["shape"].get<std::vector<int64_t>>()};

@@ -63,7 +63,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
   try {
     HP_CHECK(o.max_shard_bytes > 0, what, ": max_shard_bytes must be positive, got ", o.max_shard_bytes);
     HP_CHECK(!fs::exists(out_dir), what, ": '", out_dir, "' already exists (choose a new folder; nothing is overwritten)");
-    meta = detail::read_metadata(ckpt_dir);
+    meta = detail::read_metadata(committed_dir(ckpt_dir));
     std::set<std::string> seen;
     for (const auto& [source, name] : tensors) {
       HP_CHECK(meta["tensors"].contains(source), what, ": tensor '", source, "' is not in the checkpoint");
@@ -105,7 +105,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
         items.push_back({p.name, at::empty(p.shape, at::TensorOptions().dtype(p.dtype)),
                          make_shard_spec(p.shape, {}), p.source});
       }
-      detail::load_boxes(items, ckpt_dir, meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
+      detail::load_boxes(items, committed_dir(ckpt_dir), meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
                          /*convert=*/true, "the checkpoint");
       std::vector<std::pair<std::string, at::Tensor>> out;
       for (auto& it : items) out.emplace_back(it.name, it.local);

@@ -11,6 +11,7 @@
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/ckpt/safetensors.h"
+#include "hp/core/files.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/runtime.h"
 #include "test_util.h"
@@ -122,6 +123,33 @@ TEST(Checkpoint, OnlyCommittedFoldersLoadAndMismatchesAreNamed) {
   w->barrier().wait();
   auto any = items(g, {{"a", {}}, {"b", {}}, {"c", {}}}, false);
   hp::test::expect_error([&] { hc::load(any, half); }, {"not a committed checkpoint"});
+  w->barrier().wait();
+}
+
+// A save that replaces a folder and is killed between setting the old one aside and
+// renaming the new one in leaves `dir` missing and `dir`.old committed (made here by hand,
+// as the kill would leave it): load finds the old one; the next save to `dir` commits over
+// it and removes `dir`.old.
+TEST(Checkpoint, ASaveKilledMidReplaceLeavesThePreviousOne) {
+  auto w = hp::world();
+  std::map<std::string, at::Tensor> g = {{"a", globals().at("a")}};
+  const std::string dir = dir_for("replace");
+  hc::save(items(g, {{"a", {}}}, true), dir, w);
+  if (w->rank() == 0) {
+    hp::files::remove_tree(dir + ".old");
+    fs::rename(dir, dir + ".old");
+  }
+  w->barrier().wait();
+  EXPECT_EQ(hc::committed_dir(dir), dir + ".old");
+  auto back = items({{"a", at::zeros_like(g.at("a"))}}, {{"a", {}}}, false);
+  hc::load(back, dir);
+  EXPECT_TRUE(at::equal(back[0].local, g.at("a").narrow(0, back[0].spec.offsets[0], back[0].spec.lengths[0])));
+  std::map<std::string, at::Tensor> g2 = {{"a", g.at("a") + 1}};
+  hc::save(items(g2, {{"a", {}}}, true), dir, w);
+  EXPECT_EQ(hc::committed_dir(dir), dir);
+  EXPECT_FALSE(fs::exists(dir + ".old"));
+  hc::load(back, dir);
+  EXPECT_TRUE(at::equal(back[0].local, g2.at("a").narrow(0, back[0].spec.offsets[0], back[0].spec.lengths[0])));
   w->barrier().wait();
 }
 

@@ -49,6 +49,11 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
 // reads the values only (the metadata).
 std::map<std::string, std::string> load(const std::vector<Item>& items, const std::string& dir);
 
+// The folder holding the checkpoint committed as `dir`: `dir`, or `dir`.old where a save
+// replacing `dir` was killed between setting the old one aside and renaming the new one in
+// (load() and saved_tensors() look there by themselves).
+std::string committed_dir(const std::string& dir);
+
 // The tensors of the committed checkpoint `dir`, by name (its metadata alone).
 std::map<std::string, SavedTensor> saved_tensors(const std::string& dir);
 
@@ -60,7 +65,8 @@ void fsync_path(const std::string& path);
 // save of the process (N = HP_CKPT_CRASH_SAVE, default 1), the rank (every rank without
 // ":<rank>") kills itself with SIGKILL at `point`. save() has the points "write" (before
 // its data file), "written" (after it, before the commit), "commit" (rank 0, before the
-// rename); hp-train adds "latest" (after the save, before the latest pointer). Unset: does
+// renames), "swap" (rank 0, after an older `dir` was set aside, before the new one is
+// renamed in); hp-train adds "latest" (after the save, before the latest pointer). Unset: does
 // nothing. A tool for the kill tests, never set in training.
 void crash_point(const char* point, int rank);
 
