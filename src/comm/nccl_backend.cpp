@@ -96,12 +96,17 @@ class NcclTransport final : public Transport {
   ~NcclTransport() override {
     if (abandoned_) return;  // aborted: a stuck call may still hold these; leak them
     // No throwing here (CUDA may already be shutting down at exit): errors are ignored.
+    // In reverse order of creation: the events (made after the stream, as ops needed
+    // them), the completion event, the stream, then the NCCL communicator the transport
+    // was built on. Every op completed before it released its tensors, so the stream is
+    // idle; it is synchronized anyway before anything it used goes.
     if (cudaSetDevice(device_) != cudaSuccess) return;
-    ncclCommDestroy(comm_);
-    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-    for (cudaEvent_t e : issued_) cudaEventDestroy(e);
+    cudaStreamSynchronize(stream_);
+    for (auto it = issued_.rbegin(); it != issued_.rend(); ++it) cudaEventDestroy(*it);
+    for (auto it = free_events_.rbegin(); it != free_events_.rend(); ++it) cudaEventDestroy(*it);
     cudaEventDestroy(done_);
     cudaStreamDestroy(stream_);
+    ncclCommDestroy(comm_);
   }
 
   std::string backend() const override { return "nccl"; }
