@@ -30,7 +30,6 @@
 
 #include "bench_util.h"
 #include "fsdp/fsdp_model.h"
-#include "hp/comm/simulated_network.h"
 #include "hp/core/memory.h"
 #include "hp/core/trace.h"
 #include "hp/fsdp/fully_shard.h"
@@ -144,7 +143,7 @@ int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds)
                 "spare core per rank: %s, simulated network: %s)\n",
                 std::getenv("HP_FSDP_OVERLAP") ? std::getenv("HP_FSDP_OVERLAP") : "auto",
                 hp::fsdp_overlap() ? "on" : "off", hp::local_world_size(), at::get_num_threads(),
-                hp::spare_core_per_rank() ? "yes" : "no", hp::simulated_network_active() ? "yes" : "no");
+                hp::spare_core_per_rank() ? "yes" : "no", std::getenv("HP_SIM_NET") && *std::getenv("HP_SIM_NET") ? std::getenv("HP_SIM_NET") : "none");
   }
   TinyConfig c = model_config();
   for (auto [batch, tokens] : batches) {

@@ -50,6 +50,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
   const int rank = world->rank(), size = world->size();
   const std::string what = "export of '" + ckpt_dir + "' to '" + out_dir + "'";
   const std::string tmp = out_dir + ".tmp";
+  const std::string from = committed_dir(ckpt_dir);
   // Everything checked (and the folder made) before any rank writes.
   std::string problem;
   json meta;
@@ -63,7 +64,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
   try {
     HP_CHECK(o.max_shard_bytes > 0, what, ": max_shard_bytes must be positive, got ", o.max_shard_bytes);
     HP_CHECK(!fs::exists(out_dir), what, ": '", out_dir, "' already exists (choose a new folder; nothing is overwritten)");
-    meta = detail::read_metadata(committed_dir(ckpt_dir));
+    meta = detail::read_metadata(from);
     std::set<std::string> seen;
     for (const auto& [source, name] : tensors) {
       HP_CHECK(meta["tensors"].contains(source), what, ": tensor '", source, "' is not in the checkpoint");
@@ -105,7 +106,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
         items.push_back({p.name, at::empty(p.shape, at::TensorOptions().dtype(p.dtype)),
                          make_shard_spec(p.shape, {}), p.source});
       }
-      detail::load_boxes(items, committed_dir(ckpt_dir), meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
+      detail::load_boxes(items, from, meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
                          /*convert=*/true, "the checkpoint");
       std::vector<std::pair<std::string, at::Tensor>> out;
       for (auto& it : items) out.emplace_back(it.name, it.local);

@@ -1,6 +1,5 @@
 #include "hp/comm/simulated_network.h"
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -97,12 +96,6 @@ double SimulatedNetwork::seconds(const std::string& op, int64_t bytes, int n, co
   return link.alpha_us * 1e-6 + factor * static_cast<double>(bytes) / (link.gbytes_per_s * 1e9);
 }
 
-namespace {
-std::atomic<bool> g_active{false};
-}  // namespace
-
-bool simulated_network_active() { return g_active.load(); }
-
 namespace detail {
 namespace {
 
@@ -114,9 +107,7 @@ using Clock = std::chrono::steady_clock;
 class SimulatedTransport final : public Transport {
  public:
   SimulatedTransport(std::unique_ptr<Transport> inner, const SimulatedNetwork& net)
-      : inner_(std::move(inner)), net_(net), link_(net.spans_nodes(inner_->world_ranks()) ? net.inter : net.intra) {
-    g_active = true;
-  }
+      : inner_(std::move(inner)), net_(net), link_(net.spans_nodes(inner_->world_ranks()) ? net.inter : net.intra) {}
 
   std::string backend() const override { return inner_->backend(); }
   int rank() const override { return inner_->rank(); }

@@ -49,7 +49,4 @@ struct SimulatedNetwork {
   static double seconds(const std::string& op, int64_t bytes, int n, const LinkModel& link);
 };
 
-// Whether a communicator of this process runs under a simulated network.
-bool simulated_network_active();
-
 }  // namespace hp
