@@ -212,7 +212,16 @@ at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!norm) return h;
   h = hp::call(norm, h);
-  return output ? hp::call(output, h) : h.matmul(tok_emb->weight.t());
+  if (output) return hp::call(output, h);
+  if (!tied_head_tp) return h.matmul(tok_emb->weight.t());
+  // Tied under tensor parallelism: the head is a column-parallel product with this rank's
+  // vocabulary rows, its input the whole residual stream.
+  const tp::RedistributeOptions ro{tied_head_reduce_dtype};
+  const tp::Placement stream = stream_split > 1 ? tp::Shard(1) : tp::Replicate();
+  h = tp::redistribute(h, tied_head_tp, stream, tp::Replicate(), /*grad=*/tp::Partial(), ro);
+  at::Tensor logits = h.matmul(tok_emb->weight.t());
+  if (vocab_parallel_loss) return logits;
+  return tp::redistribute(logits, tied_head_tp, tp::Shard(-1), tp::Replicate(), /*grad=*/tp::Replicate(), ro);
 }
 
 at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {

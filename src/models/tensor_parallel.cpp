@@ -14,7 +14,6 @@ void check_tensor_parallel(const LlamaConfig& c, int64_t tp) {
   HP_CHECK(c.vocab % tp == 0, "tensor_parallel=", tp, ": vocab=", c.vocab, " is not divisible by it");
   HP_CHECK(c.hidden_dim() % tp == 0, "tensor_parallel=", tp, ": the MLP hidden size ", c.hidden_dim(),
            " is not divisible by it");
-  HP_CHECK(!c.tie_embeddings, "tensor_parallel=", tp, " with tie_embeddings is not supported yet");
 }
 
 void check_tensor_parallel(const DeepSeekConfig& c, int64_t tp) {
@@ -87,6 +86,12 @@ void parallelize_llama(Llama& model, const CommPtr& group, const TensorParallelO
   parallelize_module(*model, group, present(plan, *model), ParallelizeOptions{o.reduce_dtype});
   if (o.loss_parallel) model->vocab_parallel_loss = group;
   if (o.sequence_parallel) model->stream_split = group->size();
+  // Tied: the embedding is vocabulary-parallel (its rows split), which is the output head's
+  // column split too; the model's forward moves the head's input and logits.
+  if (model->config.tie_embeddings && model->slice.head) {
+    model->tied_head_tp = group;
+    model->tied_head_reduce_dtype = o.reduce_dtype;
+  }
 }
 
 void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorParallelOptions& o) {

@@ -46,16 +46,23 @@ void no_after_step(hp::models::Llama&, const hp::CommPtr&) {}
 
 TEST(LlamaTp, MatchesSingleProcessTraining) {
   auto g = hp::world();
-  for (bool sp : {true, false}) {
-    for (bool lp : {true, false}) {
-      SCOPED_TRACE(std::string("sequence_parallel=") + (sp ? "on" : "off") + " loss_parallel=" + (lp ? "on" : "off"));
-      hp::models::TensorParallelOptions o;
-      o.sequence_parallel = sp;
-      o.loss_parallel = lp;
-      auto r = hp::test::train_tp_against_one_process<hp::models::Llama>(config(), o, g, nullptr, 1, 0, no_after_step);
-      EXPECT_LE(r.loss, kBound);
-      EXPECT_LE(r.params, kBound);
-      EXPECT_EQ(r.spread, 0.0);  // whole parameters (norms) stay identical on every rank
+  for (bool tied : {false, true}) {
+    for (bool sp : {true, false}) {
+      for (bool lp : {true, false}) {
+        // Tied: the embedding's vocabulary rows are the head's columns; its gradient sums the
+        // lookup's and the head's parts on the same pieces.
+        SCOPED_TRACE(std::string("tie_embeddings=") + (tied ? "on" : "off") + " sequence_parallel=" +
+                     (sp ? "on" : "off") + " loss_parallel=" + (lp ? "on" : "off"));
+        hp::models::TensorParallelOptions o;
+        o.sequence_parallel = sp;
+        o.loss_parallel = lp;
+        auto c = config();
+        c.tie_embeddings = tied;
+        auto r = hp::test::train_tp_against_one_process<hp::models::Llama>(c, o, g, nullptr, 1, 0, no_after_step);
+        EXPECT_LE(r.loss, kBound);
+        EXPECT_LE(r.params, kBound);
+        EXPECT_EQ(r.spread, 0.0);  // whole parameters (norms) stay identical on every rank
+      }
     }
   }
 }
@@ -111,11 +118,16 @@ TEST(LlamaTp, UnderFullyShardMatchesSingleProcessTraining) {
   auto w = hp::world();
   if (w->size() != 4) GTEST_SKIP() << "needs 4 ranks (dp_shard 2 x tp 2)";
   auto mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"dp_shard", 2}, {"tp", 2}});
-  auto r = hp::test::train_tp_against_one_process<hp::models::Llama>(config(), {}, mesh->group("tp"), mesh, 2,
-                                                                     mesh->coordinate("dp_shard"), no_after_step);
-  EXPECT_LE(r.loss, kBound);
-  EXPECT_LE(r.params, kBound);
-  EXPECT_EQ(r.spread, 0.0);
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(std::string("tie_embeddings=") + (tied ? "on" : "off"));
+    auto c = config();
+    c.tie_embeddings = tied;
+    auto r = hp::test::train_tp_against_one_process<hp::models::Llama>(c, {}, mesh->group("tp"), mesh, 2,
+                                                                       mesh->coordinate("dp_shard"), no_after_step);
+    EXPECT_LE(r.loss, kBound);
+    EXPECT_LE(r.params, kBound);
+    EXPECT_EQ(r.spread, 0.0);
+  }
 }
 
 TEST(LlamaTp, LayoutErrorsNameTheValue) {
@@ -123,9 +135,6 @@ TEST(LlamaTp, LayoutErrorsNameTheValue) {
   hp::test::expect_error([&] { hp::models::check_tensor_parallel(c, 3); }, {"tensor_parallel=3", "heads=8"});
   c.kv_heads = 2;
   hp::test::expect_error([&] { hp::models::check_tensor_parallel(c, 4); }, {"kv_heads=2", "not divisible"});
-  c = config();
-  c.tie_embeddings = true;
-  hp::test::expect_error([&] { hp::models::check_tensor_parallel(c, 2); }, {"tie_embeddings", "not supported yet"});
   auto g = hp::world();
   if (g->size() > 1) {
     // A sequence that does not split over the group, under sequence parallelism.

@@ -264,6 +264,14 @@ TEST(TrainDist, LlamaMatchesSingleProcess) { expect_matches_naive("llama"); }
 TEST(TrainDist, LlamaTensorParallelMatchesSingleProcess) {
   if (hp::world()->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
   expect_matches_naive("llama", 2);
+  // Tied embeddings: the vocabulary-parallel embedding's pieces are the head's columns.
+  SCOPED_TRACE("tied embeddings");
+  expect_matches_naive("llama", 2, 1, 1, "auto", {}, /*tie=*/true);
+  if (hp::world()->size() % 4 == 0) {
+    // And over two pipeline stages: each copy split by tp, their gradients summed over pp.
+    SCOPED_TRACE("tied embeddings, pipeline_parallel=2");
+    expect_matches_naive("llama", 2, 2, 1, "auto", {}, /*tie=*/true);
+  }
 }
 // Pipeline parallel 2 (1F1B, and interleaved with 2 stages per rank): alone at 2 ranks,
 // with FSDP over dp_shard 2 at 4 ranks; at 8 ranks (train_test.np8_pp) the first seed's

@@ -161,6 +161,12 @@ struct LlamaImpl : torch::nn::Module {
   // Set (by parallelize_llama with loss parallel): the output head's logits are split on
   // the vocabulary over this group, and loss() reduces them without gathering.
   CommPtr vocab_parallel_loss;
+  // Set (by parallelize_llama with tie_embeddings): the tied head multiplies by this rank's
+  // vocabulary rows of the embedding, so its input is gathered over this group (entered,
+  // with the gradient all-reduced, without sequence parallelism; reduce-scattered back to
+  // sequence pieces with it), and its logits are gathered unless vocab_parallel_loss is set.
+  CommPtr tied_head_tp;
+  c10::optional<at::ScalarType> tied_head_reduce_dtype;
   // Null on a pipeline stage without the embedding (with tie_embeddings the last stage holds
   // a copy of it for the output head).
   torch::nn::Embedding tok_emb{nullptr};
