@@ -339,7 +339,9 @@ namespace {
 using Key = std::tuple<int, int, int>;  // stage, kind, micro-batch
 
 // Replays the lists; `check_only` skips nothing (costs still computed). Raises when stuck.
-SimResult replay(const Schedule& s, const Costs& c) {
+SimResult replay(const Schedule& s, const Costs& all) {
+  HP_CHECK(all.per_stage.empty() || static_cast<int>(all.per_stage.size()) == s.stages, "simulate: ",
+           all.per_stage.size(), " per-stage costs for a schedule of ", s.stages, " stages");
   const int R = static_cast<int>(s.actions.size());
   std::map<Key, double> done;  // finish time of each compute action
   auto finished = [&](int stage, ActionKind k, int mb, double* t) {
@@ -359,6 +361,7 @@ SimResult replay(const Schedule& s, const Costs& c) {
     for (int r = 0; r < R; ++r) {
       while (next[r] < s.actions[r].size()) {
         const Action& a = s.actions[r][next[r]];
+        const Costs& c = all.per_stage.empty() || a.stage < 0 ? all : all.per_stage[static_cast<size_t>(a.stage)];
         double start = free_at[r], cost = 0;
         bool ready = true;
         switch (a.kind) {

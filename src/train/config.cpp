@@ -56,6 +56,23 @@ std::vector<BlockCount> block_counts(const ModelSpec& m) {
 }
 }  // namespace
 
+int64_t ModelSpec::stage_params(const models::PipelineSlice& sl) const {
+  const int64_t L = layers(), end = sl.end_layer < 0 ? L : sl.end_layer;
+  if (type == "llama") {
+    const auto& l = llama;
+    // Tied embeddings: the last stage holds a copy of the embedding for its head.
+    const int64_t embedding = sl.embedding || (sl.head && l.tie_embeddings) ? l.vocab * l.dim : 0;
+    const int64_t head = sl.head ? l.dim + (l.tie_embeddings ? 0 : l.vocab * l.dim) : 0;
+    return embedding + (end - sl.first_layer) * l.block_params() + head;
+  }
+  const auto& d = deepseek;
+  int64_t n = (sl.embedding ? d.vocab * d.dim : 0) + (sl.head ? d.dim + d.vocab * d.dim : 0);
+  // block_counts lists the dense kind first (when there is one), the MoE kind last.
+  const auto kinds = block_counts(*this);
+  for (int64_t i = sl.first_layer; i < end; ++i) n += (i < d.dense_layers ? kinds.front() : kinds.back()).total;
+  return n;
+}
+
 int64_t ModelSpec::params_per_tp_rank(int64_t tp) const {
   if (tp <= 1) return num_params();
   int64_t whole = type == "llama" ? llama.dim : deepseek.dim;  // the final norm

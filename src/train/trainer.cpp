@@ -176,10 +176,7 @@ std::vector<int64_t> stage_params(const TrainConfig& c) {
   const int stages = static_cast<int>(c.pipeline_parallel * c.pipeline_parallel_interleave_num);
   std::vector<int64_t> out;
   for (const auto& slice : models::split_layers(c.model.layers(), stages, c.pipeline_stage_layers)) {
-    auto m = make_model(c, /*deferred=*/true, slice);
-    int64_t n = 0;
-    for (const auto& p : m->root().parameters()) n += p.numel();
-    out.push_back(n);
+    out.push_back(c.model.stage_params(slice));
   }
   return out;
 }

@@ -223,3 +223,23 @@ TEST(PpSchedule, ZeroBubbleVIsNearlyBubbleFree) {
 }
 
 }  // namespace
+
+// Stages of unequal cost (a last stage with the head and the loss): 1F1B over 2 stages and
+// 4 micro-batches, stage 0 forward 4 / backward 8, stage 1 10 / 20. Replayed by hand: stage 1
+// starts after stage 0's first forward and never waits (F0 4-14, B0 14-34, F1 34-44, ...,
+// B3 104-124); stage 0's last backward ends at 132.
+TEST(Schedule, SimulatesStagesOfUnequalCost) {
+  hp::pp::Costs c;
+  c.per_stage = {hp::pp::Costs{4, 8, 4, 4}, hp::pp::Costs{10, 20, 10, 10}};
+  const auto r = hp::pp::simulate(hp::pp::one_f_one_b(2, 4), c);
+  EXPECT_DOUBLE_EQ(r.makespan, 132);
+  EXPECT_DOUBLE_EQ(r.busy[0], 48);
+  EXPECT_DOUBLE_EQ(r.busy[1], 120);
+  c.per_stage.pop_back();
+  try {
+    hp::pp::simulate(hp::pp::one_f_one_b(2, 4), c);
+    FAIL() << "one cost for two stages was accepted";
+  } catch (const hp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("1 per-stage costs for a schedule of 2 stages"), std::string::npos) << e.what();
+  }
+}

@@ -254,3 +254,28 @@ TEST(TrainClip, NormAndScaleByHand) {
   EXPECT_NEAR(ht::global_grad_norm(g, nullptr), 6.5, 1e-5);
   EXPECT_DOUBLE_EQ(ht::clip_grads_(g, 0.0, 100.0), 1.0);  // 0 = off
 }
+
+// --estimate and --plan count a pipeline stage's parameters from the config alone (building
+// the stages of a 671B model took minutes): against the stages built without storage.
+TEST(Config, StageParameterCountsMatchTheBuiltStages) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"model:\n  type: llama\n  layers: 5\n", {}},
+      {"model:\n  type: llama\n  layers: 5\n  tie_embeddings: true\n", {}},
+      {"model:\n  type: deepseek\n  layers: 5\n", {}},
+      {"model:\n  type: deepseek\n  layers: 5\n  dense_layers: 0\n", {}},
+      {"model:\n  type: deepseek\n  layers: 4\n  dense_layers: 4\n", {}},
+      {"model:\n  type: deepseek\n  layers: 5\n  dense_layers: 3\n", {}},
+  };
+  for (const auto& [yaml, overrides] : cases) {
+    ht::TrainConfig c = ht::parse_config(yaml, overrides, "stages.yaml");
+    for (int stages : {1, 2, 3, 4}) {
+      for (const auto& slice : hp::models::split_layers(c.model.layers(), stages)) {
+        auto m = ht::make_model(c, /*deferred=*/true, slice);
+        int64_t built = 0;
+        for (const auto& p : m->root().parameters()) built += p.numel();
+        EXPECT_EQ(c.model.stage_params(slice), built)
+            << yaml << " stages " << stages << " layers [" << slice.first_layer << ", " << slice.end_layer << ")";
+      }
+    }
+  }
+}

@@ -138,6 +138,9 @@ int transfer_tag(const Schedule& s, const Action& a);
 struct Costs {
   double forward = 1, backward = 2;  // a full backward (I + W)
   double backward_input = 1, backward_weight = 1;
+  // Stage k's costs when not empty (one per stage; their own per_stage unused): stages of
+  // unequal size, such as a last stage with the head and the loss.
+  std::vector<Costs> per_stage;
 };
 
 struct SimResult {

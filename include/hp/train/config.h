@@ -39,6 +39,9 @@ struct ModelSpec {
   // by tp, the whole ones (norms; DeepSeek's MLA down-projections, their norms and the MoE
   // router) in full. tp = 1: num_params() and largest_block_params().
   int64_t params_per_tp_rank(int64_t tp) const;
+  // Parameters of a pipeline stage's part of the model (before tensor parallelism), from
+  // the config alone (a tied Llama's last stage counts its copy of the embedding).
+  int64_t stage_params(const models::PipelineSlice& slice) const;
   int64_t largest_block_params_per_tp_rank(int64_t tp) const;
 };
 

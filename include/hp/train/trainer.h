@@ -92,7 +92,7 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = fal
                                        const models::PipelineSlice& slice = {});
 
 // Parameters of each of the pipeline_parallel x interleave stages (before tensor
-// parallelism), counted on the stages' models built without storage.
+// parallelism), from the config alone (ModelSpec::stage_params).
 std::vector<int64_t> stage_params(const TrainConfig& c);
 
 class Trainer {
