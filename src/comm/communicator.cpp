@@ -11,6 +11,7 @@
 #include "hp/core/env.h"
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
+#include "bootstrap.h"
 #include "work_state.h"
 
 namespace hp {

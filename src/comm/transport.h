@@ -95,8 +95,6 @@ std::unique_ptr<Transport> make_nccl_world_transport(int rank, int size, int dev
                                                      const std::function<void(void*, size_t)>& share_id);
 #endif
 
-// Stops every live communicator's worker before the runtime shuts MPI down. Returns
-// false if some worker is stuck in an op that timed out (MPI must then not be finalized).
-bool shutdown_all_communicators(std::chrono::milliseconds grace);
+// shutdown_all_communicators: comm/bootstrap.h.
 
 }  // namespace hp::detail
