@@ -26,24 +26,18 @@
 #include <thread>
 
 #include "hp/ckpt/checkpoint.h"
+#include "hp/core/env.h"
 #include "hp/core/files.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/memory_estimate.h"
 #include "hp/runtime.h"
 #include "hp/train/config.h"
+#include "hp/train/plan.h"
 #include "hp/train/report.h"
 #include "hp/train/trainer.h"
 
 namespace {
-
-// Memory a rank needs to build the model: its shards of the parameters, plus the scratch
-// the model is built on (the largest parameter in fp32) and, for a low-precision model, the
-// fp32 draw of the parameter being initialized.
-double construction_bytes(const hp::train::TrainConfig& c, const hp::MemoryEstimate& est) {
-  const double largest = 4.0 * static_cast<double>(c.model.largest_param());
-  return static_cast<double>(est.sharded_params) + largest * (c.params_dtype == at::kFloat ? 1 : 2);
-}
 
 struct Args {
   std::string config;
@@ -51,7 +45,13 @@ struct Args {
   bool verify = false, list_keys = false, help = false, estimate = false;
   bool resume = false;
   std::string resume_dir;  // empty: save_dir's latest
-  int world = 0;  // --world: the rank count --estimate assumes (0 = this run's)
+  int world = 0;  // --world: the rank count --estimate and --plan assume (0 = this run's)
+  // --plan [--ranks-per-node K] [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]
+  bool plan = false, plan_json = false;
+  int ranks_per_node = 0;
+  std::string link;
+  double device_tflops = 0;
+  int64_t memory_per_rank = 0;
   // --export-hf CKPT OUT [--dtype D] [--max-shard-size N]
   std::string export_ckpt, export_out, export_dtype;
   int64_t max_shard_bytes = 0;  // 0: the default
@@ -60,6 +60,8 @@ struct Args {
 const char* kUsage =
     "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR]]\n"
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
+    "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
+    "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
     "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size N]\n"
     "       hp-train --list-keys\n"
     "  --config FILE    YAML config (configs/*.yaml)\n"
@@ -68,7 +70,14 @@ const char* kUsage =
     "  --resume [DIR]   continue from a checkpoint: DIR, or the newest under save_dir\n"
     "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
     "                   and exit, allocating nothing (any size, deepseek_v3 included)\n"
-    "  --world N        the number of ranks --estimate assumes (default: this run's)\n"
+    "  --world N        the number of ranks --estimate and --plan assume (default: this run's)\n"
+    "  --plan           every layout of the config over --world ranks (data_parallel x\n"
+    "                   data_parallel_shard x tensor_parallel x pipeline_parallel), with its\n"
+    "                   memory per rank and predicted step time, fastest first; the compute is\n"
+    "                   timed here (or counted in FLOPs at --device-tflops, for one GPU a rank),\n"
+    "                   the communication modelled over --link (HP_SIM_NET's syntax, default\n"
+    "                   HP_SIM_NET, else this machine's shared memory, measured); --ranks-per-node\n"
+    "                   sets the node size; --json prints one JSON object per layout\n"
     "  --export-hf CKPT_DIR OUT_DIR\n"
     "                   write a checkpoint's Llama to the new folder OUT_DIR in Hugging Face's\n"
     "                   layout (config.json, safetensors shards, index); CKPT_DIR may be a\n"
@@ -79,7 +88,7 @@ const char* kUsage =
     "Run under mpirun for several ranks; see docs/train.md.\n";
 
 // "5GB", "500MB", "100K", "12345": decimal units, as Hugging Face writes them.
-int64_t parse_bytes(const std::string& v) {
+int64_t parse_bytes(const std::string& v, const char* flag) {
   size_t used = 0;
   double x = 0;
   try {
@@ -93,8 +102,21 @@ int64_t parse_bytes(const std::string& v) {
                                                {"MB", 1e6}, {"G", 1e9}, {"GB", 1e9}};
   auto it = scale.find(unit);
   HP_CHECK(used > 0 && it != scale.end() && x * it->second >= 1 && x * it->second < 9e18,
-           "hp-train: --max-shard-size ", v, ": expected a positive size in bytes (e.g. 5GB, 500MB, 1048576)");
+           "hp-train: ", flag, " ", v, ": expected a positive size in bytes (e.g. 5GB, 500MB, 1048576)");
   return static_cast<int64_t>(x * it->second);
+}
+
+// --world N, --ranks-per-node K: a whole number above 0.
+int positive_ranks(const std::string& flag, const std::string& v) {
+  size_t used = 0;
+  int n = 0;
+  try {
+    n = std::stoi(v, &used);
+  } catch (const std::exception&) {
+    n = 0;
+  }
+  HP_CHECK(used == v.size() && n > 0, "hp-train: ", flag, " ", v, ": expected a positive number of ranks");
+  return n;
 }
 
 Args parse_args(int argc, char** argv) {
@@ -124,15 +146,28 @@ Args parse_args(int argc, char** argv) {
     } else if (s == "--estimate") {
       a.estimate = true;
     } else if (s == "--world") {
+      a.world = positive_ranks(s, value());
+    } else if (s == "--plan") {
+      a.plan = true;
+    } else if (s == "--json") {
+      a.plan_json = true;
+    } else if (s == "--ranks-per-node") {
+      a.ranks_per_node = positive_ranks(s, value());
+    } else if (s == "--link") {
+      a.link = value();
+      hp::SimulatedNetwork::parse(a.link);  // names a bad spec
+    } else if (s == "--device-tflops") {
       std::string v = value();
       size_t used = 0;
       try {
-        a.world = std::stoi(v, &used);
+        a.device_tflops = std::stod(v, &used);
       } catch (const std::exception&) {
-        a.world = 0;
+        used = 0;
       }
-      if (used != v.size()) a.world = 0;
-      HP_CHECK(a.world > 0, "hp-train: --world ", v, ": expected a positive number of ranks");
+      HP_CHECK(used == v.size() && a.device_tflops > 0 && std::isfinite(a.device_tflops), "hp-train: --device-tflops ",
+               v, ": expected a positive number (TFLOP/s of one device)");
+    } else if (s == "--memory-per-rank") {
+      a.memory_per_rank = parse_bytes(value(), "--memory-per-rank");
     } else if (s == "--export-hf") {
       a.export_ckpt = value();
       a.export_out = value();
@@ -141,7 +176,7 @@ Args parse_args(int argc, char** argv) {
       HP_CHECK(a.export_dtype == "fp32" || a.export_dtype == "bf16" || a.export_dtype == "fp16",
                "hp-train: --dtype ", a.export_dtype, ": expected fp32, bf16 or fp16");
     } else if (s == "--max-shard-size") {
-      a.max_shard_bytes = parse_bytes(value());
+      a.max_shard_bytes = parse_bytes(value(), "--max-shard-size");
     } else if (s == "--list-keys") {
       a.list_keys = true;
     } else if (s == "--help" || s == "-h") {
@@ -157,7 +192,12 @@ Args parse_args(int argc, char** argv) {
            "hp-train: --export-hf takes the model from the checkpoint: no --config, --set, --verify, --resume or "
            "--estimate with it");
   if (!a.help && !a.list_keys && !exporting) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
-  HP_CHECK(a.world == 0 || a.estimate, "hp-train: --world only goes with --estimate");
+  HP_CHECK(a.world == 0 || a.estimate || a.plan, "hp-train: --world only goes with --estimate or --plan");
+  HP_CHECK(a.plan || (!a.plan_json && a.ranks_per_node == 0 && a.link.empty() && a.device_tflops == 0 &&
+                      a.memory_per_rank == 0),
+           "hp-train: --json, --ranks-per-node, --link, --device-tflops and --memory-per-rank only go with --plan");
+  HP_CHECK(!(a.plan && (a.estimate || a.verify || a.resume || exporting)),
+           "hp-train: --plan only predicts: no --estimate, --verify, --resume or --export-hf with it");
   HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
   HP_CHECK(!(a.resume && a.estimate), "hp-train: --resume trains, --estimate only sizes: use one of them");
   return a;
@@ -282,6 +322,39 @@ std::string save_checkpoint(hp::train::Trainer& t, const hp::train::TrainConfig&
   return dir;
 }
 
+// --plan: rank 0 predicts (the others wait, without spinning), every rank returns its status.
+int plan(const Args& args, const hp::CommPtr& world) {
+  using namespace hp::train;
+  std::string error;
+  if (world->rank() == 0) {
+    try {
+      const TrainConfig c = load_config(args.config, args.overrides);
+      PlanOptions o;
+      o.world = args.world > 0 ? args.world : world->size();
+      const std::string spec = args.link.empty() ? hp::env::get_string("HP_SIM_NET") : args.link;
+      o.network = spec.empty() ? measured_local_link() : hp::SimulatedNetwork::parse(spec);
+      if (args.ranks_per_node > 0) o.network.ranks_per_node = args.ranks_per_node;
+      o.device = args.device_tflops > 0;
+      o.memory_per_rank = args.memory_per_rank;
+      const auto rows = plan_layouts(c, o, measured_compute(c, args.device_tflops));
+      if (args.plan_json) {
+        std::cout << plan_json(rows) << std::flush;
+      } else {
+        std::cout << "plan: " << args.config << " over " << o.world << " rank(s)"
+                  << (o.network.ranks_per_node > 0 ? ", " + std::to_string(o.network.ranks_per_node) + " per node"
+                                                   : std::string(", one node"))
+                  << "; links: " << (spec.empty() ? "this machine's shared memory (measured), " : "")
+                  << o.network.to_string() << "\n";
+        std::cout << format_plan(rows) << std::flush;
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  world->barrier({std::chrono::hours(24)}).wait();
+  return all_ok(world, error.empty(), error) ? 0 : 1;
+}
+
 int run(const Args& args, const hp::CommPtr& world) {
   using namespace hp::train;
   const int rank = world->rank();
@@ -294,42 +367,21 @@ int run(const Args& args, const hp::CommPtr& world) {
   TrainConfig c;
   hp::MemoryEstimate est;
   std::vector<int64_t> stage_counts;  // pipeline_parallel > 1: parameters per stage
+  double construction = 0;  // bytes while building the model
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<MetricsLog> metrics;
   std::string error;
   try {
     c = load_config(args.config, args.overrides);
     c.validate(args.world > 0 ? args.world : world->size());
-    // Under tensor parallelism fully_shard shards each tp rank's pieces.
-    // Under pipeline parallelism a rank holds its stages only: the fullest pp rank's share,
-    // with tensor parallelism dividing it as it divides the whole model.
-    int64_t rank_params = c.model.params_per_tp_rank(c.tensor_parallel);
-    if (c.pipeline_parallel > 1) {
-      stage_counts = stage_params(c);
-      int64_t fullest = 0;
-      for (int64_t r = 0; r < c.pipeline_parallel; ++r) {
-        int64_t n = 0;
-        for (size_t st = 0; st < stage_counts.size(); ++st) {
-          const int64_t S = static_cast<int64_t>(stage_counts.size()), k = static_cast<int64_t>(st);
-          // zbv places stage k on rank k, then back (a V); the others in a loop.
-          const int64_t owner = c.pipeline_schedule == "zbv" ? (k < S / 2 ? k : S - 1 - k) : k % c.pipeline_parallel;
-          if (owner == r) n += stage_counts[st];
-        }
-        fullest = std::max(fullest, n);
-      }
-      rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(rank_params) /
-                                         static_cast<double>(c.model.num_params()));
-    }
-    est = hp::estimate_memory(rank_params,
-                              c.model.largest_block_params_per_tp_rank(c.tensor_parallel), c.params_dtype,
-                                      mixed_precision(c),
-                                      {c.data_parallel, c.data_parallel_shard,
-                                       // optim_grads keeps parameters gathered until backward: a group of 1
-                                       c.data_parallel_shard_strategy == "optim_grads" ? 1 : c.reshard_after_forward_group_size});
+    const RankMemory rm = estimate_rank_memory(c);
+    est = rm.estimate;
+    stage_counts = rm.stage_counts;
+    construction = rm.construction;
     if (!args.estimate) {
       // Each rank builds the model without storage and materializes its shards one
       // parameter at a time: the sharded state plus one fp32 parameter, then training's.
-      const double need = std::max(construction_bytes(c, est), static_cast<double>(est.total()));
+      const double need = std::max(construction, static_cast<double>(est.total()));
       const double avail = static_cast<double>(hp::memory::available_bytes());
       const int ranks = hp::local_world_size();
       HP_CHECK(avail == 0 || need * ranks < avail, "the model (", c.model.num_params(), " parameters) needs about ",
@@ -381,7 +433,7 @@ int run(const Args& args, const hp::CommPtr& world) {
         "; total " + format_bytes(est.total()));
     say("per rank while building the model: its shards plus one parameter in fp32 (the largest, " +
         std::to_string(c.model.largest_param()) + " elements): " +
-        format_bytes(static_cast<int64_t>(std::min(construction_bytes(c, est), 9e18))));
+        format_bytes(static_cast<int64_t>(std::min(construction, 9e18))));
     return 0;
   }
 
@@ -517,6 +569,7 @@ int run(const Args& args, const hp::CommPtr& world) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  hp::prefer_passive_openmp(argv);
   Args args;
   try {
     args = parse_args(argc, argv);
@@ -560,7 +613,7 @@ int main(int argc, char** argv) {
       if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (Hugging Face Llama)" << std::endl;
       return 0;
     }
-    return run(args, world);
+    return args.plan ? plan(args, world) : run(args, world);
   } catch (const std::exception& e) {
     // A failure after the agreed checks may leave other ranks inside a collective: exit at
     // once (mpirun then stops them) rather than finalize and wait.

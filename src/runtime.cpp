@@ -6,30 +6,20 @@
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
+#include <unistd.h>
 #include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <sched.h>
 #include <thread>
 
-#include "comm/transport.h"
+#include "comm/bootstrap.h"
+#include "hp/comm/simulated_network.h"
 #include "hp/config.h"
 #include "hp/core/env.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/core/trace.h"
-
-#if HP_HAVE_MPI
-#include <mpi.h>
-#endif
-#if HP_HAVE_NCCL
-#include <c10/cuda/CUDAFunctions.h>
-
-#include <chrono>
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
-#endif
 
 namespace hp {
 namespace {
@@ -39,107 +29,6 @@ CommPtr g_world;
 bool g_we_initialized_mpi = false;
 int g_local_size = 1;
 bool g_atexit_registered = false;
-
-bool launched_by_mpi() {
-  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
-    if (std::getenv(v) != nullptr) return true;
-  }
-  return false;
-}
-
-#if HP_HAVE_MPI
-// MPI_Init_thread(MPI_THREAD_MULTIPLE) unless the program did it; sets g_local_size.
-void init_mpi() {
-  int inited = 0;
-  MPI_Initialized(&inited);
-  if (!inited) {
-    int provided = 0;
-    HP_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) == MPI_SUCCESS,
-             "MPI_Init_thread failed");
-    g_we_initialized_mpi = true;
-    HP_CHECK(provided == MPI_THREAD_MULTIPLE,
-             "this MPI library does not provide MPI_THREAD_MULTIPLE (got level ", provided,
-             "); hyperparallel runs collectives on their own threads and needs it");
-  }
-  MPI_Comm node;
-  HP_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS,
-           "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed: cannot count the ranks of this node");
-  HP_CHECK(MPI_Comm_size(node, &g_local_size) == MPI_SUCCESS, "MPI_Comm_size failed on the node communicator");
-  MPI_Comm_free(&node);
-}
-#endif
-
-#if HP_HAVE_NCCL
-// Rank 0 writes the id to <dir>/nccl_unique_id (through a rename, so readers never see
-// half a file); the others wait for it, up to HP_COMM_TIMEOUT_S.
-void share_through_file(const std::string& dir, int rank, void* id, size_t n) {
-  namespace fs = std::filesystem;
-  const fs::path path = fs::path(dir) / "nccl_unique_id";
-  if (rank == 0) {
-    HP_CHECK(!fs::exists(path), "HP_NCCL_STORE: ", path.string(), " already exists (from an earlier run?); ",
-             "give each run a fresh directory");
-    const fs::path tmp = path.string() + ".tmp";
-    {
-      std::ofstream f(tmp, std::ios::binary);
-      f.write(static_cast<const char*>(id), static_cast<std::streamsize>(n));
-      HP_CHECK(f.good(), "HP_NCCL_STORE: cannot write ", tmp.string());
-    }
-    fs::rename(tmp, path);
-    return;
-  }
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(env::get_double("HP_COMM_TIMEOUT_S") * 1000));
-  while (!fs::exists(path)) {
-    HP_CHECK(std::chrono::steady_clock::now() < deadline, "HP_NCCL_STORE: rank ", rank, " waited for ",
-             path.string(), " from rank 0 until HP_COMM_TIMEOUT_S ran out");
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  std::ifstream f(path, std::ios::binary);
-  f.read(static_cast<char*>(id), static_cast<std::streamsize>(n));
-  HP_CHECK(f.gcount() == static_cast<std::streamsize>(n), "HP_NCCL_STORE: ", path.string(), " is truncated");
-}
-
-int launcher_local_rank(int rank) {
-  int64_t local = env::get_int("HP_LOCAL_RANK");
-  if (local >= 0) return static_cast<int>(local);
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
-    if (const char* s = std::getenv(v)) return std::atoi(s);
-  }
-  return rank;
-}
-
-CommPtr make_nccl_world(const CommOptions& o) {
-  int rank = 0, size = 1;
-  std::function<void(void*, size_t)> share;
-#if HP_HAVE_MPI
-  if (launched_by_mpi()) {
-    init_mpi();
-    HP_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank) == MPI_SUCCESS && MPI_Comm_size(MPI_COMM_WORLD, &size) == MPI_SUCCESS,
-             "MPI_Comm_rank/MPI_Comm_size failed on MPI_COMM_WORLD");
-    share = [](void* p, size_t n) {
-      HP_CHECK(MPI_Bcast(p, static_cast<int>(n), MPI_BYTE, 0, MPI_COMM_WORLD) == MPI_SUCCESS,
-               "MPI_Bcast of the NCCL unique id failed");
-    };
-  }
-#endif
-  if (!share) {
-    rank = static_cast<int>(env::get_int("HP_RANK"));
-    size = static_cast<int>(env::get_int("HP_WORLD_SIZE"));
-    HP_CHECK(size >= 1 && rank >= 0 && rank < size, "HP_RANK=", rank, " must be in [0, HP_WORLD_SIZE=", size, ")");
-    std::string dir = env::get_string("HP_NCCL_STORE");
-    HP_CHECK(size == 1 || !dir.empty(), "the nccl backend with HP_WORLD_SIZE=", size,
-             " and no MPI needs HP_NCCL_STORE (a fresh directory every rank sees)");
-    share = [dir, rank](void* p, size_t n) { share_through_file(dir, rank, p, n); };
-    g_local_size = size;  // one node: the file store serves a single machine
-  }
-  const int gpus = c10::cuda::device_count();
-  HP_CHECK(gpus > 0, "the nccl backend needs a CUDA device, and this process sees none");
-  const int device = launcher_local_rank(rank) % gpus;
-  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));  // the tensors' default CUDA device
-  return detail::make_queued_communicator(detail::make_nccl_world_transport(rank, size, device, share),
-                                          o.name.empty() ? "world" : o.name, o);
-}
-#endif
 
 int usable_cores() {
   cpu_set_t set;
@@ -164,6 +53,13 @@ bool spare_core_per_rank() {
   return usable_cores() >= std::max(1, g_local_size) * (at::get_num_threads() + 1);
 }
 
+void prefer_passive_openmp(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || argv == nullptr) return;
+  if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+  execv("/proc/self/exe", argv);
+  // Still here: the program goes on with the policy OpenMP already read.
+}
+
 bool initialized() {
   std::lock_guard<std::mutex> g(g_mu);
   return g_world != nullptr;
@@ -182,26 +78,26 @@ CommPtr init(const InitOptions& o) {
   std::string backend = o.backend.empty() ? env::get_string("HP_BACKEND") : o.backend;
   HP_CHECK(backend == "auto" || backend == "mpi" || backend == "local" || backend == "nccl", "unknown backend '",
            backend, "' (HP_BACKEND / InitOptions::backend): expected auto, mpi, local or nccl");
-  if (backend == "auto") backend = (mpi_available() && launched_by_mpi()) ? "mpi" : "local";
+  if (backend == "auto") backend = (mpi_available() && detail::launched_by_mpi()) ? "mpi" : "local";
   InitOptions opts = o;
   if (opts.world.simulated_network.empty()) opts.world.simulated_network = env::get_string("HP_SIM_NET");
   if (!opts.world.simulated_network.empty()) SimulatedNetwork::parse(opts.world.simulated_network);  // names a bad spec
 
   if (backend == "mpi") {
 #if HP_HAVE_MPI
-    init_mpi();
+    g_local_size = detail::init_mpi(&g_we_initialized_mpi);
     g_world = make_mpi_world_communicator(opts.world);
 #else
     HP_NOT_SUPPORTED("backend 'mpi': this build has no MPI");
 #endif
   } else if (backend == "nccl") {
 #if HP_HAVE_NCCL
-    g_world = make_nccl_world(opts.world);
+    g_world = detail::make_nccl_world(opts.world, &g_local_size, &g_we_initialized_mpi);
 #else
     HP_NOT_SUPPORTED("backend 'nccl': this build has no CUDA and NCCL (see the README's GPU build)");
 #endif
   } else {
-    if (launched_by_mpi()) {
+    if (detail::launched_by_mpi()) {
       const char* n = std::getenv("OMPI_COMM_WORLD_SIZE");
       if (n == nullptr) n = std::getenv("PMI_SIZE");
       HP_CHECK(n == nullptr || std::atoi(n) <= 1, "launched by mpirun with ", n == nullptr ? "" : n,
@@ -256,19 +152,7 @@ void finalize() {
   bool clean = detail::shutdown_all_communicators(std::chrono::milliseconds(5000));
   if (trace::enabled()) trace::flush();  // after the workers recorded their last spans
 #if HP_HAVE_MPI
-  if (g_we_initialized_mpi) {
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (!fin) {
-      if (clean) {
-        detail::free_mpi_progress_table();
-        MPI_Finalize();
-      } else {
-        std::cerr << "hyperparallel: a communicator is stuck in an op that timed out; "
-                     "not finalizing MPI\n";
-      }
-    }
-  }
+  if (g_we_initialized_mpi) detail::finalize_mpi(clean);
 #else
   (void)clean;
 #endif

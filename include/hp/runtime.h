@@ -39,4 +39,12 @@ int local_world_size();
 // give each at least its compute threads + 1.
 bool spare_core_per_rank();
 
+// Call first in main(argc, argv): when OMP_WAIT_POLICY is not set, sets it to "passive" and
+// re-executes the program (OpenMP reads it once, when it loads). With libtorch's OpenMP
+// threads spinning between parallel regions while OpenBLAS's own threads run the matrix
+// products, a rank of 2 compute threads took 3.3x longer per step here than with them
+// sleeping (docs/performance.md). A policy the user set is kept. Returns only when no
+// re-execution happened (or it failed, which costs speed only).
+void prefer_passive_openmp(char** argv);
+
 }  // namespace hp

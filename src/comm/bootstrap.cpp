@@ -33,7 +33,7 @@ bool launched_by_mpi() {
 #if HP_HAVE_MPI
 int init_mpi(bool* we_initialized) {
   int inited = 0;
-  MPI_Initialized(&inited);
+  HP_CHECK(MPI_Initialized(&inited) == MPI_SUCCESS, "MPI_Initialized failed");
   if (!inited) {
     int provided = 0;
     HP_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) == MPI_SUCCESS,
@@ -131,12 +131,16 @@ CommPtr make_nccl_world(const CommOptions& o, int* local_size, bool* we_initiali
 
 #if HP_HAVE_MPI
 void finalize_mpi(bool clean) {
+  // At exit: failures are reported, not raised.
   int fin = 0;
-  MPI_Finalized(&fin);
+  if (MPI_Finalized(&fin) != MPI_SUCCESS) {
+    std::cerr << "hyperparallel: MPI_Finalized failed; not finalizing MPI\n";
+    return;
+  }
   if (fin) return;
   if (clean) {
     free_mpi_progress_table();
-    MPI_Finalize();
+    if (MPI_Finalize() != MPI_SUCCESS) std::cerr << "hyperparallel: MPI_Finalize failed\n";
   } else {
     std::cerr << "hyperparallel: a communicator is stuck in an op that timed out; not finalizing MPI\n";
   }

@@ -189,3 +189,25 @@ printf '# nothing here\n' > "$work/empty.yaml"
 grep -q "holds no settings" "$work/out" || fail "empty config not named: $(cat "$work/out")"
 
 echo "PASS"
+
+# --plan: every layout of a world, ranked, the infeasible ones with their reason.
+"$bin" --config "$src/configs/llama_tiny.yaml" --plan --world 4 > "$work/out" 2>&1 || fail "--plan failed: $(cat "$work/out")"
+grep -q '^1 .*dp_replicate=' "$work/out" || fail "--plan: no ranked layout: $(cat "$work/out")"
+grep -q 'tp=4 pp=1: tensor_parallel=4: kv_heads=2 is not divisible' "$work/out" || fail "--plan: no reason for tp=4: $(cat "$work/out")"
+"$bin" --config "$src/configs/llama_tiny.yaml" --plan --world 4 --json --link 10:1 > "$work/out" 2>&1 ||
+  fail "--plan --json failed: $(cat "$work/out")"
+[ "$(grep -c '"feasible":true' "$work/out")" = 8 ] && [ "$(grep -c '"feasible":false' "$work/out")" = 2 ] ||
+  fail "--plan --json: expected 8 feasible and 2 infeasible layouts: $(cat "$work/out")"
+python3 -c "import json,sys; [json.loads(l) for l in open(sys.argv[1])]" "$work/out" || fail "--plan --json is not JSON lines"
+"$bin" --config "$src/configs/llama_tiny.yaml" --plan --link 5:zero > "$work/out" 2>&1 && fail "a bad --link was accepted"
+grep -q "simulated network '5:zero'" "$work/out" || fail "bad --link not named: $(cat "$work/out")"
+"$bin" --config "$src/configs/llama_tiny.yaml" --json > "$work/out" 2>&1 && fail "--json without --plan was accepted"
+grep -q -- "--json, --ranks-per-node, --link, --device-tflops and --memory-per-rank only go with --plan" "$work/out" ||
+  fail "--json without --plan not explained: $(cat "$work/out")"
+# The published DeepSeek-V3 on 256 devices of 141 GB, 8 per node: planned in seconds, nothing allocated.
+"$bin" --config "$work/v3.yaml" --plan --world 256 --device-tflops 989 --memory-per-rank 141GB --link 5:400,10:50:8 \
+  > "$work/out" 2>&1 || fail "--plan of deepseek_v3 failed: $(cat "$work/out")"
+grep -q 'one device, fully_shard overlap on; compute FLOPs at half of 989 TFLOP/s' "$work/out" || fail "--plan: device line: $(cat "$work/out")"
+grep -q '^1 ' "$work/out" || fail "--plan: no feasible layout for deepseek_v3 on 256 devices: $(cat "$work/out")"
+grep -q 'dp_shard=256 tp=1 pp=1: needs .* per rank without activations; 131.3 GiB available' "$work/out" ||
+  fail "--plan: memory reason missing: $(cat "$work/out")"

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""hp-train --plan against real runs of the same layouts on this machine.
+
+    python3 bench/plan_check.py [build dir] [--sim SPEC] [--worlds 1,2,4] [--steps 10]
+
+For each world size, asks `hp-train --plan --world N --json` for every layout's predicted
+step time, then trains each feasible layout for real (scripts/mpirun.sh N hp-train, the
+same config and --set values, HP_SIM_NET=SPEC when --sim is given) and takes the median
+step time of the steps after the first two from metrics.jsonl. Prints one line per
+layout with predicted / measured, and the largest deviation.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The bench model: a small Llama whose blocks dominate (a 1-layer step is far from noise).
+MODEL = [
+    "model.dim=256", "model.layers=4", "model.heads=8", "model.kv_heads=4", "model.vocab=2048",
+    "seq_length=128", "global_batch_size=16", "micro_batch_num=2", "log_interval=1",
+]
+
+
+def hp_train(build, n, args, env):
+    cmd = [os.path.join(SRC, "scripts/mpirun.sh"), str(n), os.path.join(build, "hp-train")] + args
+    if n == 1:
+        cmd = cmd[2:]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"plan_check: {' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
+    return out.stdout
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build", nargs="?", default=os.path.join(SRC, "build"))
+    ap.add_argument("--sim", default="", help="HP_SIM_NET spec for the runs and the prediction")
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--config", default=os.path.join(SRC, "configs/llama_tiny.yaml"))
+    a = ap.parse_args()
+    env = dict(os.environ)
+    env.pop("HP_SIM_NET", None)
+    if a.sim:
+        env["HP_SIM_NET"] = a.sim
+    sets = []
+    for kv in MODEL + [f"train_steps={a.steps}"]:
+        sets += ["--set", kv]
+    worst = 0.0
+    print(f"config {os.path.relpath(a.config, SRC)} with {' '.join(MODEL)}; network: {a.sim or 'this machine'}")
+    print(f"{'world':>5}  {'layout':<44} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    for n in [int(x) for x in a.worlds.split(",")]:
+        plan = [json.loads(l) for l in hp_train(a.build, 1, ["--config", a.config] + sets +
+                                                ["--plan", "--world", str(n), "--json"], env).splitlines() if l]
+        for row in plan:
+            if not row["feasible"]:
+                continue
+            layout = (f"data_parallel={row['dp_replicate']}", f"data_parallel_shard={row['dp_shard']}",
+                      f"tensor_parallel={row['tp']}", f"pipeline_parallel={row['pp']}")
+            with tempfile.TemporaryDirectory() as out:
+                extra = []
+                for kv in layout + (f"output_dir={out}",):
+                    extra += ["--set", kv]
+                hp_train(a.build, n, ["--config", a.config] + sets + extra, env)
+                with open(os.path.join(out, "metrics.jsonl")) as f:
+                    steps = [json.loads(l)["step_time_s"] for l in f if '"step_time_s"' in l]
+            measured = statistics.median(steps[2:])
+            ratio = row["step_s"] / measured
+            worst = max(worst, abs(ratio - 1))
+            name = " ".join(x.replace("data_parallel_shard", "dp_shard").replace("data_parallel", "dp_replicate")
+                            .replace("tensor_parallel", "tp").replace("pipeline_parallel", "pp") for x in layout)
+            print(f"{n:>5}  {name:<44} {row['step_s'] * 1e3:>8.1f}ms {measured * 1e3:>8.1f}ms {ratio:>6.2f}", flush=True)
+    print(f"largest |predicted / measured - 1|: {worst:.2f}")
+
+
+if __name__ == "__main__":
+    main()

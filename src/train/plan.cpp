@@ -1,0 +1,560 @@
+#include "hp/train/plan.h"
+
+#include <ATen/ATen.h>
+#include <sched.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include "hp/core/error.h"
+#include "hp/core/memory.h"
+#include "hp/pp/schedule.h"
+#include "hp/runtime.h"
+#include "hp/train/report.h"
+#include "hp/train/trainer.h"
+
+namespace hp::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+int machine_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// The stage (of pipeline_parallel x interleave) each pp rank's stages, as the trainer places
+// them: zbv in a V, the others in a loop.
+int64_t stage_owner(const TrainConfig& c, int64_t stage, int64_t stages) {
+  if (c.pipeline_schedule == "zbv") return stage < stages / 2 ? stage : stages - 1 - stage;
+  return stage % c.pipeline_parallel;
+}
+
+// The config's model with `layers` blocks (DeepSeek: its first dense, the rest MoE when the
+// model has MoE blocks), in the compute dtype, whole.
+TrainConfig with_layers(const TrainConfig& c, int64_t layers) {
+  TrainConfig one = c;
+  one.params_dtype = c.compute_dtype;
+  one.tensor_parallel = 1;
+  one.sequence_parallel = false;
+  one.pipeline_parallel = 1;
+  if (c.model.type == "llama") {
+    one.model.llama.layers = layers;
+  } else {
+    auto& d = one.model.deepseek;
+    const bool any_moe = d.layers > d.dense_layers;
+    const bool any_dense = d.dense_layers > 0;
+    d.layers = layers;
+    d.dense_layers = any_moe ? (any_dense ? 1 : 0) : layers;
+  }
+  return one;
+}
+
+// Forward (with the loss) and backward seconds of one micro-batch of each model, median of 7
+// after two warm-ups. The models take turns, so that what else the machine does in the
+// meantime (with several threads single timings scatter by 2x here) falls on both alike.
+struct FB {
+  double forward = 0, backward = 0;
+};
+std::vector<FB> time_forward_backward_once(const std::vector<TrainConfig>& configs, int64_t samples) {
+  std::vector<std::unique_ptr<TrainModel>> models;
+  for (const auto& c : configs) models.push_back(make_model(c));
+  const TrainConfig& c = configs.front();
+  at::Tensor tokens = at::randint(0, c.model.vocab(), {samples, c.seq_length + 1}, at::kLong);
+  at::Tensor x = tokens.narrow(1, 0, c.seq_length), y = tokens.narrow(1, 1, c.seq_length);
+  std::vector<std::vector<double>> fwd(models.size()), bwd(models.size());
+  for (int rep = 0; rep < 9; ++rep) {
+    for (size_t k = 0; k < models.size(); ++k) {
+      TrainModel& m = *models[k];
+      auto t0 = Clock::now();
+      at::Tensor loss = m.loss_of_logits(m.forward(x, /*hooked=*/false), y);
+      const double f = since(t0);
+      t0 = Clock::now();
+      loss.backward();
+      const double b = since(t0);
+      for (auto& p : m.root().parameters()) p.mutable_grad() = at::Tensor();
+      if (rep < 2) continue;  // warm-up
+      fwd[k].push_back(f);
+      bwd[k].push_back(b);
+    }
+  }
+  std::vector<FB> out;
+  for (size_t k = 0; k < models.size(); ++k) out.push_back({median(fwd[k]), median(bwd[k])});
+  return out;
+}
+
+// The same in `copies` threads at once, each with its own models (ranks sharing a node's
+// cores: their time slices and caches are what this measures); the median over them.
+std::vector<FB> time_forward_backward(const std::vector<TrainConfig>& configs, int64_t samples, int copies) {
+  if (copies <= 1) return time_forward_backward_once(configs, samples);
+  std::vector<std::vector<FB>> each(static_cast<size_t>(copies));
+  std::vector<std::string> errors(static_cast<size_t>(copies));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < copies; ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        each[static_cast<size_t>(i)] = time_forward_backward_once(configs, samples);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(i)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) HP_CHECK(e.empty(), "--plan: timing the model: ", e);
+  std::vector<FB> out;
+  for (size_t k = 0; k < configs.size(); ++k) {
+    std::vector<double> f, b;
+    for (const auto& e : each) {
+      f.push_back(e[k].forward);
+      b.push_back(e[k].backward);
+    }
+    out.push_back({median(f), median(b)});
+  }
+  return out;
+}
+
+// AdamW's step, the gradient norm and the clipping over 2^20 parameters, per parameter.
+double time_optimizer(at::ScalarType dtype) {
+  const int64_t n = int64_t{1} << 20;
+  at::Tensor p = at::randn({n}, at::kFloat).to(dtype).set_requires_grad(true);
+  p.mutable_grad() = at::randn({n}, at::kFloat).to(dtype);
+  torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-3));
+  std::vector<double> t;
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto t0 = Clock::now();
+    const double norm = p.grad().to(at::kDouble).norm().item<double>();
+    p.grad().mul_(1.0 / (1.0 + norm));
+    opt.step();
+    if (rep > 0) t.push_back(since(t0));
+  }
+  return median(t) / static_cast<double>(n);
+}
+
+// Forward FLOPs of one sequence position: per block (matmuls of the active parameters and
+// attention's two products over the sequence) and of the head.
+struct FlopCount {
+  double block = 0, head = 0;
+};
+FlopCount flops_per_token(const TrainConfig& c) {
+  FlopCount f;
+  const double T = static_cast<double>(c.seq_length);
+  if (c.model.type == "llama") {
+    const auto& l = c.model.llama;
+    f.block = 2.0 * static_cast<double>(l.block_params()) + 4.0 * T * static_cast<double>(l.dim);
+    f.head = 2.0 * static_cast<double>(l.vocab * l.dim);
+  } else {
+    const auto& d = c.model.deepseek;
+    const double idle_experts = static_cast<double>(d.experts - d.experts_per_token) * 3.0 *
+                                static_cast<double>(d.dim * d.expert_hidden);
+    const double active = static_cast<double>(d.largest_block_params()) - (d.layers > d.dense_layers ? idle_experts : 0);
+    f.block = 2.0 * active + 2.0 * T * static_cast<double>(d.heads * (d.qk_nope_dim + d.qk_rope_dim + d.v_head_dim));
+    f.head = 2.0 * static_cast<double>(d.vocab * d.dim);
+  }
+  return f;
+}
+
+// FLOP/s of this process's matmul at the model's shapes (each side at most 1024), in the
+// compute dtype.
+double measure_matmul(const TrainConfig& c, int64_t tokens) {
+  const int64_t dim = c.model.type == "llama" ? c.model.llama.dim : c.model.deepseek.dim;
+  const int64_t hidden = c.model.type == "llama" ? c.model.llama.hidden_dim() : c.model.deepseek.dense_hidden;
+  const int64_t M = std::min<int64_t>(tokens, 1024), K = std::min<int64_t>(dim, 1024), N = std::min<int64_t>(hidden, 1024);
+  at::Tensor a = at::randn({M, K}).to(c.compute_dtype), b = at::randn({K, N}).to(c.compute_dtype);
+  std::vector<double> t;
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto t0 = Clock::now();
+    at::Tensor out = at::mm(a, b);
+    if (rep > 0) t.push_back(since(t0));
+  }
+  return 2.0 * static_cast<double>(M * K * N) / std::max(median(t), 1e-9);
+}
+
+std::string fmt(const char* f, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, x);
+  return buf;
+}
+
+}  // namespace
+
+RankMemory estimate_rank_memory(const TrainConfig& c) {
+  RankMemory r;
+  // Under tensor parallelism fully_shard shards each tp rank's pieces. Under pipeline
+  // parallelism a rank holds its stages only: the fullest pp rank's share, with tensor
+  // parallelism dividing it as it divides the whole model.
+  r.rank_params = c.model.params_per_tp_rank(c.tensor_parallel);
+  if (c.pipeline_parallel > 1) {
+    r.stage_counts = stage_params(c);
+    const int64_t S = static_cast<int64_t>(r.stage_counts.size());
+    int64_t fullest = 0;
+    for (int64_t rank = 0; rank < c.pipeline_parallel; ++rank) {
+      int64_t n = 0;
+      for (int64_t k = 0; k < S; ++k) {
+        if (stage_owner(c, k, S) == rank) n += r.stage_counts[static_cast<size_t>(k)];
+      }
+      fullest = std::max(fullest, n);
+    }
+    r.rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(r.rank_params) /
+                                         static_cast<double>(c.model.num_params()));
+  }
+  r.estimate = estimate_memory(r.rank_params, c.model.largest_block_params_per_tp_rank(c.tensor_parallel),
+                               c.params_dtype, mixed_precision(c),
+                               {c.data_parallel, c.data_parallel_shard,
+                                // optim_grads keeps parameters gathered until backward: a group of 1
+                                c.data_parallel_shard_strategy == "optim_grads" ? 1 : c.reshard_after_forward_group_size});
+  // Each rank builds the model without storage and materializes its shards one parameter at
+  // a time: its shards plus the largest parameter in fp32 (and its low-precision cast).
+  const double largest = 4.0 * static_cast<double>(c.model.largest_param());
+  r.construction = static_cast<double>(r.estimate.sharded_params) + largest * (c.params_dtype == at::kFloat ? 1 : 2);
+  return r;
+}
+
+ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_t budget_bytes) {
+  auto cache = std::make_shared<std::map<std::tuple<int64_t, int, int>, ComputeProfile>>();
+  return [c, device_tflops, budget_bytes, cache](int64_t samples, int threads, int copies) {
+    auto key = std::make_tuple(samples, threads, copies);
+    auto it = cache->find(key);
+    if (it != cache->end()) return it->second;
+    const int before = at::get_num_threads();
+    set_compute_threads(threads);
+    ComputeProfile p;
+    try {
+      // The second model: the whole depth where it fits the budget (the per-layer figure then
+      // comes from the largest difference), at least 2 layers.
+      const double tokens = static_cast<double>(samples * c.seq_length);
+      auto need = [&](const TrainConfig& k) {
+        // Parameters and their gradients in fp32, logits with their softmax and gradient.
+        return 8.0 * static_cast<double>(k.model.num_params()) + 3.0 * 4.0 * tokens * static_cast<double>(c.model.vocab());
+      };
+      const int64_t L = c.model.layers();
+      int64_t deep = std::max<int64_t>(2, L);
+      while (deep > 2 && copies * need(with_layers(c, deep)) > static_cast<double>(budget_bytes)) deep /= 2;
+      const TrainConfig two = with_layers(c, std::max<int64_t>(2, deep));
+      p.optimizer_per_param = time_optimizer(c.params_dtype);
+      if (device_tflops <= 0 && copies * need(two) <= static_cast<double>(budget_bytes)) {
+        const auto t = time_forward_backward({with_layers(c, 1), two}, samples, copies);
+        p.contended = copies > 1;
+        const double extra = static_cast<double>(two.model.layers() - 1);
+        p.forward_first = t[0].forward;
+        p.backward_first = t[0].backward;
+        p.forward_layer = std::max(0.0, t[1].forward - t[0].forward) / extra;
+        p.backward_layer = std::max(0.0, t[1].backward - t[0].backward) / extra;
+        p.source = "measured here: the model at 1 and " + std::to_string(two.model.layers()) + " layers, " +
+                   std::to_string(threads) + " thread(s)" +
+                   (copies > 1 ? ", " + std::to_string(copies) + " copies at once (the ranks sharing a node)" : "");
+      } else {
+        const double rate = device_tflops > 0 ? 0.5 * device_tflops * 1e12
+                                              : measure_matmul(c, static_cast<int64_t>(tokens));
+        const FlopCount f = flops_per_token(c);
+        const double recompute = c.recompute == "none" ? 0 : 1;  // forward again in backward
+        p.forward_layer = f.block * tokens / rate;
+        p.forward_first = p.forward_layer + f.head * tokens / rate;
+        p.backward_layer = (2.0 + recompute) * p.forward_layer;
+        p.backward_first = 2.0 * p.forward_first + recompute * p.forward_layer;
+        p.source = device_tflops > 0
+                       ? "FLOPs at half of " + fmt("%g", device_tflops) + " TFLOP/s (assumed utilization 0.5)"
+                       : "FLOPs at this machine's " + fmt("%.3g", rate / 1e9) + " GFLOP/s matmul (" +
+                             std::to_string(threads) + " thread(s); the model is too large to time here)";
+      }
+    } catch (...) {
+      set_compute_threads(before);
+      throw;
+    }
+    set_compute_threads(before);
+    (*cache)[key] = p;
+    return p;
+  };
+}
+
+SimulatedNetwork measured_local_link() {
+  // One rank's bytes reach another's through a shared segment: copied in, then out.
+  const int64_t n = int64_t{64} << 20;
+  at::Tensor a = at::ones({n}, at::kByte), b = at::empty({n}, at::kByte);
+  const int before = at::get_num_threads();
+  set_compute_threads(1);
+  std::vector<double> t;
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto t0 = Clock::now();
+    b.copy_(a);
+    if (rep > 0) t.push_back(since(t0));
+  }
+  set_compute_threads(before);
+  SimulatedNetwork net;
+  net.intra = {20.0, static_cast<double>(n) / std::max(median(t), 1e-9) / 2e9};
+  net.inter = net.intra;
+  return net;
+}
+
+std::string PlanRow::layout() const {
+  std::string s = "dp_replicate=" + std::to_string(config.data_parallel) + " dp_shard=" +
+                  std::to_string(config.data_parallel_shard) + " tp=" + std::to_string(config.tensor_parallel) +
+                  " pp=" + std::to_string(config.pipeline_parallel);
+  if (config.pipeline_parallel > 1) {
+    s += " (" + config.pipeline_schedule;
+    if (config.pipeline_parallel_interleave_num > 1) s += " x" + std::to_string(config.pipeline_parallel_interleave_num);
+    s += ")";
+  }
+  return s;
+}
+
+std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o, const ComputeModel& compute) {
+  HP_CHECK(o.world >= 1, "--plan: --world must be at least 1, got ", o.world);
+  const int N = o.world;
+  const int cores = o.cores_per_node > 0 ? o.cores_per_node : machine_cores();
+  const int per_node = o.network.ranks_per_node > 0 ? std::min(o.network.ranks_per_node, N) : N;
+  const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : std::max(1, cores / per_node);
+  // A node running more compute threads than cores: every rank waits for the slowest.
+  const double oversubscribed =
+      o.device ? 1.0 : std::max(1.0, static_cast<double>(per_node) * threads / static_cast<double>(cores));
+  const bool overlap = o.device || cores >= per_node * (threads + 1);
+  int64_t memory = o.memory_per_rank;
+  if (memory == 0 && !o.device) memory = memory::available_bytes() / per_node;
+
+  const SimulatedNetwork& net = o.network;
+  auto link_of = [&](int first, int stride, int n) {
+    std::vector<int> ranks;
+    for (int i = 0; i < n; ++i) ranks.push_back(first + i * stride);
+    return net.spans_nodes(ranks) ? net.inter : net.intra;
+  };
+  // `ops` equal ops of `bytes` in all.
+  auto comm = [](const char* op, double bytes, int n, const LinkModel& link, double ops) {
+    if (ops <= 0) return 0.0;
+    return ops * SimulatedNetwork::seconds(op, static_cast<int64_t>(bytes / ops), n, link);
+  };
+
+  std::vector<PlanRow> rows;
+  for (int p = 1; p <= N; ++p) {
+    if (N % p) continue;
+    for (int t = 1; t <= N / p; ++t) {
+      if ((N / p) % t) continue;
+      for (int r = 1; r <= N / p / t; ++r) {
+        if ((N / p / t) % r) continue;
+        const int s = N / p / t / r;
+        PlanRow row;
+        TrainConfig& c = row.config;
+        c = base;
+        c.data_parallel = r;
+        c.data_parallel_shard = s;
+        c.tensor_parallel = t;
+        c.pipeline_parallel = p;
+        if (t == 1) c.sequence_parallel = false;
+        if (p != base.pipeline_parallel) c.pipeline_stage_layers.clear();
+        if (p == 1) {
+          c.pipeline_parallel_interleave_num = 1;
+          c.pipeline_schedule = "auto";
+        }
+        row.threads = o.device ? 0 : threads;
+        row.overlap = overlap;
+        try {
+          c.validate(N);
+          row.memory = estimate_rank_memory(c);
+        } catch (const std::exception& e) {
+          row.reason = e.what();
+          const std::string src = base.source + ": ";
+          if (row.reason.rfind(src, 0) == 0) row.reason = row.reason.substr(src.size());
+          rows.push_back(row);
+          continue;
+        }
+        const double need = std::max(row.memory.construction, static_cast<double>(row.memory.estimate.total()));
+        if (memory > 0 && need > static_cast<double>(memory)) {
+          row.reason = "needs " + format_bytes(static_cast<int64_t>(std::min(need, 9e18))) +
+                       " per rank without activations; " + format_bytes(memory) + " available";
+          rows.push_back(row);
+          continue;
+        }
+        row.feasible = true;
+
+        const int64_t m = c.micro_batch_num, L = c.model.layers();
+        // Timed with the node's other ranks running beside (sharing caches and memory
+        // bandwidth, and the cores when they outnumber them), when ranks share this node.
+        const ComputeProfile prof = compute(c.micro_batch_size(), threads, o.device ? 1 : per_node);
+        // Oversubscription slows every rank, unless the profile was timed under it.
+        const double slower = prof.contended ? 1.0 : oversubscribed;
+        row.compute_source = prof.source;
+        const double rank_params = static_cast<double>(row.memory.rank_params);
+        const double optimizer = prof.optimizer_per_param * rank_params / static_cast<double>(s);
+        const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
+        const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) *
+                                 static_cast<double>(c.model.type == "llama" ? c.model.llama.dim : c.model.deepseek.dim) *
+                                 act_elem;
+        // Tensor parallelism, per block and direction of one micro-batch: 2 all-gathers and 2
+        // reduce-scatters of the activations with sequence parallel, else 2 all-reduces.
+        const LinkModel tp_link = link_of(0, 1, t);
+        const double tp_block = t == 1 ? 0
+                                : c.sequence_parallel
+                                    ? comm("all_gather", 2 * act_bytes, t, tp_link, 2) +
+                                          comm("reduce_scatter", 2 * act_bytes, t, tp_link, 2)
+                                    : comm("all_reduce", 2 * act_bytes, t, tp_link, 2);
+        int64_t rank_layers = L;
+        if (p == 1) {
+          const double fb = prof.forward_first + prof.backward_first +
+                            static_cast<double>(L - 1) * (prof.forward_layer + prof.backward_layer);
+          row.compute_s = static_cast<double>(m) * fb / t + optimizer;
+          // Blocks, and the embedding and head (one more of each direction).
+          row.tp_comm_s = static_cast<double>(m) * 2.0 * tp_block * static_cast<double>(L + 1);
+          row.compute_s *= slower;
+        } else {
+          const int v = static_cast<int>(c.pipeline_parallel_interleave_num), S = p * v;
+          const auto slices = models::split_layers(L, S, c.pipeline_stage_layers);
+          // Each stage's costs: its blocks, and on the last stage the embedding, head and loss
+          // (the first block's extra); tensor parallel's transfers of its blocks beside.
+          std::vector<double> f(static_cast<size_t>(S)), b(static_cast<size_t>(S)), tpc(static_cast<size_t>(S));
+          std::vector<int64_t> layers_of_rank(static_cast<size_t>(p), 0);
+          for (int k = 0; k < S; ++k) {
+            const auto& sl = slices[static_cast<size_t>(k)];
+            const int64_t n = (sl.end_layer < 0 ? L : sl.end_layer) - sl.first_layer;
+            layers_of_rank[static_cast<size_t>(stage_owner(c, k, S))] += n;
+            const double extra = k == S - 1 ? 1 : 0;
+            const auto K = static_cast<size_t>(k);
+            f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) / t;
+            b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) / t;
+            tpc[K] = tp_block * static_cast<double>(n + extra);
+          }
+          rank_layers = *std::max_element(layers_of_rank.begin(), layers_of_rank.end());
+          const int m32 = static_cast<int>(m);
+          pp::Schedule sched = c.pipeline_schedule == "gpipe"  ? pp::gpipe(p, m32)
+                               : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(p, m32)
+                               : c.pipeline_schedule == "zbh1" ? pp::zero_bubble_h1(p, m32)
+                               : c.pipeline_schedule == "zbv"  ? pp::zero_bubble_v(p, m32)
+                                                               : pp::interleaved_1f1b(p, v, m32);
+          // Each stage's output (and its gradient back) crosses to the next stage's rank.
+          const double hop = SimulatedNetwork::seconds("send", static_cast<int64_t>(act_bytes), 2,
+                                                       link_of(0, r * s * t, std::min(p, 2)));
+          // On oversubscribed cores a rank waiting in the bubble leaves its core to the others:
+          // the step is the schedule's with a core each, or the node's work over its cores,
+          // whichever is longer.
+          const double free = slower / oversubscribed;  // scales the profile to a core each
+          auto makespan = [&](bool with_comm) {
+            pp::Costs all;
+            for (size_t k = 0; k < f.size(); ++k) {
+              const double extra = with_comm ? tpc[k] + hop : 0;
+              pp::Costs one;
+              one.forward = f[k] * free + extra;
+              one.backward = b[k] * free + extra;
+              one.backward_input = b[k] * free / 2 + extra;
+              one.backward_weight = b[k] * free / 2;
+              all.per_stage.push_back(one);
+            }
+            return pp::simulate(sched, all);
+          };
+          const pp::SimResult alone = makespan(false);
+          const pp::SimResult with_comm = makespan(true);
+          double bubble = 0, busy = 0;
+          for (double b : alone.bubble) bubble += b / static_cast<double>(alone.bubble.size());
+          for (double b : alone.busy) busy += b / static_cast<double>(alone.busy.size());
+          row.bubble = bubble;
+          row.compute_s = std::max(alone.makespan, busy * oversubscribed) + optimizer * slower;
+          row.tp_comm_s = 2.0 * tp_block * static_cast<double>(m) * static_cast<double>(rank_layers + 1);
+          row.pp_comm_s = 2.0 * hop * static_cast<double>(m);
+          row.exposed_s += with_comm.makespan - alone.makespan;
+        }
+        if (p == 1) row.exposed_s += row.tp_comm_s;
+        if (s > 1) {
+          // fully_shard: gathers per micro-batch (again for backward when it reshards after
+          // forward), one reduce-scatter per micro-batch; a pipeline gathers and reduces once a
+          // step. One op per block and one for the root.
+          const auto mp = resolve_dtypes(mixed_precision(c), c.params_dtype);
+          const double gather_bytes = rank_params * static_cast<double>(c10::elementSize(mp.all_gather));
+          const double reduce_bytes = rank_params * static_cast<double>(c10::elementSize(mp.reduce));
+          const double rounds = p == 1 ? static_cast<double>(m) : 1.0;
+          const double gathers = rounds * (c.data_parallel_shard_strategy == "optim_grads" ? 1.0 : 2.0);
+          const double ops = static_cast<double>(rank_layers + 1);
+          const LinkModel shard_link = link_of(0, t, s);
+          const double gather = comm("all_gather", gather_bytes, s, shard_link, ops);
+          const double reduce = comm("reduce_scatter", reduce_bytes, s, shard_link, ops) +
+                                comm("all_reduce", reduce_bytes / s, r, link_of(0, s * t, r), ops);
+          row.fsdp_comm_s = gathers * gather + rounds * reduce;
+          row.exposed_s += overlap ? (gather + reduce) / ops + std::max(0.0, row.fsdp_comm_s - row.compute_s)
+                                   : row.fsdp_comm_s;
+        } else if (r > 1) {
+          row.fsdp_comm_s = comm("all_reduce", rank_params * 4.0, r, link_of(0, s * t, r), 1) *
+                            (p == 1 ? static_cast<double>(m) : 1.0);
+          row.exposed_s += row.fsdp_comm_s;
+        }
+        // The gradient norm, the loss and the step time: three small all-reduces over the world.
+        row.exposed_s += 3 * SimulatedNetwork::seconds("all_reduce", 16, N, N > per_node ? net.inter : net.intra);
+        row.step_s = row.compute_s + row.exposed_s;
+        rows.push_back(row);
+      }
+    }
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const PlanRow& a, const PlanRow& b) {
+    if (a.feasible != b.feasible) return a.feasible;
+    return a.feasible && a.step_s < b.step_s;
+  });
+  return rows;
+}
+
+std::string format_plan(const std::vector<PlanRow>& rows) {
+  std::ostringstream out;
+  char line[512];
+  for (const PlanRow& r : rows) {
+    if (!r.feasible) continue;
+    out << "per rank: " << (r.threads > 0 ? std::to_string(r.threads) + " compute thread(s)" : std::string("one device"))
+        << ", fully_shard overlap " << (r.overlap ? "on" : "off")
+        << "; compute " << r.compute_source << "; memory without activations\n";
+    break;
+  }
+  std::snprintf(line, sizeof line, "%-4s %-44s %10s %9s %9s %9s %9s %9s %7s %10s\n", "#", "layout", "mem/rank",
+                "compute", "fsdp", "tp", "pp", "exposed", "bubble", "step");
+  out << line;
+  int k = 0;
+  for (const PlanRow& r : rows) {
+    if (!r.feasible) continue;
+    std::snprintf(line, sizeof line, "%-4d %-44s %10s %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %6.1f%% %8.1fms\n", ++k,
+                  r.layout().c_str(), format_bytes(r.memory.estimate.total()).c_str(), r.compute_s * 1e3,
+                  r.fsdp_comm_s * 1e3, r.tp_comm_s * 1e3, r.pp_comm_s * 1e3, r.exposed_s * 1e3, r.bubble * 100,
+                  r.step_s * 1e3);
+    out << line;
+  }
+  bool header = false;
+  for (const PlanRow& r : rows) {
+    if (r.feasible) continue;
+    if (!header) out << "not feasible:\n";
+    header = true;
+    out << "  " << r.layout() << ": " << r.reason << "\n";
+  }
+  return out.str();
+}
+
+std::string plan_json(const std::vector<PlanRow>& rows) {
+  std::ostringstream out;
+  for (const PlanRow& r : rows) {
+    out << "{\"dp_replicate\":" << r.config.data_parallel << ",\"dp_shard\":" << r.config.data_parallel_shard
+        << ",\"tp\":" << r.config.tensor_parallel << ",\"pp\":" << r.config.pipeline_parallel
+        << ",\"feasible\":" << (r.feasible ? "true" : "false");
+    if (r.feasible) {
+      out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"compute_s\":" << r.compute_s
+          << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s
+          << ",\"exposed_s\":" << r.exposed_s << ",\"bubble\":" << r.bubble << ",\"step_s\":" << r.step_s
+          << ",\"threads\":" << r.threads << ",\"overlap\":" << (r.overlap ? "true" : "false");
+    } else {
+      std::string reason;
+      for (char ch : r.reason) {
+        if (ch == '"' || ch == '\\') reason += '\\';
+        reason += ch == '\n' ? ' ' : ch;
+      }
+      out << ",\"reason\":\"" << reason << "\"";
+    }
+    out << "}\n";
+  }
+  return out.str();
+}
+
+}  // namespace hp::train

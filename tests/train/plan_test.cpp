@@ -1,0 +1,226 @@
+// hp-train --plan's model against figures worked out by hand in this file: the layouts of a
+// world, the parameters each rank holds, and the step time of a fixed compute profile over a
+// given link (compute, fully_shard's, tensor parallel's and the pipeline's communication,
+// the 1F1B bubble), with overlap off and on; memory that does not fit; the FLOP count for a
+// given device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "hp/train/plan.h"
+
+namespace ht = hp::train;
+
+namespace {
+
+// Llama tiny (dim 64, 2 layers, 4 heads, 2 kv heads, vocab 256), sequences of 64, a global
+// batch of 16 in 4 micro-batches.
+ht::TrainConfig tiny() {
+  ht::TrainConfig c = ht::parse_config("model:\n  type: llama\nglobal_batch_size: 16\nmicro_batch_num: 4\n"
+                                       "seq_length: 64\noutput_dir: ''\n",
+                                       {}, "plan.yaml");
+  return c;
+}
+
+// By hand: q 64x64, k and v 64x32, o 64x64; SwiGLU hidden 8/3 x 64 = 170.7, rounded up to a
+// multiple of 32: 192, three 64x192 matrices; two norms of 64.
+constexpr double kBlock = 4096 + 2048 + 2048 + 4096 + 3 * 64 * 192 + 2 * 64;  // 49280
+constexpr double kModel = 2 * kBlock + 2 * 256 * 64 + 64;                      // 131392
+
+// A profile fixed by the test: (forward, backward) 10 and 20 ms for the first block with the
+// embedding, head and loss, 4 and 8 ms for each further block; 1 ns per parameter of AdamW.
+struct FakeCompute {
+  std::shared_ptr<std::map<int64_t, int>> asked = std::make_shared<std::map<int64_t, int>>();
+  ht::ComputeProfile operator()(int64_t samples, int threads, int /*copies*/) const {
+    (*asked)[samples] = threads;
+    ht::ComputeProfile p;
+    p.forward_first = 0.010;
+    p.backward_first = 0.020;
+    p.forward_layer = 0.004;
+    p.backward_layer = 0.008;
+    p.optimizer_per_param = 1e-9;
+    p.source = "fake";
+    return p;
+  }
+};
+
+const ht::PlanRow& find(const std::vector<ht::PlanRow>& rows, int64_t r, int64_t s, int64_t t, int64_t p) {
+  for (const auto& row : rows) {
+    const auto& c = row.config;
+    if (c.data_parallel == r && c.data_parallel_shard == s && c.tensor_parallel == t && c.pipeline_parallel == p) {
+      return row;
+    }
+  }
+  throw std::runtime_error("no such layout");
+}
+
+// 10 us per op and 1 GB/s: `seconds` of moving `bytes` with bus factor `f`, in `ops` ops.
+double link(double f, double bytes, double ops = 1) { return ops * 10e-6 + f * bytes / 1e9; }
+
+ht::PlanOptions options(int world, int cores) {
+  ht::PlanOptions o;
+  o.world = world;
+  o.network = hp::SimulatedNetwork::parse("10:1");
+  o.cores_per_node = cores;
+  o.threads_per_rank = 1;
+  o.memory_per_rank = int64_t{1} << 40;
+  return o;
+}
+
+}  // namespace
+
+TEST(Plan, EveryLayoutOfTheWorldOnceWithTheReasonOfEachInfeasibleOne) {
+  FakeCompute fake;
+  const auto rows = ht::plan_layouts(tiny(), options(4, 4), fake);
+  // 4 = r s t p: the ordered factorizations of 2^2 into four factors, C(5, 3) = 10.
+  ASSERT_EQ(rows.size(), 10u);
+  std::set<std::vector<int64_t>> seen;
+  for (const auto& row : rows) {
+    const auto& c = row.config;
+    EXPECT_EQ(c.data_parallel * c.data_parallel_shard * c.tensor_parallel * c.pipeline_parallel, 4);
+    seen.insert({c.data_parallel, c.data_parallel_shard, c.tensor_parallel, c.pipeline_parallel});
+  }
+  EXPECT_EQ(seen.size(), 10u);
+  const auto& tp4 = find(rows, 1, 1, 4, 1);
+  EXPECT_FALSE(tp4.feasible);
+  EXPECT_NE(tp4.reason.find("kv_heads=2"), std::string::npos) << tp4.reason;
+  const auto& pp4 = find(rows, 1, 1, 1, 4);
+  EXPECT_FALSE(pp4.feasible);
+  EXPECT_NE(pp4.reason.find("2 layers"), std::string::npos) << pp4.reason;
+  // Feasible ones first, fastest first.
+  size_t feasible = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!rows[i].feasible) continue;
+    EXPECT_EQ(i, feasible++) << "an infeasible layout ranked before a feasible one";
+    if (i > 0) EXPECT_LE(rows[i - 1].step_s, rows[i].step_s);
+  }
+  EXPECT_EQ(feasible, 8u);
+  // A rank's micro-batch: 16 / (data-parallel ranks x 4 micro-batches) sequences.
+  EXPECT_EQ(*fake.asked, (std::map<int64_t, int>{{1, 1}, {2, 1}, {4, 1}}));
+}
+
+TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
+  const auto rows = ht::plan_layouts(tiny(), options(2, 2), FakeCompute{});
+  ASSERT_EQ(rows.size(), 4u);
+  const double world_sums = 3 * link(2.0 * 1 / 2, 16);  // gradient norm, loss, step time
+  {
+    // fully_shard over 2: each of 4 micro-batches runs 1 + 1 more blocks forward and back.
+    const auto& r = find(rows, 1, 2, 1, 1);
+    ASSERT_TRUE(r.feasible) << r.reason;
+    EXPECT_FALSE(r.overlap);  // 2 cores, 2 ranks of 1 thread: no core to spare
+    EXPECT_EQ(r.memory.rank_params, static_cast<int64_t>(kModel));
+    EXPECT_NEAR(r.compute_s, 4 * (0.030 + 0.012) + 1e-9 * kModel / 2, 1e-12);
+    // Per micro-batch: two gathers (forward, and backward after resharding) and one
+    // reduce-scatter of the fp32 model, each as 3 ops (2 blocks and the root) of a whole
+    // number of bytes, bus 1/2.
+    const double one = link(0.5, 3 * std::floor(4 * kModel / 3), 3);
+    EXPECT_NEAR(r.fsdp_comm_s, 4 * 3 * one, 1e-9);
+    EXPECT_NEAR(r.exposed_s, 4 * 3 * one + world_sums, 1e-9);
+    EXPECT_NEAR(r.step_s, r.compute_s + r.exposed_s, 1e-12);
+  }
+  {
+    // Tensor parallel over 2: half the compute; per micro-batch of 4 x 64 tokens x 64 fp32,
+    // two all-reduces (bus 2 x 1/2) per block and the embedding/head, forward and backward.
+    const auto& r = find(rows, 1, 1, 2, 1);
+    ASSERT_TRUE(r.feasible) << r.reason;
+    const double tp_params = (kModel - 5 * 64) / 2 + 5 * 64;  // the 5 norms whole
+    EXPECT_EQ(r.memory.rank_params, static_cast<int64_t>(tp_params));
+    EXPECT_NEAR(r.compute_s, 4 * 0.042 / 2 + 1e-9 * tp_params, 1e-12);
+    const double act = 4 * 64 * 64 * 4;
+    EXPECT_NEAR(r.tp_comm_s, 4 * 2 * 3 * link(1.0, 2 * act, 2), 1e-9);
+    EXPECT_NEAR(r.exposed_s, r.tp_comm_s + world_sums, 1e-9);
+    EXPECT_EQ(r.fsdp_comm_s, 0);
+  }
+  {
+    // Two pipeline stages of one block, 1F1B over 4 micro-batches. Stage 0: forward 4 ms,
+    // backward 8; stage 1 (with the head and loss) 4 + 6 and 8 + 12. Stage 1 paces the step:
+    // it starts after stage 0's first forward, then never waits (replayed by hand:
+    // F0 4-14, B0 14-34, F1 34-44, B1 44-64, ... B3 104-124), and stage 0's last backward
+    // follows: 4 + 4 x 30 + 8 = 132 ms. Busy: stage 1 120, stage 0 4 x 12 = 48; bubble
+    // (12 + 84) / (2 x 132). Each forward and backward also waits for the activation hop
+    // (4 x 64 x 64 fp32): 10 of them on the path.
+    const auto& r = find(rows, 1, 1, 1, 2);
+    ASSERT_TRUE(r.feasible) << r.reason;
+    const double stage1 = kBlock + 256 * 64 + 64;  // block, final norm, head
+    EXPECT_EQ(r.memory.rank_params, static_cast<int64_t>(stage1));
+    EXPECT_NEAR(r.compute_s, 0.132 + 1e-9 * stage1, 1e-12);
+    EXPECT_NEAR(r.bubble, (0.012 + 0.084) / (2 * 0.132), 1e-12);
+    const double hop = link(1.0, 4 * 64 * 64 * 4);
+    EXPECT_NEAR(r.pp_comm_s, 2 * 4 * hop, 1e-12);
+    EXPECT_NEAR(r.exposed_s, 10 * hop + world_sums, 1e-9);
+  }
+  {
+    // Replicas: one all-reduce (bus 2 x 1/2) of the fp32 gradients per micro-batch.
+    const auto& r = find(rows, 2, 1, 1, 1);
+    ASSERT_TRUE(r.feasible) << r.reason;
+    EXPECT_NEAR(r.fsdp_comm_s, 4 * link(1.0, 4 * kModel), 1e-9);
+  }
+}
+
+TEST(Plan, OverlapHidesFullyShardsCommunicationWhenACoreIsSpare) {
+  // 4 cores for 2 ranks of 1 thread: each rank's communication thread has a core.
+  const auto rows = ht::plan_layouts(tiny(), options(2, 4), FakeCompute{});
+  const auto& r = find(rows, 1, 2, 1, 1);
+  ASSERT_TRUE(r.overlap);
+  const double one = link(0.5, 3 * std::floor(4 * kModel / 3), 3);
+  // Exposed: the first block's gather and the last one's reduce-scatter; the rest (12 ms
+  // against 168 ms of compute) hides.
+  EXPECT_NEAR(r.exposed_s, 2 * one / 3 + 3 * link(1.0, 16), 1e-9);
+}
+
+TEST(Plan, OversubscribedCoresSlowEveryRank) {
+  // 4 ranks of 1 thread on 2 cores: compute takes twice as long as on 4.
+  const auto slow = ht::plan_layouts(tiny(), options(4, 2), FakeCompute{});
+  const auto fast = ht::plan_layouts(tiny(), options(4, 4), FakeCompute{});
+  EXPECT_NEAR(find(slow, 1, 4, 1, 1).compute_s, 2 * find(fast, 1, 4, 1, 1).compute_s, 1e-12);
+}
+
+TEST(Plan, LayoutsThatDoNotFitInMemorySayWhatTheyNeed) {
+  ht::PlanOptions o = options(2, 2);
+  o.memory_per_rank = 1000;
+  const auto rows = ht::plan_layouts(tiny(), o, FakeCompute{});
+  for (const auto& r : rows) {
+    EXPECT_FALSE(r.feasible);
+    EXPECT_NE(r.reason.find("needs "), std::string::npos) << r.reason;
+    EXPECT_NE(r.reason.find("1000 B available"), std::string::npos) << r.reason;
+  }
+  EXPECT_NE(ht::format_plan(rows).find("not feasible:"), std::string::npos);
+}
+
+TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
+  ht::TrainConfig c = tiny();
+  const auto p = ht::measured_compute(c, /*device_tflops=*/100)(2, 1, 1);
+  const double tokens = 2 * 64;
+  const double rate = 0.5 * 100e12;
+  // Matmuls 2 x the block's parameters per token, attention's two products 4 x T x dim.
+  const double layer = (2 * kBlock + 4 * 64 * 64) * tokens / rate;
+  EXPECT_NEAR(p.forward_layer, layer, 1e-18);
+  EXPECT_NEAR(p.forward_first, layer + 2 * 256 * 64 * tokens / rate, 1e-18);
+  EXPECT_NEAR(p.backward_layer, 2 * layer, 1e-18);
+  c.recompute = "full";
+  EXPECT_NEAR(ht::measured_compute(c, 100)(2, 1, 1).backward_layer, 3 * layer, 1e-18);
+}
+
+TEST(Plan, MeasuresTheModelHere) {
+  const auto p = ht::measured_compute(tiny())(2, 1, 1);
+  EXPECT_FALSE(p.contended);
+  EXPECT_GT(p.forward_first, 0);
+  EXPECT_GT(p.backward_first, 0);
+  EXPECT_GT(p.optimizer_per_param, 0);
+  EXPECT_NE(p.source.find("measured here"), std::string::npos) << p.source;
+  // Two ranks sharing one core: timed together.
+  const auto shared = ht::measured_compute(tiny())(2, 1, 2);
+  EXPECT_TRUE(shared.contended);
+  EXPECT_GT(shared.forward_first, 0);
+}
+
+TEST(Plan, APipelineOnOversubscribedCoresTakesAtLeastTheNodesWork) {
+  // 2 pipeline ranks on 1 core, 4 micro-batches: a core each would take 132 ms (above), but
+  // the node's work, 4 x (12 + 30) ms on one core, takes 168.
+  ht::PlanOptions o = options(2, 1);
+  const auto rows = ht::plan_layouts(tiny(), o, FakeCompute{});
+  const auto& r = find(rows, 1, 1, 1, 2);
+  EXPECT_NEAR(r.compute_s, 4 * 0.042 + 2 * 1e-9 * (kBlock + 256 * 64 + 64), 1e-12);
+}
