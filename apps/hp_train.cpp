@@ -434,6 +434,7 @@ int run(const Args& args, const hp::CommPtr& world) {
     say("per rank while building the model: its shards plus one parameter in fp32 (the largest, " +
         std::to_string(c.model.largest_param()) + " elements): " +
         format_bytes(static_cast<int64_t>(std::min(construction, 9e18))));
+    say("activations: hp-train --plan measures them (and predicts the step time) for every layout");
     return 0;
   }
 

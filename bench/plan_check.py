@@ -6,8 +6,10 @@
 For each world size, asks `hp-train --plan --world N --json` for every layout's predicted
 step time, then trains each feasible layout for real (scripts/mpirun.sh N hp-train, the
 same config and --set values, HP_SIM_NET=SPEC when --sim is given) and takes the median
-step time of the steps after the first two from metrics.jsonl. Prints one line per
-layout with predicted / measured, and the largest deviation.
+step time of the steps after the first two from metrics.jsonl, and the largest tensor
+memory peak of any rank. Prints one line per layout with predicted / measured step time
+and memory (the sharded state and activations against the peak), and the largest
+deviation of the step time.
 """
 import argparse
 import json
@@ -53,7 +55,8 @@ def main():
         sets += ["--set", kv]
     worst = 0.0
     print(f"config {os.path.relpath(a.config, SRC)} with {' '.join(MODEL)}; network: {a.sim or 'this machine'}")
-    print(f"{'world':>5}  {'layout':<44} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    print(f"{'world':>5}  {'layout':<44} {'predicted':>10} {'measured':>10} {'ratio':>6}"
+          f"   memory: predicted, peak, ratio")
     for n in [int(x) for x in a.worlds.split(",")]:
         plan = [json.loads(l) for l in hp_train(a.build, 1, ["--config", a.config] + sets +
                                                 ["--plan", "--world", str(n), "--json"], env).splitlines() if l]
@@ -68,13 +71,17 @@ def main():
                     extra += ["--set", kv]
                 hp_train(a.build, n, ["--config", a.config] + sets + extra, env)
                 with open(os.path.join(out, "metrics.jsonl")) as f:
-                    steps = [json.loads(l)["step_time_s"] for l in f if '"step_time_s"' in l]
+                    lines = [json.loads(l) for l in f if '"step_time_s"' in l]
+            steps = [l["step_time_s"] for l in lines]
+            peak = max(l["peak_bytes"] for l in lines)
+            memory = row["memory_bytes"] + row["activation_bytes"]
             measured = statistics.median(steps[2:])
             ratio = row["step_s"] / measured
             worst = max(worst, abs(ratio - 1))
             name = " ".join(x.replace("data_parallel_shard", "dp_shard").replace("data_parallel", "dp_replicate")
                             .replace("tensor_parallel", "tp").replace("pipeline_parallel", "pp") for x in layout)
-            print(f"{n:>5}  {name:<44} {row['step_s'] * 1e3:>8.1f}ms {measured * 1e3:>8.1f}ms {ratio:>6.2f}", flush=True)
+            print(f"{n:>5}  {name:<44} {row['step_s'] * 1e3:>8.1f}ms {measured * 1e3:>8.1f}ms {ratio:>6.2f}"
+                  f"   {memory / 2**20:>6.1f} {peak / 2**20:>6.1f} MiB {memory / peak:>5.2f}", flush=True)
     print(f"largest |predicted / measured - 1|: {worst:.2f}")
 
 

@@ -129,6 +129,18 @@ std::vector<FB> time_forward_backward(const std::vector<TrainConfig>& configs, i
   return out;
 }
 
+// Bytes held at the end of one micro-batch's forward (with the loss) beyond the model, at
+// the peak: the counting allocator's figure (0 when it is not installed).
+double measure_activations(const TrainConfig& c, int64_t samples) {
+  auto m = make_model(c);
+  at::Tensor tokens = at::randint(0, c.model.vocab(), {samples, c.seq_length + 1}, at::kLong);
+  at::Tensor x = tokens.narrow(1, 0, c.seq_length), y = tokens.narrow(1, 1, c.seq_length);
+  const int64_t base = memory::current_bytes();
+  memory::reset_peak();
+  at::Tensor loss = m->loss_of_logits(m->forward(x, /*hooked=*/false), y);
+  return static_cast<double>(std::max<int64_t>(0, memory::peak_bytes() - base));
+}
+
 // AdamW's step, the gradient norm and the clipping over 2^20 parameters, per parameter.
 double time_optimizer(at::ScalarType dtype) {
   const int64_t n = int64_t{1} << 20;
@@ -151,6 +163,35 @@ double time_optimizer(at::ScalarType dtype) {
 struct FlopCount {
   double block = 0, head = 0;
 };
+// Activation elements one position of a block keeps for backward, counted from the shapes
+// (the norms' inputs and outputs, q, k, v, attention's probabilities over the sequence and
+// output, the MLP's four hidden-size products), and of the head (the logits, their fp32
+// copy and probabilities).
+struct ActivationCount {
+  double block = 0, head = 0;
+};
+ActivationCount activations_per_token(const TrainConfig& c) {
+  const double T = static_cast<double>(c.seq_length);
+  ActivationCount a;
+  if (c.model.type == "llama") {
+    const auto& l = c.model.llama;
+    const double kv = static_cast<double>(l.kv_heads * l.head_dim());
+    a.block = 6.0 * static_cast<double>(l.dim) + 2.0 * kv + 4.0 * static_cast<double>(l.hidden_dim()) +
+              static_cast<double>(l.heads) * T;
+    a.head = static_cast<double>(l.vocab);
+  } else {
+    const auto& d = c.model.deepseek;
+    const double hidden = d.layers > d.dense_layers
+                              ? static_cast<double>(d.expert_hidden * (d.experts_per_token + d.shared_experts))
+                              : static_cast<double>(d.dense_hidden);
+    a.block = 6.0 * static_cast<double>(d.dim) +
+              static_cast<double>(d.heads * (2 * (d.qk_nope_dim + d.qk_rope_dim) + d.v_head_dim)) +
+              static_cast<double>(d.q_lora_rank + d.kv_lora_rank) + 4.0 * hidden + static_cast<double>(d.heads) * T;
+    a.head = static_cast<double>(d.vocab);
+  }
+  return a;
+}
+
 FlopCount flops_per_token(const TrainConfig& c) {
   FlopCount f;
   const double T = static_cast<double>(c.seq_length);
@@ -248,6 +289,9 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
       const TrainConfig two = with_layers(c, std::max<int64_t>(2, deep));
       p.optimizer_per_param = time_optimizer(c.params_dtype);
       if (device_tflops <= 0 && copies * need(two) <= static_cast<double>(budget_bytes)) {
+        p.activations_first = measure_activations(with_layers(c, 1), samples);
+        p.activations_layer =
+            std::max(0.0, measure_activations(two, samples) - p.activations_first) / static_cast<double>(two.model.layers() - 1);
         const auto t = time_forward_backward({with_layers(c, 1), two}, samples, copies);
         p.contended = copies > 1;
         const double extra = static_cast<double>(two.model.layers() - 1);
@@ -267,6 +311,13 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
         p.forward_first = p.forward_layer + f.head * tokens / rate;
         p.backward_layer = (2.0 + recompute) * p.forward_layer;
         p.backward_first = 2.0 * p.forward_first + recompute * p.forward_layer;
+        // Recompute keeps a block's input alone (one block's whole set while it reruns).
+        const ActivationCount a = activations_per_token(c);
+        const double elem = static_cast<double>(c10::elementSize(c.compute_dtype));
+        const double dim = static_cast<double>(c.model.type == "llama" ? c.model.llama.dim : c.model.deepseek.dim);
+        p.activations_layer = tokens * elem * (recompute > 0 ? dim : a.block);
+        p.activations_first = p.activations_layer + tokens * (elem + 8.0) * a.head +
+                              (recompute > 0 ? tokens * elem * a.block : 0);
         p.source = device_tflops > 0
                        ? "FLOPs at half of " + fmt("%g", device_tflops) + " TFLOP/s (assumed utilization 0.5)"
                        : "FLOPs at this machine's " + fmt("%.3g", rate / 1e9) + " GFLOP/s matmul (" +
@@ -401,11 +452,23 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
                                     ? comm("all_gather", 2 * act_bytes, t, tp_link, 2) +
                                           comm("reduce_scatter", 2 * act_bytes, t, tp_link, 2)
                                     : comm("all_reduce", 2 * act_bytes, t, tp_link, 2);
+        // Activations a rank keeps under tensor parallelism: the head's logits split; of a
+        // block, the inputs of the norms (without sequence parallel) and of the column-parallel
+        // products (gathered whole) on every rank, the rest split (shares from the shapes).
+        const double whole = t == 1 ? 0.0
+                                    : (c.sequence_parallel ? 2.0 : 4.0) *
+                                          static_cast<double>(c.model.type == "llama" ? c.model.llama.dim
+                                                                                      : c.model.deepseek.dim) /
+                                          activations_per_token(c).block;
+        const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t);
+        const double act_head = (prof.activations_first - prof.activations_layer) / t;
         int64_t rank_layers = L;
         if (p == 1) {
           const double fb = prof.forward_first + prof.backward_first +
                             static_cast<double>(L - 1) * (prof.forward_layer + prof.backward_layer);
           row.compute_s = static_cast<double>(m) * fb / t + optimizer;
+          // One micro-batch at a time: its backward frees what its forward kept.
+          row.activations = act_head + static_cast<double>(L) * act_layer;
           // Blocks, and the embedding and head (one more of each direction).
           row.tp_comm_s = static_cast<double>(m) * 2.0 * tp_block * static_cast<double>(L + 1);
           row.compute_s *= slower;
@@ -460,6 +523,20 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           for (double b : alone.busy) busy += b / static_cast<double>(alone.busy.size());
           row.bubble = bubble;
           row.compute_s = std::max(alone.makespan, busy * oversubscribed) + optimizer * slower;
+          // Per rank: its largest stage's activations times the micro-batches it holds at
+          // once; the largest over the ranks.
+          std::vector<double> stage_act(static_cast<size_t>(p), 0.0);
+          for (int k = 0; k < S; ++k) {
+            const auto& sl = slices[static_cast<size_t>(k)];
+            const int64_t n = (sl.end_layer < 0 ? L : sl.end_layer) - sl.first_layer;
+            const double extra = k == S - 1 ? 1 : 0;
+            double& a = stage_act[static_cast<size_t>(sched.rank_of(k))];
+            a = std::max(a, static_cast<double>(n) * act_layer + extra * act_head);
+          }
+          for (int q = 0; q < p; ++q) {
+            row.activations = std::max(row.activations, stage_act[static_cast<size_t>(q)] *
+                                                            static_cast<double>(alone.peak_in_flight[static_cast<size_t>(q)]));
+          }
           row.tp_comm_s = 2.0 * tp_block * static_cast<double>(m) * static_cast<double>(rank_layers + 1);
           row.pp_comm_s = 2.0 * hop * static_cast<double>(m);
           row.exposed_s += with_comm.makespan - alone.makespan;
@@ -490,6 +567,14 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         // The gradient norm, the loss and the step time: three small all-reduces over the world.
         row.exposed_s += 3 * SimulatedNetwork::seconds("all_reduce", 16, N, N > per_node ? net.inter : net.intra);
         row.step_s = row.compute_s + row.exposed_s;
+        const double state = static_cast<double>(row.memory.estimate.total());
+        if (memory > 0 && state + row.activations > static_cast<double>(memory)) {
+          row.feasible = false;
+          row.reason = "needs " + format_bytes(static_cast<int64_t>(std::min(state + row.activations, 9e18))) +
+                       " per rank (" + format_bytes(static_cast<int64_t>(state)) + " state, " +
+                       format_bytes(static_cast<int64_t>(std::min(row.activations, 9e18))) + " activations); " +
+                       format_bytes(memory) + " available";
+        }
         rows.push_back(row);
       }
     }
@@ -508,17 +593,19 @@ std::string format_plan(const std::vector<PlanRow>& rows) {
     if (!r.feasible) continue;
     out << "per rank: " << (r.threads > 0 ? std::to_string(r.threads) + " compute thread(s)" : std::string("one device"))
         << ", fully_shard overlap " << (r.overlap ? "on" : "off")
-        << "; compute " << r.compute_source << "; memory without activations\n";
+        << "; compute " << r.compute_source << "; mem/rank: the sharded state and activations (activ.)\n";
     break;
   }
-  std::snprintf(line, sizeof line, "%-4s %-44s %10s %9s %9s %9s %9s %9s %7s %10s\n", "#", "layout", "mem/rank",
-                "compute", "fsdp", "tp", "pp", "exposed", "bubble", "step");
+  std::snprintf(line, sizeof line, "%-4s %-44s %10s %10s %9s %9s %9s %9s %9s %7s %10s\n", "#", "layout", "mem/rank",
+                "activ.", "compute", "fsdp", "tp", "pp", "exposed", "bubble", "step");
   out << line;
   int k = 0;
   for (const PlanRow& r : rows) {
     if (!r.feasible) continue;
-    std::snprintf(line, sizeof line, "%-4d %-44s %10s %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %6.1f%% %8.1fms\n", ++k,
-                  r.layout().c_str(), format_bytes(r.memory.estimate.total()).c_str(), r.compute_s * 1e3,
+    const auto total = static_cast<int64_t>(static_cast<double>(r.memory.estimate.total()) + r.activations);
+    std::snprintf(line, sizeof line, "%-4d %-44s %10s %10s %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %6.1f%% %8.1fms\n",
+                  ++k, r.layout().c_str(), format_bytes(total).c_str(),
+                  format_bytes(static_cast<int64_t>(r.activations)).c_str(), r.compute_s * 1e3,
                   r.fsdp_comm_s * 1e3, r.tp_comm_s * 1e3, r.pp_comm_s * 1e3, r.exposed_s * 1e3, r.bubble * 100,
                   r.step_s * 1e3);
     out << line;
@@ -540,7 +627,8 @@ std::string plan_json(const std::vector<PlanRow>& rows) {
         << ",\"tp\":" << r.config.tensor_parallel << ",\"pp\":" << r.config.pipeline_parallel
         << ",\"feasible\":" << (r.feasible ? "true" : "false");
     if (r.feasible) {
-      out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"compute_s\":" << r.compute_s
+      out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"activation_bytes\":" << r.activations
+          << ",\"compute_s\":" << r.compute_s
           << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s
           << ",\"exposed_s\":" << r.exposed_s << ",\"bubble\":" << r.bubble << ",\"step_s\":" << r.step_s
           << ",\"threads\":" << r.threads << ",\"overlap\":" << (r.overlap ? "true" : "false");

@@ -41,6 +41,8 @@ struct FakeCompute {
     p.forward_layer = 0.004;
     p.backward_layer = 0.008;
     p.optimizer_per_param = 1e-9;
+    p.activations_first = 500;  // bytes a micro-batch keeps: 500 with one block, 400 more per block
+    p.activations_layer = 400;
     p.source = "fake";
     return p;
   }
@@ -159,6 +161,28 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
   }
 }
 
+TEST(Plan, ActivationsOfOneMicroBatchOrOfThoseAPipelineHolds) {
+  const auto rows = ht::plan_layouts(tiny(), options(2, 2), FakeCompute{});
+  // One micro-batch at a time: 500 + 400 bytes.
+  EXPECT_EQ(find(rows, 1, 2, 1, 1).activations, 900);
+  // Tensor parallel 2 without sequence parallel: the head's 100 split; of each block's 400
+  // the norms' and column-parallel products' inputs (4 x 64 of the 1472 elements a position
+  // keeps, counted in GivenDeviceCountsFlopsAtHalfItsPeak) whole, the rest split.
+  const double share = 4.0 * 64 / 1472;
+  EXPECT_NEAR(find(rows, 1, 1, 2, 1).activations, 100.0 / 2 + 2 * 400 * (share + (1 - share) / 2), 1e-9);
+  // 1F1B over 2 stages: the first rank holds 2 micro-batches of its stage (one block, 400),
+  // the last one of its stage (one block with the head and loss: 500): the larger, 800.
+  EXPECT_EQ(find(rows, 1, 1, 1, 2).activations, 800);
+  // A layout whose state fits but not with its activations: named with both.
+  ht::PlanOptions o = options(2, 2);
+  const auto& fsdp = find(rows, 1, 2, 1, 1);
+  o.memory_per_rank = fsdp.memory.estimate.total() + 500;
+  const auto tight = ht::plan_layouts(tiny(), o, FakeCompute{});
+  const auto& r = find(tight, 1, 2, 1, 1);
+  EXPECT_FALSE(r.feasible);
+  EXPECT_NE(r.reason.find("state, 900 B activations"), std::string::npos) << r.reason;
+}
+
 TEST(Plan, OverlapHidesFullyShardsCommunicationWhenACoreIsSpare) {
   // 4 cores for 2 ranks of 1 thread: each rank's communication thread has a core.
   const auto rows = ht::plan_layouts(tiny(), options(2, 4), FakeCompute{});
@@ -199,6 +223,13 @@ TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
   EXPECT_NEAR(p.forward_layer, layer, 1e-18);
   EXPECT_NEAR(p.forward_first, layer + 2 * 256 * 64 * tokens / rate, 1e-18);
   EXPECT_NEAR(p.backward_layer, 2 * layer, 1e-18);
+  // Activations from the shapes, per position of a block: norms' inputs and outputs, q and
+  // the attention output and o's input (6 x 64), k and v (2 x 2 heads x 16), the MLP's four
+  // products (4 x 192), the probabilities over 64 positions of 4 heads; fp32. The head: the
+  // logits (fp32) and their fp32 copy and probabilities.
+  const double block = 6 * 64 + 2 * 32 + 4 * 192 + 4 * 64;
+  EXPECT_DOUBLE_EQ(p.activations_layer, tokens * 4 * block);
+  EXPECT_DOUBLE_EQ(p.activations_first, tokens * 4 * block + tokens * 12 * 256);
   c.recompute = "full";
   EXPECT_NEAR(ht::measured_compute(c, 100)(2, 1, 1).backward_layer, 3 * layer, 1e-18);
 }
@@ -206,6 +237,9 @@ TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
 TEST(Plan, MeasuresTheModelHere) {
   const auto p = ht::measured_compute(tiny())(2, 1, 1);
   EXPECT_FALSE(p.contended);
+  // The logits alone (2 x 64 x 256 fp32) are kept for the loss.
+  EXPECT_GT(p.activations_first, 2 * 64 * 256 * 4);
+  EXPECT_GT(p.activations_layer, 0);
   EXPECT_GT(p.forward_first, 0);
   EXPECT_GT(p.backward_first, 0);
   EXPECT_GT(p.optimizer_per_param, 0);

@@ -26,7 +26,10 @@
 //             Overlap follows HP_FSDP_OVERLAP=auto: on with a GPU (a given device), or when
 //             every rank has a core to spare for its communication thread.
 //
-// Activations are not in the memory figure (they depend on batch and sequence).
+// Memory: the sharded state (estimate_rank_memory) plus the activations a rank holds at
+// its peak: one micro-batch's (the profile's, divided by tensor_parallel) without a
+// pipeline; with one, its stages' times the most micro-batches the schedule keeps in
+// flight on a rank (hp::pp::simulate).
 #pragma once
 
 #include <cstdint>
@@ -58,6 +61,10 @@ struct ComputeProfile {
   double backward_first = 0, backward_layer = 0;
   double optimizer_per_param = 0;  // AdamW, gradient norm and clipping, per parameter
   bool contended = false;          // timed with the node's ranks sharing its cores
+  // Bytes a micro-batch's forward holds for its backward, at its peak (logits and loss
+  // included), in the same t(L) form: measured with the counting allocator when timed,
+  // else counted from the shapes (each block's saved activations, the head's logits).
+  double activations_first = 0, activations_layer = 0;
   std::string source;              // how it was obtained, for the report
 };
 // (micro-batch samples, compute threads, copies) -> profile; copies: the ranks that share
@@ -90,6 +97,7 @@ struct PlanRow {
   bool feasible = false;
   std::string reason;  // why not (or the memory headroom)
   RankMemory memory;
+  double activations = 0;  // bytes per rank at the peak (see above)
   int threads = 1;  // compute threads per rank (0: a device per rank)
   bool overlap = false;
   double compute_s = 0, fsdp_comm_s = 0, tp_comm_s = 0, pp_comm_s = 0, exposed_s = 0, bubble = 0;
