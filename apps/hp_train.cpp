@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <sstream>
 #include <map>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -439,7 +440,8 @@ int run(const Args& args, const hp::CommPtr& world) {
   }
 
   say("hp-train: " + args.config + " on " + std::to_string(world->size()) + " rank(s), backend " + world->backend() +
-      ", " + std::to_string(at::get_num_threads()) + " compute thread(s) per rank");
+      ", " + std::to_string(at::get_num_threads()) + " compute thread(s) per rank (OMP_WAIT_POLICY=" +
+      (std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "") + ")");
   say(describe(c));
   say("memory estimate per rank (without activations): " + format_bytes(est.total()));
 

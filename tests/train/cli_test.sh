@@ -124,7 +124,7 @@ python3 -c "print('the quick brown fox jumps over the lazy dog. ' * 200)" > "$wo
 grep -q 'data: text file, 9001 tokens' "$work/out" || fail "text data not described: $(cat "$work/out")"
 # Bad HP_* knobs: exit 1 with the knob and its range named, before anything runs.
 expect_knob_error() {  # VAR=value "expected text"
-  env "$1" "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=1 --set output_dir= > "$work/out" 2>&1
+  env "$1" "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=1 --set lr_warmup_steps=0 --set output_dir= > "$work/out" 2>&1
   local rc=$?
   [ $rc = 1 ] || fail "$1: exit $rc: $(cat "$work/out")"
   grep -q "hp-train: error: .*$2" "$work/out" || fail "$1: not named: $(cat "$work/out")"
@@ -139,7 +139,7 @@ expect_knob_error HP_SIM_NET=5:0 "simulated network '5:0': bandwidth '0' is not 
 expect_knob_error HP_RS_SEGMENT_BYTES=12 "HP_RS_SEGMENT_BYTES='12' is out of range"
 expect_knob_error HP_TRACE=/etc/hostname "HP_TRACE='/etc/hostname' is not a directory"
 if [ -n "$mpirun" ]; then
-  HP_BACKEND=local run_np 2 --config "$cfg" --set train_steps=1 --set output_dir= > "$work/out" 2>&1 &&
+  HP_BACKEND=local run_np 2 --config "$cfg" --set train_steps=1 --set lr_warmup_steps=0 --set output_dir= > "$work/out" 2>&1 &&
     fail "HP_BACKEND=local under mpirun was accepted"
   grep -q "processes but using the local backend" "$work/out" || fail "local under mpirun not named: $(cat "$work/out")"
 fi
@@ -211,3 +211,11 @@ grep -q 'one device, fully_shard overlap on; compute FLOPs at half of 989 TFLOP/
 grep -q '^1 ' "$work/out" || fail "--plan: no feasible layout for deepseek_v3 on 256 devices: $(cat "$work/out")"
 grep -q 'dp_shard=256 tp=1 pp=1: needs .* per rank without activations; 131.3 GiB available' "$work/out" ||
   fail "--plan: memory reason missing: $(cat "$work/out")"
+
+# OpenMP's idle threads sleep unless the user chose otherwise (hp::prefer_passive_openmp).
+(unset OMP_WAIT_POLICY; "$bin" --config "$src/configs/llama_tiny.yaml" --set train_steps=1 --set lr_warmup_steps=0 --set output_dir= > "$work/out" 2>&1) ||
+  fail "a one-step run failed: $(cat "$work/out")"
+grep -q 'compute thread(s) per rank (OMP_WAIT_POLICY=passive)' "$work/out" || fail "OpenMP not made passive: $(cat "$work/out")"
+OMP_WAIT_POLICY=active "$bin" --config "$src/configs/llama_tiny.yaml" --set train_steps=1 --set lr_warmup_steps=0 --set output_dir= > "$work/out" 2>&1 ||
+  fail "a one-step run failed: $(cat "$work/out")"
+grep -q '(OMP_WAIT_POLICY=active)' "$work/out" || fail "the user's OMP_WAIT_POLICY was not kept: $(cat "$work/out")"
