@@ -30,13 +30,13 @@ bool g_we_initialized_mpi = false;
 int g_local_size = 1;
 bool g_atexit_registered = false;
 
+}  // namespace
+
 int usable_cores() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
-
-}  // namespace
 
 int set_compute_threads(int n) {
   HP_CHECK(n >= 1, "compute thread count must be at least 1, got ", n);

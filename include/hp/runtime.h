@@ -32,6 +32,8 @@ void finalize();
 
 // Sets libtorch's and OpenBLAS's thread counts; returns the count set.
 int set_compute_threads(int n);
+// The cores this process may run on (its affinity mask).
+int usable_cores();
 // Ranks of the world sharing this node (1 without MPI).
 int local_world_size();
 // Whether each rank on this node has a core beyond its compute threads, for its

@@ -1,7 +1,6 @@
 #include "hp/train/plan.h"
 
 #include <ATen/ATen.h>
-#include <sched.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
@@ -33,19 +32,6 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-int machine_cores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-// The stage (of pipeline_parallel x interleave) each pp rank's stages, as the trainer places
-// them: zbv in a V, the others in a loop.
-int64_t stage_owner(const TrainConfig& c, int64_t stage, int64_t stages) {
-  if (c.pipeline_schedule == "zbv") return stage < stages / 2 ? stage : stages - 1 - stage;
-  return stage % c.pipeline_parallel;
-}
-
 // The config's model with `layers` blocks (DeepSeek: its first dense, the rest MoE when the
 // model has MoE blocks), in the compute dtype, whole.
 TrainConfig with_layers(const TrainConfig& c, int64_t layers) {
@@ -72,12 +58,17 @@ TrainConfig with_layers(const TrainConfig& c, int64_t layers) {
 struct FB {
   double forward = 0, backward = 0;
 };
+
+// Random inputs and next-token targets of `samples` sequences.
+std::pair<at::Tensor, at::Tensor> random_batch(const TrainConfig& c, int64_t samples) {
+  at::Tensor tokens = at::randint(0, c.model.vocab(), {samples, c.seq_length + 1}, at::kLong);
+  return {tokens.narrow(1, 0, c.seq_length), tokens.narrow(1, 1, c.seq_length)};
+}
+
 std::vector<FB> time_forward_backward_once(const std::vector<TrainConfig>& configs, int64_t samples) {
   std::vector<std::unique_ptr<TrainModel>> models;
   for (const auto& c : configs) models.push_back(make_model(c));
-  const TrainConfig& c = configs.front();
-  at::Tensor tokens = at::randint(0, c.model.vocab(), {samples, c.seq_length + 1}, at::kLong);
-  at::Tensor x = tokens.narrow(1, 0, c.seq_length), y = tokens.narrow(1, 1, c.seq_length);
+  const auto [x, y] = random_batch(configs.front(), samples);
   std::vector<std::vector<double>> fwd(models.size()), bwd(models.size());
   for (int rep = 0; rep < 9; ++rep) {
     for (size_t k = 0; k < models.size(); ++k) {
@@ -133,8 +124,7 @@ std::vector<FB> time_forward_backward(const std::vector<TrainConfig>& configs, i
 // the peak: the counting allocator's figure (0 when it is not installed).
 double measure_activations(const TrainConfig& c, int64_t samples) {
   auto m = make_model(c);
-  at::Tensor tokens = at::randint(0, c.model.vocab(), {samples, c.seq_length + 1}, at::kLong);
-  at::Tensor x = tokens.narrow(1, 0, c.seq_length), y = tokens.narrow(1, 1, c.seq_length);
+  const auto [x, y] = random_batch(c, samples);
   const int64_t base = memory::current_bytes();
   memory::reset_peak();
   at::Tensor loss = m->loss_of_logits(m->forward(x, /*hooked=*/false), y);
@@ -158,11 +148,6 @@ double time_optimizer(at::ScalarType dtype) {
   return median(t) / static_cast<double>(n);
 }
 
-// Forward FLOPs of one sequence position: per block (matmuls of the active parameters and
-// attention's two products over the sequence) and of the head.
-struct FlopCount {
-  double block = 0, head = 0;
-};
 // Activation elements one position of a block keeps for backward, counted from the shapes
 // (the norms' inputs and outputs, q, k, v, attention's probabilities over the sequence and
 // output, the MLP's four hidden-size products), and of the head (the logits, their fp32
@@ -192,6 +177,11 @@ ActivationCount activations_per_token(const TrainConfig& c) {
   return a;
 }
 
+// Forward FLOPs of one sequence position: per block (matmuls of the active parameters and
+// attention's two products over the sequence) and of the head.
+struct FlopCount {
+  double block = 0, head = 0;
+};
 FlopCount flops_per_token(const TrainConfig& c) {
   FlopCount f;
   const double T = static_cast<double>(c.seq_length);
@@ -242,15 +232,12 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
   r.rank_params = c.model.params_per_tp_rank(c.tensor_parallel);
   if (c.pipeline_parallel > 1) {
     r.stage_counts = stage_params(c);
-    const int64_t S = static_cast<int64_t>(r.stage_counts.size());
-    int64_t fullest = 0;
-    for (int64_t rank = 0; rank < c.pipeline_parallel; ++rank) {
-      int64_t n = 0;
-      for (int64_t k = 0; k < S; ++k) {
-        if (stage_owner(c, k, S) == rank) n += r.stage_counts[static_cast<size_t>(k)];
-      }
-      fullest = std::max(fullest, n);
+    const pp::Schedule sched = pipeline_schedule(c);
+    std::vector<int64_t> held(static_cast<size_t>(c.pipeline_parallel), 0);
+    for (size_t k = 0; k < r.stage_counts.size(); ++k) {
+      held[static_cast<size_t>(sched.rank_of(static_cast<int>(k)))] += r.stage_counts[k];
     }
+    const int64_t fullest = *std::max_element(held.begin(), held.end());
     r.rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(r.rank_params) /
                                          static_cast<double>(c.model.num_params()));
   }
@@ -367,7 +354,7 @@ std::string PlanRow::layout() const {
 std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o, const ComputeModel& compute) {
   HP_CHECK(o.world >= 1, "--plan: --world must be at least 1, got ", o.world);
   const int N = o.world;
-  const int cores = o.cores_per_node > 0 ? o.cores_per_node : machine_cores();
+  const int cores = o.cores_per_node > 0 ? o.cores_per_node : usable_cores();
   const int per_node = o.network.ranks_per_node > 0 ? std::min(o.network.ranks_per_node, N) : N;
   const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : std::max(1, cores / per_node);
   // A node running more compute threads than cores: every rank waits for the slowest.
@@ -475,6 +462,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         } else {
           const int v = static_cast<int>(c.pipeline_parallel_interleave_num), S = p * v;
           const auto slices = models::split_layers(L, S, c.pipeline_stage_layers);
+          const pp::Schedule sched = pipeline_schedule(c);
           // Each stage's costs: its blocks, and on the last stage the embedding, head and loss
           // (the first block's extra); tensor parallel's transfers of its blocks beside.
           std::vector<double> f(static_cast<size_t>(S)), b(static_cast<size_t>(S)), tpc(static_cast<size_t>(S));
@@ -482,7 +470,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           for (int k = 0; k < S; ++k) {
             const auto& sl = slices[static_cast<size_t>(k)];
             const int64_t n = (sl.end_layer < 0 ? L : sl.end_layer) - sl.first_layer;
-            layers_of_rank[static_cast<size_t>(stage_owner(c, k, S))] += n;
+            layers_of_rank[static_cast<size_t>(sched.rank_of(k))] += n;
             const double extra = k == S - 1 ? 1 : 0;
             const auto K = static_cast<size_t>(k);
             f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) / t;
@@ -490,12 +478,6 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
             tpc[K] = tp_block * static_cast<double>(n + extra);
           }
           rank_layers = *std::max_element(layers_of_rank.begin(), layers_of_rank.end());
-          const int m32 = static_cast<int>(m);
-          pp::Schedule sched = c.pipeline_schedule == "gpipe"  ? pp::gpipe(p, m32)
-                               : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(p, m32)
-                               : c.pipeline_schedule == "zbh1" ? pp::zero_bubble_h1(p, m32)
-                               : c.pipeline_schedule == "zbv"  ? pp::zero_bubble_v(p, m32)
-                                                               : pp::interleaved_1f1b(p, v, m32);
           // Each stage's output (and its gradient back) crosses to the next stage's rank.
           const double hop = SimulatedNetwork::seconds("send", static_cast<int64_t>(act_bytes), 2,
                                                        link_of(0, r * s * t, std::min(p, 2)));

@@ -181,6 +181,16 @@ std::vector<int64_t> stage_params(const TrainConfig& c) {
   return out;
 }
 
+pp::Schedule pipeline_schedule(const TrainConfig& c) {
+  const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
+  const int m = static_cast<int>(c.micro_batch_num);
+  return c.pipeline_schedule == "gpipe"  ? pp::gpipe(pp, m)
+         : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(pp, m)
+         : c.pipeline_schedule == "zbh1" ? pp::zero_bubble_h1(pp, m)
+         : c.pipeline_schedule == "zbv"  ? pp::zero_bubble_v(pp, m)
+                                         : pp::interleaved_1f1b(pp, v, m);
+}
+
 // ---------------------------------------------------------------------------------------
 
 struct Trainer::Impl {
@@ -309,12 +319,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     shard_model(*s.model);
   } else {
     const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
-    const int m = static_cast<int>(c.micro_batch_num);
-    pp::Schedule schedule = c.pipeline_schedule == "gpipe"  ? pp::gpipe(pp, m)
-                            : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(pp, m)
-                            : c.pipeline_schedule == "zbh1" ? pp::zero_bubble_h1(pp, m)
-                            : c.pipeline_schedule == "zbv"  ? pp::zero_bubble_v(pp, m)
-                                                            : pp::interleaved_1f1b(pp, v, m);
+    pp::Schedule schedule = pipeline_schedule(c);
     const auto slices = models::split_layers(c.model.layers(), pp * v, c.pipeline_stage_layers);
     std::vector<pp::PipelineStage> stages;
     for (int st : schedule.stages_of(s.pp->rank())) {

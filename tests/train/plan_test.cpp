@@ -59,6 +59,8 @@ const ht::PlanRow& find(const std::vector<ht::PlanRow>& rows, int64_t r, int64_t
 }
 
 // 10 us per op and 1 GB/s: `seconds` of moving `bytes` with bus factor `f`, in `ops` ops.
+// The expectations below are exact sums of such terms in double; the bounds (1e-12 s for
+// compute, 1e-9 s for communication: one byte at 1 GB/s) only absorb rounding.
 double link(double f, double bytes, double ops = 1) { return ops * 10e-6 + f * bytes / 1e9; }
 
 ht::PlanOptions options(int world, int cores) {

@@ -25,6 +25,7 @@
 #include "hp/core/error.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/models/llama.h"
+#include "hp/pp/schedule.h"
 #include "hp/train/config.h"
 #include "hp/train/data.h"
 
@@ -94,6 +95,11 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = fal
 // Parameters of each of the pipeline_parallel x interleave stages (before tensor
 // parallelism), from the config alone (ModelSpec::stage_params).
 std::vector<int64_t> stage_params(const TrainConfig& c);
+
+// The pipeline schedule of a validated config with pipeline_parallel > 1: its
+// pipeline_schedule over pipeline_parallel ranks and micro_batch_num micro-batches (the
+// placement of stages on ranks is the schedule's rank_of).
+pp::Schedule pipeline_schedule(const TrainConfig& c);
 
 class Trainer {
  public:
