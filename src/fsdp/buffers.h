@@ -1,5 +1,8 @@
 // Private: the storage fully_shard owns, with ownership in the types.
 //
+// UnshardedParam is the module's own tensor of a sharded parameter: the only code that
+// gives it storage (an unshard) or takes it away (a reshard).
+//
 // OwnedBuffer holds a tensor fully_shard allocated itself; it alone may be released
 // (its storage freed in place). Tensors that autograd produced or the user passed in are
 // handled as plain at::Tensor and are never released or resized by fully_shard: a cast or
@@ -13,6 +16,28 @@
 #include "hp/core/compat.h"
 
 namespace hp::detail {
+
+// The module's tensor of one sharded parameter. Its identity is kept (module fields and
+// autograd's saved tensors refer to it) while its storage comes and goes: sized for the
+// padded unsharded parameter by an unshard, emptied in place by a reshard.
+class UnshardedParam {
+ public:
+  UnshardedParam() = default;
+  explicit UnshardedParam(at::Tensor t) : t_(std::move(t)) {}
+  const at::Tensor& tensor() const { return t_; }
+  void allocate(int64_t bytes) const { compat::resize_storage_bytes(t_, bytes); }
+  void free() const { compat::resize_storage_bytes(t_, 0); }
+  // A tensor over the storage (which must be allocated) that shares neither its version
+  // counter nor its autograd meta, so collectives writing through it do not look like
+  // in-place edits of the parameter to autograd. It must not outlive the next free(): the
+  // all-gathers writing through it are waited for before any reshard.
+  at::Tensor raw(at::IntArrayRef shape, at::ScalarType dt) const {
+    return at::from_blob(t_.data_ptr(), shape, at::TensorOptions().dtype(dt).device(t_.device()));
+  }
+
+ private:
+  at::Tensor t_;
+};
 
 class OwnedBuffer {
  public:

@@ -106,3 +106,31 @@ TEST(FullyShardErrors, NoGradientIsInFlightWhenBackwardReturns) {
     for (auto& p : h->parameters()) EXPECT_TRUE(p.grad().defined());
   }
 }
+
+// The state machines (src/fsdp/group.h): the parameters cannot be resharded, nor the
+// gradients reduced, while the module's forward runs. The error names the module and both
+// states, nothing has been freed or issued, and the module trains normally afterwards.
+TEST(FullyShardErrors, IllegalStateTransitionsNameTheModuleAndBothStates) {
+  TinyConfig c;
+  TinyModel m(c);
+  hp::FullyShardOptions o;
+  o.mp_policy.param_dtype = at::kBFloat16;  // the unsharded parameters have storage of their own, even at world 1
+  for (auto& b : m->blocks) hp::fully_shard(*b, o);
+  hp::FSDPHandle root = hp::fully_shard(*m, o);
+  std::function<void()> inside;  // run inside the root's forward, before the embedding
+  hp::ForwardHooks probe;
+  probe.pre = [&](torch::nn::Module&) {
+    if (inside) inside();
+  };
+  hp::register_forward_hooks(*m->emb, probe);
+  at::Tensor x = at::randint(c.vocab, {2, c.seq}, at::kLong);
+  inside = [&] { root->reshard(); };
+  expect_error([&] { hp::call(m, x, x); },
+               {"TinyModelImpl (fully_shard #", "from unsharded to sharded", "training state forward"});
+  inside = [&] { root->reduce_grads(); };
+  expect_error([&] { hp::call(m, x, x); },
+               {"TinyModelImpl (fully_shard #", "from training state forward to post-backward"});
+  inside = nullptr;
+  hp::call(m, x, x).backward();
+  for (auto& p : root->parameters()) EXPECT_TRUE(p.grad().defined());
+}

@@ -1,0 +1,122 @@
+// The order of fully_shard's collectives across groups and roots (comm_context.h), and
+// the overlap setting.
+#include "comm_context.h"
+
+#include <atomic>
+
+#include "hp/core/env.h"
+#include "hp/core/trace.h"
+#include "hp/runtime.h"
+
+namespace hp {
+
+namespace {
+// -1: HP_FSDP_OVERLAP not read yet; 0: off; 1: on; 2: auto.
+std::atomic<int> g_overlap{-1};
+int overlap_setting() {
+  int v = g_overlap.load();
+  if (v < 0) {
+    const std::string s = env::get_string("HP_FSDP_OVERLAP");
+    v = s == "auto" ? 2 : s == "1" ? 1 : 0;
+    g_overlap.store(v);
+  }
+  return v;
+}
+}  // namespace
+
+namespace detail {
+bool fsdp_overlap_for(const std::string& backend) {
+  const int v = overlap_setting();
+  if (v != 2) return v == 1;
+  // The collectives overlap compute for free where a device moves the bytes (nccl), or
+  // where the communication thread has a core of its own; otherwise its copies take the
+  // core compute needs, and waiting where each collective is issued is faster. (Not a
+  // simulated network: its link is modelled, but the real copies still take the core.)
+  return backend == "nccl" || spare_core_per_rank();
+}
+}  // namespace detail
+
+void set_fsdp_overlap(bool on) { g_overlap.store(on ? 1 : 0); }
+void reset_fsdp_overlap() { g_overlap.store(-1); }
+bool fsdp_overlap() { return detail::fsdp_overlap_for(""); }
+
+namespace detail {
+
+CommContext& comm_context() {
+  static CommContext c;
+  return c;
+}
+
+void drain_reductions(size_t keep, bool finish) {
+  auto& order = comm_context().reduce_order;
+  size_t in_flight = 0;
+  for (FSDPModule::State* s : order) {
+    for (auto& pr : s->pending) in_flight += pr.rs_done ? 0 : 1;
+  }
+  bool blocked = false;
+  for (FSDPModule::State* s : order) {
+    for (auto& pr : s->pending) {
+      if (pr.rs_done) continue;
+      if (blocked || (in_flight <= keep && !pr.rs.is_completed())) {
+        blocked = true;  // later all-reduces must not overtake this one
+        continue;
+      }
+      --in_flight;
+      pr.rs.wait();
+      pr.rs_done = true;
+      if (s->hsdp() && s->requires_all_reduce) s->issue_all_reduce(pr);
+    }
+  }
+  for (FSDPModule::State* s : order) {
+    for (auto& pr : s->pending) {
+      if (pr.applied || !pr.rs_done) continue;
+      if (pr.ar_issued && !finish && !pr.ar.is_completed()) continue;
+      pr.ar.wait();
+      s->apply_pending(pr);
+      pr.output.release();
+      pr.applied = true;
+    }
+  }
+}
+
+namespace {
+
+bool reduce_scatter_in_flight() {
+  for (FSDPModule::State* s : comm_context().reduce_order) {
+    for (auto& pr : s->pending) {
+      if (!pr.rs_done && !pr.rs.is_completed()) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+void issue_deferred_prefetches(bool wait, bool backward) {
+  CommContext& it = comm_context();
+  if (it.deferred_prefetch.empty()) return;
+  if (reduce_scatter_in_flight()) {
+    if (!wait) return;
+    trace::Span span("wait reduce_scatter before prefetch", "wait");
+    drain_reductions(/*keep=*/0, /*finish=*/false);
+  }
+  std::vector<FSDPModule::State*> ready;
+  ready.swap(it.deferred_prefetch);
+  for (FSDPModule::State* s : ready) {
+    if (s->training != TrainingState::kPostBackward) s->begin_unshard(backward);
+  }
+}
+
+void finish_reductions() {
+  CommContext& cc = comm_context();
+  issue_deferred_prefetches(/*wait=*/true);
+  {
+    trace::Span wait("wait reductions", "wait");
+    drain_reductions(/*keep=*/0, /*finish=*/true);
+  }
+  for (FSDPModule::State* s : cc.reduce_order) s->pending.clear();
+  cc.reduce_order.clear();
+}
+
+}  // namespace detail
+}  // namespace hp

@@ -1,0 +1,157 @@
+// A parameter group's storage: unshard (all-gather into the module's own tensors) and
+// reshard (free them, or keep a post-forward share), and the storage-state machine.
+#include <ATen/ATen.h>
+
+#include "collectives.h"
+#include "comm_context.h"
+#include "group.h"
+#include "hp/core/error.h"
+#include "hp/core/trace.h"
+
+namespace hp {
+
+using detail::OwnedBuffer;
+using detail::ShardState;
+using detail::TrainingState;
+
+namespace detail {
+const char* to_string(ShardState s) {
+  switch (s) {
+    case ShardState::kSharded: return "sharded";
+    case ShardState::kPostForwardShare: return "post-forward share";
+    case ShardState::kGathering: return "gathering";
+    case ShardState::kUnsharded: return "unsharded";
+  }
+  return "?";
+}
+}  // namespace detail
+
+void FSDPModule::State::move_to(ShardState to) {
+  const ShardState from = storage;
+  bool legal = false;
+  switch (from) {
+    case ShardState::kSharded: legal = to == ShardState::kGathering || to == ShardState::kUnsharded; break;
+    case ShardState::kPostForwardShare: legal = to == ShardState::kGathering || to == ShardState::kSharded; break;
+    case ShardState::kGathering: legal = to == ShardState::kUnsharded; break;
+    case ShardState::kUnsharded: legal = to == ShardState::kSharded || to == ShardState::kPostForwardShare; break;
+  }
+  HP_CHECK(legal, "fully_shard(", label, "): internal error: its parameters went from ", detail::to_string(from),
+           " to ", detail::to_string(to));
+  // Freeing the parameters under a running forward leaves it reading freed storage.
+  HP_CHECK(!(from == ShardState::kUnsharded && training == TrainingState::kForward), "fully_shard(", label,
+           "): its parameters cannot go from ", detail::to_string(from), " to ", detail::to_string(to),
+           " in training state ", detail::to_string(training),
+           ": its forward is still running (reshard() called from inside it?)");
+  storage = to;
+}
+
+void FSDPModule::State::begin_unshard(bool backward) {
+  if (unsharded() || gathering()) return;
+  if (aliased() || params.empty()) {  // nothing to gather (a root whose children own every parameter)
+    move_to(ShardState::kUnsharded);
+    return;
+  }
+  // Collectives must reach each communicator in the same order on every rank: whatever
+  // prefetch was held back goes first (this module's own, perhaps, over the group it would
+  // have used at a gradient hook), as it would have without the holding back.
+  detail::issue_deferred_prefetches(/*wait=*/true);
+  if (gathering()) return;
+  // Post-forward shards serve only the backward of their own iteration: another gather (a
+  // forward, an explicit unshard, a later step's prefetch) may come after an optimizer step.
+  if (storage == ShardState::kPostForwardShare && (!backward || pass == nullptr || post_fwd_iteration != pass->id)) {
+    post_fwd.release();
+    move_to(ShardState::kSharded);
+  }
+  trace::Span span("unshard " + label, "fsdp");
+  const at::ScalarType cd = dt.all_gather;
+  const int64_t es = c10::elementSize(cd);
+  for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
+  ag_works.clear();
+  post_gather_fused = false;
+  if (storage == ShardState::kPostForwardShare) {
+    // From the post-forward shards, over the smaller group. The ops own the buffer now
+    // (views of it when per parameter) and free it as they complete.
+    const int64_t g = post_group->size();
+    if (opts.comm_fusion) {
+      ag_out = OwnedBuffer::empty({g * post_total}, cd, device);
+      ag_works.push_back(post_group->all_gather(ag_out.tensor(), post_fwd.hand_to_op()));
+      post_gather_fused = true;
+    } else {
+      at::Tensor buf = post_fwd.hand_to_op();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const int64_t len = params[i].plan.padded_numel() / g;
+        ag_works.push_back(post_group->all_gather(params[i].param.raw({params[i].plan.padded_numel()}, cd),
+                                                  buf.narrow(0, post_offsets[i], len)));
+      }
+    }
+  } else if (opts.comm_fusion) {
+    std::vector<at::Tensor> padded;
+    for (const auto& p : params) padded.push_back(p.padded.tensor());
+    ag_in = detail::fused_gather_input(padded, layout, cd);
+    ag_out = OwnedBuffer::empty({shards() * layout.total}, cd, device);
+    ag_works.push_back(shard->all_gather(ag_out.tensor(), ag_in.tensor()));
+  } else {
+    for (auto& p : params) {
+      at::Tensor in = p.padded.tensor().view(-1);
+      if (in.scalar_type() != cd) in = in.to(cd);
+      at::Tensor out = p.param.raw({p.plan.padded_numel()}, cd);
+      ag_works.push_back(shard->all_gather(out, in));
+    }
+  }
+  move_to(ShardState::kGathering);
+}
+
+void FSDPModule::State::finish_unshard() {
+  if (!gathering()) return;
+  {
+    trace::Span wait("wait all_gather " + label, "wait");
+    for (auto& w : ag_works) w.wait();
+  }
+  ag_works.clear();
+  if (post_gather_fused) {
+    const int64_t g = post_group->size();
+    std::vector<at::Tensor> dests;
+    for (const auto& p : params) dests.push_back(p.param.raw({g, p.plan.padded_numel() / g}, dt.all_gather));
+    detail::copy_out_gathered(ag_out.tensor().view({g, post_total}), post_offsets, dests);
+    ag_out.release();
+    post_gather_fused = false;
+  } else if (opts.comm_fusion) {
+    std::vector<at::Tensor> dests;
+    for (const auto& p : params) dests.push_back(p.param.raw({shards(), p.plan.shard_numel()}, dt.all_gather));
+    detail::copy_out_gathered(ag_out.tensor().view({shards(), layout.total}), layout.offsets, dests);
+    ag_in.release();
+    ag_out.release();
+  }
+  move_to(ShardState::kUnsharded);
+}
+
+void FSDPModule::State::do_reshard() {
+  finish_unshard();
+  if (storage == ShardState::kPostForwardShare) {
+    post_fwd.release();
+    move_to(ShardState::kSharded);
+  }
+  if (!unsharded() || aliased()) return;
+  move_to(ShardState::kSharded);
+  for (auto& p : params) p.param.free();
+}
+
+// After forward with a group size: keep this rank's slice of each unsharded parameter
+// (its index in the group picks the slice), then free the unsharded storage.
+void FSDPModule::State::reshard_to_group() {
+  finish_unshard();
+  if (!unsharded() || aliased()) return;
+  const int64_t g = post_group->size(), j = post_group->rank();
+  OwnedBuffer keep = OwnedBuffer::empty({post_total}, dt.all_gather, device);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t len = params[i].plan.padded_numel() / g;
+    keep.tensor().narrow(0, post_offsets[i], len)
+        .copy_(params[i].param.raw({g, len}, dt.all_gather)[j]);
+  }
+  move_to(ShardState::kPostForwardShare);
+  for (auto& p : params) p.param.free();
+  post_fwd = std::move(keep);
+  post_fwd_iteration = pass->id;
+}
+
+}  // namespace hp
