@@ -156,6 +156,10 @@ void apply(const Target& t, const ColwiseParallel& s) {
     if (lin->bias.defined()) shard_parameter(t, "bias", lin->bias, 0);
   } else {
     auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(&t.module);
+    // max_norm renormalizes each looked-up row by its norm, which needs the whole row; a
+    // padding_idx row is zero and gets no gradient in every column piece alike.
+    HP_CHECK(!emb->options.max_norm(), "ColwiseParallel on ", t.label(), ": an Embedding with max_norm=",
+             *emb->options.max_norm(), " is not supported yet (each rank holds part of every row)");
     shard_parameter(t, "weight", emb->weight, 1);
   }
   CommPtr g = t.group;
@@ -217,11 +221,17 @@ void apply(const Target& t, const RowwiseParallel& s) {
     auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(&t.module);
     HP_CHECK(s.input_layout.is_replicate() || s.input_layout.is_shard(), "RowwiseParallel on ", t.label(),
              ": input layout ", s.input_layout.to_string(), " is not supported for an Embedding");
-    HP_CHECK(!emb->options.padding_idx() && !emb->options.max_norm(), "RowwiseParallel on ", t.label(),
-             ": an Embedding with padding_idx or max_norm is not supported yet");
+    HP_CHECK(!emb->options.max_norm(), "RowwiseParallel on ", t.label(), ": an Embedding with max_norm=",
+             *emb->options.max_norm(), " is not supported yet (its rows' norms are spread over the ranks' lookups)");
     const int64_t vocab = emb->weight.size(0);
     shard_parameter(t, "weight", emb->weight, 0);
     const int64_t per = vocab / g->size(), lo = per * g->rank();
+    if (auto pad = emb->options.padding_idx()) {
+      // The padding row is on one rank: its local index there. Elsewhere no row is padding
+      // (ids outside a rank's rows give zeros there anyway).
+      const int64_t p = *pad < 0 ? *pad + vocab : *pad;
+      emb->options.padding_idx(p >= lo && p < lo + per ? c10::optional<int64_t>(p - lo) : c10::nullopt);
+    }
     const Placement in = s.input_layout;
     // The mask of ids outside this rank's rows, from the input to the output of one call.
     auto masks = std::make_shared<std::vector<at::Tensor>>();

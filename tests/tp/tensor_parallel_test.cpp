@@ -230,9 +230,13 @@ TEST(Styles, VocabParallelAndColwiseEmbedding) {
   const int64_t n = g->size(), V = 5 * n, D = 2 * n;
   at::Tensor ids = at::randint(V, {2, 2 * n}, at::detail::createCPUGenerator(40), at::kLong);
   at::Tensor w = rand64({2, 2 * n, D}, 41);
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {
     SCOPED_TRACE(variant);
-    torch::nn::Embedding ref(V, D), tp(V, D);
+    auto eo = torch::nn::EmbeddingOptions(V, D);
+    // A padding row gets no gradient: in every column piece (3), on the one rank holding it (4).
+    if (variant == 3) eo.padding_idx(1);
+    if (variant == 4) eo.padding_idx(V - 2);
+    torch::nn::Embedding ref(eo), tp(eo);
     ref->to(at::kDouble);
     tp->to(at::kDouble);
     {
@@ -242,7 +246,7 @@ TEST(Styles, VocabParallelAndColwiseEmbedding) {
     }
     (ref->forward(ids) * w).sum().backward();
     at::Tensor y;
-    if (variant == 0) {  // vocabulary-parallel, output whole
+    if (variant == 0 || variant == 4) {  // vocabulary-parallel, output whole
       hp::tp::parallelize_module(*tp, g, {{"", hp::tp::RowwiseParallel().input(Replicate())}});
       y = hp::call(tp, ids);
       (y * w).sum().backward();
@@ -251,14 +255,15 @@ TEST(Styles, VocabParallelAndColwiseEmbedding) {
       at::Tensor yt = hp::call(tp, ids);
       (yt * piece_of(w, 1, g)).sum().backward();
       y = assemble(yt, 1, g);
-    } else {  // colwise: the embedding dim split
+    } else {  // colwise: the embedding dim split (with a padding row in variant 3)
       hp::tp::parallelize_module(*tp, g, {{"", hp::tp::ColwiseParallel()}});
       at::Tensor yt = hp::call(tp, ids);
       (yt * piece_of(w, -1, g)).sum().backward();
       y = assemble(yt, -1, g);
     }
     EXPECT_LE(rel(y, ref->forward(ids)), kBound);
-    EXPECT_LE(rel(assemble(tp->weight.grad(), variant == 2 ? 1 : 0, g), ref->weight.grad()), kBound);
+    EXPECT_LE(rel(assemble(tp->weight.grad(), variant == 2 || variant == 3 ? 1 : 0, g), ref->weight.grad()), kBound);
+    if (eo.padding_idx()) EXPECT_EQ(ref->weight.grad()[*eo.padding_idx()].abs().sum().item<double>(), 0.0);
   }
 }
 
@@ -352,6 +357,12 @@ TEST(Plan, BadPlansAreClearErrors) {
   hp::models::RMSNorm norm(4, 1e-5);
   hp::test::expect_error([&] { hp::tp::parallelize_module(*norm, g, {{"", hp::tp::ColwiseParallel()}}); },
                          {"ColwiseParallel", "Linear and Embedding", "RMSNorm"});
+  // max_norm renormalizes each row by its whole norm.
+  torch::nn::Embedding normed(torch::nn::EmbeddingOptions(4 * n, 2 * n).max_norm(1.0));
+  hp::test::expect_error([&] { hp::tp::parallelize_module(*normed, g, {{"", hp::tp::RowwiseParallel()}}); },
+                         {"RowwiseParallel", "max_norm=1", "not supported yet"});
+  hp::test::expect_error([&] { hp::tp::parallelize_module(*normed, g, {{"", hp::tp::ColwiseParallel()}}); },
+                         {"ColwiseParallel", "max_norm=1", "not supported yet"});
   if (n > 1) {
     torch::nn::Linear odd(4, 4 * n + 1);
     hp::test::expect_error([&] { hp::tp::parallelize_module(*odd, g, {{"", hp::tp::ColwiseParallel()}}); },
