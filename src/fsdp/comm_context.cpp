@@ -50,11 +50,11 @@ CommContext& comm_context() {
 void drain_reductions(size_t keep, bool finish) {
   auto& order = comm_context().reduce_order;
   size_t in_flight = 0;
-  for (FSDPModule::State* s : order) {
+  for (detail::GroupState* s : order) {
     for (auto& pr : s->pending) in_flight += pr.rs_done ? 0 : 1;
   }
   bool blocked = false;
-  for (FSDPModule::State* s : order) {
+  for (detail::GroupState* s : order) {
     for (auto& pr : s->pending) {
       if (pr.rs_done) continue;
       if (blocked || (in_flight <= keep && !pr.rs.is_completed())) {
@@ -67,7 +67,7 @@ void drain_reductions(size_t keep, bool finish) {
       if (s->hsdp() && s->requires_all_reduce) s->issue_all_reduce(pr);
     }
   }
-  for (FSDPModule::State* s : order) {
+  for (detail::GroupState* s : order) {
     for (auto& pr : s->pending) {
       if (pr.applied || !pr.rs_done) continue;
       if (pr.ar_issued && !finish && !pr.ar.is_completed()) continue;
@@ -82,7 +82,7 @@ void drain_reductions(size_t keep, bool finish) {
 namespace {
 
 bool reduce_scatter_in_flight() {
-  for (FSDPModule::State* s : comm_context().reduce_order) {
+  for (detail::GroupState* s : comm_context().reduce_order) {
     for (auto& pr : s->pending) {
       if (!pr.rs_done && !pr.rs.is_completed()) return true;
     }
@@ -100,9 +100,9 @@ void issue_deferred_prefetches(bool wait, bool backward) {
     trace::Span span("wait reduce_scatter before prefetch", "wait");
     drain_reductions(/*keep=*/0, /*finish=*/false);
   }
-  std::vector<FSDPModule::State*> ready;
+  std::vector<detail::GroupState*> ready;
   ready.swap(it.deferred_prefetch);
-  for (FSDPModule::State* s : ready) {
+  for (detail::GroupState* s : ready) {
     if (s->training != TrainingState::kPostBackward) s->begin_unshard(backward);
   }
 }
@@ -114,7 +114,7 @@ void finish_reductions() {
     trace::Span wait("wait reductions", "wait");
     drain_reductions(/*keep=*/0, /*finish=*/true);
   }
-  for (FSDPModule::State* s : cc.reduce_order) s->pending.clear();
+  for (detail::GroupState* s : cc.reduce_order) s->pending.clear();
   cc.reduce_order.clear();
 }
 

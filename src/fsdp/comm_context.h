@@ -15,7 +15,7 @@
 namespace hp::detail {
 
 struct CommContext {
-  std::vector<FSDPModule::State*> reduce_order;  // states in reduce-scatter issue order
+  std::vector<detail::GroupState*> reduce_order;  // states in reduce-scatter issue order
   // Backward prefetches held back while a reduce-scatter is in flight, in the order they
   // were asked for. Everything of fully_shard's that issues a collective (begin_unshard,
   // post_backward, the end of backward, the next forward) issues these first, waiting for
@@ -24,7 +24,7 @@ struct CommContext {
   // between the same two of fully_shard's collectives on every rank. A module in
   // post-backward is skipped (it enters that state only after post_backward's own flush,
   // so every rank sees the same states at any flush).
-  std::vector<FSDPModule::State*> deferred_prefetch;
+  std::vector<detail::GroupState*> deferred_prefetch;
 };
 CommContext& comm_context();
 

@@ -40,7 +40,7 @@ torch::nn::Module& FSDPModule::module() const { return *state_->module; }
 
 namespace {
 template <typename F>
-void for_self_and_nested(FSDPModule::State& s, bool recurse, F f) {
+void for_self_and_nested(detail::GroupState& s, bool recurse, F f) {
   f(s);
   if (recurse) {
     for (auto* n : s.nested) f(*n);

@@ -65,7 +65,7 @@ void translate_unallocated(torch::nn::Module& failing, const std::exception& e) 
     }
   }
   for (const auto& h : live) {
-    FSDPModule::State& s = detail::FsdpAccess::state(*h);
+    detail::GroupState& s = detail::FsdpAccess::state(*h);
     if (s.unsharded() || s.gathering() || in_call(*s.module)) continue;
     for (const auto& p : s.params) {
       if (!used.count(p.param.tensor().unsafeGetTensorImpl())) continue;
@@ -167,7 +167,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   HP_CHECK(o.reshard_after_forward_group_size == 0 || o.reshard_after_forward, "fully_shard(", label,
            "): reshard_after_forward_group_size=", o.reshard_after_forward_group_size,
            " with reshard_after_forward=false: the group size says how to reshard after forward, so it needs true");
-  auto st = std::make_unique<FSDPModule::State>();
+  auto st = std::make_unique<detail::GroupState>();
   st->module = &module;
   try {
     st->owner = module.shared_from_this();
@@ -327,7 +327,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   // The all-gather buffer uses the same layout in its own dtype; offsets are in elements.
 
   auto handle = std::shared_ptr<FSDPModule>(new FSDPModule(std::move(st)));
-  FSDPModule::State* s = &handle->state();
+  detail::GroupState* s = &handle->state();
   s->watch_gradients();
   {
     std::lock_guard<std::mutex> g(g_mu);

@@ -36,8 +36,11 @@ const char* to_string(TrainingState s);
 
 // The implementation's way to a handle's state (the public header keeps it opaque).
 struct FsdpAccess {
-  static FSDPModule::State& state(const FSDPModule& m) { return m.state(); }
+  using GroupState = FSDPModule::State;
+  static GroupState& state(const FSDPModule& m) { return m.state(); }
 };
+// One fully_shard unit's state, as the implementation names it.
+using GroupState = FsdpAccess::GroupState;
 
 // One root's forward pass and the backward that follows it. It belongs to the root (the
 // module whose forward ran outside any other sharded module's), not to the process: two
@@ -47,8 +50,8 @@ struct FsdpPass {
   uint64_t id = 0;  // new for each root forward outside backward (unique in the process)
   int forward_depth = 0;
   bool callback_queued = false;  // this pass's end-of-backward callback is queued
-  std::vector<FSDPModule::State*> forward_order;      // by when their forward started
-  std::vector<FSDPModule::State*> forward_end_order;  // by when their forward finished
+  std::vector<detail::GroupState*> forward_order;      // by when their forward started
+  std::vector<detail::GroupState*> forward_end_order;  // by when their forward finished
 };
 
 }  // namespace detail

@@ -66,7 +66,7 @@ void ensure_backward_callback(FsdpPass* pass) {
 
 class GradReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  GradReadyHook(FSDPModule::State* s, size_t i) : s_(s), i_(i) {}
+  GradReadyHook(detail::GroupState* s, size_t i) : s_(s), i_(i) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
     s_->on_grad(i_);
@@ -74,7 +74,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
   }
 
  private:
-  FSDPModule::State* s_;
+  detail::GroupState* s_;
   size_t i_;
 };
 
@@ -300,15 +300,15 @@ void finish_backward(FsdpPass& it) {
   // hook: the all-gathers must match. A module they gather whose backward never started
   // (its output got no gradient) is resharded by its post_backward below, or, if it did not
   // run in this forward at all (an explicit prefetch target), right after.
-  std::vector<FSDPModule::State*> gathered = cc.deferred_prefetch;
+  std::vector<detail::GroupState*> gathered = cc.deferred_prefetch;
   detail::issue_deferred_prefetches(/*wait=*/true);
   // Groups some of whose gradients never arrived reduce now (zeros for the missing), in
   // reverse forward order: the same order on every rank.
   for (auto r = it.forward_order.rbegin(); r != it.forward_order.rend(); ++r) {
-    FSDPModule::State* s = *r;
+    detail::GroupState* s = *r;
     if (s->training != TrainingState::kPostBackward) s->post_backward();
   }
-  for (FSDPModule::State* s : gathered) {
+  for (detail::GroupState* s : gathered) {
     if (std::find(it.forward_order.begin(), it.forward_order.end(), s) == it.forward_order.end()) s->do_reshard();
   }
   detail::finish_reductions();

@@ -145,10 +145,9 @@ class FSDPModule {
   FSDPModule(const FSDPModule&) = delete;
   FSDPModule& operator=(const FSDPModule&) = delete;
 
-  // Opaque outside the implementation: handles are made by fully_shard only.
-  struct State;
-
  private:
+  // The implementation's (src/fsdp/group.h); handles are made by fully_shard only.
+  struct State;
   friend struct detail::FsdpAccess;
   friend FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options);
   explicit FSDPModule(std::unique_ptr<State> s);
