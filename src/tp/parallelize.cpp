@@ -1,6 +1,8 @@
 #include "hp/tp/parallelize.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
@@ -263,10 +265,66 @@ void sum_gradients_of(const Target& t) {
 
 void apply(const Target& t, const ReplicateParallel&) { sum_gradients_of(t); }
 
+// Dropout on pieces of a tensor, with one process's values: the mask is one process's mask
+// of the whole tensor, cut to this rank's piece, so every rank's generator also advances as
+// one process's does (ranks that next drop out a replicated tensor stay in step). The
+// module's own dropout of its piece runs first and is discarded: the generator is put back
+// to where it was before it.
+void sequence_parallel_dropout(const Target& t, const torch::nn::DropoutImpl& drop, int64_t dim) {
+  HP_CHECK(!drop.options.inplace(), "SequenceParallel on ", t.label(), ": an in-place Dropout is not supported yet");
+  struct Call {
+    at::Tensor x;
+    at::Tensor generator_state;
+  };
+  auto calls = std::make_shared<std::vector<Call>>();
+  const int64_t n = t.group->size(), r = t.group->rank();
+  const double p = drop.options.p();
+  const std::string label = t.label();
+  ForwardHooks h;
+  h.cast_input = [calls, label](torch::nn::Module&, const at::Tensor& x, size_t arg) {
+    if (arg != 0) return x;
+    HP_CHECK(x.device().is_cpu(), "SequenceParallel on ", label, ": Dropout of a ", x.device(),
+             " tensor is not supported yet (CPU only)");
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    calls->push_back(Call{x, gen.get_state()});
+    return x;
+  };
+  h.cast_output = [calls, n, r, p, dim](torch::nn::Module& m, const at::Tensor& y) {
+    HP_INTERNAL_ASSERT(!calls->empty(), "sequence-parallel Dropout output without its input");
+    const Call c = calls->back();
+    calls->pop_back();
+    // Where one process draws nothing (eval, p 0 or 1), neither did the module's own dropout.
+    if (!m.is_training() || p == 0 || p == 1 || c.x.numel() == 0) return y;
+    at::Tensor noise;
+    const int64_t d = dim < 0 ? dim + c.x.dim() : dim;
+    std::vector<int64_t> whole = c.x.sizes().vec();
+    whole[static_cast<size_t>(d)] *= n;
+    {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(c.generator_state);
+    }
+    {
+      at::NoGradGuard no_grad;
+      noise = at::empty(whole, c.x.options().requires_grad(false)).bernoulli_(1 - p);
+      noise = noise.narrow(d, r * c.x.size(d), c.x.size(d)).div_(1 - p);
+    }
+    return c.x * noise;
+  };
+  h.on_error = [calls](torch::nn::Module&, const std::exception&) { calls->clear(); };
+  register_forward_hooks(t.module, std::move(h));
+}
+
 void apply(const Target& t, const SequenceParallel& s) {
   HP_CHECK(s.input_layout.is_replicate() || (s.input_layout.is_shard() && s.input_layout.dim == s.sequence_dim),
            "SequenceParallel on ", t.label(), ": input layout ", s.input_layout.to_string(),
            " is not supported (Shard(", s.sequence_dim, ") or Replicate)");
+  // Other dropouts draw masks shaped by channels or features, not yet cut to pieces.
+  HP_CHECK(!dynamic_cast<torch::nn::Dropout2dImpl*>(&t.module) && !dynamic_cast<torch::nn::Dropout3dImpl*>(&t.module) &&
+               !dynamic_cast<torch::nn::AlphaDropoutImpl*>(&t.module) &&
+               !dynamic_cast<torch::nn::FeatureAlphaDropoutImpl*>(&t.module),
+           "SequenceParallel on ", t.label(), ": ", t.module.name(), " is not supported yet (Dropout is)");
   sum_gradients_of(t);
   if (s.input_layout.is_replicate()) {
     CommPtr g = t.group;
@@ -278,6 +336,8 @@ void apply(const Target& t, const SequenceParallel& s) {
     };
     register_forward_hooks(t.module, std::move(h));
   }
+  // After the input's redistribution: its hooks run first.
+  if (auto* drop = dynamic_cast<torch::nn::DropoutImpl*>(&t.module)) sequence_parallel_dropout(t, *drop, s.sequence_dim);
 }
 
 void apply(const Target& t, const PrepareModuleInput& s) {

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
@@ -291,6 +292,40 @@ TEST(Styles, SequenceParallelNormGradientIsSummed) {
 
 // SwiGLU as the Llama plan uses it: one gather at the MLP's input shared by both colwise
 // layers, and the collective counts of the sequence-parallel region.
+// Dropout on sequence pieces has one process's values (the whole tensor's mask, cut to each
+// rank's piece), its gradient too, and leaves the generator where one process leaves it.
+TEST(Styles, SequenceParallelDropoutHasOneProcessValues) {
+  auto g = tp_group();
+  const int64_t n = g->size();
+  const at::Tensor x = rand64({2, 4 * n, 6}, 50), w = rand64({2, 4 * n, 6}, 51);
+  torch::nn::Dropout ref(0.3);
+  at::manual_seed(7);
+  at::Tensor xr = x.clone().requires_grad_();
+  at::Tensor yr = ref->forward(xr);
+  (yr * w).sum().backward();
+  const double next_ref = at::rand({1}, at::kDouble).item<double>();
+  for (bool sliced_here : {false, true}) {  // input in sequence pieces, or whole and cut by the style
+    SCOPED_TRACE(sliced_here);
+    torch::nn::Dropout tp(0.3);
+    hp::tp::SequenceParallel sp;
+    if (sliced_here) sp.input_layout = Replicate();
+    hp::tp::parallelize_module(*tp, g, {{"", sp}});
+    at::manual_seed(7);
+    at::Tensor xt = (sliced_here ? x : piece_of(x, 1, g)).clone().requires_grad_();
+    at::Tensor yt = hp::call(tp, xt);
+    (yt * piece_of(w, 1, g)).sum().backward();
+    EXPECT_TRUE(at::equal(assemble(yt, 1, g), yr));
+    at::Tensor gx = sliced_here ? xt.grad() : assemble(xt.grad(), 1, g);
+    EXPECT_LE(rel(gx, xr.grad()), kBound);
+    EXPECT_EQ(at::rand({1}, at::kDouble).item<double>(), next_ref) << "the generator advanced differently";
+    tp->eval();
+    EXPECT_TRUE(at::equal(hp::call(tp, xt), sliced_here ? piece_of(xt, 1, g) : xt)) << "eval: no dropout";
+  }
+  torch::nn::Dropout2d channels(0.3);
+  hp::test::expect_error([&] { hp::tp::parallelize_module(*channels, g, {{"", hp::tp::SequenceParallel()}}); },
+                         {"SequenceParallel", "Dropout2d", "not supported yet"});
+}
+
 TEST(Styles, PreparedInputIsGatheredOnceForItsColwiseLayers) {
   auto g = tp_group();
   const int64_t n = g->size();

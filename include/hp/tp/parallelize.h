@@ -30,7 +30,9 @@
 //   reduction.
 // - SequenceParallel: the module (a norm, dropout) runs on sequence pieces; its parameters
 //   stay whole, and their gradients, Partial over the group, are summed over it before
-//   anything reads them (accumulated into .grad already summed).
+//   anything reads them (accumulated into .grad already summed). A Dropout's mask is one
+//   process's mask of the whole tensor, cut to the rank's piece (CPU tensors; other dropout
+//   modules are not supported yet).
 // - PrepareModuleInput / PrepareModuleOutput: per tensor argument (by position) or for the
 //   output, declare its placement and the one wanted. A tensor made Replicate at a module's
 //   input is taken to feed tensor-parallel compute: its gradient arrives Partial.
