@@ -129,14 +129,31 @@ void bytes_mode() {
 
 // ---- memory --------------------------------------------------------------------------
 
-// Bytes allocated by forward and still held when it returns (what backward will read).
-int64_t kept_by_forward(hp::models::Llama& m) {
+// Bytes allocated by forward and still held when it returns (what backward will read), and
+// the part of them allocated inside the residual stream's norms (the norm regions of the
+// sequence-parallel paper: their outputs and what they save for backward).
+struct Kept {
+  int64_t total = 0, norms = 0;
+};
+Kept kept_by_forward(hp::models::Llama& m) {
+  auto start = std::make_shared<int64_t>(0);
+  auto in_norms = std::make_shared<int64_t>(0);
+  std::vector<hp::HookHandle> hooks;
+  for (const auto& item : m->named_modules()) {
+    const std::string& name = item.key();
+    if (name != "norm" && !(name.size() > 5 && name.compare(name.size() - 5, 5, "_norm") == 0)) continue;
+    hp::ForwardHooks h;
+    h.pre = [start](torch::nn::Module&) { *start = hp::memory::current_bytes(); };
+    h.post = [start, in_norms](torch::nn::Module&) { *in_norms += hp::memory::current_bytes() - *start; };
+    hooks.push_back(hp::register_forward_hooks(*item.value(), std::move(h)));
+  }
   at::Tensor all = tokens(0, kBatch);
   const int64_t before = hp::memory::current_bytes();
   at::Tensor loss = m->loss_of_logits(m->forward(all.narrow(1, 0, kSeq)), all.narrow(1, 1, kSeq));
-  const int64_t kept = hp::memory::current_bytes() - before;
+  Kept k{hp::memory::current_bytes() - before, *in_norms};
   loss.backward();
-  return kept;
+  for (hp::HookHandle h : hooks) hp::remove_forward_hooks(h);
+  return k;
 }
 
 void memory_mode() {
@@ -144,8 +161,8 @@ void memory_mode() {
   const auto c = bench_config();
   hp::memory::install_counting_allocator();
   hp::models::Llama one(c);
-  const int64_t base = kept_by_forward(one);
-  std::map<bool, int64_t> tp;
+  const Kept base = kept_by_forward(one);
+  std::map<bool, Kept> tp;
   for (bool sp : {false, true}) {
     hp::models::Llama m(c);
     hp::models::TensorParallelOptions o;
@@ -153,17 +170,21 @@ void memory_mode() {
     hp::models::parallelize_llama(m, g, o);
     tp[sp] = kept_by_forward(m);
   }
-  at::Tensor worst = at::tensor({static_cast<double>(tp[false]), static_cast<double>(tp[true])}, at::kDouble);
+  at::Tensor worst = at::tensor({static_cast<double>(tp[false].total), static_cast<double>(tp[true].total),
+                                 static_cast<double>(tp[false].norms), static_cast<double>(tp[true].norms)},
+                                at::kDouble);
   g->all_reduce(worst, hp::ReduceOptions{hp::ReduceOp::MAX}).wait();
   if (g->rank() == 0) {
-    std::printf("activations kept by forward, per rank (B=%lld T=%lld dim=%lld layers=%lld, fp32):\n",
+    const double mib = 1048576.0, b = static_cast<double>(base.total), bn = static_cast<double>(base.norms);
+    std::printf("activations kept by forward, per rank (B=%lld T=%lld dim=%lld layers=%lld, fp32), all / in the norms:\n",
                 static_cast<long long>(kBatch), static_cast<long long>(kSeq), static_cast<long long>(c.dim),
                 static_cast<long long>(c.layers));
-    std::printf("  one process           %8.2f MiB\n", base / 1048576.0);
-    std::printf("  tp %d                  %8.2f MiB  (%.3f of one process)\n", g->size(),
-                worst[0].item<double>() / 1048576.0, worst[0].item<double>() / base);
-    std::printf("  tp %d + sequence par.  %8.2f MiB  (%.3f of one process)\n", g->size(),
-                worst[1].item<double>() / 1048576.0, worst[1].item<double>() / base);
+    std::printf("  one process           %8.2f MiB / %6.2f MiB\n", b / mib, bn / mib);
+    std::printf("  tp %d                  %8.2f MiB (%.3f) / %6.2f MiB (%.3f)\n", g->size(), worst[0].item<double>() / mib,
+                worst[0].item<double>() / b, worst[2].item<double>() / mib, worst[2].item<double>() / bn);
+    std::printf("  tp %d + sequence par.  %8.2f MiB (%.3f) / %6.2f MiB (%.3f)\n", g->size(),
+                worst[1].item<double>() / mib, worst[1].item<double>() / b, worst[3].item<double>() / mib,
+                worst[3].item<double>() / bn);
   }
 }
 
