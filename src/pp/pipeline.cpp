@@ -125,6 +125,7 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
            " holds the last stage and needs the targets");
   loss_sum_ = at::Tensor();
   input_meta_.clear();
+  header_sent_.clear();
   const auto& list = schedule_.actions[rank_];
   try {
     for (size_t i = 0; i < list.size();) {
@@ -297,8 +298,10 @@ void Pipeline::run_transfer(const Action& a) {
     case ActionKind::kSendForward: {
       const CommPtr& link = send_link_.at(peer);
       at::Tensor out = output_.at(k).detach().contiguous();
-      if (a.microbatch == 0) {
-        // The header first: the receiver learns the shape and dtype of the stage's input.
+      if (header_sent_.insert(a.stage).second) {
+        // The header first, with the stage's first activation sent this step (the link carries
+        // them in the order the receiver posts them, so that is also its first receive): the
+        // receiver learns the shape and dtype of the stage's input.
         HP_CHECK(out.dim() <= kMaxDims, "Pipeline: stage ", a.stage, "'s output has ", out.dim(), " dims (at most ",
                  kMaxDims, " supported)");
         at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
@@ -321,7 +324,7 @@ void Pipeline::run_transfer(const Action& a) {
     }
     case ActionKind::kRecvForward: {
       const CommPtr& link = recv_link_.at(peer);
-      if (a.microbatch == 0) {
+      if (!input_meta_.count(a.stage)) {  // the stage's first receive this step: the header first
         at::Tensor h = at::empty({kHeaderLen}, at::kLong);
         {
           trace::Span span("pp wait header", "wait");

@@ -434,7 +434,7 @@ Action counterpart(const Action& a) {
 // is posted (the strictest transport). Posting never blocks a rank; a compute action waits
 // until the transfer it reads has completed. A transfer completes when it heads both its
 // link's send queue and its receive queue. So the receives on a link must be posted in the
-// order the sender sends, and early enough. The receive of micro-batch 0's activation also
+// order the sender sends, and early enough. A stage's first receive of an activation also
 // blocks its rank until the transfer went through (the runtime waits there for the shape
 // header). With `fix`, a link whose head send has no
 // matching head receive gets that receive moved up in the receiver's list (to the receiver's
@@ -460,6 +460,7 @@ void replay_transfers(Schedule& s, bool fix) {
     // Per link (sender, receiver): what was posted, in order, not yet completed.
     std::map<std::pair<int, int>, std::vector<Action>> sends, recvs;
     std::set<Key> received_somewhere;  // transfers whose receive is in some list
+    std::set<int> headed;              // stages whose first receive (with the header) completed
     for (const auto& list : s.actions) {
       for (const auto& a : list) {
         if (a.is_comm() && !is_send(a.kind)) received_somewhere.insert(key_of(a));
@@ -475,9 +476,12 @@ void replay_transfers(Schedule& s, bool fix) {
           if (a.is_comm()) {
             const int q = s.rank_of(peer_stage(a));
             if (posted.insert(a.to_string()).second) (is_send(a.kind) ? sends[{r, q}] : recvs[{q, r}]).push_back(a);
-            // Micro-batch 0's activation comes after a header the receiver waits for (it
-            // sizes the buffer): that receive blocks until the transfer went through.
-            if (a.kind == ActionKind::kRecvForward && a.microbatch == 0 && !done.count(key_of(a))) break;
+            // A stage's first activation received comes after a header the receiver waits
+            // for (it sizes the buffer): that receive blocks until the transfer went through.
+            if (a.kind == ActionKind::kRecvForward && !headed.count(a.stage)) {
+              if (!done.count(key_of(a))) break;
+              headed.insert(a.stage);
+            }
           } else if (auto in = reads(a)) {
             // A remote input must have arrived (a local one, or none, needs nothing).
             const int from = s.rank_of(peer_stage(*in));

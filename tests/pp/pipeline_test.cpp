@@ -9,6 +9,7 @@
 
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,7 @@ struct Layout {
   int64_t dp = 1, tp = 1;
   bool fusion = true;
   int64_t rep = 1;  // dp_replicate (HSDP when > 1)
+  std::shared_ptr<const hp::pp::Schedule> custom;  // run instead of the kind's schedule
   std::string name() const {
     const char* k = kind == Kind::kGpipe ? "gpipe" : kind == Kind::k1F1B ? "1f1b" : kind == Kind::kZbH1 ? "zb-h1" : kind == Kind::kZbV ? "zbv" : "interleaved";
     return hp::detail::str_cat(k, " pp=", pp, " v=", v, " m=", m, " dp_replicate=", rep, " dp_shard=", dp, " tp=", tp,
@@ -74,6 +76,7 @@ struct Layout {
 };
 
 hp::pp::Schedule schedule_of(const Layout& l) {
+  if (l.custom) return *l.custom;
   switch (l.kind) {
     case Kind::kGpipe:
       return hp::pp::gpipe(l.pp, l.m);
@@ -327,6 +330,43 @@ TEST(Pipeline, SplitBackwardIsBitwiseTheFullBackward) {
   }
   ASSERT_EQ(grads[0].size(), grads[1].size());
   for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(at::equal(grads[0][i], grads[1][i])) << "parameter " << i;
+}
+
+// Whatever schedule a user writes either is rejected before anything runs, or trains as one
+// process: the built-in schedules with their compute actions moved at random (the same moves
+// on every rank) are given to the pipeline; validation must reject a reordering that cannot
+// run (never an internal error, never a hang), and every one it accepts must match one
+// process.
+TEST(Pipeline, ReorderedSchedulesRunAsOneProcessOrAreRejected) {
+  const int p = hp::world()->size();
+  const std::vector<Layout> bases = pure_pipelines(p);
+  std::mt19937 rng(2026);
+  int ran = 0, rejected = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    Layout l = bases[rng() % bases.size()];
+    hp::pp::Schedule s = schedule_of(l);
+    const int moves = 1 + static_cast<int>(rng() % 2);
+    for (int k = 0; k < moves; ++k) {
+      auto& list = s.actions[rng() % s.actions.size()];
+      const size_t from = rng() % list.size(), to = rng() % list.size();
+      const hp::pp::Action a = list[from];
+      list.erase(list.begin() + static_cast<long>(from));
+      list.insert(list.begin() + static_cast<long>(to), a);
+    }
+    l.custom = std::make_shared<const hp::pp::Schedule>(s);
+    SCOPED_TRACE(l.name() + " reordered:\n" + s.to_string());
+    try {
+      expect_matches(train<hp::models::Llama>(llama_config(2 * p), l, /*steps=*/1));
+      ++ran;
+    } catch (const hp::Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.find("internal error"), std::string::npos) << what;
+      EXPECT_NE(what.find("pipeline schedule"), std::string::npos) << what;
+      ++rejected;
+    }
+  }
+  std::printf("reordered schedules: %d ran, %d rejected\n", ran, rejected);
+  EXPECT_GT(ran, 0);
 }
 
 TEST(Pipeline, BadInputIsNamed) {

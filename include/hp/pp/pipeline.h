@@ -37,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -127,7 +128,8 @@ class Pipeline {
   std::map<Key, at::Tensor> grad_output_;  // the gradient of a stage's output
   std::map<Key, Recorded> module_outputs_;  // split: outputs of parameter-owning modules
   std::map<Key, std::vector<WeightGrad>> weight_grads_;  // split: from I, for W
-  std::map<int, Meta> input_meta_;         // per receiving stage, from micro-batch 0's header
+  std::map<int, Meta> input_meta_;         // per receiving stage, from its first receive's header
+  std::set<int> header_sent_;              // sending stages whose header went this step
   std::map<Key, std::shared_ptr<Work>> pending_input_, pending_grad_;  // receives in flight
   std::vector<Work> sends_;
   at::Tensor loss_sum_;
