@@ -1,9 +1,11 @@
 #include "hp/pp/pipeline.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <mutex>
 #include <set>
 
 #include "hp/core/error.h"
@@ -17,6 +19,19 @@ namespace {
 
 constexpr int kMaxDims = 8;
 constexpr int64_t kHeaderLen = 2 + kMaxDims;  // dtype, ndim, dims
+constexpr int64_t kFailedStage = -1;          // in the dtype slot: the stage before failed
+
+// The shape and dtype of a stage's output, sent ahead of its first activation.
+at::Tensor encode_header(int stage, const at::Tensor& out) {
+  HP_CHECK(out.dim() <= kMaxDims, "Pipeline: stage ", stage, "'s output has ", out.dim(), " dims (at most ", kMaxDims,
+           " supported)");
+  at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
+  auto* p = h.data_ptr<int64_t>();
+  p[0] = static_cast<int64_t>(out.scalar_type());
+  p[1] = out.dim();
+  for (int64_t d = 0; d < out.dim(); ++d) p[2 + d] = out.size(d);
+  return h;
+}
 
 }  // namespace
 
@@ -123,6 +138,10 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
            " holds the first stage and needs the inputs");
   HP_CHECK(!holds_stage(schedule_.stages - 1) || !tgt_mb.empty(), "Pipeline::step: pp rank ", rank_,
            " holds the last stage and needs the targets");
+  if (!shapes_checked_) {
+    check_shapes(in_mb, tgt_mb);
+    shapes_checked_ = true;
+  }
   loss_sum_ = at::Tensor();
   input_meta_.clear();
   header_sent_.clear();
@@ -158,6 +177,109 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
                          module_outputs_.empty(),
                      "pipeline step ended with tensors of unfinished micro-batches");
   return loss_sum_;
+}
+
+Pipeline::Meta Pipeline::decode_header(const at::Tensor& h) {
+  const auto* p = h.data_ptr<int64_t>();
+  if (p[0] == kFailedStage) return Meta{at::kFloat, {}, /*failed=*/true};
+  return Meta{static_cast<at::ScalarType>(p[0]), std::vector<int64_t>(p + 2, p + 2 + p[1])};
+}
+
+// Before the first step, micro-batch 0 goes through every stage once without gradients, in
+// stage order, each stage handing its output's shape to the next, which runs on zeros of that
+// shape (the last one also runs the loss on the targets). A stage that does not fit the one
+// before it fails here, before any transfer of the step; the stages after it are told to skip,
+// and every rank learns the outcome in one collective, so none is left waiting for a transfer
+// that will never come. Nothing of the check stays: the generator and the stage modules'
+// buffers (running statistics, MoE load counts) are put back as they were.
+void Pipeline::check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+  trace::Span span("pp shape check", "compute");
+  const int last = schedule_.stages - 1;
+  PointToPointOptions o;
+  o.tag = 0;  // every message of the check is received before the step's first one
+  std::map<int, at::Tensor> local_header;  // of stages whose next stage is here too
+  std::vector<Work> sends;
+  std::string error;
+  int failed = -1;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor rng_state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng_state = gen.get_state();
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // each buffer, and its value now
+  for (const auto& st : stages_) {
+    if (st.module == nullptr) continue;
+    for (const auto& b : st.module->buffers(/*recurse=*/true)) {
+      if (b.defined()) buffers.emplace_back(b, b.clone());
+    }
+  }
+  {
+    at::NoGradGuard no_grad;
+    for (int s : schedule_.stages_of(rank_)) {
+      at::Tensor in;
+      bool skip = false;
+      if (s == 0) {
+        in = inputs[0];
+      } else {
+        at::Tensor h;
+        if (holds_stage(s - 1)) {
+          h = local_header.at(s - 1);
+        } else {
+          h = at::empty({kHeaderLen}, at::kLong);
+          recv_link_.at(schedule_.rank_of(s - 1))->recv(h, 0, o).wait();
+        }
+        const Meta m = decode_header(h);
+        skip = m.failed;
+        if (!skip) in = at::zeros(m.shape, at::TensorOptions().dtype(m.dtype));
+      }
+      at::Tensor out;
+      if (!skip) {
+        try {
+          out = stage(s).forward(in);
+        } catch (const std::exception& e) {
+          failed = s;
+          error = detail::str_cat("Pipeline: stage ", s, "'s forward of micro-batch 0 failed on its input of shape ",
+                                  in.sizes(), " (", in.scalar_type(), ")",
+                                  s > 0 ? detail::str_cat(", stage ", s - 1, "'s output") : std::string(),
+                                  ", in the shape check before the first step: ", e.what());
+        }
+        if (failed < 0 && s == last) {
+          try {
+            loss_(out, targets[0]);
+          } catch (const std::exception& e) {
+            failed = s;
+            error = detail::str_cat("Pipeline: the loss of the last stage's output of shape ", out.sizes(),
+                                    " and targets of shape ", targets[0].sizes(),
+                                    " failed in the shape check before the first step: ", e.what());
+          }
+        }
+      }
+      if (s == last) continue;
+      at::Tensor h = failed == s || skip ? at::full({kHeaderLen}, kFailedStage, at::kLong) : encode_header(s, out);
+      if (holds_stage(s + 1)) {
+        local_header[s] = h;
+      } else {
+        sends.push_back(send_link_.at(schedule_.rank_of(s + 1))->send(h, 1, o));
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng_state);
+  }
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [b, was] : buffers) b.copy_(was);
+  }
+  for (auto& w : sends) w.wait();
+  at::Tensor worst = at::full({1}, failed, at::kInt);
+  group_->all_reduce(worst, {ReduceOp::MAX}).wait();
+  const int bad = worst.item<int>();
+  if (bad < 0) return;
+  HP_CHECK(error.empty(), error);
+  HP_CHECK(false, "Pipeline: stage ", bad, " (pp rank ", schedule_.rank_of(bad), ") failed in the shape check before ",
+           "the first step; that rank's error names the shapes");
 }
 
 void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& inputs,
@@ -302,14 +424,7 @@ void Pipeline::run_transfer(const Action& a) {
         // The header first, with the stage's first activation sent this step (the link carries
         // them in the order the receiver posts them, so that is also its first receive): the
         // receiver learns the shape and dtype of the stage's input.
-        HP_CHECK(out.dim() <= kMaxDims, "Pipeline: stage ", a.stage, "'s output has ", out.dim(), " dims (at most ",
-                 kMaxDims, " supported)");
-        at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
-        auto* p = h.data_ptr<int64_t>();
-        p[0] = static_cast<int64_t>(out.scalar_type());
-        p[1] = out.dim();
-        for (int64_t d = 0; d < out.dim(); ++d) p[2 + d] = out.size(d);
-        sends_.push_back(link->send(h, 1, o));
+        sends_.push_back(link->send(encode_header(a.stage, out), 1, o));
       }
       sends_.push_back(link->send(out, 1, o));  // its tensor stays alive in the op
       break;
@@ -330,8 +445,7 @@ void Pipeline::run_transfer(const Action& a) {
           trace::Span span("pp wait header", "wait");
           link->recv(h, 0, o).wait();
         }
-        const auto* p = h.data_ptr<int64_t>();
-        input_meta_[a.stage] = Meta{static_cast<at::ScalarType>(p[0]), std::vector<int64_t>(p + 2, p + 2 + p[1])};
+        input_meta_[a.stage] = decode_header(h);
       }
       auto meta = input_meta_.find(a.stage);
       HP_INTERNAL_ASSERT(meta != input_meta_.end(), "no header for ", a.to_string());

@@ -6,6 +6,8 @@
 // turning reduction-order noise into lr-sized differences. The parameters are put together
 // here from each rank's rows and pieces (not with the library's gathers).
 #include <gtest/gtest.h>
+#include <torch/nn/functional/dropout.h>
+#include <torch/nn/modules/linear.h>
 
 #include <map>
 #include <memory>
@@ -367,6 +369,69 @@ TEST(Pipeline, ReorderedSchedulesRunAsOneProcessOrAreRejected) {
   }
   std::printf("reordered schedules: %d ran, %d rejected\n", ran, rejected);
   EXPECT_GT(ran, 0);
+}
+
+// A stage that does not fit the stage before it, on another rank: every rank raises before
+// the first step's transfers (none is left waiting for a transfer that never comes), the
+// failing rank naming the shapes.
+TEST(Pipeline, StageShapeMismatchAcrossRanksRaisesOnEveryRank) {
+  auto world = hp::world();
+  const int p = world->size();
+  if (p < 2) GTEST_SKIP() << "needs two ranks";
+  const auto c = llama_config(2 * p);
+  const auto slices = hp::models::split_layers(c.layers, p);
+  hp::models::Llama mdl(c, slices[static_cast<size_t>(world->rank())]);
+  const bool narrow = world->rank() == 0;  // stage 0 hands on one feature too few
+  auto fwd = [mdl, narrow, c](const at::Tensor& x) mutable {
+    at::Tensor h = hp::call(mdl, x);
+    return narrow ? h.narrow(-1, 0, c.dim - 1) : h;
+  };
+  hp::pp::Pipeline pipe(hp::pp::one_f_one_b(p, 2), {{world->rank(), fwd, mdl.ptr().get()}}, world,
+                        [mdl](const at::Tensor& o, const at::Tensor& y) { return mdl->loss_of_logits(o, y); });
+  hp::test::Batch b = hp::test::batch(0, 2, 8, c.vocab);
+  if (world->rank() == 1) {
+    hp::test::expect_error([&] { pipe.step(b.x, b.y); },
+                           {"stage 1's forward of micro-batch 0 failed on its input of shape [1, 8, " +
+                                std::to_string(c.dim - 1) + "]",
+                            "stage 0's output", "before the first step"});
+  } else {
+    hp::test::expect_error([&] { pipe.step(b.x, b.y); },
+                           {"stage 1 (pp rank 1) failed in the shape check before the first step"});
+  }
+}
+
+// The shape check before the first step leaves nothing behind: a stage module's buffers (a
+// count of its forwards here, as MoE load counts or running statistics) and the generator (a
+// dropout) are as after the step's own forwards alone.
+struct CountingStageImpl : torch::nn::Module {
+  CountingStageImpl() {
+    calls = register_buffer("calls", at::zeros({1}, at::kDouble));
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+    lin->to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    calls += 1;
+    return torch::nn::functional::dropout(lin->forward(x), torch::nn::functional::DropoutFuncOptions().p(0.5));
+  }
+  at::Tensor calls;
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(CountingStage);
+
+TEST(Pipeline, ShapeCheckLeavesNoTrace) {
+  auto self = hp::make_local_communicator();
+  CountingStage m;
+  const at::Tensor x = at::randn({2, 3, 4}, at::kDouble), y = at::randn({2, 3, 4}, at::kDouble);
+  at::manual_seed(5);
+  for (int mb = 0; mb < 2; ++mb) m->forward(x.narrow(0, mb, 1));
+  const double next = at::rand({1}, at::kDouble).item<double>();
+  m->calls.zero_();
+  hp::pp::Pipeline pipe(hp::pp::gpipe(1, 2), {{0, [m](const at::Tensor& in) mutable { return hp::call(m, in); }, m.ptr().get()}},
+                        self, [](const at::Tensor& o, const at::Tensor& t) { return (o - t).pow(2).mean(); });
+  at::manual_seed(5);
+  pipe.step(x, y);
+  EXPECT_EQ(m->calls.item<double>(), 2.0) << "the shape check's forward was counted";
+  EXPECT_EQ(at::rand({1}, at::kDouble).item<double>(), next) << "the shape check's dropout drew from the generator";
 }
 
 TEST(Pipeline, BadInputIsNamed) {

@@ -82,6 +82,12 @@ class Pipeline {
   // other ranks may pass undefined tensors. Returns the mean loss over the micro-batches on
   // the rank holding the last stage, an undefined tensor elsewhere. Gradients are left
   // where the stages' parameters hold them (.grad; under fully_shard the reduced shards).
+  // The first step begins with a shape check: micro-batch 0 through every stage without
+  // gradients (later stages on zeros of the shape the stage before produced, the last one
+  // also through the loss), so a stage that does not fit the one before it raises on every
+  // rank before any transfer (the failing rank's error names the shapes). The generator
+  // and the stage modules' buffers are restored after it; a stage given without a module
+  // must not change state in its forward.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
 
   const Schedule& schedule() const { return schedule_; }
@@ -93,7 +99,10 @@ class Pipeline {
   struct Meta {
     at::ScalarType dtype = at::kFloat;
     std::vector<int64_t> shape;
+    bool failed = false;  // the shape check's: the stage before failed
   };
+  static Meta decode_header(const at::Tensor& h);
+  void check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_transfer(const Action& a);
   // Split backwards: records the output of every module of a stage owning trainable
@@ -113,6 +122,7 @@ class Pipeline {
   std::map<int, CommPtr> send_link_, recv_link_;  // per neighbouring pp rank
   bool split_ = false;                             // the schedule has I and W
   bool broken_ = false;                            // a step failed part way
+  bool shapes_checked_ = false;                    // check_shapes passed (at the first step)
   std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
   using Recorded = std::vector<std::pair<torch::nn::Module*, at::Tensor>>;
   Recorded* recording_ = nullptr;                  // during a forward under split_
