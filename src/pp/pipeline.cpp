@@ -3,8 +3,12 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <functional>
 #include <mutex>
 #include <set>
 
@@ -179,6 +183,40 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   return loss_sum_;
 }
 
+// After I, the graph is kept only for W, which runs back from each recorded module output to
+// that module's own parameters: the nodes on those paths are all W executes. Every other node
+// still reachable from the outputs (attention's softmax, the norms, the activations between
+// modules) has its saved tensors released now rather than when W ends.
+void Pipeline::release_for_weights(const std::vector<WeightGrad>& pending) {
+  using Node = torch::autograd::Node;
+  std::set<Node*> needed, all;
+  for (const auto& w : pending) {
+    std::set<Node*> targets;
+    for (const auto& p : w.module->parameters(/*recurse=*/false)) {
+      if (p.requires_grad()) targets.insert(torch::autograd::impl::grad_accumulator(p).get());
+    }
+    // Whether a node reaches one of the module's parameters, memoized; every node met.
+    std::map<Node*, bool> reaches;
+    std::function<bool(Node*)> visit = [&](Node* n) -> bool {
+      auto it = reaches.find(n);
+      if (it != reaches.end()) return it->second;
+      reaches[n] = false;  // a graph has no cycles; this only guards the recursion
+      all.insert(n);
+      bool r = targets.count(n) > 0;
+      for (const auto& e : n->next_edges()) {
+        if (e.function && visit(e.function.get())) r = true;
+      }
+      reaches[n] = r;
+      if (r) needed.insert(n);
+      return r;
+    };
+    if (w.fn) visit(w.fn.get());
+  }
+  for (Node* n : all) {
+    if (!needed.count(n)) n->release_variables();
+  }
+}
+
 Pipeline::Meta Pipeline::decode_header(const at::Tensor& h) {
   const auto* p = h.data_ptr<int64_t>();
   if (p[0] == kFailedStage) return Meta{at::kFloat, {}, /*failed=*/true};
@@ -335,12 +373,14 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     trace::Span span("pp backward " + a.to_string(), "compute");
     auto it = weight_grads_.find(k);
     HP_INTERNAL_ASSERT(it != weight_grads_.end(), "no input backward before ", a.to_string());
-    for (auto& [m, y, gy] : it->second) {
-      std::vector<at::Tensor> own;
-      for (const auto& p : m->parameters(/*recurse=*/false)) {
-        if (p.requires_grad()) own.push_back(p);
+    for (auto& w : it->second) {
+      torch::autograd::edge_list own;  // the module's parameters, as backward(inputs=...) names them
+      for (const auto& p : w.module->parameters(/*recurse=*/false)) {
+        if (p.requires_grad()) own.emplace_back(torch::autograd::impl::grad_accumulator(p), 0);
       }
-      torch::autograd::backward({y}, {gy}, /*retain_graph=*/true, /*create_graph=*/false, own);
+      torch::autograd::Engine::get_default_engine().execute({torch::autograd::Edge(w.fn, w.output_nr)}, {w.grad},
+                                                            /*keep_graph=*/true, /*create_graph=*/false,
+                                                            /*accumulate_grad=*/true, own);
     }
     weight_grads_.erase(it);
     return;
@@ -392,10 +432,14 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     auto& pending = weight_grads_[k];
     if (rec != module_outputs_.end()) {
       for (auto& [m, y] : rec->second) {
-        if (grads[j].defined()) pending.push_back({m, y, grads[j]});
+        if (grads[j].defined()) {
+          auto fn = y.grad_fn() ? y.grad_fn() : torch::autograd::impl::grad_accumulator(y);
+          pending.push_back({m, fn, y.output_nr(), grads[j]});
+        }
         ++j;
       }
     }
+    release_for_weights(pending);
   }
   module_outputs_.erase(k);
   output_.erase(out);

@@ -47,6 +47,9 @@
 namespace hp {
 class FSDPModule;
 }
+namespace torch::autograd {
+struct Node;
+}
 
 namespace hp::pp {
 
@@ -126,10 +129,15 @@ class Pipeline {
   std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
   using Recorded = std::vector<std::pair<torch::nn::Module*, at::Tensor>>;
   Recorded* recording_ = nullptr;                  // during a forward under split_
+  // What W needs of one recorded module output: where its gradient enters the graph (not
+  // the output itself, whose values W does not read) and that gradient.
   struct WeightGrad {
     torch::nn::Module* module;
-    at::Tensor output, grad;
+    std::shared_ptr<torch::autograd::Node> fn;
+    uint32_t output_nr = 0;
+    at::Tensor grad;
   };
+  void release_for_weights(const std::vector<WeightGrad>& pending);
   std::map<int, std::vector<std::shared_ptr<FSDPModule>>> fsdp_;  // per stage
 
   // Per step.
