@@ -26,7 +26,7 @@ constexpr int64_t kHeaderLen = 2 + kMaxDims;  // dtype, ndim, dims
 constexpr int64_t kFailedStage = -1;          // in the dtype slot: the stage before failed
 
 // The shape and dtype of a stage's output, sent ahead of its first activation.
-at::Tensor encode_header(int stage, const at::Tensor& out) {
+at::Tensor encode_header(int stage, const at::Tensor& out, const at::TensorOptions& where) {
   HP_CHECK(out.dim() <= kMaxDims, "Pipeline: stage ", stage, "'s output has ", out.dim(), " dims (at most ", kMaxDims,
            " supported)");
   at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
@@ -34,7 +34,7 @@ at::Tensor encode_header(int stage, const at::Tensor& out) {
   p[0] = static_cast<int64_t>(out.scalar_type());
   p[1] = out.dim();
   for (int64_t d = 0; d < out.dim(); ++d) p[2 + d] = out.size(d);
-  return h;
+  return h.to(where.device());
 }
 
 }  // namespace
@@ -63,15 +63,20 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
         if (auto h = fsdp_handle(*m)) fsdp_[st.stage].push_back(h);
         if (split_) watch_weights(*m);
       }
+      auto params = st.module->parameters(/*recurse=*/true);
+      if (!params.empty() && device_.is_cpu()) device_ = params[0].device();
     }
   }
+  // The headers and the few control values move on the CPU where the backend can (mpi),
+  // else on the stages' device (nccl moves device tensors only).
+  control_ = at::TensorOptions().device(group_->supports_device(c10::kCPU) ? c10::Device(c10::kCPU) : device_);
   for (int s : schedule.stages_of(rank_)) {
     HP_CHECK(mine.count(s), "Pipeline: the schedule runs stage ", s, " on pp rank ", rank_, ", which was not given");
   }
   HP_CHECK(!holds_stage(schedule.stages - 1) || loss_ != nullptr, "Pipeline: pp rank ", rank_,
            " holds the last stage but no loss function was given");
   // Every rank must run the same lowered schedule: fully_shard verbs where any rank has them.
-  at::Tensor any = at::full({1}, fsdp_.empty() ? 0 : 1, at::kInt);
+  at::Tensor any = at::full({1}, fsdp_.empty() ? 0 : 1, control_.dtype(at::kInt));
   group_->all_reduce(any, {ReduceOp::MAX}).wait();
   schedule_ = lower(schedule, LowerOptions{any.item<int>() == 1});
   // One communicator per ordered pair of neighbouring pp ranks (stage s talks only to s - 1
@@ -217,7 +222,8 @@ void Pipeline::release_for_weights(const std::vector<WeightGrad>& pending) {
   }
 }
 
-Pipeline::Meta Pipeline::decode_header(const at::Tensor& h) {
+Pipeline::Meta Pipeline::decode_header(const at::Tensor& header) {
+  const at::Tensor h = header.cpu();
   const auto* p = h.data_ptr<int64_t>();
   if (p[0] == kFailedStage) return Meta{at::kFloat, {}, /*failed=*/true};
   return Meta{static_cast<at::ScalarType>(p[0]), std::vector<int64_t>(p + 2, p + 2 + p[1])};
@@ -264,12 +270,12 @@ void Pipeline::check_shapes(const std::vector<at::Tensor>& inputs, const std::ve
         if (holds_stage(s - 1)) {
           h = local_header.at(s - 1);
         } else {
-          h = at::empty({kHeaderLen}, at::kLong);
+          h = at::empty({kHeaderLen}, control_.dtype(at::kLong));
           recv_link_.at(schedule_.rank_of(s - 1))->recv(h, 0, o).wait();
         }
         const Meta m = decode_header(h);
         skip = m.failed;
-        if (!skip) in = at::zeros(m.shape, at::TensorOptions().dtype(m.dtype));
+        if (!skip) in = at::zeros(m.shape, at::TensorOptions().dtype(m.dtype).device(device_));
       }
       at::Tensor out;
       if (!skip) {
@@ -294,7 +300,8 @@ void Pipeline::check_shapes(const std::vector<at::Tensor>& inputs, const std::ve
         }
       }
       if (s == last) continue;
-      at::Tensor h = failed == s || skip ? at::full({kHeaderLen}, kFailedStage, at::kLong) : encode_header(s, out);
+      at::Tensor h = failed == s || skip ? at::full({kHeaderLen}, kFailedStage, control_.dtype(at::kLong))
+                                         : encode_header(s, out, control_);
       if (holds_stage(s + 1)) {
         local_header[s] = h;
       } else {
@@ -311,7 +318,7 @@ void Pipeline::check_shapes(const std::vector<at::Tensor>& inputs, const std::ve
     for (auto& [b, was] : buffers) b.copy_(was);
   }
   for (auto& w : sends) w.wait();
-  at::Tensor worst = at::full({1}, failed, at::kInt);
+  at::Tensor worst = at::full({1}, failed, control_.dtype(at::kInt));
   group_->all_reduce(worst, {ReduceOp::MAX}).wait();
   const int bad = worst.item<int>();
   if (bad < 0) return;
@@ -468,7 +475,7 @@ void Pipeline::run_transfer(const Action& a) {
         // The header first, with the stage's first activation sent this step (the link carries
         // them in the order the receiver posts them, so that is also its first receive): the
         // receiver learns the shape and dtype of the stage's input.
-        sends_.push_back(link->send(encode_header(a.stage, out), 1, o));
+        sends_.push_back(link->send(encode_header(a.stage, out, control_), 1, o));
       }
       sends_.push_back(link->send(out, 1, o));  // its tensor stays alive in the op
       break;
@@ -484,7 +491,7 @@ void Pipeline::run_transfer(const Action& a) {
     case ActionKind::kRecvForward: {
       const CommPtr& link = recv_link_.at(peer);
       if (!input_meta_.count(a.stage)) {  // the stage's first receive this step: the header first
-        at::Tensor h = at::empty({kHeaderLen}, at::kLong);
+        at::Tensor h = at::empty({kHeaderLen}, control_.dtype(at::kLong));
         {
           trace::Span span("pp wait header", "wait");
           link->recv(h, 0, o).wait();
@@ -493,7 +500,7 @@ void Pipeline::run_transfer(const Action& a) {
       }
       auto meta = input_meta_.find(a.stage);
       HP_INTERNAL_ASSERT(meta != input_meta_.end(), "no header for ", a.to_string());
-      at::Tensor buf = at::empty(meta->second.shape, at::TensorOptions().dtype(meta->second.dtype));
+      at::Tensor buf = at::empty(meta->second.shape, at::TensorOptions().dtype(meta->second.dtype).device(device_));
       input_[k] = buf;
       pending_input_[k] = std::make_shared<Work>(link->recv(buf, 0, o));
       break;

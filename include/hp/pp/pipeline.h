@@ -126,6 +126,8 @@ class Pipeline {
   bool split_ = false;                             // the schedule has I and W
   bool broken_ = false;                            // a step failed part way
   bool shapes_checked_ = false;                    // check_shapes passed (at the first step)
+  c10::Device device_ = c10::kCPU;                 // of the stages' parameters: received activations
+  at::TensorOptions control_;                      // where headers and control values live
   std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
   using Recorded = std::vector<std::pair<torch::nn::Module*, at::Tensor>>;
   Recorded* recording_ = nullptr;                  // during a forward under split_
