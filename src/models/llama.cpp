@@ -15,6 +15,7 @@
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
+#include "hp/pp/pipeline.h"
 #include "hp/tp/parallelize.h"
 
 namespace hp::models {
@@ -213,13 +214,18 @@ at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   if (!norm) return h;
   h = hp::call(norm, h);
   if (output) return hp::call(output, h);
-  if (!tied_head_tp) return h.matmul(tok_emb->weight.t());
+  if (!tied_head_tp) {
+    at::Tensor logits = h.matmul(tok_emb->weight.t());
+    pp::mark_weight_output(logits, {tok_emb->weight});  // the embedding's weight used outside its module
+    return logits;
+  }
   // Tied under tensor parallelism: the head is a column-parallel product with this rank's
   // vocabulary rows, its input the whole residual stream.
   const tp::RedistributeOptions ro{tied_head_reduce_dtype};
   const tp::Placement stream = stream_split > 1 ? tp::Shard(1) : tp::Replicate();
   h = tp::redistribute(h, tied_head_tp, stream, tp::Replicate(), /*grad=*/tp::Partial(), ro);
   at::Tensor logits = h.matmul(tok_emb->weight.t());
+  pp::mark_weight_output(logits, {tok_emb->weight});
   if (vocab_parallel_loss) return logits;
   return tp::redistribute(logits, tied_head_tp, tp::Shard(-1), tp::Replicate(), /*grad=*/tp::Replicate(), ro);
 }

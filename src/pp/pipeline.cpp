@@ -21,6 +21,9 @@ namespace hp::pp {
 
 namespace {
 
+// The recording of the forward running on this thread under a split schedule, or null.
+thread_local Recorded* t_recording = nullptr;
+
 constexpr int kMaxDims = 8;
 constexpr int64_t kHeaderLen = 2 + kMaxDims;  // dtype, ndim, dims
 constexpr int64_t kFailedStage = -1;          // in the dtype slot: the stage before failed
@@ -38,6 +41,17 @@ at::Tensor encode_header(int stage, const at::Tensor& out, const at::TensorOptio
 }
 
 }  // namespace
+
+void mark_weight_output(const at::Tensor& output, std::vector<at::Tensor> params) {
+  if (t_recording == nullptr || !output.requires_grad()) return;
+  std::vector<at::Tensor> trained;
+  for (auto& p : params) {
+    if (p.requires_grad()) trained.push_back(std::move(p));
+  }
+  if (trained.empty()) return;
+  const void* key = trained[0].unsafeGetTensorImpl();
+  t_recording->push_back({key, "a marked weight output", std::move(trained), output});
+}
 
 Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
     : stages_(std::move(stages)), group_(std::move(group)), loss_(std::move(loss)) {
@@ -111,8 +125,8 @@ void Pipeline::watch_weights(torch::nn::Module& m) {
   if (own.empty()) return;
   torch::nn::Module* mp = &m;
   ForwardHooks h;
-  h.cast_output = [this, mp](torch::nn::Module&, const at::Tensor& out) {
-    if (recording_ != nullptr && out.requires_grad()) recording_->push_back({mp, out});
+  h.cast_output = [this, mp, own](torch::nn::Module&, const at::Tensor& out) {
+    if (recording_ != nullptr && out.requires_grad()) recording_->push_back({mp, describe_module(*mp), own, out});
     return out;
   };
   hooks_.push_back(register_forward_hooks(m, std::move(h)));
@@ -170,7 +184,7 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     for (auto& w : sends_) w.wait();
   } catch (...) {
     broken_ = true;
-    recording_ = nullptr;
+    recording_ = t_recording = nullptr;
     weight_grads_.clear();
     module_outputs_.clear();
     sends_.clear();
@@ -197,9 +211,7 @@ void Pipeline::release_for_weights(const std::vector<WeightGrad>& pending) {
   std::set<Node*> needed, all;
   for (const auto& w : pending) {
     std::set<Node*> targets;
-    for (const auto& p : w.module->parameters(/*recurse=*/false)) {
-      if (p.requires_grad()) targets.insert(torch::autograd::impl::grad_accumulator(p).get());
-    }
+    for (const auto& p : w.params) targets.insert(torch::autograd::impl::grad_accumulator(p).get());
     // Whether a node reaches one of the module's parameters, memoized; every node met.
     std::map<Node*, bool> reaches;
     std::function<bool(Node*)> visit = [&](Node* n) -> bool {
@@ -351,11 +363,11 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     if (a.stage == 0) input_[k] = in;
     at::Tensor out;
     try {
-      if (split_) recording_ = &module_outputs_[k];
+      if (split_) recording_ = t_recording = &module_outputs_[k];
       out = stage(a.stage).forward(in);
-      recording_ = nullptr;
+      recording_ = t_recording = nullptr;
     } catch (const std::exception& e) {
-      recording_ = nullptr;
+      recording_ = t_recording = nullptr;
       // Name the stage and what it was given: a stage whose input does not fit (the
       // previous stage's output shape) fails here.
       throw Error(detail::str_cat("Pipeline: stage ", a.stage, "'s forward of micro-batch ", a.microbatch,
@@ -381,10 +393,8 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     auto it = weight_grads_.find(k);
     HP_INTERNAL_ASSERT(it != weight_grads_.end(), "no input backward before ", a.to_string());
     for (auto& w : it->second) {
-      torch::autograd::edge_list own;  // the module's parameters, as backward(inputs=...) names them
-      for (const auto& p : w.module->parameters(/*recurse=*/false)) {
-        if (p.requires_grad()) own.emplace_back(torch::autograd::impl::grad_accumulator(p), 0);
-      }
+      torch::autograd::edge_list own;  // the parameters, as backward(inputs=...) names them
+      for (const auto& p : w.params) own.emplace_back(torch::autograd::impl::grad_accumulator(p), 0);
       torch::autograd::Engine::get_default_engine().execute({torch::autograd::Edge(w.fn, w.output_nr)}, {w.grad},
                                                             /*keep_graph=*/true, /*create_graph=*/false,
                                                             /*accumulate_grad=*/true, own);
@@ -420,13 +430,13 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     if (has_input) wrt.push_back(in->second);
     auto rec = module_outputs_.find(k);
     if (rec != module_outputs_.end()) {
-      std::set<torch::nn::Module*> seen;
-      for (auto& [m, y] : rec->second) {
+      std::set<const void*> seen;
+      for (const auto& r : rec->second) {
         // W runs back from each output to the module's weights: from a second call's output
         // that path would run through the first call too and count it twice.
-        HP_CHECK(seen.insert(m).second, "Pipeline: ", describe_module(*m), " ran more than once in stage ", a.stage,
+        HP_CHECK(seen.insert(r.key).second, "Pipeline: ", r.what, " ran more than once in stage ", a.stage,
                  "'s forward; a split backward (I, W) of a module called twice is not supported yet");
-        wrt.push_back(y);
+        wrt.push_back(r.output);
       }
     }
     std::vector<at::Tensor> grads;
@@ -438,10 +448,11 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     if (has_input) in->second.mutable_grad() = grads[j++];
     auto& pending = weight_grads_[k];
     if (rec != module_outputs_.end()) {
-      for (auto& [m, y] : rec->second) {
+      for (const auto& r : rec->second) {
         if (grads[j].defined()) {
+          const at::Tensor& y = r.output;
           auto fn = y.grad_fn() ? y.grad_fn() : torch::autograd::impl::grad_accumulator(y);
-          pending.push_back({m, fn, y.output_nr(), grads[j]});
+          pending.push_back({r.params, fn, y.output_nr(), grads[j]});
         }
         ++j;
       }

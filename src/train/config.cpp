@@ -585,12 +585,6 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK((pipeline_schedule != "zbh1" && pipeline_schedule != "zbv") || recompute == "none", s,
              ": pipeline_schedule=", pipeline_schedule, " with recompute=", recompute,
              " is not supported yet (the weight gradients are taken from the forward's graph)");
-    // zbh1 / zbv: the split backward takes weight gradients from the modules' outputs, and the
-    // tied head multiplies by the embedding's weight outside its module (zbv would also put
-    // both copies on rank 0).
-    HP_CHECK(model.type != "llama" || !model.llama.tie_embeddings ||
-                 (pipeline_schedule != "zbv" && pipeline_schedule != "zbh1"),
-             s, ": tie_embeddings with pipeline_schedule=", pipeline_schedule, " is not supported yet");
   }
   // Products checked step by step against the world size, so none can overflow.
   auto layout_error = [&] {

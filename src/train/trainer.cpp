@@ -322,10 +322,12 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     pp::Schedule schedule = pipeline_schedule(c);
     const auto slices = models::split_layers(c.model.layers(), pp * v, c.pipeline_stage_layers);
     std::vector<pp::PipelineStage> stages;
+    std::vector<int> stage_of;  // per params[i]: the stage holding it
     for (int st : schedule.stages_of(s.pp->rank())) {
       s.stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
       TrainModel* mdl = s.stages.back().get();
       shard_model(*mdl);
+      stage_of.resize(s.params.size(), st);
       stages.push_back({st, [mdl](const at::Tensor& x) { return mdl->forward(x, /*hooked=*/true); }, &mdl->root()});
     }
     // The last stage's model (under ZBV on rank 0, with the first).
@@ -334,16 +336,17 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       if (stages[k].stage == pp * v - 1) last = s.stages[k].get();
     }
     if (c.model.type == "llama" && c.model.llama.tie_embeddings) {
+      // On two ranks, summed over a group of the two (split off the pp group by every rank);
+      // on one (ZBV puts the first and the last stage on rank 0), summed here.
       const int first = schedule.rank_of(0), last_rank = schedule.rank_of(pp * v - 1);
-      HP_INTERNAL_ASSERT(first != last_rank, "tied copies on one rank (validated away)");
-      if (s.pp->rank() == first || s.pp->rank() == last_rank) s.tie_group = s.pp->new_group({first, last_rank});
+      if (first != last_rank && (s.pp->rank() == first || s.pp->rank() == last_rank)) {
+        s.tie_group = s.pp->new_group({first, last_rank});
+      }
       // This rank's copies: on the first stage, and (skipped by the norm) on the last.
-      const std::vector<int> held = schedule.stages_of(s.pp->rank());
-      const bool holds_last = std::find(held.begin(), held.end(), pp * v - 1) != held.end();
       for (size_t i = 0; i < s.params.size(); ++i) {
         if (s.names[i] != "tok_emb.weight") continue;
         s.tied.push_back(i);
-        s.norm_skip[i] = holds_last;
+        s.norm_skip[i] = stage_of[i] == pp * v - 1;
       }
     }
     s.pipe = std::make_unique<pp::Pipeline>(schedule, std::move(stages), s.pp,
@@ -397,7 +400,12 @@ StepStats Trainer::step() {
     s.pp->all_reduce(l).wait();
     loss_sum = l.item<double>() * static_cast<double>(c.micro_batch_num);
   }
-  if (s.tie_group) {
+  if (s.tied.size() == 2) {  // both copies on this rank: each becomes their sum
+    at::Tensor a = s.grad_of(s.tied[0]), b = s.grad_of(s.tied[1]);
+    HP_INTERNAL_ASSERT(a.defined() && b.defined(), "a tied embedding without a gradient");
+    a.add_(b);
+    b.copy_(a);
+  } else if (s.tie_group) {
     for (size_t i : s.tied) {
       at::Tensor g = s.grad_of(i);
       HP_INTERNAL_ASSERT(g.defined(), "a tied embedding without a gradient");

@@ -302,6 +302,12 @@ TEST(TrainDist, PipelineMatchesSingleProcess) {
     // counting it once; each copy sharded by FSDP at 4 ranks, and stepped with fp32 masters.
     SCOPED_TRACE("llama, tied embeddings over the stages");
     expect_matches_naive("llama", 1, 2, 1, "auto", {}, /*tie=*/true);
+    // Under the split backward the head's product with the embedding's weight is a marked
+    // weight output; ZBV puts both copies on rank 0, summed there.
+    SCOPED_TRACE("llama, tied embeddings, zbh1");
+    expect_matches_naive("llama", 1, 2, 1, "zbh1", {}, /*tie=*/true);
+    SCOPED_TRACE("llama, tied embeddings, zbv");
+    expect_matches_naive("llama", 1, 2, 2, "zbv", {}, /*tie=*/true);
   }
 }
 // Resume is exact: 6 steps straight, against 3 steps, save (also in the background, while the

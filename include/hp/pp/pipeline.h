@@ -66,6 +66,23 @@ struct PipelineStage {
 // The last stage's loss of one micro-batch: (its output, its targets) -> a scalar mean.
 using PipelineLoss = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& targets)>;
 
+// Under a schedule with split backwards (I, W), W computes weight gradients from the outputs
+// of the modules that own them (called through hp::call), recorded during forward. A stage
+// that uses parameters outside their module's call (a tied output head multiplying by the
+// embedding's weight) marks the result here: `output` is computed from `params` (and W runs
+// back from it to them). Outside such a forward it does nothing.
+void mark_weight_output(const at::Tensor& output, std::vector<at::Tensor> params);
+
+// One output W starts from (the implementation's): the module or mark that made it, the
+// parameters it reaches.
+struct RecordedOutput {
+  const void* key;  // the module (or the first marked parameter's tensor): recorded once per forward
+  std::string what;
+  std::vector<at::Tensor> params;
+  at::Tensor output;
+};
+using Recorded = std::vector<RecordedOutput>;
+
 class Pipeline {
  public:
   // `schedule`: the whole pipeline's (every rank's list; lowered here when it is not); this
@@ -129,12 +146,11 @@ class Pipeline {
   c10::Device device_ = c10::kCPU;                 // of the stages' parameters: received activations
   at::TensorOptions control_;                      // where headers and control values live
   std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
-  using Recorded = std::vector<std::pair<torch::nn::Module*, at::Tensor>>;
   Recorded* recording_ = nullptr;                  // during a forward under split_
   // What W needs of one recorded module output: where its gradient enters the graph (not
   // the output itself, whose values W does not read) and that gradient.
   struct WeightGrad {
-    torch::nn::Module* module;
+    std::vector<at::Tensor> params;  // what W computes the gradients of
     std::shared_ptr<torch::autograd::Node> fn;
     uint32_t output_nr = 0;
     at::Tensor grad;
