@@ -312,8 +312,16 @@ void Pipeline::check_shapes(const std::vector<at::Tensor>& inputs, const std::ve
         }
       }
       if (s == last) continue;
-      at::Tensor h = failed == s || skip ? at::full({kHeaderLen}, kFailedStage, control_.dtype(at::kLong))
-                                         : encode_header(s, out, control_);
+      const at::Tensor marker = at::full({kHeaderLen}, kFailedStage, control_.dtype(at::kLong));
+      at::Tensor h = marker;
+      if (failed != s && !skip) {
+        try {
+          h = encode_header(s, out, control_);  // raises for an output it cannot describe
+        } catch (const std::exception& e) {
+          failed = s;
+          error = e.what();
+        }
+      }
       if (holds_stage(s + 1)) {
         local_header[s] = h;
       } else {
@@ -452,7 +460,7 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
         if (grads[j].defined()) {
           const at::Tensor& y = r.output;
           auto fn = y.grad_fn() ? y.grad_fn() : torch::autograd::impl::grad_accumulator(y);
-          pending.push_back({r.params, fn, y.output_nr(), grads[j]});
+          pending.push_back({r.params, fn, static_cast<uint32_t>(y.output_nr()), grads[j]});
         }
         ++j;
       }

@@ -398,6 +398,16 @@ TEST(Pipeline, StageShapeMismatchAcrossRanksRaisesOnEveryRank) {
     hp::test::expect_error([&] { pipe.step(b.x, b.y); },
                            {"stage 1 (pp rank 1) failed in the shape check before the first step"});
   }
+  // An output the header cannot describe (more than 8 dims) fails on its sender, and the
+  // receiver hears of it too.
+  auto many_dims = [mdl](const at::Tensor& x) mutable { return hp::call(mdl, x).reshape({1, 1, 1, 1, 1, 1, 1, 1, 1, -1}); };
+  hp::pp::Pipeline nine(hp::pp::one_f_one_b(p, 2), {{world->rank(), many_dims, mdl.ptr().get()}}, world,
+                        [mdl](const at::Tensor& o, const at::Tensor& y) { return mdl->loss_of_logits(o, y); });
+  if (world->rank() == 0) {
+    hp::test::expect_error([&] { nine.step(b.x, b.y); }, {"stage 0's output has 10 dims (at most 8 supported)"});
+  } else {
+    hp::test::expect_error([&] { nine.step(b.x, b.y); }, {"stage 0 (pp rank 0) failed in the shape check"});
+  }
 }
 
 // The shape check before the first step leaves nothing behind: a stage module's buffers (a
