@@ -127,6 +127,8 @@ struct FSDPModule::State {
   void finish_unshard();
   void do_reshard();
   void reshard_to_group();
+  // Frees the post-forward share, if that is what is held (the storage is then sharded).
+  void drop_post_forward_share();
   void pre_forward();
   void post_forward();
   at::Tensor on_output(const at::Tensor& out, const std::shared_ptr<FSDPModule>& self);

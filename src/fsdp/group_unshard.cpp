@@ -58,10 +58,7 @@ void FSDPModule::State::begin_unshard(bool backward) {
   if (gathering()) return;
   // Post-forward shards serve only the backward of their own iteration: another gather (a
   // forward, an explicit unshard, a later step's prefetch) may come after an optimizer step.
-  if (storage == ShardState::kPostForwardShare && (!backward || pass == nullptr || post_fwd_iteration != pass->id)) {
-    post_fwd.release();
-    move_to(ShardState::kSharded);
-  }
+  if (!backward || pass == nullptr || post_fwd_iteration != pass->id) drop_post_forward_share();
   trace::Span span("unshard " + label, "fsdp");
   const at::ScalarType cd = dt.all_gather;
   const int64_t es = c10::elementSize(cd);
@@ -101,6 +98,12 @@ void FSDPModule::State::begin_unshard(bool backward) {
   move_to(ShardState::kGathering);
 }
 
+void FSDPModule::State::drop_post_forward_share() {
+  if (storage != ShardState::kPostForwardShare) return;
+  post_fwd.release();
+  move_to(ShardState::kSharded);
+}
+
 void FSDPModule::State::finish_unshard() {
   if (!gathering()) return;
   {
@@ -127,10 +130,7 @@ void FSDPModule::State::finish_unshard() {
 
 void FSDPModule::State::do_reshard() {
   finish_unshard();
-  if (storage == ShardState::kPostForwardShare) {
-    post_fwd.release();
-    move_to(ShardState::kSharded);
-  }
+  drop_post_forward_share();
   if (!unsharded() || aliased()) return;
   move_to(ShardState::kSharded);
   for (auto& p : params) p.param.free();

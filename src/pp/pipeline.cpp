@@ -125,8 +125,8 @@ void Pipeline::watch_weights(torch::nn::Module& m) {
   if (own.empty()) return;
   torch::nn::Module* mp = &m;
   ForwardHooks h;
-  h.cast_output = [this, mp, own](torch::nn::Module&, const at::Tensor& out) {
-    if (recording_ != nullptr && out.requires_grad()) recording_->push_back({mp, describe_module(*mp), own, out});
+  h.cast_output = [mp, own](torch::nn::Module&, const at::Tensor& out) {
+    if (t_recording != nullptr && out.requires_grad()) t_recording->push_back({mp, describe_module(*mp), own, out});
     return out;
   };
   hooks_.push_back(register_forward_hooks(m, std::move(h)));
@@ -184,7 +184,7 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     for (auto& w : sends_) w.wait();
   } catch (...) {
     broken_ = true;
-    recording_ = t_recording = nullptr;
+    t_recording = nullptr;
     weight_grads_.clear();
     module_outputs_.clear();
     sends_.clear();
@@ -371,11 +371,11 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
     if (a.stage == 0) input_[k] = in;
     at::Tensor out;
     try {
-      if (split_) recording_ = t_recording = &module_outputs_[k];
+      if (split_) t_recording = &module_outputs_[k];
       out = stage(a.stage).forward(in);
-      recording_ = t_recording = nullptr;
+      t_recording = nullptr;
     } catch (const std::exception& e) {
-      recording_ = t_recording = nullptr;
+      t_recording = nullptr;
       // Name the stage and what it was given: a stage whose input does not fit (the
       // previous stage's output shape) fails here.
       throw Error(detail::str_cat("Pipeline: stage ", a.stage, "'s forward of micro-batch ", a.microbatch,

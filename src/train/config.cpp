@@ -16,6 +16,7 @@
 namespace hp::train {
 
 int64_t ModelSpec::vocab() const { return type == "llama" ? llama.vocab : deepseek.vocab; }
+int64_t ModelSpec::dim() const { return type == "llama" ? llama.dim : deepseek.dim; }
 int64_t ModelSpec::layers() const { return type == "llama" ? llama.layers : deepseek.layers; }
 int64_t ModelSpec::max_seq() const { return type == "llama" ? llama.max_seq : deepseek.max_seq; }
 int64_t ModelSpec::num_params() const {
@@ -75,7 +76,7 @@ int64_t ModelSpec::stage_params(const models::PipelineSlice& sl) const {
 
 int64_t ModelSpec::params_per_tp_rank(int64_t tp) const {
   if (tp <= 1) return num_params();
-  int64_t whole = type == "llama" ? llama.dim : deepseek.dim;  // the final norm
+  int64_t whole = dim();  // the final norm
   for (const auto& k : block_counts(*this)) whole += k.layers * k.whole;
   return (num_params() - whole) / tp + whole;
 }

@@ -203,7 +203,7 @@ FlopCount flops_per_token(const TrainConfig& c) {
 // FLOP/s of this process's matmul at the model's shapes (each side at most 1024), in the
 // compute dtype.
 double measure_matmul(const TrainConfig& c, int64_t tokens) {
-  const int64_t dim = c.model.type == "llama" ? c.model.llama.dim : c.model.deepseek.dim;
+  const int64_t dim = c.model.dim();
   const int64_t hidden = c.model.type == "llama" ? c.model.llama.hidden_dim() : c.model.deepseek.dense_hidden;
   const int64_t M = std::min<int64_t>(tokens, 1024), K = std::min<int64_t>(dim, 1024), N = std::min<int64_t>(hidden, 1024);
   at::Tensor a = at::randn({M, K}).to(c.compute_dtype), b = at::randn({K, N}).to(c.compute_dtype);
@@ -301,7 +301,7 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
         // Recompute keeps a block's input alone (one block's whole set while it reruns).
         const ActivationCount a = activations_per_token(c);
         const double elem = static_cast<double>(c10::elementSize(c.compute_dtype));
-        const double dim = static_cast<double>(c.model.type == "llama" ? c.model.llama.dim : c.model.deepseek.dim);
+        const double dim = static_cast<double>(c.model.dim());
         p.activations_layer = tokens * elem * (recompute > 0 ? dim : a.block);
         p.activations_first = p.activations_layer + tokens * (elem + 8.0) * a.head +
                               (recompute > 0 ? tokens * elem * a.block : 0);
@@ -428,9 +428,8 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         const double rank_params = static_cast<double>(row.memory.rank_params);
         const double optimizer = prof.optimizer_per_param * rank_params / static_cast<double>(s);
         const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
-        const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) *
-                                 static_cast<double>(c.model.type == "llama" ? c.model.llama.dim : c.model.deepseek.dim) *
-                                 act_elem;
+        const double dim = static_cast<double>(c.model.dim());
+        const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) * dim * act_elem;
         // Tensor parallelism, per block and direction of one micro-batch: 2 all-gathers and 2
         // reduce-scatters of the activations with sequence parallel, else 2 all-reduces.
         const LinkModel tp_link = link_of(0, 1, t);
@@ -442,11 +441,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         // Activations a rank keeps under tensor parallelism: the head's logits split; of a
         // block, the inputs of the norms (without sequence parallel) and of the column-parallel
         // products (gathered whole) on every rank, the rest split (shares from the shapes).
-        const double whole = t == 1 ? 0.0
-                                    : (c.sequence_parallel ? 2.0 : 4.0) *
-                                          static_cast<double>(c.model.type == "llama" ? c.model.llama.dim
-                                                                                      : c.model.deepseek.dim) /
-                                          activations_per_token(c).block;
+        const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / activations_per_token(c).block;
         const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t);
         const double act_head = (prof.activations_first - prof.activations_layer) / t;
         int64_t rank_layers = L;

@@ -98,7 +98,9 @@ TEST(Plan, EveryLayoutOfTheWorldOnceWithTheReasonOfEachInfeasibleOne) {
   for (size_t i = 0; i < rows.size(); ++i) {
     if (!rows[i].feasible) continue;
     EXPECT_EQ(i, feasible++) << "an infeasible layout ranked before a feasible one";
-    if (i > 0) EXPECT_LE(rows[i - 1].step_s, rows[i].step_s);
+    if (i > 0) {
+      EXPECT_LE(rows[i - 1].step_s, rows[i].step_s);
+    }
   }
   EXPECT_EQ(feasible, 8u);
   // A rank's micro-batch: 16 / (data-parallel ranks x 4 micro-batches) sequences.
@@ -171,6 +173,7 @@ TEST(Plan, ActivationsOfOneMicroBatchOrOfThoseAPipelineHolds) {
   // the norms' and column-parallel products' inputs (4 x 64 of the 1472 elements a position
   // keeps, counted in GivenDeviceCountsFlopsAtHalfItsPeak) whole, the rest split.
   const double share = 4.0 * 64 / 1472;
+  // Bytes; 1e-9 absorbs only the rounding of the shares' divisions.
   EXPECT_NEAR(find(rows, 1, 1, 2, 1).activations, 100.0 / 2 + 2 * 400 * (share + (1 - share) / 2), 1e-9);
   // 1F1B over 2 stages: the first rank holds 2 micro-batches of its stage (one block, 400),
   // the last one of its stage (one block with the head and loss: 500): the larger, 800.

@@ -146,7 +146,6 @@ class Pipeline {
   c10::Device device_ = c10::kCPU;                 // of the stages' parameters: received activations
   at::TensorOptions control_;                      // where headers and control values live
   std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
-  Recorded* recording_ = nullptr;                  // during a forward under split_
   // What W needs of one recorded module output: where its gradient enters the graph (not
   // the output itself, whose values W does not read) and that gradient.
   struct WeightGrad {

@@ -30,6 +30,7 @@ struct ModelSpec {
   models::DeepSeekConfig deepseek = models::DeepSeekConfig::tiny();
   models::LlamaConfig llama = models::LlamaConfig::tiny();
   int64_t vocab() const;
+  int64_t dim() const;  // the residual stream's width
   int64_t max_seq() const;
   int64_t layers() const;
   int64_t num_params() const;
