@@ -52,6 +52,11 @@ struct FsdpPass {
   bool callback_queued = false;  // this pass's end-of-backward callback is queued
   std::vector<detail::GroupState*> forward_order;      // by when their forward started
   std::vector<detail::GroupState*> forward_end_order;  // by when their forward finished
+  // The module whose reshard after forward is put off: the latest (not the root) to finish
+  // its forward. The next forward to start reshards it; if none does before the root's
+  // forward ends and a backward follows, it keeps its parameters for that backward, which
+  // reaches it first (module_state.cpp).
+  detail::GroupState* kept = nullptr;
 };
 
 }  // namespace detail
@@ -103,6 +108,10 @@ struct FSDPModule::State {
   bool reshard_after_backward = true;
   bool reshard_after_forward = true;  // runtime switch; opts.reshard_after_forward still decides
   bool is_last_backward = true;
+  // Kept unsharded after its forward for the backward that follows (the root, and the last
+  // module to finish forward): resharded by that backward, or at the root's next forward if
+  // no backward came (the shards may have changed since).
+  bool kept_for_backward = false;
   double divide_factor = 0;
   ReduceOp reduce_op = ReduceOp::AVG;
   std::vector<std::weak_ptr<FSDPModule>> fwd_prefetch, bwd_prefetch;
@@ -127,6 +136,9 @@ struct FSDPModule::State {
   void finish_unshard();
   void do_reshard();
   void reshard_to_group();
+  // The reshard a forward asked for: to the post-forward group when a backward follows,
+  // else all the way.
+  void reshard_after_forward_now();
   // Frees the post-forward share, if that is what is held (the storage is then sharded).
   void drop_post_forward_share();
   void pre_forward();

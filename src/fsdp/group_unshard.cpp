@@ -111,6 +111,7 @@ void FSDPModule::State::finish_unshard() {
     for (auto& w : ag_works) w.wait();
   }
   ag_works.clear();
+  trace::Span copy("copy out all_gather " + label, "fsdp");
   if (post_gather_fused) {
     const int64_t g = post_group->size();
     std::vector<at::Tensor> dests;
@@ -129,6 +130,7 @@ void FSDPModule::State::finish_unshard() {
 }
 
 void FSDPModule::State::do_reshard() {
+  kept_for_backward = false;
   finish_unshard();
   drop_post_forward_share();
   if (!unsharded() || aliased()) return;
@@ -136,9 +138,19 @@ void FSDPModule::State::do_reshard() {
   for (auto& p : params) p.param.free();
 }
 
+void FSDPModule::State::reshard_after_forward_now() {
+  // Without grad mode no backward follows: nothing to keep the group's shares for.
+  if (post_group && at::GradMode::is_enabled()) {
+    reshard_to_group();
+  } else {
+    do_reshard();
+  }
+}
+
 // After forward with a group size: keep this rank's slice of each unsharded parameter
 // (its index in the group picks the slice), then free the unsharded storage.
 void FSDPModule::State::reshard_to_group() {
+  kept_for_backward = false;
   finish_unshard();
   if (!unsharded() || aliased()) return;
   const int64_t g = post_group->size(), j = post_group->rank();

@@ -4,8 +4,10 @@
 //
 // Per module (one parameter group):
 //   forward   pre hook: all-gather (unless already unsharded or prefetched); explicit
-//             forward prefetch of the listed modules. post hook: reshard if configured;
-//             a hook on the output tensor runs pre_backward.
+//             forward prefetch of the listed modules. post hook: reshard if configured,
+//             put off until the next module's forward starts; the last module to finish
+//             (and the root over children) keep their parameters for the backward when
+//             one follows. A hook on the output tensor runs pre_backward.
 //   backward  pre_backward (output's gradient arrives): all-gather again if resharded,
 //             prefetch the module that ran before this one in forward. AccumulateGrad post
 //             hooks count the group's gradients; when all arrived, post_backward copies them
@@ -55,6 +57,19 @@ thread_local FsdpPass* t_forward = nullptr;
 std::atomic<uint64_t> g_pass_ids{0};
 
 void finish_backward(FsdpPass& pass);
+
+// A new forward of `root`'s (not inside a backward): what its last forward kept for a
+// backward that never came (the forward raised, or no backward followed with grad mode
+// on) reshards, since an optimizer step or a load may have changed the shards since.
+void release_kept(detail::GroupState& root) {
+  detail::FsdpPass& it = root.own_pass;
+  if (it.kept != nullptr && it.kept->training != TrainingState::kForward) it.kept->do_reshard();
+  it.kept = nullptr;
+  if (root.kept_for_backward) root.do_reshard();
+  for (detail::GroupState* n : root.nested) {
+    if (n->kept_for_backward) n->do_reshard();
+  }
+}
 
 // Queues `pass`'s end-of-backward callback on the backward now running (once per pass;
 // two passes whose losses were summed into one backward each get theirs).
@@ -124,7 +139,10 @@ void FSDPModule::State::pre_forward() {
     FsdpPass& it = own_pass;
     // Empty unless a backward raised, or this forward runs inside a backward.
     detail::issue_deferred_prefetches(/*wait=*/true, /*backward=*/it.callback_queued);
-    if (!it.callback_queued) it.id = ++g_pass_ids;
+    if (!it.callback_queued) {
+      it.id = ++g_pass_ids;
+      release_kept(*this);
+    }
     it.forward_order.clear();
     it.forward_end_order.clear();
     it.forward_depth = 0;
@@ -132,6 +150,10 @@ void FSDPModule::State::pre_forward() {
   }
   pass = t_forward;
   FsdpPass& it = *pass;
+  // A forward starts after the kept module's ended: that one reshards now, before this one
+  // gathers, as it would have at the end of its own forward.
+  if (it.kept != nullptr && it.kept != this) it.kept->reshard_after_forward_now();
+  it.kept = nullptr;
   ++it.forward_depth;
   it.forward_order.push_back(this);
   enter(TrainingState::kForward);
@@ -150,22 +172,40 @@ void FSDPModule::State::pre_forward() {
 
 void FSDPModule::State::post_forward() {
   if (in_recompute()) return;  // keep the parameters for the backward that follows
-  const bool root = --pass->forward_depth == 0;
+  FsdpPass& it = *pass;
+  const bool root = --it.forward_depth == 0;
   if (root) t_forward = nullptr;
-  pass->forward_end_order.push_back(this);
+  it.forward_end_order.push_back(this);
   enter(TrainingState::kIdle);
+  // Without grad mode no backward follows: nothing is kept for one.
+  const bool backward_follows = at::GradMode::is_enabled();
+  if (root && it.kept != nullptr) {
+    // The last module to finish forward is the first the backward reaches after the root's
+    // own part (the head, typically): it keeps its parameters for it rather than gathering
+    // them again at once, exposed.
+    if (backward_follows) {
+      it.kept->kept_for_backward = true;
+    } else {
+      it.kept->reshard_after_forward_now();
+    }
+    it.kept = nullptr;
+  }
   if (!opts.reshard_after_forward || !reshard_after_forward) return;
+  if (!root) {
+    // Put off until the next forward starts (pre_forward) or the root's ends (above).
+    if (it.kept != nullptr && it.kept != this) it.kept->reshard_after_forward_now();
+    it.kept = this;
+    return;
+  }
   // The root of a forward that a backward follows, over fully_shard children, keeps its
   // parameters (the embedding and the head, typically): its backward starts first and would
-  // gather them again at once, exposed (FSDP2 does the same). A root alone is the whole
-  // model and reshards as asked.
-  if (root && !nested.empty() && at::GradMode::is_enabled()) return;
-  // Without grad mode no backward follows: nothing to keep the group's shares for.
-  if (post_group && at::GradMode::is_enabled()) {
-    reshard_to_group();
-  } else {
-    do_reshard();
+  // gather them again at once (FSDP2 does the same). A root alone is the whole model and
+  // reshards as asked.
+  if (!nested.empty() && backward_follows) {
+    kept_for_backward = true;
+    return;
   }
+  reshard_after_forward_now();
 }
 
 at::Tensor FSDPModule::State::on_output(const at::Tensor& out,
@@ -214,6 +254,7 @@ void FSDPModule::State::pre_backward(FsdpPass* run_pass, size_t end_index) {
   }
   if (training == TrainingState::kPreBackward || training == TrainingState::kPostBackward) return;
   enter(TrainingState::kPreBackward);
+  kept_for_backward = false;  // the backward it was kept for is here
   if (trace::enabled()) backward_start_us = trace::now_us();
   begin_unshard(/*backward=*/true);
   finish_unshard();

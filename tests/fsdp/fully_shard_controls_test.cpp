@@ -387,9 +387,12 @@ TEST(FullyShardControls, ReshardAfterForwardToGroupsOfTwo) {
 }
 
 // The root of a model whose blocks are sharded keeps its parameters from forward to its
-// backward (which starts first and would gather them again at once); the blocks reshard.
-// Without grad mode (no backward follows) the root reshards too; after backward it is
-// resharded. (Its gradients: every parity test runs with this.)
+// backward (which starts first and would gather them again at once), and so does the last
+// block to finish forward (the first block backward reaches); the other blocks reshard.
+// Without grad mode (no backward follows) they reshard too; after backward everything is
+// resharded. A forward whose backward never came leaves nothing kept into the next
+// forward: an optimizer step in between must be seen. (Their gradients: every parity test
+// runs with this.)
 TEST(FullyShardControls, RootKeepsItsParametersForBackward) {
   auto w = hp::world();
   if (w->size() < 2) GTEST_SKIP() << "one rank holds everything: nothing is resharded";
@@ -404,10 +407,32 @@ TEST(FullyShardControls, RootKeepsItsParametersForBackward) {
     at::NoGradGuard ng;
     hp::call(m, x, y);
     EXPECT_FALSE(root->is_unsharded()) << "kept without a backward to follow";
+    for (auto& b : blocks) EXPECT_FALSE(b->is_unsharded()) << "kept without a backward to follow";
   }
   at::Tensor loss = hp::call(m, x, y);
   EXPECT_TRUE(root->is_unsharded()) << "the root resharded after forward";
-  for (auto& b : blocks) EXPECT_FALSE(b->is_unsharded());
+  for (size_t i = 0; i + 1 < blocks.size(); ++i) EXPECT_FALSE(blocks[i]->is_unsharded()) << "block " << i;
+  EXPECT_TRUE(blocks.back()->is_unsharded()) << "the last block resharded after forward";
   loss.backward();
   EXPECT_FALSE(root->is_unsharded());
+  for (auto& b : blocks) EXPECT_FALSE(b->is_unsharded());
+
+  // A forward with no backward, then a change of the shards (as an optimizer step makes),
+  // then a forward: it must compute with the changed values, not what the first one kept.
+  // Reference: the same model in one process (every rank holds the same initial values).
+  torch::manual_seed(5);
+  hp::test::TinyModel ref(c);
+  hp::call(m, x, y);  // grad mode on, never backpropagated: the root and the last block kept
+  ASSERT_TRUE(blocks.back()->is_unsharded());
+  {
+    at::NoGradGuard ng;
+    for (auto& p : root->parameters()) p.mul_(0.5);  // the local shards
+    for (auto& b : blocks) {
+      for (auto& p : b->parameters()) p.mul_(0.5);
+    }
+    for (auto& p : ref->parameters()) p.mul_(0.5);
+  }
+  at::Tensor got = hp::call(m, x, y), want = hp::call(ref, x, y);
+  EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << got.item<double>() << " vs " << want.item<double>();
+  got.backward();
 }
