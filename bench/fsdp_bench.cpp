@@ -13,10 +13,18 @@
 //   mpirun -np N build/fsdp_bench memory      peak tensor bytes of one step vs the analytic
 //                                             (params + grads + AdamW state) / N + two
 //                                             unsharded blocks
+//   mpirun -np N build/fsdp_bench profile BxT [steps]
+//                                             where rank 0's step time goes: libtorch's
+//                                             profiler, time per op the training thread
+//                                             called directly (libtorch 1.x builds)
 //
 // The model is the tests' small transformer (tests/fsdp/fsdp_model.h) at larger dims.
 #include <ATen/Parallel.h>
 #include <torch/optim/adamw.h>
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR < 2
+#include <torch/csrc/autograd/profiler_legacy.h>
+#endif
 
 #include <sys/resource.h>
 
@@ -26,6 +34,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include "bench_util.h"
@@ -328,6 +337,89 @@ int peer(int64_t batch, int64_t tokens, int steps) {
   return 0;
 }
 
+// Where rank 0's step goes: `steps` steps of `peer`'s loop under libtorch's profiler. Each
+// op the training thread called directly is charged its whole time (what it calls
+// included: aten::linear holds its addmm, a backward node its kernels), so the rows add up
+// to what the profiler saw; "not in any op" is the rest of the step (fully_shard's own
+// code outside ATen ops, the hooks, the engine's bookkeeping, waits in the communicator).
+int profile(int64_t batch, int64_t tokens, int steps) {
+  auto w = hp::world();
+  TinyConfig c = model_config();
+  Trainer t(c, true, /*prefetch=*/true);
+  auto [xf, yf] = data(c, batch);
+  at::Tensor x = xf.narrow(1, 0, tokens), y = yf.narrow(1, 0, tokens);
+  for (int i = 0; i < 3; ++i) t.step(x, y);
+#if TORCH_VERSION_MAJOR < 2
+  namespace prof = torch::autograd::profiler;
+  const bool tracing = hp::trace::enabled();
+  if (!tracing) hp::trace::enable("/tmp");  // for fully_shard's own spans; never flushed
+  hp::trace::clear();
+  prof::enableProfilerLegacy(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::CPU));
+  const double t0 = now_s();
+  for (int i = 0; i < steps; ++i) t.step(x, y);
+  const double total_us = (now_s() - t0) * 1e6;
+  const prof::thread_event_lists lists = prof::disableProfilerLegacy();
+  std::map<std::string, std::pair<double, int>> spans;  // fully_shard's, on this thread, by kind
+  for (const auto& e : hp::trace::events()) {
+    if (e.tid != hp::trace::current_tid() || (e.cat != "fsdp" && e.cat != "wait")) continue;
+    auto& row = spans[e.name.substr(0, e.name.find(" hp::"))];
+    row.first += static_cast<double>(e.dur_us);
+    row.second += 1;
+  }
+  if (!tracing) hp::trace::disable();
+  // The training thread's list is the one whose outermost ops cover the most time.
+  std::map<std::string, std::pair<double, int>> best;
+  double best_us = -1;
+  for (const auto& list : lists) {
+    std::map<std::string, std::pair<double, int>> top;
+    std::vector<const prof::LegacyEvent*> open;
+    double covered = 0;
+    for (const auto& e : list) {
+      if (e.kind() == prof::EventKind::PushRange) {
+        open.push_back(&e);
+      } else if (e.kind() == prof::EventKind::PopRange && !open.empty()) {
+        const prof::LegacyEvent* start = open.back();
+        open.pop_back();
+        if (!open.empty()) continue;
+        auto& row = top[start->name()];
+        row.first += start->cpuElapsedUs(e);
+        row.second += 1;
+        covered += start->cpuElapsedUs(e);
+      }
+    }
+    if (covered > best_us) {
+      best_us = covered;
+      best.swap(top);
+    }
+  }
+  if (w->rank() == 0) {
+    std::vector<std::pair<double, std::string>> rows;
+    for (const auto& [name, v] : best) rows.emplace_back(v.first, name);
+    std::sort(rows.rbegin(), rows.rend());
+    std::printf("profile, rank 0 of %d, batch %lld x %lld, %d steps: %.1f ms per step\n", w->size(), (long long)batch,
+                (long long)tokens, steps, total_us / steps / 1e3);
+    std::printf("%10s %7s %8s  %s\n", "ms/step", "share", "calls", "op (outermost on the training thread)");
+    for (const auto& [us, name] : rows) {
+      if (us / total_us < 0.002) continue;
+      std::printf("%10.2f %6.1f%% %8d  %s\n", us / steps / 1e3, 100 * us / total_us, best[name].second / steps,
+                  name.c_str());
+    }
+    std::printf("%10.2f %6.1f%% %8s  %s\n", (total_us - best_us) / steps / 1e3, 100 * (total_us - best_us) / total_us,
+                "", "not in any op");
+    std::printf("fully_shard's own spans on the training thread (they nest, and cut across the ops above):\n");
+    for (const auto& [name, v] : spans) {
+      std::printf("%10.2f %6.1f%% %8d  %s\n", v.first / steps / 1e3, 100 * v.first / total_us, v.second / steps,
+                  name.c_str());
+    }
+  }
+  return 0;
+#else
+  (void)steps;
+  if (w->rank() == 0) std::printf("fsdp_bench profile: built against libtorch 2.x; the profile uses 1.x's legacy profiler\n");
+  return 0;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -350,17 +442,18 @@ int main(int argc, char** argv) {
     if (ok) rc = overlap(batches, 15);
   }
   else if (mode == "memory") rc = memory();
-  else if (mode == "peer" && argc > 2) {
+  else if ((mode == "peer" || mode == "profile") && argc > 2) {
     long long b = 0, t = 0;
     if (std::sscanf(argv[2], "%lldx%lld", &b, &t) == 2 && b >= 1 && t >= 1 && t <= model_config().seq) {
-      rc = peer(b, t, argc > 3 ? std::atoi(argv[3]) : 15);
+      const int steps = argc > 3 ? std::atoi(argv[3]) : mode == "peer" ? 15 : 5;
+      rc = mode == "peer" ? peer(b, t, steps) : profile(b, t, steps);
     } else {
-      std::fprintf(stderr, "fsdp_bench peer: batch '%s' is not SEQUENCESxTOKENS (tokens 1..%lld)\n", argv[2],
-                   (long long)model_config().seq);
+      std::fprintf(stderr, "fsdp_bench %s: batch '%s' is not SEQUENCESxTOKENS (tokens 1..%lld)\n", mode.c_str(),
+                   argv[2], (long long)model_config().seq);
     }
   }
   else if (mode == "steps-plain" || mode == "steps-fsdp") rc = steps_only(mode == "steps-fsdp", argc > 2 ? std::atoi(argv[2]) : 1);
-  else std::fprintf(stderr, "usage: fsdp_bench overhead | overlap [SEQSxTOKENS ...] | memory | peer SEQSxTOKENS [steps]\n");
+  else std::fprintf(stderr, "usage: fsdp_bench overhead | overlap [SEQSxTOKENS ...] | memory | peer SEQSxTOKENS [steps] | profile SEQSxTOKENS [steps]\n");
   hp::finalize();
   return rc;
 }
