@@ -286,6 +286,7 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
         p.backward_first = t[0].backward;
         p.forward_layer = std::max(0.0, t[1].forward - t[0].forward) / extra;
         p.backward_layer = std::max(0.0, t[1].backward - t[0].backward) / extra;
+        p.matmul_forward_layer = flops_per_token(c).block * tokens / measure_matmul(c, static_cast<int64_t>(tokens));
         p.source = "measured here: the model at 1 and " + std::to_string(two.model.layers()) + " layers, " +
                    std::to_string(threads) + " thread(s)" +
                    (copies > 1 ? ", " + std::to_string(copies) + " copies at once (the ranks sharing a node)" : "");
@@ -295,6 +296,7 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
         const FlopCount f = flops_per_token(c);
         const double recompute = c.recompute == "none" ? 0 : 1;  // forward again in backward
         p.forward_layer = f.block * tokens / rate;
+        p.matmul_forward_layer = p.forward_layer;
         p.forward_first = p.forward_layer + f.head * tokens / rate;
         p.backward_layer = (2.0 + recompute) * p.forward_layer;
         p.backward_first = 2.0 * p.forward_first + recompute * p.forward_layer;
@@ -430,6 +432,20 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
         const double dim = static_cast<double>(c.model.dim());
         const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) * dim * act_elem;
+        // Activations a rank keeps under tensor parallelism: the head's logits split; of a
+        // block, the inputs of the norms (without sequence parallel) and of the column-parallel
+        // products (gathered whole) on every rank, the rest split (shares from the shapes).
+        const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / activations_per_token(c).block;
+        // Its compute: the matrix products divide by the degree; of the rest (norms, residual
+        // adds, elementwise), the work on whole activations stays whole on every rank, in the
+        // activations' shares (before session 10 everything was divided, and tp layouts were
+        // predicted 18-33% fast).
+        double tp_scale = 1;
+        if (t > 1) {
+          const double alone = prof.forward_layer / (prof.contended ? oversubscribed : 1.0);
+          const double mm = prof.matmul_forward_layer > 0 && alone > 0 ? std::min(1.0, prof.matmul_forward_layer / alone) : 1.0;
+          tp_scale = mm / t + (1.0 - mm) * (whole + (1.0 - whole) / t);
+        }
         // Tensor parallelism, per block and direction of one micro-batch: 2 all-gathers and 2
         // reduce-scatters of the activations with sequence parallel, else 2 all-reduces.
         const LinkModel tp_link = link_of(0, 1, t);
@@ -438,17 +454,13 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
                                     ? comm("all_gather", 2 * act_bytes, t, tp_link, 2) +
                                           comm("reduce_scatter", 2 * act_bytes, t, tp_link, 2)
                                     : comm("all_reduce", 2 * act_bytes, t, tp_link, 2);
-        // Activations a rank keeps under tensor parallelism: the head's logits split; of a
-        // block, the inputs of the norms (without sequence parallel) and of the column-parallel
-        // products (gathered whole) on every rank, the rest split (shares from the shapes).
-        const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / activations_per_token(c).block;
         const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t);
         const double act_head = (prof.activations_first - prof.activations_layer) / t;
         int64_t rank_layers = L;
         if (p == 1) {
           const double fb = prof.forward_first + prof.backward_first +
                             static_cast<double>(L - 1) * (prof.forward_layer + prof.backward_layer);
-          row.compute_s = static_cast<double>(m) * fb / t + optimizer;
+          row.compute_s = static_cast<double>(m) * fb * tp_scale + optimizer;
           // One micro-batch at a time: its backward frees what its forward kept.
           row.activations = act_head + static_cast<double>(L) * act_layer;
           // Blocks, and the embedding and head (one more of each direction).
@@ -468,8 +480,8 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
             layers_of_rank[static_cast<size_t>(sched.rank_of(k))] += n;
             const double extra = k == S - 1 ? 1 : 0;
             const auto K = static_cast<size_t>(k);
-            f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) / t;
-            b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) / t;
+            f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) * tp_scale;
+            b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) * tp_scale;
             tpc[K] = tp_block * static_cast<double>(n + extra);
           }
           rank_layers = *std::max_element(layers_of_rank.begin(), layers_of_rank.end());
@@ -521,14 +533,17 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         if (p == 1) row.exposed_s += row.tp_comm_s;
         if (s > 1) {
           // fully_shard: gathers per micro-batch (again for backward when it reshards after
-          // forward), one reduce-scatter per micro-batch; a pipeline gathers and reduces once a
-          // step. One op per block and one for the root.
+          // forward, except the root's and the last block's, kept for it), one reduce-scatter
+          // per micro-batch; a pipeline gathers and reduces once a step. One op per block and
+          // one for the root.
           const auto mp = resolve_dtypes(mixed_precision(c), c.params_dtype);
           const double gather_bytes = rank_params * static_cast<double>(c10::elementSize(mp.all_gather));
           const double reduce_bytes = rank_params * static_cast<double>(c10::elementSize(mp.reduce));
           const double rounds = p == 1 ? static_cast<double>(m) : 1.0;
-          const double gathers = rounds * (c.data_parallel_shard_strategy == "optim_grads" ? 1.0 : 2.0);
           const double ops = static_cast<double>(rank_layers + 1);
+          // (A pipeline keeps every stage's parameters through the step.)
+          const double again = c.data_parallel_shard_strategy == "optim_grads" || p > 1 ? 0.0 : (ops - 2.0) / ops;
+          const double gathers = rounds * (1.0 + std::max(0.0, again));
           const LinkModel shard_link = link_of(0, t, s);
           const double gather = comm("all_gather", gather_bytes, s, shard_link, ops);
           const double reduce = comm("reduce_scatter", reduce_bytes, s, shard_link, ops) +

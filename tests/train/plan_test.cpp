@@ -33,6 +33,7 @@ constexpr double kModel = 2 * kBlock + 2 * 256 * 64 + 64;                      /
 // embedding, head and loss, 4 and 8 ms for each further block; 1 ns per parameter of AdamW.
 struct FakeCompute {
   std::shared_ptr<std::map<int64_t, int>> asked = std::make_shared<std::map<int64_t, int>>();
+  double matmul_forward_layer = 0;  // unknown: tensor parallelism divides everything
   ht::ComputeProfile operator()(int64_t samples, int threads, int /*copies*/) const {
     (*asked)[samples] = threads;
     ht::ComputeProfile p;
@@ -41,6 +42,7 @@ struct FakeCompute {
     p.forward_layer = 0.004;
     p.backward_layer = 0.008;
     p.optimizer_per_param = 1e-9;
+    p.matmul_forward_layer = matmul_forward_layer;
     p.activations_first = 500;  // bytes a micro-batch keeps: 500 with one block, 400 more per block
     p.activations_layer = 400;
     p.source = "fake";
@@ -118,12 +120,13 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
     EXPECT_FALSE(r.overlap);  // 2 cores, 2 ranks of 1 thread: no core to spare
     EXPECT_EQ(r.memory.rank_params, static_cast<int64_t>(kModel));
     EXPECT_NEAR(r.compute_s, 4 * (0.030 + 0.012) + 1e-9 * kModel / 2, 1e-12);
-    // Per micro-batch: two gathers (forward, and backward after resharding) and one
-    // reduce-scatter of the fp32 model, each as 3 ops (2 blocks and the root) of a whole
-    // number of bytes, bus 1/2.
+    // Per micro-batch: the gathers of forward (3 ops: 2 blocks and the root), of backward
+    // after resharding (the first block only: the root and the last block keep theirs for
+    // it), and one reduce-scatter of the fp32 model (3 ops); each op of a whole number of
+    // bytes, bus 1/2.
     const double one = link(0.5, 3 * std::floor(4 * kModel / 3), 3);
-    EXPECT_NEAR(r.fsdp_comm_s, 4 * 3 * one, 1e-9);
-    EXPECT_NEAR(r.exposed_s, 4 * 3 * one + world_sums, 1e-9);
+    EXPECT_NEAR(r.fsdp_comm_s, 4 * (1 + 1.0 / 3 + 1) * one, 1e-9);
+    EXPECT_NEAR(r.exposed_s, 4 * (1 + 1.0 / 3 + 1) * one + world_sums, 1e-9);
     EXPECT_NEAR(r.step_s, r.compute_s + r.exposed_s, 1e-12);
   }
   {
@@ -163,6 +166,23 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
     ASSERT_TRUE(r.feasible) << r.reason;
     EXPECT_NEAR(r.fsdp_comm_s, 4 * link(1.0, 4 * kModel), 1e-9);
   }
+}
+
+// Tensor parallelism divides a block's matrix products by its degree; of the rest, the
+// work on whole activations (the norms' and the column-parallel products' inputs: the
+// activations' whole share, 4 x 64 of 1472 elements) stays whole on every rank.
+TEST(Plan, TensorParallelDividesTheMatrixProductsAndPartOfTheRest) {
+  FakeCompute fake;
+  fake.matmul_forward_layer = 0.003;  // of the 4 ms block forward: 3/4 in products
+  const auto rows = ht::plan_layouts(tiny(), options(2, 2), fake);
+  const auto& r = find(rows, 1, 1, 2, 1);
+  ASSERT_TRUE(r.feasible) << r.reason;
+  const double whole = 4.0 * 64 / 1472, mm = 0.75;
+  const double scale = mm / 2 + (1 - mm) * (whole + (1 - whole) / 2);
+  const double tp_params = (kModel - 5 * 64) / 2 + 5 * 64;
+  EXPECT_NEAR(r.compute_s, 4 * 0.042 * scale + 1e-9 * tp_params, 1e-12);
+  // Without tensor parallelism nothing changes.
+  EXPECT_NEAR(find(rows, 1, 2, 1, 1).compute_s, 4 * 0.042 + 1e-9 * kModel / 2, 1e-12);
 }
 
 TEST(Plan, ActivationsOfOneMicroBatchOrOfThoseAPipelineHolds) {

@@ -60,6 +60,10 @@ struct ComputeProfile {
   double forward_first = 0, forward_layer = 0;
   double backward_first = 0, backward_layer = 0;
   double optimizer_per_param = 0;  // AdamW, gradient norm and clipping, per parameter
+  // Of forward_layer, the block's matrix products alone (its FLOPs at this process's
+  // measured matmul rate, uncontended): what tensor parallelism divides by its degree.
+  // 0: unknown, the whole block is taken to divide.
+  double matmul_forward_layer = 0;
   bool contended = false;          // timed with the node's ranks sharing its cores
   // Bytes a micro-batch's forward holds for its backward, at its peak (logits and loss
   // included), in the same t(L) form: measured with the counting allocator when timed,
