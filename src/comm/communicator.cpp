@@ -203,6 +203,22 @@ class QueuedCommunicator final : public Communicator {
     });
   }
 
+  Work all_gather_into_new(std::function<at::Tensor()> make_out, at::Tensor in, const CollectiveOptions& o) override {
+    const char* op = "all_gather";
+    check_tensor(op, in, "input");
+    HP_CHECK(make_out != nullptr, where(op), "no function to make the output");
+    if (!in.device().is_cpu() || backend_ == "nccl") return all_gather(make_out(), in, o);
+    return enqueue(op, o.timeout, in.nbytes(), [t = transport(), make_out = std::move(make_out), in, n = size()] {
+      const at::Tensor out = make_out();
+      HP_CHECK(out.defined() && out.scalar_type() == in.scalar_type() && out.device() == in.device() &&
+                   out.is_contiguous() && out.numel() == in.numel() * n,
+               "all_gather: the output made when the op started is ",
+               out.defined() ? describe(out) : std::string("undefined"), ", not ", in.numel() * n, " contiguous ",
+               in.scalar_type(), " elements on ", in.device(), " (input ", in.numel(), " x ", n, " ranks)");
+      t->all_gather(out, in);
+    });
+  }
+
   Work reduce_scatter(at::Tensor out, at::Tensor in, const ReduceOptions& o) override {
     const char* op = "reduce_scatter";
     check_tensor(op, out, "output");

@@ -90,13 +90,42 @@ bool reduce_scatter_in_flight() {
   return false;
 }
 
+// Whether `t`'s gather can be queued behind the reduce-scatters not yet waited for: every
+// one of them is on t's own communicator, which runs its ops in order on its thread (not a
+// device's stream), and t gathers from its real shards (not a post-forward share, over
+// another group).
+bool can_follow_reductions(const detail::GroupState& t) {
+  if (t.storage != ShardState::kSharded || t.post_group || !t.device.is_cpu() || t.shard->backend() == "nccl") {
+    return false;
+  }
+  for (detail::GroupState* s : comm_context().reduce_order) {
+    for (auto& pr : s->pending) {
+      if (!pr.rs_done && s->shard.get() != t.shard.get()) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 void issue_deferred_prefetches(bool wait, bool backward) {
   CommContext& it = comm_context();
   if (it.deferred_prefetch.empty()) return;
   if (reduce_scatter_in_flight()) {
-    if (!wait) return;
+    if (!wait) {
+      // Those that can go behind the reduce-scatters go now, in order: their ops allocate
+      // as they start, after the reduce-scatters have freed their inputs. The first that
+      // cannot, and all after it, stay held back.
+      auto& held = it.deferred_prefetch;
+      size_t k = 0;
+      while (k < held.size() && can_follow_reductions(*held[k])) ++k;
+      std::vector<detail::GroupState*> now(held.begin(), held.begin() + static_cast<std::ptrdiff_t>(k));
+      held.erase(held.begin(), held.begin() + static_cast<std::ptrdiff_t>(k));
+      for (detail::GroupState* s : now) {
+        if (s->training != TrainingState::kPostBackward) s->begin_unshard(backward, /*behind_reductions=*/true);
+      }
+      return;
+    }
     trace::Span span("wait reduce_scatter before prefetch", "wait");
     drain_reductions(/*keep=*/0, /*finish=*/false);
   }

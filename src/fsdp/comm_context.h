@@ -17,8 +17,13 @@ namespace hp::detail {
 struct CommContext {
   std::vector<detail::GroupState*> reduce_order;  // states in reduce-scatter issue order
   // Backward prefetches held back while a reduce-scatter is in flight, in the order they
-  // were asked for. Everything of fully_shard's that issues a collective (begin_unshard,
-  // post_backward, the end of backward, the next forward) issues these first, waiting for
+  // were asked for, so that a block's gathered parameters and a block's reduce-scatter
+  // input never exist together. A prefetch whose gather can queue on the reduce-scatters'
+  // own communicator (on the CPU, which runs its ops in order on one thread) is issued at
+  // once instead, its ops allocating their outputs as they start, after the reduce-scatters
+  // ahead of them freed their inputs (begin_unshard's `behind_reductions`). The others wait
+  // here: everything of fully_shard's that issues a collective (begin_unshard,
+  // post_backward, the end of backward, the next forward) issues them first, waiting for
   // the reduce-scatters; a gradient hook, or the end of pre_backward, may issue them
   // earlier, once the reduce-scatters are done. Either way they reach the communicator
   // between the same two of fully_shard's collectives on every rank. A module in
@@ -36,9 +41,10 @@ CommContext& comm_context();
 // gradients each) would otherwise pile up. `finish` (at the end of backward) also waits
 // for every all-reduce and applies everything.
 void drain_reductions(size_t keep, bool finish);
-// Issues the held-back backward prefetches once no reduce-scatter is in flight; with
-// `wait`, waits for those in flight first (the caller is about to issue a collective,
-// which must not overtake the prefetches on any rank).
+// Issues the held-back backward prefetches: those that can queue behind the reduce-scatters
+// in flight at once, the rest once no reduce-scatter is in flight; with `wait`, waits for
+// those in flight first (the caller is about to issue a collective, which must not overtake
+// the prefetches on any rank).
 void issue_deferred_prefetches(bool wait, bool backward = true);
 // Waits for every reduction issued so far (of any pass, or an explicit reduce_grads()) and
 // applies it.

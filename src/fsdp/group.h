@@ -132,7 +132,9 @@ struct FSDPModule::State {
 
   // `backward`: the gather before (or prefetched for) a backward, which may start from the
   // post-forward shards; any other gather drops them and starts from the real shards.
-  void begin_unshard(bool backward = false);
+  // `behind_reductions`: a backward prefetch issued while reduce-scatters are in flight on
+  // the same communicator; its ops allocate their outputs as they start (comm_context.h).
+  void begin_unshard(bool backward = false, bool behind_reductions = false);
   void finish_unshard();
   void do_reshard();
   void reshard_to_group();

@@ -45,7 +45,7 @@ void FSDPModule::State::move_to(ShardState to) {
   storage = to;
 }
 
-void FSDPModule::State::begin_unshard(bool backward) {
+void FSDPModule::State::begin_unshard(bool backward, bool behind_reductions) {
   if (unsharded() || gathering()) return;
   if (aliased() || params.empty()) {  // nothing to gather (a root whose children own every parameter)
     move_to(ShardState::kUnsharded);
@@ -53,8 +53,9 @@ void FSDPModule::State::begin_unshard(bool backward) {
   }
   // Collectives must reach each communicator in the same order on every rank: whatever
   // prefetch was held back goes first (this module's own, perhaps, over the group it would
-  // have used at a gradient hook), as it would have without the holding back.
-  detail::issue_deferred_prefetches(/*wait=*/true);
+  // have used at a gradient hook), as it would have without the holding back. (A gather
+  // behind the reductions is itself one of those, issued in their order.)
+  if (!behind_reductions) detail::issue_deferred_prefetches(/*wait=*/true);
   if (gathering()) return;
   // Post-forward shards serve only the backward of their own iteration: another gather (a
   // forward, an explicit unshard, a later step's prefetch) may come after an optimizer step.
@@ -62,9 +63,44 @@ void FSDPModule::State::begin_unshard(bool backward) {
   trace::Span span("unshard " + label, "fsdp");
   const at::ScalarType cd = dt.all_gather;
   const int64_t es = c10::elementSize(cd);
-  for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
   ag_works.clear();
   post_gather_fused = false;
+  if (behind_reductions) {
+    // Behind reduce-scatters in flight on the same communicator (comm_context.h): the
+    // parameters' storage (and the fused output) is allocated by each op as it starts, once
+    // the reductions ahead of it have completed and freed their inputs.
+    HP_INTERNAL_ASSERT(storage == ShardState::kSharded, "fully_shard(", label, "): a gather behind reductions from ",
+                       detail::to_string(storage));
+    if (opts.comm_fusion) {
+      std::vector<at::Tensor> padded;
+      for (const auto& p : params) padded.push_back(p.padded.tensor());
+      ag_in = detail::fused_gather_input(padded, layout, cd);
+      const int64_t n = shards() * layout.total;
+      ag_works.push_back(shard->all_gather_into_new(
+          [this, n, es, cd] {
+            for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
+            ag_out = OwnedBuffer::empty({n}, cd, device);
+            return ag_out.tensor();
+          },
+          ag_in.tensor()));
+    } else {
+      for (auto& p : params) {
+        at::Tensor in = p.padded.tensor().view(-1);
+        if (in.scalar_type() != cd) in = in.to(cd);
+        const detail::UnshardedParam* param = &p.param;
+        const int64_t numel = p.plan.padded_numel();
+        ag_works.push_back(shard->all_gather_into_new(
+            [param, numel, es, cd] {
+              param->allocate(numel * es);
+              return param->raw({numel}, cd);
+            },
+            in));
+      }
+    }
+    move_to(ShardState::kGathering);
+    return;
+  }
+  for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
   if (storage == ShardState::kPostForwardShare) {
     // From the post-forward shards, over the smaller group. The ops own the buffer now
     // (views of it when per parameter) and free it as they complete.

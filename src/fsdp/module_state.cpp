@@ -259,12 +259,12 @@ void FSDPModule::State::pre_backward(FsdpPass* run_pass, size_t end_index) {
   begin_unshard(/*backward=*/true);
   finish_unshard();
   if (!overlap()) return;
-  // Prefetch: the listed modules, else the module that ran just before this one. The
-  // all-gather is held back while a reduce-scatter is in flight, so that its output and
-  // the reduce-scatter's input (a block of gradients each) are never allocated together;
-  // it is issued at the first gradient hook that finds them done (see on_grad), or else
-  // before the next collective. The communicator runs ops in order, so the all-gather
-  // could not have started before them anyway.
+  // Prefetch: the listed modules, else the module that ran just before this one. Its
+  // output and a reduce-scatter's input (a block of gradients each) are never allocated
+  // together: behind reduce-scatters on its own communicator the all-gather is queued now
+  // and allocates as it starts; otherwise it is held back while a reduce-scatter is in
+  // flight, and issued at the first gradient hook that finds them done (see on_grad), or
+  // else before the next collective (comm_context.h).
   std::vector<State*> targets;
   for (auto& w : bwd_prefetch) {
     if (auto h = w.lock()) targets.push_back(&h->state());

@@ -6,7 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cmath>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "hp/comm/communicator.h"
@@ -100,6 +103,52 @@ TEST(Communicator, AllGatherEveryDtypeAndSize) {
       for (int i = 0; i < n; ++i) parts.push_back(pattern(i, m, 0, dt));
       expect_same(out, at::cat(parts), label("all_gather", dt, m));
     }
+  }
+}
+
+// all_gather_into_new makes its output when the op starts: after the ops queued before it
+// have completed and dropped their tensors (a reduce-scatter's input is freed by then), on
+// the communicator's thread; the values are all_gather's. A wrong output fails the op,
+// naming what was expected.
+TEST(Communicator, AllGatherIntoNewMakesItsOutputAfterTheOpsBeforeIt) {
+  auto w = world();
+  const int n = w->size(), r = w->rank();
+  // The last rank joins late: on the others the reduce-scatter cannot have completed when
+  // the gather is queued.
+  if (n > 1 && r == n - 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  at::Tensor rs_in = at::ones({1000 * n}), rs_out = at::empty({1000});
+  c10::weak_intrusive_ptr<c10::TensorImpl> rs_in_alive(rs_in.getIntrusivePtr());
+  hp::Work rs = w->reduce_scatter(rs_out, rs_in);
+  rs_in.reset();
+  bool earlier_done = false, input_freed = false;
+  std::thread::id made_on;
+  at::Tensor out;
+  const at::Tensor in = pattern(r, 7, 0, at::kFloat);
+  hp::Work ag = w->all_gather_into_new(
+      [&] {
+        earlier_done = rs.is_completed();
+        input_freed = rs_in_alive.expired();
+        made_on = std::this_thread::get_id();
+        out = at::empty({n * 7});
+        return out;
+      },
+      in);
+  ag.wait();
+  EXPECT_TRUE(earlier_done);
+  EXPECT_TRUE(input_freed);
+  EXPECT_NE(made_on, std::this_thread::get_id());
+  std::vector<at::Tensor> parts;
+  for (int i = 0; i < n; ++i) parts.push_back(pattern(i, 7, 0, at::kFloat));
+  expect_same(out, at::cat(parts), "all_gather_into_new");
+  EXPECT_EQ(rs_out[0].item<float>(), static_cast<float>(n));
+
+  hp::CommPtr g = w->split(0, r);  // broken by the bad op below, not the world
+  try {
+    g->all_gather_into_new([&] { return at::empty({n * 7 + 1}); }, in).wait();
+    ADD_FAILURE() << "a wrong output was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("not " + std::to_string(n * 7) + " contiguous"), std::string::npos)
+        << e.what();
   }
 }
 

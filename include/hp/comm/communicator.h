@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -102,6 +103,15 @@ class Communicator {
 
   // out (size() * in.numel() elements, rank i's input at offset i * in.numel()).
   virtual Work all_gather(at::Tensor out, at::Tensor in, const CollectiveOptions& o = {}) = 0;
+  // As all_gather, with the output made by `make_out` when the op starts: on the CPU that
+  // is on the communicator's thread, after every op queued before it here has completed and
+  // dropped its tensors, so a buffer that must not coexist with an earlier op's input (a
+  // backward prefetch behind a reduce-scatter) exists only once that input is freed. On a
+  // device, or with nccl, `make_out` runs here, now. It must return size() * in.numel()
+  // elements of in's dtype on in's device (else the op fails, naming them); it runs once,
+  // or never if the communicator broke first.
+  virtual Work all_gather_into_new(std::function<at::Tensor()> make_out, at::Tensor in,
+                                   const CollectiveOptions& o = {}) = 0;
   // in holds size() * out.numel() elements; rank i receives the reduction of slice i.
   virtual Work reduce_scatter(at::Tensor out, at::Tensor in, const ReduceOptions& o = {}) = 0;
   // In place.
