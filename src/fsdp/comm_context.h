@@ -30,6 +30,11 @@ struct CommContext {
   // post-backward is skipped (it enters that state only after post_backward's own flush,
   // so every rank sees the same states at any flush).
   std::vector<detail::GroupState*> deferred_prefetch;
+  // Every module a backward prefetch asked for since the last end of backward, however its
+  // gather went (held back, queued behind reductions, or at once: which one differs between
+  // ranks): one that did not run in the pass's forward is resharded at the end of backward
+  // on every rank.
+  std::vector<detail::GroupState*> backward_prefetched;
 };
 CommContext& comm_context();
 

@@ -142,6 +142,8 @@ void FSDPModule::State::pre_forward() {
     if (!it.callback_queued) {
       it.id = ++g_pass_ids;
       release_kept(*this);
+      // Left by a backward that raised before its end (their modules may be gone since).
+      detail::comm_context().backward_prefetched.clear();
     }
     it.forward_order.clear();
     it.forward_end_order.clear();
@@ -279,9 +281,11 @@ void FSDPModule::State::pre_backward(FsdpPass* run_pass, size_t end_index) {
     }
   }
   auto& deferred = detail::comm_context().deferred_prefetch;
+  auto& prefetched = detail::comm_context().backward_prefetched;
   for (State* t : targets) {
     if (t->unsharded() || t->gathering()) continue;
     if (std::find(deferred.begin(), deferred.end(), t) == deferred.end()) deferred.push_back(t);
+    if (std::find(prefetched.begin(), prefetched.end(), t) == prefetched.end()) prefetched.push_back(t);
   }
   detail::issue_deferred_prefetches(/*wait=*/false);
 }
@@ -338,10 +342,11 @@ void finish_backward(FsdpPass& it) {
   detail::CommContext& cc = detail::comm_context();
   it.callback_queued = false;
   // Prefetches still held back go out now, as on a rank that issued them at a gradient
-  // hook: the all-gathers must match. A module they gather whose backward never started
-  // (its output got no gradient) is resharded by its post_backward below, or, if it did not
-  // run in this forward at all (an explicit prefetch target), right after.
-  std::vector<detail::GroupState*> gathered = cc.deferred_prefetch;
+  // hook: the all-gathers must match. A module a prefetch gathered whose backward never
+  // started (its output got no gradient) is resharded by its post_backward below, or, if it
+  // did not run in this forward at all (an explicit prefetch target), right after.
+  std::vector<detail::GroupState*> gathered;
+  gathered.swap(cc.backward_prefetched);
   detail::issue_deferred_prefetches(/*wait=*/true);
   // Groups some of whose gradients never arrived reduce now (zeros for the missing), in
   // reverse forward order: the same order on every rank.
@@ -350,7 +355,12 @@ void finish_backward(FsdpPass& it) {
     if (s->training != TrainingState::kPostBackward) s->post_backward();
   }
   for (detail::GroupState* s : gathered) {
-    if (std::find(it.forward_order.begin(), it.forward_order.end(), s) == it.forward_order.end()) s->do_reshard();
+    // Not in this forward, and no backward of another pass reached it (that one reduced
+    // and resharded it as configured).
+    if (s->training == TrainingState::kIdle &&
+        std::find(it.forward_order.begin(), it.forward_order.end(), s) == it.forward_order.end()) {
+      s->do_reshard();
+    }
   }
   detail::finish_reductions();
 }

@@ -249,3 +249,32 @@ TEST(FullyShardOverlap, RanksAtDifferentSpeedsIssueCollectivesInOneOrder) {
   EXPECT_EQ(compared, c.layers * 12 + 2);  // per block: 11 parameters and the unused one; nf
   EXPECT_LT(worst, 1e-5);
 }
+
+// A module that only an explicit backward prefetch gathers, and that did not run in the
+// forward, is resharded at the end of the backward on every rank, whether its gather was
+// held back behind a reduce-scatter, queued behind one, or issued at once (which one differs
+// between ranks with timing; a module left gathered on some ranks only would skip a gather
+// there in a later forward, pairing different collectives across ranks).
+TEST(FullyShardOverlap, APrefetchTargetThatDidNotRunIsReshardedAfterBackward) {
+  auto w = hp::world();
+  if (w->size() < 2) GTEST_SKIP() << "one rank holds everything: nothing is resharded";
+  TinyConfig c = big_blocks();
+  c.layers = 3;
+  torch::manual_seed(0);
+  TinyModel m(c);
+  torch::nn::Linear spare(c.dim, c.dim);  // never called
+  hp::FSDPHandle spare_h = hp::fully_shard(*spare);
+  std::vector<hp::FSDPHandle> blocks;
+  for (auto& b : m->blocks) blocks.push_back(hp::fully_shard(*b));
+  hp::fully_shard(*m);
+  // The last block's backward (no reduce-scatter in flight yet) and the first's (behind
+  // the second's reduce-scatter) both prefetch it.
+  blocks.back()->set_modules_to_backward_prefetch({spare_h});
+  blocks.front()->set_modules_to_backward_prefetch({spare_h});
+  at::Tensor x = at::randint(c.vocab, {1, c.seq}, at::kLong);
+  for (int step = 0; step < 2; ++step) {
+    hp::call(m, x, x).backward();
+    EXPECT_FALSE(spare_h->is_unsharded()) << "step " << step;
+    for (auto& t : spare->parameters()) EXPECT_EQ(t.storage().nbytes(), 0u) << "step " << step;
+  }
+}
