@@ -304,19 +304,31 @@ std::array<double, 3> mfu(const TinyConfig& c, int64_t batch, int64_t tokens, do
   return {flops / (step_s * rate), rate / 1e9, flops / 1e9};
 }
 
+// The loop `peer` times and `profile` dissects: fully_shard on each block and the root,
+// B x T tokens per rank, after 3 warm-up steps (AdamW's state allocated).
+struct PeerLoop {
+  TinyConfig c = model_config();
+  Trainer t{c, true, /*prefetch=*/true};
+  at::Tensor x, y;
+  PeerLoop(int64_t batch, int64_t tokens) {
+    auto [xf, yf] = data(c, batch);
+    x = xf.narrow(1, 0, tokens);
+    y = yf.narrow(1, 0, tokens);
+    for (int i = 0; i < 3; ++i) step();
+  }
+  void step() { t.step(x, y); }
+};
+
 int peer(int64_t batch, int64_t tokens, int steps) {
   auto w = hp::world();
-  TinyConfig c = model_config();
-  Trainer t(c, true, /*prefetch=*/true);
-  auto [xf, yf] = data(c, batch);
-  at::Tensor x = xf.narrow(1, 0, tokens), y = yf.narrow(1, 0, tokens);
-  for (int i = 0; i < 3; ++i) t.step(x, y);
+  PeerLoop loop(batch, tokens);
+  const TinyConfig& c = loop.c;
   hp::memory::reset_peak();
   std::vector<double> ms;
   for (int i = 0; i < steps; ++i) {
     w->barrier().wait();
     double t0 = now_s();
-    t.step(x, y);
+    loop.step();
     ms.push_back((now_s() - t0) * 1e3);
   }
   struct rusage ru{};
@@ -344,11 +356,7 @@ int peer(int64_t batch, int64_t tokens, int steps) {
 // code outside ATen ops, the hooks, the engine's bookkeeping, waits in the communicator).
 int profile(int64_t batch, int64_t tokens, int steps) {
   auto w = hp::world();
-  TinyConfig c = model_config();
-  Trainer t(c, true, /*prefetch=*/true);
-  auto [xf, yf] = data(c, batch);
-  at::Tensor x = xf.narrow(1, 0, tokens), y = yf.narrow(1, 0, tokens);
-  for (int i = 0; i < 3; ++i) t.step(x, y);
+  PeerLoop loop(batch, tokens);
 #if TORCH_VERSION_MAJOR < 2
   namespace prof = torch::autograd::profiler;
   const bool tracing = hp::trace::enabled();
@@ -356,7 +364,7 @@ int profile(int64_t batch, int64_t tokens, int steps) {
   hp::trace::clear();
   prof::enableProfilerLegacy(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::CPU));
   const double t0 = now_s();
-  for (int i = 0; i < steps; ++i) t.step(x, y);
+  for (int i = 0; i < steps; ++i) loop.step();
   const double total_us = (now_s() - t0) * 1e6;
   const prof::thread_event_lists lists = prof::disableProfilerLegacy();
   std::map<std::string, std::pair<double, int>> spans;  // fully_shard's, on this thread, by kind

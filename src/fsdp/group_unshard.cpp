@@ -2,6 +2,8 @@
 // reshard (free them, or keep a post-forward share), and the storage-state machine.
 #include <ATen/ATen.h>
 
+#include <functional>
+
 #include "collectives.h"
 #include "comm_context.h"
 #include "group.h"
@@ -65,45 +67,12 @@ void FSDPModule::State::begin_unshard(bool backward, bool behind_reductions) {
   const int64_t es = c10::elementSize(cd);
   ag_works.clear();
   post_gather_fused = false;
-  if (behind_reductions) {
-    // Behind reduce-scatters in flight on the same communicator (comm_context.h): the
-    // parameters' storage (and the fused output) is allocated by each op as it starts, once
-    // the reductions ahead of it have completed and freed their inputs.
-    HP_INTERNAL_ASSERT(storage == ShardState::kSharded, "fully_shard(", label, "): a gather behind reductions from ",
-                       detail::to_string(storage));
-    if (opts.comm_fusion) {
-      std::vector<at::Tensor> padded;
-      for (const auto& p : params) padded.push_back(p.padded.tensor());
-      ag_in = detail::fused_gather_input(padded, layout, cd);
-      const int64_t n = shards() * layout.total;
-      ag_works.push_back(shard->all_gather_into_new(
-          [this, n, es, cd] {
-            for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
-            ag_out = OwnedBuffer::empty({n}, cd, device);
-            return ag_out.tensor();
-          },
-          ag_in.tensor()));
-    } else {
-      for (auto& p : params) {
-        at::Tensor in = p.padded.tensor().view(-1);
-        if (in.scalar_type() != cd) in = in.to(cd);
-        const detail::UnshardedParam* param = &p.param;
-        const int64_t numel = p.plan.padded_numel();
-        ag_works.push_back(shard->all_gather_into_new(
-            [param, numel, es, cd] {
-              param->allocate(numel * es);
-              return param->raw({numel}, cd);
-            },
-            in));
-      }
-    }
-    move_to(ShardState::kGathering);
-    return;
-  }
-  for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
   if (storage == ShardState::kPostForwardShare) {
     // From the post-forward shards, over the smaller group. The ops own the buffer now
     // (views of it when per parameter) and free it as they complete.
+    HP_INTERNAL_ASSERT(!behind_reductions, "fully_shard(", label, "): a gather behind reductions from ",
+                       detail::to_string(storage));
+    for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
     const int64_t g = post_group->size();
     if (opts.comm_fusion) {
       ag_out = OwnedBuffer::empty({g * post_total}, cd, device);
@@ -117,18 +86,41 @@ void FSDPModule::State::begin_unshard(bool backward, bool behind_reductions) {
                                                   buf.narrow(0, post_offsets[i], len)));
       }
     }
-  } else if (opts.comm_fusion) {
+    move_to(ShardState::kGathering);
+    return;
+  }
+  // From the real shards. Each op's output (the parameters' storage, and the fused buffer)
+  // is made by `make`: here and now, or, behind reduce-scatters in flight on the same
+  // communicator (comm_context.h), by the op as it starts, once they have completed and
+  // freed their inputs.
+  auto issue = [&](std::function<at::Tensor()> make, const at::Tensor& in) {
+    ag_works.push_back(behind_reductions ? shard->all_gather_into_new(std::move(make), in)
+                                         : shard->all_gather(make(), in));
+  };
+  if (opts.comm_fusion) {
     std::vector<at::Tensor> padded;
     for (const auto& p : params) padded.push_back(p.padded.tensor());
     ag_in = detail::fused_gather_input(padded, layout, cd);
-    ag_out = OwnedBuffer::empty({shards() * layout.total}, cd, device);
-    ag_works.push_back(shard->all_gather(ag_out.tensor(), ag_in.tensor()));
+    const int64_t n = shards() * layout.total;
+    issue(
+        [this, n, es, cd] {
+          for (auto& p : params) p.param.allocate(p.plan.padded_numel() * es);
+          ag_out = OwnedBuffer::empty({n}, cd, device);
+          return ag_out.tensor();
+        },
+        ag_in.tensor());
   } else {
     for (auto& p : params) {
       at::Tensor in = p.padded.tensor().view(-1);
       if (in.scalar_type() != cd) in = in.to(cd);
-      at::Tensor out = p.param.raw({p.plan.padded_numel()}, cd);
-      ag_works.push_back(shard->all_gather(out, in));
+      const detail::UnshardedParam* param = &p.param;
+      const int64_t numel = p.plan.padded_numel();
+      issue(
+          [param, numel, es, cd] {
+            param->allocate(numel * es);
+            return param->raw({numel}, cd);
+          },
+          in);
     }
   }
   move_to(ShardState::kGathering);
