@@ -7,6 +7,10 @@
 //                                             communication (trace "wait" spans) with overlap
 //                                             on and off, alternating step by step, at
 //                                             compute-heavy to communication-bound batches
+//                                             (HP_BENCH_WAITS=1: where the last overlapped
+//                                             step waited; with HP_BENCH_DUMP=1 too, every
+//                                             span of it from 0.3 ms, comm ops with their
+//                                             modelled and real durations)
 //   mpirun -np N build/fsdp_bench peer BxT [steps]
 //                                             median step and peak memory, one JSON line
 //                                             (bench/peers.sh sets it beside PyTorch's)
@@ -183,9 +187,10 @@ int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds)
           int64_t t0_us = INT64_MAX;
           for (const auto& e : hp::trace::events()) t0_us = std::min(t0_us, e.ts_us);
           for (const auto& e : hp::trace::events()) {
-            if (e.cat == "wait" && e.dur_us >= 500) {
-              std::printf("    at %6.1f ms waited %5.1f ms: %s\n", (e.ts_us - t0_us) * 1e-3, e.dur_us * 1e-3,
-                          e.name.c_str());
+            if ((e.cat == "wait" && e.dur_us >= 500) || (std::getenv("HP_BENCH_DUMP") && e.dur_us >= 300)) {
+              std::printf("    at %6.1f ms %s %5.1f ms: %s [%s] %s\n", (e.ts_us - t0_us) * 1e-3,
+                          e.cat == "wait" ? "waited" : "took", e.dur_us * 1e-3, e.name.c_str(), e.cat.c_str(),
+                          e.args.c_str());
             }
           }
         }

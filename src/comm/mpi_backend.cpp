@@ -11,6 +11,8 @@
 // (chunk c is accumulated from rank c+1 around to rank c), so its all_reduce (ring
 // reduce-scatter + MPI_Allgatherv) is bitwise identical on every rank. OpenMPI's
 // MPI_Reduce_scatter_block is not used: measured 3x slower here (BENCHMARKS.md).
+// Every collective but MPI's all-reduce is posted nonblocking and waited for by finish(),
+// which spins only while that takes no core from the rank's compute (see there).
 #include "hp/config.h"
 
 #include "hp/comm/communicator.h"
@@ -18,6 +20,7 @@
 
 #if HP_HAVE_MPI
 #include <mpi.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
 #include <atomic>
@@ -237,7 +240,10 @@ class MpiTransport final : public Transport {
     std::tie(progress_slot_, progress_tag_) = ProgressTable::instance().slot_for(world_ranks_);
   }
 
-  void note_started(uint64_t collective) override { ProgressTable::instance().started(progress_slot_, collective); }
+  void note_started(uint64_t collective) override {
+    collective_ = collective;
+    ProgressTable::instance().started(progress_slot_, collective);
+  }
   std::vector<int> behind(uint64_t collective, int* unknown) const override {
     std::vector<int> out;
     *unknown = 0;
@@ -271,7 +277,9 @@ class MpiTransport final : public Transport {
     if (in.numel() == 0) return;
     MPI_Datatype t = mpi_type(in.scalar_type());
     int c = as_count(in.numel());
-    mpi_check(MPI_Allgather(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_), "MPI_Allgather");
+    MPI_Request req;
+    mpi_check(MPI_Iallgather(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_, &req), "MPI_Iallgather");
+    finish(1, &req);
   }
 
   void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
@@ -287,10 +295,11 @@ class MpiTransport final : public Transport {
     if (x.numel() == 0 || size_ == 1) return;
     at::ScalarType dt = x.scalar_type();
     const int64_t ring_from = size_ == 2 ? kHalfRingAllReduceBytesTwoRanks : kHalfRingAllReduceBytes;
-    if (reduced_by_mpi(dt) || x.nbytes() < ring_from) {
+    if (reduced_by_mpi(dt) || static_cast<int64_t>(x.nbytes()) < ring_from) {
       MPI_Op mop = reduced_by_mpi(dt) ? mpi_op(op, dt) : half_mpi_op(dt, op);
-      mpi_check(MPI_Allreduce(MPI_IN_PLACE, x.data_ptr(), as_count(x.numel()), mpi_type(dt), mop,
-                              comm_),
+      // Blocking, so spinning: OpenMPI's nonblocking all-reduce measured 0.46x of this call
+      // from 1 MiB (comm_bench, 2 ranks).
+      mpi_check(MPI_Allreduce(MPI_IN_PLACE, x.data_ptr(), as_count(x.numel()), mpi_type(dt), mop, comm_),
                 "MPI_Allreduce");
       return;
     }
@@ -310,15 +319,19 @@ class MpiTransport final : public Transport {
       ic[i] = as_count(counts[i]);
       id[i] = as_count(displs[i]);
     }
-    mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, ic.data(), id.data(),
-                             mpi_type(dt), comm_),
-              "MPI_Allgatherv");
+    MPI_Request req;
+    mpi_check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, ic.data(), id.data(), mpi_type(dt), comm_,
+                              &req),
+              "MPI_Iallgatherv");
+    finish(1, &req);
   }
 
   void broadcast(const at::Tensor& x, int root) override {
     if (x.numel() == 0) return;
-    mpi_check(MPI_Bcast(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), root, comm_),
-              "MPI_Bcast");
+    MPI_Request req;
+    mpi_check(MPI_Ibcast(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), root, comm_, &req),
+              "MPI_Ibcast");
+    finish(1, &req);
   }
 
   void all_to_all(const at::Tensor& out, const at::Tensor& in,
@@ -331,7 +344,9 @@ class MpiTransport final : public Transport {
     if (equal) {
       if (in_counts[0] == 0) return;
       int c = as_count(in_counts[0]);
-      mpi_check(MPI_Alltoall(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_), "MPI_Alltoall");
+      MPI_Request req;
+      mpi_check(MPI_Ialltoall(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_, &req), "MPI_Ialltoall");
+      finish(1, &req);
       return;
     }
     std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
@@ -344,9 +359,11 @@ class MpiTransport final : public Transport {
       so += in_counts[i];
       ro += out_counts[i];
     }
-    mpi_check(MPI_Alltoallv(in.data_ptr(), sc.data(), sd.data(), t, out.data_ptr(), rc.data(),
-                            rd.data(), t, comm_),
-              "MPI_Alltoallv");
+    MPI_Request req;
+    mpi_check(MPI_Ialltoallv(in.data_ptr(), sc.data(), sd.data(), t, out.data_ptr(), rc.data(), rd.data(), t, comm_,
+                             &req),
+              "MPI_Ialltoallv");
+    finish(1, &req);
   }
 
   // Point-to-point ops are posted nonblocking and polled with growing sleeps: a receive
@@ -383,6 +400,47 @@ class MpiTransport final : public Transport {
     }
   }
   static constexpr std::chrono::microseconds kFirstPollSleep{5}, kLastPollSleep{500};
+
+  // Waits for the `n` requests of the collective now running. MPI's own waits spin, and a
+  // spinning wait for a peer that is still computing takes a core from this rank's
+  // training thread (or the late peer) wherever a node has fewer cores than threads. So
+  // the requests are tested without pause only while that costs nothing or pays: for the
+  // first kSpin, while every peer has started the op (the node's progress table: the data
+  // is moving), or while a thread of this process is blocked in Work::wait (it has nothing
+  // else to run). Otherwise (a peer behind, or on another node where the table cannot
+  // see) they are tested between sleeps growing to kLastCollectiveSleep. The worker's
+  // timer slack is cut to 1 us so that those sleeps end when asked.
+  void finish(int n, MPI_Request* reqs) {
+    static thread_local const bool fine_sleeps = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
+    (void)fine_sleeps;
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    auto sleep = kFirstPollSleep;
+    for (int done = 0;;) {
+      mpi_check(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+      if (done) return;
+      const Peers p = peers_started();
+      if (p == Peers::kAll || threads_in_wait() > 0 || std::chrono::steady_clock::now() < spin_until) continue;
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, kLastCollectiveSleep);
+    }
+  }
+  enum class Peers { kAll, kBehind, kUnknown };
+  Peers peers_started() const {
+    if (collective_ == 0) return Peers::kUnknown;
+    Peers out = Peers::kAll;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const int64_t c = ProgressTable::instance().count_of(world_ranks_[r], progress_slot_, progress_tag_);
+      if (c < 0) {
+        out = Peers::kUnknown;
+      } else if (static_cast<uint64_t>(c) < collective_) {
+        return Peers::kBehind;
+      }
+    }
+    return out;
+  }
+  static constexpr std::chrono::microseconds kSpin{100}, kLastCollectiveSleep{200};
+  uint64_t collective_ = 0;  // the collective now running (set by its worker thread)
 
   // Every op posted nonblocking, then polled with growing sleeps (as barrier is).
   void batch_send_recv(const std::vector<P2POp>& ops) override {
@@ -512,7 +570,7 @@ class MpiTransport final : public Transport {
       };
       for (int64_t k = 0; k < std::min<int64_t>(kWindow, nseg); ++k) post(k);
       for (int64_t k = 0; k < nseg; ++k) {
-        mpi_check(MPI_Wait(&rreq[k % kWindow], MPI_STATUS_IGNORE), "MPI_Wait");
+        finish(1, &rreq[k % kWindow]);
         int64_t off = k * seg, cnt = std::min(seg, counts[rc] - off);
         // partial from the ranks before us, then our own contribution
         // The final sum of a large chunk goes past the caches: its lines would only be read
@@ -522,8 +580,7 @@ class MpiTransport final : public Transport {
         if (k + kWindow < nseg) post(k + kWindow);
       }
       if (!sreq.empty()) {
-        mpi_check(MPI_Waitall(static_cast<int>(sreq.size()), sreq.data(), MPI_STATUSES_IGNORE),
-                  "MPI_Waitall");
+        finish(static_cast<int>(sreq.size()), sreq.data());
       }
     }
   }

@@ -19,6 +19,11 @@
 
 namespace hp::detail {
 
+// The number of threads of this process blocked in Work::wait or wait_for (any
+// communicator). While one is, the rank's training thread is not computing: a backend may
+// spin on an op rather than leave the core.
+int threads_in_wait();
+
 class Transport {
  public:
   virtual ~Transport() = default;

@@ -92,14 +92,34 @@ bool Work::is_completed() const {
   return state_->done;
 }
 
+namespace detail {
+namespace {
+
+std::atomic<int> g_threads_in_wait{0};
+
+struct InWait {
+  InWait() { g_threads_in_wait.fetch_add(1, std::memory_order_relaxed); }
+  ~InWait() { g_threads_in_wait.fetch_sub(1, std::memory_order_relaxed); }
+  InWait(const InWait&) = delete;
+  InWait& operator=(const InWait&) = delete;
+};
+
+}  // namespace
+
+int threads_in_wait() { return g_threads_in_wait.load(std::memory_order_relaxed); }
+
+}  // namespace detail
+
 void Work::wait() const {
   if (!state_) return;
+  detail::InWait in_wait;
   detail::spin_until([&] { return state_->finished.load(); });
   detail::wait_until(*state_, nullptr);
 }
 
 bool Work::wait_for(std::chrono::milliseconds d) const {
   if (!state_) return true;
+  detail::InWait in_wait;
   auto until = detail::Clock::now() + d;
   return detail::wait_until(*state_, &until);
 }

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <string>
 #include <thread>
@@ -399,6 +400,31 @@ TEST(Communicator, CallerComputesWhileCollectiveIsInFlight) {
   work.wait();
   EXPECT_GT(done_while_pending, 0) << "no compute step finished while the op was in flight";
   EXPECT_EQ(big[777].item<float>(), float(w->size()));
+}
+
+// A rank whose collective waits for a late peer, while its training thread is not blocked
+// on it (it computes, or here sleeps), leaves the core: on a node with fewer cores than
+// threads a spinning wait would take it from the rank's own compute.
+TEST(Communicator, ACollectiveWaitingOnALatePeerLeavesTheCore) {
+  auto w = world();
+  if (w->size() == 1 || w->backend() != "mpi") GTEST_SKIP() << "the mpi backend's wait";
+  const bool late = w->rank() == w->size() - 1;
+  constexpr auto kLate = std::chrono::milliseconds(400);
+  at::Tensor in = at::full({1000}, float(w->rank())), out = at::empty({1000 * w->size()});
+  if (late) std::this_thread::sleep_for(kLate);
+  timespec c0{}, c1{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+  hp::Work work = w->all_gather(out, in);
+  if (!late) std::this_thread::sleep_for(kLate);  // not in Work::wait: the op alone may use the core
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+  work.wait();
+  const double cpu_ms = (c1.tv_sec - c0.tv_sec) * 1e3 + (c1.tv_nsec - c0.tv_nsec) * 1e-6;
+  if (!late) {
+    // Spinning uses about the whole 400 ms; polling between sleeps a few.
+    EXPECT_LT(cpu_ms, 100.0) << "the communicator's thread used " << cpu_ms << " ms of CPU in " << kLate.count()
+                             << " ms waiting for a late peer";
+  }
+  for (int r = 0; r < w->size(); ++r) EXPECT_EQ(out[r * 1000 + 999].item<float>(), float(r));
 }
 
 TEST(Communicator, SubCommunicatorFromRankList) {
