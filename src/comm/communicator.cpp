@@ -80,7 +80,11 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       }
       ws->started = true;
       ws->start = Clock::now();
-      if (ws->op != "send" && ws->op != "recv" && ws->op != "batch_send_recv") ws->collective = ++cs->collectives_started;
+      // Counted: the ops every rank of the communicator runs. Point-to-point ops, and
+      // new_group (only the listed ranks call it), are not.
+      if (ws->op != "send" && ws->op != "recv" && ws->op != "batch_send_recv" && ws->op != "new_group") {
+        ws->collective = ++cs->collectives_started;
+      }
       cs->running = ws;
     }
     if (ws->collective > 0) cs->transport->note_started(ws->collective);

@@ -11,8 +11,8 @@
 // (chunk c is accumulated from rank c+1 around to rank c), so its all_reduce (ring
 // reduce-scatter + MPI_Allgatherv) is bitwise identical on every rank. OpenMPI's
 // MPI_Reduce_scatter_block is not used: measured 3x slower here (BENCHMARKS.md).
-// Every collective but MPI's all-reduce is posted nonblocking and waited for by finish(),
-// which spins only while that takes no core from the rank's compute (see there).
+// MPI's blocking calls spin. Each collective first waits, without spinning, until its
+// peers on this node have started it (await_peers), so that a late peer costs no core.
 #include "hp/config.h"
 
 #include "hp/comm/communicator.h"
@@ -166,6 +166,7 @@ class ProgressTable {
     }
     ok = MPI_Barrier(t.node_) == MPI_SUCCESS && ok;  // every row zeroed before anyone registers
     t.on_ = ok && t.me_ < static_cast<int>(t.rows_.size()) && t.rows_[t.me_] != nullptr;
+    t.ranks_share_cores_ = ok && node_size > static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   }
   // Collective again: at shutdown, before MPI_Finalize.
   static void destroy() {
@@ -198,6 +199,8 @@ class ProgressTable {
   void started(int slot, uint64_t collective) {
     if (on_) __atomic_store_n(&rows_[me_][slot].count, collective, __ATOMIC_RELEASE);
   }
+  // More ranks on this node than it has cores.
+  bool ranks_share_cores() const { return ranks_share_cores_; }
   // The count world rank `w` reached in `slot`, or -1 when not visible.
   int64_t count_of(int w, int slot, uint64_t tag) const {
     if (!on_ || w < 0 || w >= static_cast<int>(rows_.size()) || rows_[w] == nullptr) return -1;
@@ -207,6 +210,7 @@ class ProgressTable {
 
  private:
   bool on_ = false;
+  bool ranks_share_cores_ = false;
   int me_ = 0;
   MPI_Comm node_ = MPI_COMM_NULL;
   MPI_Win win_ = MPI_WIN_NULL;
@@ -277,13 +281,13 @@ class MpiTransport final : public Transport {
     if (in.numel() == 0) return;
     MPI_Datatype t = mpi_type(in.scalar_type());
     int c = as_count(in.numel());
-    MPI_Request req;
-    mpi_check(MPI_Iallgather(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_, &req), "MPI_Iallgather");
-    finish(1, &req);
+    await_peers();
+    mpi_check(MPI_Allgather(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_), "MPI_Allgather");
   }
 
   void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
     if (out.numel() == 0) return;
+    await_peers();
     std::vector<int64_t> counts(size_, out.numel()), displs(size_);
     for (int i = 0; i < size_; ++i) displs[i] = i * out.numel();
     ring_reduce_scatter(static_cast<const char*>(in.data_ptr()),
@@ -293,13 +297,13 @@ class MpiTransport final : public Transport {
 
   void all_reduce(const at::Tensor& x, ReduceOp op) override {
     if (x.numel() == 0 || size_ == 1) return;
+    await_peers();
     at::ScalarType dt = x.scalar_type();
     const int64_t ring_from = size_ == 2 ? kHalfRingAllReduceBytesTwoRanks : kHalfRingAllReduceBytes;
     if (reduced_by_mpi(dt) || static_cast<int64_t>(x.nbytes()) < ring_from) {
       MPI_Op mop = reduced_by_mpi(dt) ? mpi_op(op, dt) : half_mpi_op(dt, op);
-      // Blocking, so spinning: OpenMPI's nonblocking all-reduce measured 0.46x of this call
-      // from 1 MiB (comm_bench, 2 ranks).
-      mpi_check(MPI_Allreduce(MPI_IN_PLACE, x.data_ptr(), as_count(x.numel()), mpi_type(dt), mop, comm_),
+      mpi_check(MPI_Allreduce(MPI_IN_PLACE, x.data_ptr(), as_count(x.numel()), mpi_type(dt), mop,
+                              comm_),
                 "MPI_Allreduce");
       return;
     }
@@ -319,24 +323,22 @@ class MpiTransport final : public Transport {
       ic[i] = as_count(counts[i]);
       id[i] = as_count(displs[i]);
     }
-    MPI_Request req;
-    mpi_check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, ic.data(), id.data(), mpi_type(dt), comm_,
-                              &req),
-              "MPI_Iallgatherv");
-    finish(1, &req);
+    mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, ic.data(), id.data(),
+                             mpi_type(dt), comm_),
+              "MPI_Allgatherv");
   }
 
   void broadcast(const at::Tensor& x, int root) override {
     if (x.numel() == 0) return;
-    MPI_Request req;
-    mpi_check(MPI_Ibcast(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), root, comm_, &req),
-              "MPI_Ibcast");
-    finish(1, &req);
+    await_peers();
+    mpi_check(MPI_Bcast(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), root, comm_),
+              "MPI_Bcast");
   }
 
   void all_to_all(const at::Tensor& out, const at::Tensor& in,
                   const std::vector<int64_t>& out_counts,
                   const std::vector<int64_t>& in_counts) override {
+    await_peers();
     MPI_Datatype t = mpi_type(in.scalar_type());
     bool equal = std::all_of(in_counts.begin(), in_counts.end(),
                              [&](int64_t c) { return c == in_counts[0]; }) &&
@@ -344,9 +346,7 @@ class MpiTransport final : public Transport {
     if (equal) {
       if (in_counts[0] == 0) return;
       int c = as_count(in_counts[0]);
-      MPI_Request req;
-      mpi_check(MPI_Ialltoall(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_, &req), "MPI_Ialltoall");
-      finish(1, &req);
+      mpi_check(MPI_Alltoall(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_), "MPI_Alltoall");
       return;
     }
     std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
@@ -359,11 +359,9 @@ class MpiTransport final : public Transport {
       so += in_counts[i];
       ro += out_counts[i];
     }
-    MPI_Request req;
-    mpi_check(MPI_Ialltoallv(in.data_ptr(), sc.data(), sd.data(), t, out.data_ptr(), rc.data(), rd.data(), t, comm_,
-                             &req),
-              "MPI_Ialltoallv");
-    finish(1, &req);
+    mpi_check(MPI_Alltoallv(in.data_ptr(), sc.data(), sd.data(), t, out.data_ptr(), rc.data(),
+                            rd.data(), t, comm_),
+              "MPI_Alltoallv");
   }
 
   // Point-to-point ops are posted nonblocking and polled with growing sleeps: a receive
@@ -401,45 +399,42 @@ class MpiTransport final : public Transport {
   }
   static constexpr std::chrono::microseconds kFirstPollSleep{5}, kLastPollSleep{500};
 
-  // Waits for the `n` requests of the collective now running. MPI's own waits spin, and a
-  // spinning wait for a peer that is still computing takes a core from this rank's
-  // training thread (or the late peer) wherever a node has fewer cores than threads. So
-  // the requests are tested without pause only while that costs nothing or pays: for the
-  // first kSpin, while every peer has started the op (the node's progress table: the data
-  // is moving), or while a thread of this process is blocked in Work::wait (it has nothing
-  // else to run). Otherwise (a peer behind, or on another node where the table cannot
-  // see) they are tested between sleeps growing to kLastCollectiveSleep. The worker's
-  // timer slack is cut to 1 us so that those sleeps end when asked.
-  void finish(int n, MPI_Request* reqs) {
+  // Returns once every peer on this node has started the collective now running, per the
+  // node's progress table; at once for a peer the table cannot see (on another node).
+  // MPI's blocking calls spin, and a worker spinning on a peer that is still computing
+  // takes a core from this rank's training thread, or from that peer, wherever a node has
+  // fewer cores than threads. So the table is checked without pause only for the first
+  // kSpin or while a thread of this process is blocked in Work::wait (the rank has nothing
+  // else to run), otherwise between sleeps growing to kLastAwaitSleep; the worker's timer
+  // slack is cut to 1 us so that those sleeps end when asked. The call that follows spins
+  // only while the data moves. This relies on every rank of a communicator counting the
+  // same collectives (the worker does not count new_group, which only its members call).
+  void await_peers() const {
     static thread_local const bool fine_sleeps = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
     (void)fine_sleeps;
+    // More ranks than cores: MPI's own wait (OpenMPI yields in it on such a node) does
+    // better than sleeping, which adds its wake-up to every op a peer is late for.
+    if (ProgressTable::instance().ranks_share_cores()) return;
     const auto spin_until = std::chrono::steady_clock::now() + kSpin;
     auto sleep = kFirstPollSleep;
-    for (int done = 0;;) {
-      mpi_check(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
-      if (done) return;
-      const Peers p = peers_started();
-      if (p == Peers::kAll || threads_in_wait() > 0 || std::chrono::steady_clock::now() < spin_until) continue;
+    while (peer_behind()) {
+      // An abandoned op (it timed out) waits here for good, sleeping, rather than spin.
+      if (!abandoned_ && (threads_in_wait() > 0 || std::chrono::steady_clock::now() < spin_until)) continue;
       std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, kLastCollectiveSleep);
+      sleep = std::min(sleep * 2, kLastAwaitSleep);
     }
   }
-  enum class Peers { kAll, kBehind, kUnknown };
-  Peers peers_started() const {
-    if (collective_ == 0) return Peers::kUnknown;
-    Peers out = Peers::kAll;
+  // Whether a peer on this node is seen not to have started the collective now running.
+  bool peer_behind() const {
+    if (collective_ == 0) return false;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       const int64_t c = ProgressTable::instance().count_of(world_ranks_[r], progress_slot_, progress_tag_);
-      if (c < 0) {
-        out = Peers::kUnknown;
-      } else if (static_cast<uint64_t>(c) < collective_) {
-        return Peers::kBehind;
-      }
+      if (c >= 0 && static_cast<uint64_t>(c) < collective_) return true;
     }
-    return out;
+    return false;
   }
-  static constexpr std::chrono::microseconds kSpin{100}, kLastCollectiveSleep{200};
+  static constexpr std::chrono::microseconds kSpin{100}, kLastAwaitSleep{200};
   uint64_t collective_ = 0;  // the collective now running (set by its worker thread)
 
   // Every op posted nonblocking, then polled with growing sleeps (as barrier is).
@@ -570,7 +565,7 @@ class MpiTransport final : public Transport {
       };
       for (int64_t k = 0; k < std::min<int64_t>(kWindow, nseg); ++k) post(k);
       for (int64_t k = 0; k < nseg; ++k) {
-        finish(1, &rreq[k % kWindow]);
+        mpi_check(MPI_Wait(&rreq[k % kWindow], MPI_STATUS_IGNORE), "MPI_Wait");
         int64_t off = k * seg, cnt = std::min(seg, counts[rc] - off);
         // partial from the ranks before us, then our own contribution
         // The final sum of a large chunk goes past the caches: its lines would only be read
@@ -580,7 +575,8 @@ class MpiTransport final : public Transport {
         if (k + kWindow < nseg) post(k + kWindow);
       }
       if (!sreq.empty()) {
-        finish(static_cast<int>(sreq.size()), sreq.data());
+        mpi_check(MPI_Waitall(static_cast<int>(sreq.size()), sreq.data(), MPI_STATUSES_IGNORE),
+                  "MPI_Waitall");
       }
     }
   }

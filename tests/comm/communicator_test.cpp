@@ -408,6 +408,9 @@ TEST(Communicator, CallerComputesWhileCollectiveIsInFlight) {
 TEST(Communicator, ACollectiveWaitingOnALatePeerLeavesTheCore) {
   auto w = world();
   if (w->size() == 1 || w->backend() != "mpi") GTEST_SKIP() << "the mpi backend's wait";
+  if (hp::local_world_size() > static_cast<int>(std::thread::hardware_concurrency())) {
+    GTEST_SKIP() << "more ranks than cores: MPI's own (yielding) wait is kept there";
+  }
   const bool late = w->rank() == w->size() - 1;
   constexpr auto kLate = std::chrono::milliseconds(400);
   at::Tensor in = at::full({1000}, float(w->rank())), out = at::empty({1000 * w->size()});

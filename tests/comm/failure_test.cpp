@@ -58,6 +58,48 @@ TEST(Failure, WithheldCollectiveTimesOutOnPeers) {
   w->barrier().wait();
 }
 
+// new_group is called by the listed ranks only, so it must not count among the parent's
+// collectives: if it did, a member would be one collective ahead of the others in the
+// node's progress table, name a rank that did start an op as behind it, and (since the
+// mpi backend waits for its peers to start each op) wait for that rank for good.
+TEST(Failure, ANewGroupOfSomeRanksLeavesTheParentsCountsInStep) {
+  auto w = hp::world();
+  const int n = w->size(), r = w->rank();
+  if (n < 3) GTEST_SKIP() << "needs a rank outside the new group";
+  const auto timeout = std::chrono::milliseconds(1500);
+  hp::CommPtr g = w->split(0, r, {timeout, "parent"});
+  if (r < 2) {
+    hp::CommPtr pair = g->new_group({0, 1});
+    at::Tensor one = at::ones({4});
+    pair->all_reduce(one).wait();
+    EXPECT_EQ(one[0].item<float>(), 2.0f);
+  }
+  // Every rank: the parent still pairs its collectives.
+  at::Tensor x = at::full({1000}, float(r));
+  g->all_reduce(x).wait();
+  EXPECT_EQ(x[7].item<float>(), float(n * (n - 1) / 2));
+  // Rank 0 withholds the next one: the others time out, naming rank 0 alone.
+  const int late = 0;
+  at::Tensor y = at::ones({1000});
+  if (r != late) {
+    hp::Work work = g->all_reduce(y);
+    try {
+      work.wait();
+      ADD_FAILURE() << "all_reduce completed although rank " << late << " never joined";
+    } catch (const hp::TimeoutError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 0 of group 'parent' never started it"), std::string::npos) << what;
+    }
+  }
+  w->barrier().wait();
+  if (r == late) {
+    // Joining late lets the peers' stuck call finish, so the processes can exit cleanly.
+    g->all_reduce(y).wait();
+    EXPECT_EQ(y[0].item<float>(), float(n));
+  }
+  w->barrier().wait();
+}
+
 TEST(Failure, MismatchedCollectiveRaisesInsteadOfHanging) {
   auto w = hp::world();
   const int n = w->size(), r = w->rank();
