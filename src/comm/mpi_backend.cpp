@@ -412,8 +412,9 @@ class MpiTransport final : public Transport {
   void await_peers() const {
     static thread_local const bool fine_sleeps = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
     (void)fine_sleeps;
-    // More ranks than cores: MPI's own wait (OpenMPI yields in it on such a node) does
-    // better than sleeping, which adds its wake-up to every op a peer is late for.
+    // More ranks than cores: left to MPI's own wait, as before (OpenMPI yields in it on
+    // such a node). A spin on the table there took the late peer's core, and sleeping on
+    // it showed no gain (BENCHMARKS.md).
     if (ProgressTable::instance().ranks_share_cores()) return;
     const auto spin_until = std::chrono::steady_clock::now() + kSpin;
     auto sleep = kFirstPollSleep;
