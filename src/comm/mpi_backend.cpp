@@ -427,13 +427,8 @@ class MpiTransport final : public Transport {
   }
   // Whether a peer on this node is seen not to have started the collective now running.
   bool peer_behind() const {
-    if (collective_ == 0) return false;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      const int64_t c = ProgressTable::instance().count_of(world_ranks_[r], progress_slot_, progress_tag_);
-      if (c >= 0 && static_cast<uint64_t>(c) < collective_) return true;
-    }
-    return false;
+    int unknown = 0;
+    return collective_ > 0 && !behind(collective_, &unknown).empty();
   }
   static constexpr std::chrono::microseconds kSpin{100}, kLastAwaitSleep{200};
   uint64_t collective_ = 0;  // the collective now running (set by its worker thread)
