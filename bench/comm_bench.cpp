@@ -8,6 +8,10 @@
 // output, reduce_scatter input, all_reduce buffer). Raw MPI has no bf16 type: bf16 rows
 // compare with the fp32 raw call moving the same number of bytes.
 //
+// Then ping_pong (fp32): rank 0 sends to rank 1 and waits for it to send the same bytes
+// back, against MPI_Send / MPI_Recv; the time is one round trip (the latency a pipeline's
+// receive waits), busbw the bytes both ways over it.
+//
 //   mpirun -np 2 build/comm_bench [--min 4096] [--max 67108864] [--rounds 5] [--json out.json]
 #include <ATen/ATen.h>
 #include <mpi.h>
@@ -19,6 +23,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_util.h"
@@ -38,6 +43,23 @@ double time_calls(const std::function<void()>& fn, int k) {
   double t = (now_s() - t0) / k;
   MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return t;
+}
+
+// Seconds per call of hp_fn and of raw_fn: warmed up, batched so that one measurement
+// takes about 30 ms, timed in `rounds` interleaved rounds; the medians.
+std::pair<double, double> time_interleaved(const std::function<void()>& hp_fn, const std::function<void()>& raw_fn,
+                                           int rounds) {
+  hp_fn();
+  raw_fn();
+  double est = std::max(time_calls(hp_fn, 1), time_calls(raw_fn, 1));
+  int k = static_cast<int>(std::clamp(0.03 / std::max(est, 1e-7), 1.0, 500.0));
+  MPI_Bcast(&k, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::vector<double> th, tr;
+  for (int round = 0; round < rounds; ++round) {
+    th.push_back(time_calls(hp_fn, k));
+    tr.push_back(time_calls(raw_fn, k));
+  }
+  return {hp::bench::median(th), hp::bench::median(tr)};
 }
 
 struct Row {
@@ -122,18 +144,8 @@ int main(int argc, char** argv) {
                           MPI_COMM_WORLD);
           };
         }
-        // Warm up and size the batch so that one measurement takes ~30 ms.
-        hp_fn();
-        raw_fn();
-        double est = std::max(time_calls(hp_fn, 1), time_calls(raw_fn, 1));
-        int k = static_cast<int>(std::clamp(0.03 / std::max(est, 1e-7), 1.0, 500.0));
-        MPI_Bcast(&k, 1, MPI_INT, 0, MPI_COMM_WORLD);
-        std::vector<double> th, tr;
-        for (int round = 0; round < rounds; ++round) {
-          th.push_back(time_calls(hp_fn, k));
-          tr.push_back(time_calls(raw_fn, k));
-        }
-        Row row{opname, dt == at::kFloat ? "fp32" : "bf16", real_bytes, hp::bench::median(th), hp::bench::median(tr), 0, 0};
+        auto [hp_s, raw_s] = time_interleaved(hp_fn, raw_fn, rounds);
+        Row row{opname, dt == at::kFloat ? "fp32" : "bf16", real_bytes, hp_s, raw_s, 0, 0};
         row.hp_busbw = real_bytes / row.hp_s * factor / 1e9;
         row.raw_busbw = real_bytes / row.raw_s * factor / 1e9;
         if (r == 0) {
@@ -145,6 +157,41 @@ int main(int argc, char** argv) {
         rows.push_back(row);
       }
     }
+  }
+  // Round trips between ranks 0 and 1 (the others wait at the timing's barriers).
+  for (int64_t bytes = min_bytes; bytes <= max_bytes && n >= 2; bytes *= 4) {
+    const int64_t numel = std::max<int64_t>(1, bytes / 4), real_bytes = numel * 4;
+    at::Tensor x = at::randn({numel});
+    std::function<void()> hp_fn = [&] {
+      if (r == 0) {
+        world->send(x, 1).wait();
+        world->recv(x, 1).wait();
+      } else if (r == 1) {
+        world->recv(x, 0).wait();
+        world->send(x, 0).wait();
+      }
+    };
+    std::function<void()> raw_fn = [&] {
+      const int c = static_cast<int>(numel);
+      if (r == 0) {
+        MPI_Send(x.data_ptr(), c, MPI_FLOAT, 1, 7, MPI_COMM_WORLD);
+        MPI_Recv(x.data_ptr(), c, MPI_FLOAT, 1, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      } else if (r == 1) {
+        MPI_Recv(x.data_ptr(), c, MPI_FLOAT, 0, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        MPI_Send(x.data_ptr(), c, MPI_FLOAT, 0, 7, MPI_COMM_WORLD);
+      }
+    };
+    auto [hp_s, raw_s] = time_interleaved(hp_fn, raw_fn, rounds);
+    Row row{"ping_pong", "fp32", real_bytes, hp_s, raw_s, 0, 0};
+    row.hp_busbw = 2.0 * real_bytes / row.hp_s / 1e9;
+    row.raw_busbw = 2.0 * real_bytes / row.raw_s / 1e9;
+    if (r == 0) {
+      std::printf("%-15s %-5s %10lld %11.1f %11.1f %9.2f GB/s %7.2f GB/s %7.2fx\n", "ping_pong", "fp32",
+                  static_cast<long long>(real_bytes), row.hp_s * 1e6, row.raw_s * 1e6, row.hp_busbw, row.raw_busbw,
+                  row.raw_s / row.hp_s);
+      std::fflush(stdout);
+    }
+    rows.push_back(row);
   }
   if (r == 0) {
     // reduce_scatter against hp's own all_gather at the same size and dtype

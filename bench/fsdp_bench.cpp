@@ -10,7 +10,8 @@
 //                                             (HP_BENCH_WAITS=1: where the last overlapped
 //                                             step waited; with HP_BENCH_DUMP=1 too, every
 //                                             span of it from 0.3 ms, comm ops with their
-//                                             modelled and real durations)
+//                                             modelled and real durations; HP_BENCH_RANK=r:
+//                                             rank r's instead of rank 0's)
 //   mpirun -np N build/fsdp_bench peer BxT [steps]
 //                                             median step and peak memory, one JSON line
 //                                             (bench/peers.sh sets it beside PyTorch's)
@@ -182,8 +183,8 @@ int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds)
           if (e.cat == "comm" && k != std::string::npos) modelled += std::stod(e.args.substr(k + 11)) * 1e-6;
         }
         if (r < 0) continue;  // warm-up round
-        if (on && r == rounds - 1 && w->rank() == 0 && std::getenv("HP_BENCH_WAITS")) {
-          // Where the last overlapped step waited (rank 0), in order: what is exposed.
+        if (on && r == rounds - 1 && w->rank() == hp::bench::env_int("HP_BENCH_RANK", 0) && std::getenv("HP_BENCH_WAITS")) {
+          // Where the last overlapped step waited (one rank), in order: what is exposed.
           int64_t t0_us = INT64_MAX;
           for (const auto& e : hp::trace::events()) t0_us = std::min(t0_us, e.ts_us);
           for (const auto& e : hp::trace::events()) {

@@ -364,9 +364,9 @@ class MpiTransport final : public Transport {
               "MPI_Alltoallv");
   }
 
-  // Point-to-point ops are posted nonblocking and polled with growing sleeps: a receive
-  // posted early (a pipeline's) waits on the communicator's thread without spinning on the
-  // core the rank computes on, as MPI_Recv would.
+  // Point-to-point ops are posted nonblocking and polled (poll_until): a receive posted
+  // early (a pipeline's) waits on the communicator's thread without spinning on the core
+  // the rank computes on, as MPI_Recv would.
   void send(const at::Tensor& x, int dst, int tag) override {
     MPI_Request req;
     mpi_check(MPI_Isend(x.data_ptr(), as_count(x.numel()), mpi_type(x.scalar_type()), dst, tag, comm_, &req),
@@ -386,13 +386,37 @@ class MpiTransport final : public Transport {
              " but the receive tensor has ", x.numel());
   }
 
-  // Polls `req` until it completes, sleeping between tests (growing from kFirstPollSleep
-  // to kLastPollSleep).
-  static void poll(MPI_Request* req, MPI_Status* st) {
-    auto sleep = kFirstPollSleep;
-    for (int done = 0;;) {
+  // Cuts this thread's timer slack to 1 us (once), so that its short sleeps end when asked
+  // rather than up to 50 us later.
+  static void fine_sleeps() {
+    static thread_local const bool done = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
+    (void)done;
+  }
+  // Polls `req` until it completes (poll_until).
+  void poll(MPI_Request* req, MPI_Status* st) const {
+    poll_until([&] {
+      int done = 0;
       mpi_check(MPI_Test(req, &done, st ? st : MPI_STATUS_IGNORE), "MPI_Test");
-      if (done) return;
+      return done != 0;
+    });
+  }
+  // Calls `done` until it returns true. Between calls it sleeps (growing from
+  // kFirstPollSleep to kLastPollSleep), except while a thread of this process is blocked in
+  // Work::wait on a node with a core per rank: the rank then has nothing else to run, and a
+  // sleep would only add to the waiter's latency (up to kLastPollSleep per receive of a
+  // pipeline schedule). Where ranks outnumber cores it always sleeps: a test without pause
+  // would take the core of a rank that computes; and so does an op abandoned after a
+  // timeout, for good.
+  template <typename Done>
+  void poll_until(Done done) const {
+    fine_sleeps();
+    const bool may_spin = !ProgressTable::instance().ranks_share_cores();
+    auto sleep = kFirstPollSleep;
+    while (!done()) {
+      if (may_spin && !abandoned_ && threads_in_wait() > 0) {
+        sleep = kFirstPollSleep;
+        continue;
+      }
       std::this_thread::sleep_for(sleep);
       sleep = std::min(sleep * 2, kLastPollSleep);
     }
@@ -410,8 +434,7 @@ class MpiTransport final : public Transport {
   // only while the data moves. This relies on every rank of a communicator counting the
   // same collectives (the worker does not count new_group, which only its members call).
   void await_peers() const {
-    static thread_local const bool fine_sleeps = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
-    (void)fine_sleeps;
+    fine_sleeps();
     // More ranks than cores: left to MPI's own wait, as before (OpenMPI yields in it on
     // such a node). A spin on the table there took the late peer's core, and sleeping on
     // it showed no gain (BENCHMARKS.md).
@@ -433,7 +456,7 @@ class MpiTransport final : public Transport {
   static constexpr std::chrono::microseconds kSpin{100}, kLastAwaitSleep{200};
   uint64_t collective_ = 0;  // the collective now running (set by its worker thread)
 
-  // Every op posted nonblocking, then polled with growing sleeps (as barrier is).
+  // Every op posted nonblocking, then polled as send and recv are.
   void batch_send_recv(const std::vector<P2POp>& ops) override {
     std::vector<MPI_Request> reqs(ops.size(), MPI_REQUEST_NULL);
     for (size_t i = 0; i < ops.size(); ++i) {
@@ -448,13 +471,11 @@ class MpiTransport final : public Transport {
       }
     }
     std::vector<MPI_Status> st(ops.size());
-    auto sleep = kFirstPollSleep;
-    for (int done = 0;;) {
+    poll_until([&] {
+      int done = 0;
       mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, st.data()), "MPI_Testall");
-      if (done) break;
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, kLastPollSleep);
-    }
+      return done != 0;
+    });
     for (size_t i = 0; i < ops.size(); ++i) {
       if (ops[i].kind != P2POp::kRecv) continue;
       int got = 0;
