@@ -6,7 +6,10 @@
 //                                             fraction of the step a rank waits on
 //                                             communication (trace "wait" spans) with overlap
 //                                             on and off, alternating step by step, at
-//                                             compute-heavy to communication-bound batches
+//                                             compute-heavy to communication-bound batches,
+//                                             each block prefetching the next, with
+//                                             wait_per_submodule (HP_BENCH_WAIT_PER_SUBMODULE=0:
+//                                             without)
 //                                             (HP_BENCH_WAITS=1: where the last overlapped
 //                                             step waited; with HP_BENCH_DUMP=1 too, every
 //                                             span of it from 0.3 ms, comm ops with their
@@ -74,13 +77,16 @@ struct Trainer {
   TinyModel model{nullptr};
   std::vector<hp::FSDPHandle> handles;
   std::unique_ptr<torch::optim::AdamW> opt;
-  Trainer(const TinyConfig& c, bool sharded, bool prefetch) : cfg(c) {
+  // prefetch: each block prefetches the next in forward; per_submodule: wait_per_submodule.
+  Trainer(const TinyConfig& c, bool sharded, bool prefetch, bool per_submodule = false) : cfg(c) {
     torch::manual_seed(0);
     model = TinyModel(c);
     std::vector<at::Tensor> params;
     if (sharded) {
-      for (auto& b : model->blocks) handles.push_back(hp::fully_shard(*b));
-      handles.push_back(hp::fully_shard(*model));
+      hp::FullyShardOptions o;
+      o.wait_per_submodule = per_submodule;
+      for (auto& b : model->blocks) handles.push_back(hp::fully_shard(*b, o));
+      handles.push_back(hp::fully_shard(*model, o));
       if (prefetch) {
         for (size_t i = 0; i + 1 < model->blocks.size(); ++i) handles[i]->set_modules_to_forward_prefetch({handles[i + 1]});
       }
@@ -160,8 +166,10 @@ int overlap(const std::vector<std::pair<int64_t, int64_t>>& batches, int rounds)
                 hp::spare_core_per_rank() ? "yes" : "no", std::getenv("HP_SIM_NET") && *std::getenv("HP_SIM_NET") ? std::getenv("HP_SIM_NET") : "none");
   }
   TinyConfig c = model_config();
+  const bool per_submodule = hp::bench::env_int("HP_BENCH_WAIT_PER_SUBMODULE", 1) != 0;
+  if (w->rank() == 0) std::printf("wait_per_submodule: %s\n", per_submodule ? "on" : "off");
   for (auto [batch, tokens] : batches) {
-    Trainer t(c, true, /*prefetch=*/true);
+    Trainer t(c, true, /*prefetch=*/true, per_submodule);
     auto [xf, yf] = data(c, batch);
     at::Tensor x = xf.narrow(1, 0, tokens), y = yf.narrow(1, 0, tokens);
     hp::trace::enable("/tmp/hp_fsdp_bench_trace");

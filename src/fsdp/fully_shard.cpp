@@ -77,6 +77,43 @@ void translate_unallocated(torch::nn::Module& failing, const std::exception& e) 
   }
 }
 
+// wait_per_submodule: the submodule owning each parameter that needs a gradient (-1 when
+// several share it, or the module itself owns it), and a pre-forward hook on each such
+// submodule that waits for its parameters' all-gathers. Held weakly: the hooks live as
+// long as the submodules.
+void watch_submodules(const FSDPHandle& handle) {
+  detail::GroupState& s = detail::FsdpAccess::state(*handle);
+  std::map<const c10::TensorImpl*, size_t> index;
+  for (size_t i = 0; i < s.params.size(); ++i) index[s.params[i].param.tensor().unsafeGetTensorImpl()] = i;
+  std::vector<int> owners(s.params.size(), 0);  // how many submodules register each parameter
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> subs;
+  for (const auto& item : s.module->named_modules("", /*include_self=*/false)) subs.emplace_back(item.key(), item.value());
+  for (const auto& [name, sub] : subs) {
+    for (const auto& t : sub->parameters(/*recurse=*/false)) {
+      auto it = index.find(t.unsafeGetTensorImpl());
+      if (it != index.end()) ++owners[it->second];
+    }
+  }
+  std::weak_ptr<FSDPModule> weak = handle;
+  for (const auto& [name, sub] : subs) {
+    const int k = static_cast<int>(s.submodules.size());
+    bool any = false;
+    for (const auto& t : sub->parameters(/*recurse=*/false)) {
+      auto it = index.find(t.unsafeGetTensorImpl());
+      if (it == index.end() || owners[it->second] != 1 || !s.params[it->second].requires_grad) continue;
+      s.params[it->second].submodule = k;
+      any = true;
+    }
+    if (!any) continue;
+    s.submodules.push_back(name);
+    ForwardHooks h;
+    h.pre = [weak, k](torch::nn::Module&) {
+      if (auto hd = weak.lock()) detail::FsdpAccess::state(*hd).finish_submodule(k);
+    };
+    register_forward_hooks(*sub, std::move(h));
+  }
+}
+
 // "ClassName (fully_shard #k)": k counts fully_shard calls, so equal blocks differ in
 // errors and traces.
 std::string describe(const torch::nn::Module& m) {
@@ -167,6 +204,9 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   HP_CHECK(o.reshard_after_forward_group_size == 0 || o.reshard_after_forward, "fully_shard(", label,
            "): reshard_after_forward_group_size=", o.reshard_after_forward_group_size,
            " with reshard_after_forward=false: the group size says how to reshard after forward, so it needs true");
+  HP_CHECK(!(o.wait_per_submodule && o.comm_fusion), "fully_shard(", label,
+           "): wait_per_submodule with comm_fusion is not supported yet (comm_fusion gathers the module's ",
+           "parameters in one op, so there is nothing to wait for per submodule): set one of them false");
   auto st = std::make_unique<detail::GroupState>();
   st->module = &module;
   try {
@@ -340,6 +380,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     }
     g_handles[&module] = handle;
   }
+  if (o.wait_per_submodule) watch_submodules(handle);
   ForwardHooks hooks;
   hooks.pre = [handle](torch::nn::Module&) { handle->state().pre_forward(); };
   if (s->dt.input) {

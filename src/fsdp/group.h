@@ -92,6 +92,12 @@ struct FSDPModule::State {
   void check_enter(detail::TrainingState to) const;
 
   std::vector<Work> ag_works;
+  // wait_per_submodule: the pending gather is a forward's, one op per parameter
+  // (ag_works[i] for params[i]), each waited for when needed (ParamInfo::gather_pending);
+  // the submodules that own parameters, by name, each with a pre-forward hook calling
+  // finish_submodule.
+  bool lazy_gather = false;
+  std::vector<std::string> submodules;
   detail::OwnedBuffer ag_in, ag_out;
   // reshard_after_forward_group_size k > 1: after forward this rank keeps 1/k of each
   // unsharded (padded) parameter, in the all-gather dtype, for the group of k consecutive
@@ -136,6 +142,12 @@ struct FSDPModule::State {
   // the same communicator; its ops allocate their outputs as they start (comm_context.h).
   void begin_unshard(bool backward = false, bool behind_reductions = false);
   void finish_unshard();
+  // wait_per_submodule: waits for parameter i's all-gather (raising hp::Error, after the
+  // wait, if the parameter was read before it); for those of submodule k (its pre-forward
+  // hook). read_before_gather names the parameters still pending that were read.
+  void finish_param(size_t i);
+  void finish_submodule(int k);
+  std::string read_before_gather() const;
   void do_reshard();
   void reshard_to_group();
   // The reshard a forward asked for: to the post-forward group when a backward follows,

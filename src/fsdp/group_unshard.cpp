@@ -67,6 +67,7 @@ void FSDPModule::State::begin_unshard(bool backward, bool behind_reductions) {
   const int64_t es = c10::elementSize(cd);
   ag_works.clear();
   post_gather_fused = false;
+  lazy_gather = false;
   if (storage == ShardState::kPostForwardShare) {
     // From the post-forward shards, over the smaller group. The ops own the buffer now
     // (views of it when per parameter) and free it as they complete.
@@ -110,7 +111,13 @@ void FSDPModule::State::begin_unshard(bool backward, bool behind_reductions) {
         },
         ag_in.tensor());
   } else {
+    // A forward's gather under wait_per_submodule: each parameter is waited for when its
+    // submodule is called (finish_param); the edges into its gradient accumulator now tell
+    // a read before that.
+    lazy_gather = opts.wait_per_submodule && !backward && !behind_reductions && at::GradMode::is_enabled();
     for (auto& p : params) {
+      p.gather_pending = lazy_gather;
+      p.uses_at_gather = p.accumulator ? p.accumulator.use_count() : 0;
       at::Tensor in = p.padded.tensor().view(-1);
       if (in.scalar_type() != cd) in = in.to(cd);
       const detail::UnshardedParam* param = &p.param;
@@ -132,6 +139,40 @@ void FSDPModule::State::drop_post_forward_share() {
   move_to(ShardState::kSharded);
 }
 
+// A parameter whose gather is pending is read before its wait when an autograd edge into
+// its gradient accumulator appeared since the gather was issued.
+std::string FSDPModule::State::read_before_gather() const {
+  std::string names;
+  for (const auto& p : params) {
+    if (!p.gather_pending || !p.accumulator || p.accumulator.use_count() <= p.uses_at_gather) continue;
+    names += detail::str_cat(names.empty() ? "" : ", ", "'", p.name, "' (submodule ",
+                             p.submodule < 0 ? std::string("-") : submodules[static_cast<size_t>(p.submodule)], ")");
+  }
+  return names;
+}
+
+void FSDPModule::State::finish_param(size_t i) {
+  detail::ParamInfo& p = params[i];
+  if (!gathering() || !lazy_gather || !p.gather_pending) return;
+  const bool read = p.accumulator && p.accumulator.use_count() > p.uses_at_gather;
+  {
+    trace::Span wait("wait all_gather " + label + " " + p.name, "wait");
+    ag_works[i].wait();
+  }
+  p.gather_pending = false;
+  HP_CHECK(!read, "fully_shard(", label, ") with wait_per_submodule: parameter '", p.name,
+           "' was read before its submodule ", submodules[static_cast<size_t>(p.submodule)],
+           " was called through hp::call, while its all-gather was in flight; use a submodule's parameters only in ",
+           "or after hp::call(submodule, inputs...), or set wait_per_submodule false");
+}
+
+void FSDPModule::State::finish_submodule(int k) {
+  if (!gathering() || !lazy_gather) return;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].submodule == k) finish_param(i);
+  }
+}
+
 void FSDPModule::State::finish_unshard() {
   if (!gathering()) return;
   {
@@ -139,6 +180,10 @@ void FSDPModule::State::finish_unshard() {
     for (auto& w : ag_works) w.wait();
   }
   ag_works.clear();
+  if (lazy_gather) {
+    for (auto& p : params) p.gather_pending = false;
+    lazy_gather = false;
+  }
   trace::Span copy("copy out all_gather " + label, "fsdp");
   if (post_gather_fused) {
     const int64_t g = post_group->size();

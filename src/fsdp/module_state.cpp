@@ -4,7 +4,9 @@
 //
 // Per module (one parameter group):
 //   forward   pre hook: all-gather (unless already unsharded or prefetched); explicit
-//             forward prefetch of the listed modules. post hook: reshard if configured,
+//             forward prefetch of the listed modules. With wait_per_submodule, each
+//             parameter is waited for by the pre hook of the submodule owning it, the rest
+//             at the post hook. post hook: reshard if configured,
 //             put off until the next module's forward starts; the last module to finish
 //             (and the root over children) keep their parameters for the backward when
 //             one follows. A hook on the output tensor runs pre_backward.
@@ -165,7 +167,15 @@ void FSDPModule::State::pre_forward() {
     if (p.requires_grad) ++grads_pending;
   }
   begin_unshard();
-  finish_unshard();
+  if (lazy_gather && at::GradMode::is_enabled()) {
+    // wait_per_submodule: only what no single submodule owns is waited for now; the rest
+    // when its submodule is called (finish_submodule), or at the end of this forward.
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].submodule < 0) finish_param(i);
+    }
+  } else {
+    finish_unshard();
+  }
   if (!overlap()) return;
   for (auto& w : fwd_prefetch) {
     if (auto h = w.lock()) h->state().begin_unshard();
@@ -174,6 +184,15 @@ void FSDPModule::State::pre_forward() {
 
 void FSDPModule::State::post_forward() {
   if (in_recompute()) return;  // keep the parameters for the backward that follows
+  if (lazy_gather && gathering()) {
+    // wait_per_submodule: the parameters no submodule call asked for (or read without one).
+    const std::string read = read_before_gather();
+    finish_unshard();
+    HP_CHECK(read.empty(), "fully_shard(", label, ") with wait_per_submodule: parameter(s) ", read,
+             " were read before the submodule owning them was called through hp::call (or without such a call), ",
+             "while their all-gathers were in flight; use a submodule's parameters only in or after ",
+             "hp::call(submodule, inputs...), or set wait_per_submodule false");
+  }
   FsdpPass& it = *pass;
   const bool root = --it.forward_depth == 0;
   if (root) t_forward = nullptr;
@@ -322,6 +341,9 @@ void FSDPModule::State::post_backward(bool again) {
 
 void FSDPModule::State::on_forward_error() {
   if (in_recompute()) return;
+  // wait_per_submodule: the gathers the failed forward did not wait for are waited for
+  // now, so that no later forward skips the check of a parameter already waited for.
+  if (lazy_gather) finish_unshard();
   if (pass != nullptr && pass == t_forward && --pass->forward_depth == 0) t_forward = nullptr;
   if (training == TrainingState::kForward) enter(TrainingState::kIdle);
 }

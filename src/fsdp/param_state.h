@@ -26,6 +26,14 @@ struct ParamInfo {
   std::vector<int64_t> shape;
   ShardPlan plan;
   bool requires_grad = false;
+  // FullyShardOptions::wait_per_submodule: which of the group's submodules owns the
+  // parameter (index into State::submodules; -1: the module itself, several, or a frozen
+  // parameter), whether its forward all-gather is still to be waited for, and how many
+  // autograd edges reached its gradient accumulator when that gather was issued (one more
+  // by the wait means a read of the parameter before it).
+  int submodule = -1;
+  bool gather_pending = false;
+  long uses_at_gather = 0;
   OwnedBuffer padded;  // [rows_per_shard, rest...] in the param dtype; never released
   at::Tensor sharded;  // leaf view of the real rows of `padded`: the optimizer's
   std::shared_ptr<torch::autograd::Node> accumulator;

@@ -79,6 +79,58 @@ TEST(FullyShardErrors, SharedModuleRunOutsideTheCallBoundaryIsNamed) {
   EXPECT_EQ(hp::call(root->block, x).sizes(), x.sizes());
 }
 
+namespace {
+// A module whose forward reads its child's weight itself before calling the child
+// (`early`), or calls the child's forward directly, bypassing hp::call (`direct`).
+struct EarlyReadImpl : torch::nn::Module {
+  EarlyReadImpl(int64_t dim, bool direct) : direct(direct) {
+    first = register_module("first", torch::nn::Linear(dim, dim));
+    second = register_module("second", torch::nn::Linear(dim, dim));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = hp::call(first, x);
+    if (direct) return second->forward(h);
+    if (!early) return hp::call(second, h);
+    at::Tensor scale = second->weight.sum();  // read before hp::call(second)
+    return hp::call(second, h) * scale;
+  }
+  bool direct, early = true;
+  torch::nn::Linear first{nullptr}, second{nullptr};
+};
+TORCH_MODULE(EarlyRead);
+}  // namespace
+
+// wait_per_submodule waits for a parameter only when its submodule is called through
+// hp::call: a read before that, which autograd records, is an error naming the parameter
+// and its submodule (raised when the submodule is called, or at the end of the module's
+// forward for one never called), not a value from a gather still in flight.
+TEST(FullyShardErrors, WaitPerSubmoduleNamesAParameterReadBeforeItsSubmodule) {
+  if (hp::world()->size() == 1) {
+    GTEST_SKIP() << "with one shard the parameters alias their shards: nothing is gathered";
+  }
+  hp::FullyShardOptions o;
+  o.wait_per_submodule = true;
+  const at::Tensor x = at::randn({3, 8});
+  for (bool direct : {false, true}) {
+    EarlyRead m(8, direct);
+    hp::fully_shard(*m, o);
+    expect_error([&] { hp::call(m, x); },
+                 {"wait_per_submodule", "'second.weight'", "submodule second", "hp::call(submodule"});
+    // The module stays usable, and without grad mode the whole module is waited for at its
+    // start: the same forward reads gathered parameters.
+    at::NoGradGuard no_grad;
+    EXPECT_EQ(hp::call(m, x).sizes(), x.sizes());
+  }
+  // Called as the contract says, the module runs.
+  EarlyRead ok(8, false);
+  ok->early = false;
+  hp::fully_shard(*ok, o);
+  EXPECT_EQ(hp::call(ok, x).sizes(), x.sizes());
+  o.comm_fusion = true;
+  EarlyRead fused(8, false);
+  expect_error([&] { hp::fully_shard(*fused, o); }, {"wait_per_submodule with comm_fusion", "not supported yet"});
+}
+
 TEST(FullyShardErrors, NoGradientIsInFlightWhenBackwardReturns) {
   // Reductions finish inside backward (an end-of-backward callback waits for them), so an
   // optimizer step can never see a gradient that is still being reduced. With more than

@@ -50,6 +50,7 @@ struct Case {
   bool reshard = true;
   int group = 0;                 // reshard_after_forward_group_size
   bool fusion = false;
+  bool per_submodule = false;    // wait_per_submodule, with each block prefetching the next
   bool frozen = false;           // freeze the final norm's bias
   int micro_steps = 1;           // gradient accumulation
   bool no_sync_first = false;    // set_requires_gradient_sync(false) on the first micro-step
@@ -58,7 +59,7 @@ struct Case {
   std::string name() const {
     return std::string(hsdp ? "hsdp" : "fsdp") + (reshard ? " reshard" : " keep") +
            (group ? " to groups of " + std::to_string(group) : "") +
-           (fusion ? " fused" : " unfused") + (frozen ? " frozen" : "") +
+           (fusion ? " fused" : " unfused") + (per_submodule ? " per-submodule" : "") + (frozen ? " frozen" : "") +
            (micro_steps > 1 ? " accum" : "") + (no_sync_first ? " no-sync" : "") +
            (no_all_reduce_first ? " no-all-reduce" : "") + " " + policy_name(policy);
   }
@@ -167,6 +168,7 @@ Result train(const Case& c) {
   o.reshard_after_forward = c.reshard;
   o.reshard_after_forward_group_size = c.group;
   o.comm_fusion = c.fusion;
+  o.wait_per_submodule = c.per_submodule;
   switch (c.policy) {
     case Policy::kFp64: case Policy::kFp32: case Policy::kPureBf16: break;
     case Policy::kBf16Fp32Reduce: o.mp_policy.param_dtype = at::kBFloat16; o.mp_policy.reduce_dtype = at::kFloat; break;
@@ -184,6 +186,9 @@ Result train(const Case& c) {
   for (auto& b : m->blocks) handles.push_back(hp::fully_shard(*b, o));
   hp::FSDPHandle root = hp::fully_shard(*m, o);
   handles.push_back(root);
+  if (c.per_submodule) {
+    for (size_t i = 0; i + 1 < m->blocks.size(); ++i) handles[i]->set_modules_to_forward_prefetch({handles[i + 1]});
+  }
   std::vector<at::Tensor> sharded;
   for (auto& h : handles) {
     for (auto& t : h->parameters()) sharded.push_back(t);
@@ -314,6 +319,13 @@ Result train(const Case& c) {
 TEST(FullyShard, MatchesSingleProcessTraining) {
   const int n = hp::world()->size();
   std::map<std::string, std::vector<at::Tensor>> by_case;
+  // Trains one case against single-process training; its parameters after the steps.
+  auto run = [n](const Case& c) {
+    Result res = train(c);
+    EXPECT_LE(res.max_rel, kAlgoBound) << c.name() << " on " << n << " ranks";
+    EXPECT_LE(res.grad_rel, kAlgoBound) << c.name() << " on " << n << " ranks (gradients)";
+    return res.params;
+  };
   for (bool hsdp : {false, true}) {
     if (hsdp && n % 2 != 0) continue;
     for (bool reshard : {true, false}) {
@@ -322,10 +334,7 @@ TEST(FullyShard, MatchesSingleProcessTraining) {
         c.hsdp = hsdp;
         c.reshard = reshard;
         c.fusion = fusion;
-        Result res = train(c);
-        EXPECT_LE(res.max_rel, kAlgoBound) << c.name() << " on " << n << " ranks";
-        EXPECT_LE(res.grad_rel, kAlgoBound) << c.name() << " on " << n << " ranks (gradients)";
-        by_case[c.name()] = res.params;
+        by_case[c.name()] = run(c);
       }
     }
   }
@@ -340,10 +349,25 @@ TEST(FullyShard, MatchesSingleProcessTraining) {
         c.group = 2;
         c.fusion = fusion;
         if (hsdp && n != 4) continue;
-        Result res = train(c);
-        EXPECT_LE(res.max_rel, kAlgoBound) << c.name() << " on " << n << " ranks";
-        EXPECT_LE(res.grad_rel, kAlgoBound) << c.name() << " on " << n << " ranks (gradients)";
-        by_case[c.name()] = res.params;
+        by_case[c.name()] = run(c);
+      }
+    }
+  }
+  // Waiting per submodule (each block prefetching the next): the same gathers waited for
+  // later, so the same parameters bit for bit as waiting for each block at its start.
+  for (bool hsdp : {false, true}) {
+    for (int group : {0, 2}) {
+      if ((hsdp || group) && n % 2 != 0) continue;
+      if (hsdp && group && n != 4) continue;
+      Case c;
+      c.hsdp = hsdp;
+      c.group = group;
+      c.per_submodule = true;
+      const std::vector<at::Tensor> params = run(c);
+      c.per_submodule = false;
+      const auto& other = by_case.at(c.name());
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::equal(params[i], other[i])) << c.name() << " per submodule, param " << i;
       }
     }
   }

@@ -53,6 +53,19 @@ struct FullyShardOptions {
   // One all-gather / reduce-scatter per module (fused, aligned buffers) instead of one per
   // parameter.
   bool comm_fusion = false;
+  // Forward (with grad mode on) waits for each parameter's all-gather only when the
+  // submodule that owns it is called through hp::call, not for the whole module's at its
+  // start: a block's first layer computes while the rest of its parameters arrive (under a
+  // slow link, a step's first block no longer waits for all of its gathers).
+  // Contract: the module's forward uses a submodule's parameters only through that
+  // submodule's hp::call, or after it. A read before it that autograd records (any use
+  // that shapes the output, with grad mode on) raises an error naming the parameter; one it
+  // cannot see (under NoGradGuard, through detach() or item()) would read a gather in
+  // flight. Parameters of the module itself, shared by several submodules, or frozen are
+  // waited for at its start; without grad mode and in backward the whole module is waited
+  // for, as by default. Per-parameter all-gathers only: with comm_fusion it is not
+  // supported yet.
+  bool wait_per_submodule = false;
   // Parameters of the module left alone (not sharded, not reduced).
   std::vector<at::Tensor> ignored_params;
   // Deferred initialization: for a module built under hp::memory::DeferredAllocation (its
