@@ -304,6 +304,10 @@ const std::vector<Key>& keys() {
         [](TrainConfig& c, const Value& v) { c.reshard_after_forward_group_size = as_int(v, 0, kMaxRanks); });
     top("comm_fusion", "bool", "true", "one fused all-gather/reduce-scatter per block",
         [](TrainConfig& c, const Value& v) { c.comm_fusion = as_bool(v); });
+    top("wait_per_submodule", "bool", "false",
+        "in forward, wait for each of a block's parameters when its layer is called, not for the whole block "
+        "at its start (needs comm_fusion false)",
+        [](TrainConfig& c, const Value& v) { c.wait_per_submodule = as_bool(v); });
     top("recompute", "none|full|selective", "none",
         "activation checkpointing of every block: full recomputes its activations in backward, "
         "selective keeps its matmul outputs and recomputes the rest",
@@ -543,6 +547,9 @@ void TrainConfig::validate(int world_size) {
            " needs save_dir (or output_dir, whose checkpoints/ it defaults to)");
   HP_CHECK(init_from_hf.empty() || model.type == "llama", s, ": init_from_hf is not supported yet for model.type=",
            model.type, " (llama only)");
+  HP_CHECK(!wait_per_submodule || !comm_fusion, s,
+           ": wait_per_submodule=true needs comm_fusion=false (a fused all-gather per block leaves nothing to wait "
+           "for per layer)");
   HP_CHECK(!sequence_parallel || tensor_parallel > 1, s,
            ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=", tensor_parallel, ")");
   if (tensor_parallel > 1) {
@@ -698,7 +705,8 @@ std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainCo
   add("data_parallel", c.data_parallel), add("data_parallel_shard", c.data_parallel_shard);
   add("data_parallel_shard_strategy", c.data_parallel_shard_strategy);
   add("reshard_after_forward_group_size", c.reshard_after_forward_group_size);
-  add("comm_fusion", c.comm_fusion), add("recompute", c.recompute);
+  add("comm_fusion", c.comm_fusion), add("wait_per_submodule", c.wait_per_submodule);
+  add("recompute", c.recompute);
   add("tensor_parallel", c.tensor_parallel), add("sequence_parallel", c.sequence_parallel);
   add("pipeline_parallel", c.pipeline_parallel), add("pipeline_parallel_interleave_num", c.pipeline_parallel_interleave_num);
   add("pipeline_schedule", c.pipeline_schedule);
@@ -739,7 +747,7 @@ std::string describe(const TrainConfig& c) {
                                " stages (", c.pipeline_parallel_interleave_num, " per rank) x ", c.micro_batch_num,
                                " micro-batches")
              : std::string())
-     << ", comm_fusion " << (c.comm_fusion ? "on" : "off")
+     << ", comm_fusion " << (c.comm_fusion ? "on" : "off") << (c.wait_per_submodule ? ", wait per submodule" : "")
      << (c.recompute == "none" ? std::string() : ", recompute " + c.recompute) << "\n";
   const GroupDtypes d = resolve_dtypes(mixed_precision(c), c.params_dtype);
   os << "dtypes: params " << c10::toString(d.param) << ", compute " << c10::toString(d.compute)

@@ -289,7 +289,11 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     o.comm_fusion = c.comm_fusion;
     o.mp_policy = mixed_precision(c);
     const size_t first = s.handles.size();
-    for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, o));
+    FullyShardOptions block_o = o;
+    // The blocks only: the root's gather is small, and a tied head reads the embedding's
+    // weight outside its module (a pipeline's last stage without the embedding's call).
+    block_o.wait_per_submodule = c.wait_per_submodule;
+    for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, block_o));
     s.handles.push_back(fully_shard(m.root(), o));
     materialize_deferred_buffers(m.root());
     s.roots.push_back(&m.root());

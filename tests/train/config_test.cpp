@@ -89,6 +89,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"adam_beta2: 1.0\n", {}, 4, {"adam_beta2=1.0", "[0, 1)"}},
       {"comm_fusion: maybe\n", {}, 4, {"comm_fusion=maybe", "true or false"}},
       {"recompute: sometimes\n", {}, 4, {"recompute=sometimes", "none, full, selective"}},
+      {"wait_per_submodule: true\n", {}, 4, {"wait_per_submodule=true", "comm_fusion=false"}},
       {"", {"lr=1", "seed=3", "lr=2"}, 4, {"--set lr is given twice", "lr=1", "lr=2"}},
       {"model:\n  vocab: 1\n", {}, 4, {"model.vocab=1", ">= 2"}},
       {"apply_grad_on_fp32_main_grad: true\n", {}, 4, {"apply_grad_on_fp32_main_grad=true", "accumulate_allreduce_grads_in_fp32=true"}},
@@ -205,7 +206,7 @@ TEST(TrainConfig, EveryKeyIsListedOnce) {
     EXPECT_FALSE(k.help.empty()) << k.key;
   }
   for (const char* want : {"params_dtype", "compute_dtype", "accumulate_allreduce_grads_in_fp32", "data_parallel",
-                           "data_parallel_shard", "data_parallel_shard_strategy", "comm_fusion", "recompute", "tensor_parallel",
+                           "data_parallel_shard", "data_parallel_shard_strategy", "comm_fusion", "wait_per_submodule", "recompute", "tensor_parallel",
                            "sequence_parallel", "pipeline_parallel", "pipeline_parallel_interleave_num", "pipeline_schedule",
                            "micro_batch_num", "global_batch_size", "seq_length", "lr", "min_lr", "lr_warmup_steps",
                            "lr_decay_style", "weight_decay", "clip_grad", "train_steps", "seed", "model.type"}) {

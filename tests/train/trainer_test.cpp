@@ -201,10 +201,14 @@ at::Tensor tp_whole(const at::Tensor& piece, const at::Tensor& param, const hp::
 
 void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
                           const std::string& schedule = "auto", const std::vector<int64_t>& stage_layers = {},
-                          bool tie = false) {
+                          bool tie = false, bool per_submodule = false) {
   auto w = hp::world();
   ht::TrainConfig c = small_config(type, w->size(), tp, pp, v);
   c.pipeline_schedule = schedule;
+  if (per_submodule) {
+    c.comm_fusion = false;
+    c.wait_per_submodule = true;
+  }
   c.pipeline_stage_layers = stage_layers;
   c.model.llama.tie_embeddings = tie;
   c.validate(w->size());
@@ -259,6 +263,13 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
 
 TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek"); }
 TEST(TrainDist, LlamaMatchesSingleProcess) { expect_matches_naive("llama"); }
+// Each block waiting per layer in forward (wait_per_submodule): the MoE's experts that get
+// no tokens on a rank are never called, and their parameters are waited for at the end of
+// the block's forward.
+TEST(TrainDist, WaitPerSubmoduleMatchesSingleProcess) {
+  expect_matches_naive("llama", 1, 1, 1, "auto", {}, false, /*per_submodule=*/true);
+  expect_matches_naive("deepseek", 1, 1, 1, "auto", {}, false, /*per_submodule=*/true);
+}
 // tensor_parallel 2 with sequence parallel (and loss parallel): alone at 2 ranks, under
 // FSDP over dp_shard 2 at 4.
 TEST(TrainDist, LlamaTensorParallelMatchesSingleProcess) {

@@ -70,6 +70,8 @@ struct TrainConfig {
   std::string data_parallel_shard_strategy = "optim_grads_params";
   int64_t reshard_after_forward_group_size = 0;  // 0: reshard over all of data_parallel_shard
   bool comm_fusion = true;
+  // fully_shard's wait_per_submodule on every block (needs comm_fusion false).
+  bool wait_per_submodule = false;
   std::string recompute = "none";  // none | full | selective (activation checkpointing per block)
   int64_t tensor_parallel = 1;
   bool sequence_parallel = false;
