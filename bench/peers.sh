@@ -29,20 +29,24 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import torch' 2>/dev/
 fi
 
 # run_py PYTHON IMPL B T RANKS
+# Each process of a peer gets HP_PEER_TIMEOUT seconds (default 900): a rank left waiting
+# for a peer that died at its rendezvous is stopped, and the peer reported as failed.
 run_py() {
   local py=$1 impl=$2 b=$3 t=$4 n=$5 port=$((29500 + RANDOM % 1000)) pids=()
+  local limit=${HP_PEER_TIMEOUT:-900}
   if [ "$n" = 1 ]; then
-    "$py" "$src/bench/peers.py" "$impl" "$b" "$t" >> "$out" 2> "$out.err" || echo "peers.sh: $impl ($py) failed: $(tail -1 "$out.err")"
+    timeout "$limit" "$py" "$src/bench/peers.py" "$impl" "$b" "$t" >> "$out" 2> "$out.err" ||
+      echo "peers.sh: $impl ($py) failed or ran past ${limit} s: $(tail -1 "$out.err")"
     return
   fi
   for r in $(seq 0 $((n - 1))); do
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$r WORLD_SIZE=$n \
-      "$py" "$src/bench/peers.py" "$impl" "$b" "$t" >> "$out" 2> "$out.err.$r" &
+      timeout "$limit" "$py" "$src/bench/peers.py" "$impl" "$b" "$t" >> "$out" 2> "$out.err.$r" &
     pids+=($!)
   done
   local ok=1
   for p in "${pids[@]}"; do wait "$p" || ok=0; done
-  [ $ok = 1 ] || echo "peers.sh: $impl ($py) failed: $(tail -1 "$out.err.0")"
+  [ $ok = 1 ] || echo "peers.sh: $impl ($py) failed or ran past ${limit} s: $(tail -1 "$out.err.0")"
 }
 
 for bt in "${batches[@]}"; do
