@@ -290,8 +290,9 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     o.mp_policy = mixed_precision(c);
     const size_t first = s.handles.size();
     FullyShardOptions block_o = o;
-    // The blocks only: the root's gather is small, and a tied head reads the embedding's
-    // weight outside its module (a pipeline's last stage without the embedding's call).
+    // The blocks only: the root's gather is small, and a tied head on a pipeline's last
+    // stage reads the embedding's weight without the embedding's call (safe today only
+    // because the schedule gathers each stage's root before its micro-batches).
     block_o.wait_per_submodule = c.wait_per_submodule;
     for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, block_o));
     s.handles.push_back(fully_shard(m.root(), o));

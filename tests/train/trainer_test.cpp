@@ -269,6 +269,15 @@ TEST(TrainDist, LlamaMatchesSingleProcess) { expect_matches_naive("llama"); }
 TEST(TrainDist, WaitPerSubmoduleMatchesSingleProcess) {
   expect_matches_naive("llama", 1, 1, 1, "auto", {}, false, /*per_submodule=*/true);
   expect_matches_naive("deepseek", 1, 1, 1, "auto", {}, false, /*per_submodule=*/true);
+  if (hp::world()->size() == 4) {
+    // Under tensor parallelism (its hooks on the same layers) and over pipeline stages
+    // with tied embeddings (the root, which reads the embedding outside its module, is left
+    // out), each sharded over 2.
+    SCOPED_TRACE("tensor_parallel=2");
+    expect_matches_naive("llama", 2, 1, 1, "auto", {}, false, /*per_submodule=*/true);
+    SCOPED_TRACE("pipeline_parallel=2, tied embeddings");
+    expect_matches_naive("llama", 1, 2, 1, "auto", {}, /*tie=*/true, /*per_submodule=*/true);
+  }
 }
 // tensor_parallel 2 with sequence parallel (and loss parallel): alone at 2 ranks, under
 // FSDP over dp_shard 2 at 4.
