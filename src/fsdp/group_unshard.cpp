@@ -139,14 +139,21 @@ void FSDPModule::State::drop_post_forward_share() {
   move_to(ShardState::kSharded);
 }
 
+namespace {
+// Where parameter p is waited for under wait_per_submodule, for errors.
+std::string waited_in(const detail::ParamInfo& p, const std::vector<std::string>& submodules) {
+  return p.submodule < 0 ? std::string("the module's own start")
+                         : "submodule " + submodules[static_cast<size_t>(p.submodule)];
+}
+}  // namespace
+
 // A parameter whose gather is pending is read before its wait when an autograd edge into
 // its gradient accumulator appeared since the gather was issued.
 std::string FSDPModule::State::read_before_gather() const {
   std::string names;
   for (const auto& p : params) {
     if (!p.gather_pending || !p.accumulator || p.accumulator.use_count() <= p.uses_at_gather) continue;
-    names += detail::str_cat(names.empty() ? "" : ", ", "'", p.name, "' (submodule ",
-                             p.submodule < 0 ? std::string("-") : submodules[static_cast<size_t>(p.submodule)], ")");
+    names += detail::str_cat(names.empty() ? "" : ", ", "'", p.name, "' (", waited_in(p, submodules), ")");
   }
   return names;
 }
@@ -161,8 +168,8 @@ void FSDPModule::State::finish_param(size_t i) {
   }
   p.gather_pending = false;
   HP_CHECK(!read, "fully_shard(", label, ") with wait_per_submodule: parameter '", p.name,
-           "' was read before its submodule ", submodules[static_cast<size_t>(p.submodule)],
-           " was called through hp::call, while its all-gather was in flight; use a submodule's parameters only in ",
+           "' was read before it was waited for (at ", waited_in(p, submodules),
+           ", through hp::call), while its all-gather was in flight; use a submodule's parameters only in ",
            "or after hp::call(submodule, inputs...), or set wait_per_submodule false");
 }
 

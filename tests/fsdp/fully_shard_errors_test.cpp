@@ -131,6 +131,52 @@ TEST(FullyShardErrors, WaitPerSubmoduleNamesAParameterReadBeforeItsSubmodule) {
   expect_error([&] { hp::fully_shard(*fused, o); }, {"wait_per_submodule with comm_fusion", "not supported yet"});
 }
 
+namespace {
+// A module with a parameter of its own (waited for at its start) and a Linear child.
+struct ScaledImpl : torch::nn::Module {
+  explicit ScaledImpl(int64_t dim) {
+    scale = register_parameter("scale", torch::ones({dim}));
+    lin = register_module("lin", torch::nn::Linear(dim, dim));
+  }
+  at::Tensor forward(const at::Tensor& x) { return hp::call(lin, x) * scale; }
+  at::Tensor scale;
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(Scaled);
+// A root that reads its second child's own parameter between the first child, which
+// prefetches the second, and the second's call.
+struct ReadsAheadImpl : torch::nn::Module {
+  explicit ReadsAheadImpl(int64_t dim) {
+    a = register_module("a", torch::nn::Linear(dim, dim));
+    b = register_module("b", Scaled(dim));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = hp::call(a, x);  // issues b's gather (a prefetches b)
+    h = h * b->scale.sum();          // b's gather is in flight
+    return hp::call(b, h);
+  }
+  torch::nn::Linear a{nullptr};
+  Scaled b{nullptr};
+};
+TORCH_MODULE(ReadsAhead);
+}  // namespace
+
+// A module's own parameter is waited for at its start; read earlier, while a prefetch of
+// it is in flight, the error says so.
+TEST(FullyShardErrors, WaitPerSubmoduleNamesAModulesOwnParameterReadBeforeItsStart) {
+  if (hp::world()->size() == 1) GTEST_SKIP() << "with one shard nothing is gathered";
+  if (!hp::fsdp_overlap()) GTEST_SKIP() << "the prefetch needs overlap on (the tests' default)";
+  hp::FullyShardOptions o;
+  o.wait_per_submodule = true;
+  ReadsAhead m(8);
+  hp::FSDPHandle b = hp::fully_shard(*m->b, o);
+  hp::FSDPHandle a = hp::fully_shard(*m->a, o);
+  a->set_modules_to_forward_prefetch({b});
+  hp::fully_shard(*m, o);
+  expect_error([&] { hp::call(m, at::randn({3, 8})); },
+               {"wait_per_submodule", "'scale'", "the module's own start"});
+}
+
 TEST(FullyShardErrors, NoGradientIsInFlightWhenBackwardReturns) {
   // Reductions finish inside backward (an end-of-backward callback waits for them), so an
   // optimizer step can never see a gradient that is still being reduced. With more than
