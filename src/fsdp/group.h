@@ -144,10 +144,12 @@ struct FSDPModule::State {
   void finish_unshard();
   // wait_per_submodule: waits for parameter i's all-gather (raising hp::Error, after the
   // wait, if the parameter was read before it); for those of submodule k (its pre-forward
-  // hook). read_before_gather names the parameters still pending that were read.
+  // hook). read_before_gather names the parameters still pending that were read (`only`:
+  // parameter `only` alone), and check_not_read_early raises the error naming them.
   void finish_param(size_t i);
   void finish_submodule(int k);
-  std::string read_before_gather() const;
+  std::string read_before_gather(int only = -1) const;
+  void check_not_read_early(const std::string& names) const;
   void do_reshard();
   void reshard_to_group();
   // The reshard a forward asked for: to the post-forward group when a backward follows,

@@ -117,7 +117,7 @@ void FSDPModule::State::begin_unshard(bool backward, bool behind_reductions) {
     lazy_gather = opts.wait_per_submodule && !backward && !behind_reductions && at::GradMode::is_enabled();
     for (auto& p : params) {
       p.gather_pending = lazy_gather;
-      p.uses_at_gather = p.accumulator ? p.accumulator.use_count() : 0;
+      if (lazy_gather) p.uses_at_gather = p.accumulator ? p.accumulator.use_count() : 0;
       at::Tensor in = p.padded.tensor().view(-1);
       if (in.scalar_type() != cd) in = in.to(cd);
       const detail::UnshardedParam* param = &p.param;
@@ -145,32 +145,41 @@ std::string waited_in(const detail::ParamInfo& p, const std::vector<std::string>
   return p.submodule < 0 ? std::string("the module's own start")
                          : "submodule " + submodules[static_cast<size_t>(p.submodule)];
 }
-}  // namespace
 
 // A parameter whose gather is pending is read before its wait when an autograd edge into
 // its gradient accumulator appeared since the gather was issued.
-std::string FSDPModule::State::read_before_gather() const {
+bool read_early(const detail::ParamInfo& p) {
+  return p.gather_pending && p.accumulator && p.accumulator.use_count() > p.uses_at_gather;
+}
+}  // namespace
+
+std::string FSDPModule::State::read_before_gather(int only) const {
   std::string names;
-  for (const auto& p : params) {
-    if (!p.gather_pending || !p.accumulator || p.accumulator.use_count() <= p.uses_at_gather) continue;
-    names += detail::str_cat(names.empty() ? "" : ", ", "'", p.name, "' (", waited_in(p, submodules), ")");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    if ((only >= 0 && static_cast<int>(i) != only) || !read_early(p)) continue;
+    names += detail::str_cat(names.empty() ? "" : ", ", "'", p.name, "' (waited for at ", waited_in(p, submodules), ")");
   }
   return names;
+}
+
+void FSDPModule::State::check_not_read_early(const std::string& names) const {
+  HP_CHECK(names.empty(), "fully_shard(", label, ") with wait_per_submodule: parameter(s) ", names,
+           " read before that wait, while the all-gather was in flight (or read without the submodule's call); ",
+           "use a submodule's parameters only in or after hp::call(submodule, inputs...), or set ",
+           "wait_per_submodule false");
 }
 
 void FSDPModule::State::finish_param(size_t i) {
   detail::ParamInfo& p = params[i];
   if (!gathering() || !lazy_gather || !p.gather_pending) return;
-  const bool read = p.accumulator && p.accumulator.use_count() > p.uses_at_gather;
+  const std::string read = read_before_gather(static_cast<int>(i));
   {
     trace::Span wait("wait all_gather " + label + " " + p.name, "wait");
     ag_works[i].wait();
   }
   p.gather_pending = false;
-  HP_CHECK(!read, "fully_shard(", label, ") with wait_per_submodule: parameter '", p.name,
-           "' was read before it was waited for (at ", waited_in(p, submodules),
-           ", through hp::call), while its all-gather was in flight; use a submodule's parameters only in ",
-           "or after hp::call(submodule, inputs...), or set wait_per_submodule false");
+  check_not_read_early(read);
 }
 
 void FSDPModule::State::finish_submodule(int k) {

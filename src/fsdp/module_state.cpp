@@ -188,10 +188,7 @@ void FSDPModule::State::post_forward() {
     // wait_per_submodule: the parameters no submodule call asked for (or read without one).
     const std::string read = read_before_gather();
     finish_unshard();
-    HP_CHECK(read.empty(), "fully_shard(", label, ") with wait_per_submodule: parameter(s) ", read,
-             " were read before the submodule owning them was called through hp::call (or without such a call), ",
-             "while their all-gathers were in flight; use a submodule's parameters only in or after ",
-             "hp::call(submodule, inputs...), or set wait_per_submodule false");
+    check_not_read_early(read);
   }
   FsdpPass& it = *pass;
   const bool root = --it.forward_depth == 0;
