@@ -1,5 +1,8 @@
 #include "hp/ckpt/checkpoint.h"
+
+#include "hp/comm/agree.h"
 #include "hp/core/files.h"
+#include "hp/core/hash.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
@@ -31,12 +34,6 @@ std::string box_key(const std::string& name, const std::vector<int64_t>& offsets
   std::string k = name + "@";
   for (size_t d = 0; d < offsets.size(); ++d) k += (d ? "," : "") + std::to_string(offsets[d]);
   return k;
-}
-
-uint64_t fnv(const std::string& s) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
-  return h;
 }
 
 // Every rank's `mine`, gathered to every rank (as JSON text).
@@ -271,7 +268,7 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
       problem = "ckpt::save: cannot create '" + tmp + "': " + ec.message();
     }
   }
-  detail::agree(world, problem, "ckpt::save to '" + dir + "'");  // also orders the folder's creation before any write
+  raise_if_any_failed(world, problem, "ckpt::save to '" + dir + "'");  // also orders the folder's creation before any write
   std::vector<json> boxes = gather_boxes(items, world);
   // The writer of each distinct box: one of the ranks holding it, by the tensor's name.
   std::map<std::string, std::vector<int>> holders;
@@ -282,7 +279,7 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   }
   auto writer_of = [&](const std::string& name, const std::vector<int64_t>& off) {
     const auto& h = holders.at(box_key(name, off));
-    return h[fnv(name) % h.size()];
+    return h[fnv1a(name) % h.size()];
   };
   std::vector<std::pair<std::string, at::Tensor>> mine;
   for (const auto& it : items) {
@@ -306,9 +303,8 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
       error = e.what();
     }
   }
-  at::Tensor bad = at::full({1}, error.empty() ? 0 : 1, at::kInt);
-  world->all_reduce(bad, {ReduceOp::MAX}).wait();
-  HP_CHECK(bad.item<int>() == 0, "ckpt::save to '", dir, "' failed", error.empty() ? " on another rank" : ": " + error);
+  raise_if_any_failed(world, error.empty() ? error : "ckpt::save to '" + dir + "' failed: " + error,
+                      "ckpt::save to '" + dir + "'");
   const std::vector<json> files = gather_json(json{{"file", file}, {"sums", sums}}, world);
   std::string commit_error;
   if (rank == 0) try {
@@ -368,19 +364,11 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   } catch (const std::exception& e) {
     commit_error = e.what();
   }
-  detail::agree(world, commit_error, "ckpt::save to '" + dir + "'");  // every rank returns once the commit is done (or fails with it)
+  raise_if_any_failed(world, commit_error, "ckpt::save to '" + dir + "'");  // every rank returns once the commit is done (or fails with it)
 }
 
 namespace detail {
 
-void agree(const CommPtr& world, const std::string& error, const std::string& what) {
-  at::Tensor first = at::full({1}, error.empty() ? world->size() : world->rank(), at::kInt);
-  world->all_reduce(first, {ReduceOp::MIN}).wait();
-  const int bad = first.item<int>();
-  if (bad == world->size()) return;
-  HP_CHECK(error.empty(), error);
-  HP_CHECK(false, what, " failed on rank ", bad, " (its error says why)");
-}
 
 void load_boxes(const std::vector<Item>& items, const std::string& dir, const json& tensors, const json& files,
                 bool convert, const std::string& source) {

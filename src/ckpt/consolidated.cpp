@@ -84,7 +84,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
   } catch (const std::exception& e) {
     problem = e.what();
   }
-  detail::agree(world, problem, what);
+  raise_if_any_failed(world, problem, what);
   // Files filled in order up to max_shard_bytes.
   std::vector<std::vector<size_t>> files;
   int64_t in_file = 0, total = 0;
@@ -115,7 +115,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::agree(world, error, what);
+  raise_if_any_failed(world, error, what);
   std::string commit_error;
   if (rank == 0) try {
     json index;
@@ -133,7 +133,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
   } catch (const std::exception& e) {
     commit_error = e.what();
   }
-  detail::agree(world, commit_error, what);
+  raise_if_any_failed(world, commit_error, what);
 }
 
 void load_consolidated(const std::vector<Item>& items, const std::string& dir) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "hp/ckpt/checkpoint.h"
+#include "hp/comm/agree.h"
 
 namespace hp::ckpt::detail {
 
@@ -18,11 +19,6 @@ namespace hp::ckpt::detail {
 // item's is cast (else an error). `source` names the kind of folder in errors.
 void load_boxes(const std::vector<Item>& items, const std::string& dir, const nlohmann::json& tensors,
                 const nlohmann::json& files, bool convert, const std::string& source);
-
-// Raises on every rank when `error` is set on any: the rank's own message, or "`what`
-// failed on rank R" naming the first failing rank (so no rank is left waiting in a later
-// collective). Collective over `world`.
-void agree(const CommPtr& world, const std::string& error, const std::string& what);
 
 // `dir`/metadata.json, checked to be a hyperparallel checkpoint's.
 nlohmann::json read_metadata(const std::string& dir);

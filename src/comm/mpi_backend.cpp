@@ -17,6 +17,7 @@
 
 #include "hp/comm/communicator.h"
 #include "hp/core/error.h"
+#include "hp/core/hash.h"
 
 #if HP_HAVE_MPI
 #include <mpi.h>
@@ -184,10 +185,10 @@ class ProgressTable {
   // The slot and tag of a new communicator over `members` (world ranks).
   std::pair<int, uint64_t> slot_for(const std::vector<int>& members) {
     std::lock_guard<std::mutex> g(mu_);
-    uint64_t h = 1469598103934665603ULL;
-    for (int m : members) h = (h ^ static_cast<uint64_t>(m + 1)) * 1099511628211ULL;
+    uint64_t h = kFnvOffset;
+    for (int m : members) h = fnv1a_step(h, static_cast<uint64_t>(m + 1));
     const uint64_t ordinal = made_[h]++;
-    h = (h ^ (ordinal + 0x9e3779b97f4a7c15ULL)) * 1099511628211ULL;
+    h = fnv1a_step(h, ordinal + 0x9e3779b97f4a7c15ULL);
     h |= 1;  // never 0: an empty slot
     const int slot = static_cast<int>(h % kSlots);
     if (on_) {

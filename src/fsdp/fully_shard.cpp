@@ -14,6 +14,8 @@
 // Every dtype comes from the group's GroupDtypes (resolve_dtypes).
 #include "hp/fsdp/fully_shard.h"
 
+#include "hp/comm/agree.h"
+
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -138,12 +140,8 @@ void check_same_shapes(const CommPtr& comm, const std::vector<std::pair<std::str
   at::Tensor mine = at::full({L}, -1, at::kLong);
   for (size_t i = 0; i < sig.size(); ++i) mine[i] = sig[i];
   mine = mine.to(dev);
-  at::Tensor mx = mine.clone(), mn = mine.clone();
-  Work a = comm->all_reduce(mx, {ReduceOp::MAX});
-  Work b = comm->all_reduce(mn, {ReduceOp::MIN});
-  a.wait();
-  b.wait();
-  if (at::equal(mx, mn)) return;
+  at::Tensor mx, mn;
+  if (all_ranks_equal(comm, mine, &mx, &mn)) return;
   // Name the first parameter whose signature differs.
   int64_t pos = 1;
   for (const auto& [name, t] : ps) {

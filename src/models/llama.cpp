@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "hp/core/error.h"
+#include "hp/core/hash.h"
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
 #include "hp/pp/pipeline.h"
@@ -255,8 +256,7 @@ void init_parameter(const std::string& name, at::Tensor& out, uint64_t seed, dou
     out.fill_(1.0);  // RMSNorm scales
     return;
   }
-  uint64_t h = 1469598103934665603ULL;  // FNV-1a of the name: the same on every machine
-  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
+  uint64_t h = fnv1a(name);  // the same on every machine
   h ^= seed * 0x9E3779B97F4A7C15ULL;
   at::Generator gen = at::detail::createCPUGenerator(h);
   if (out.scalar_type() == at::kFloat && out.is_contiguous()) {

@@ -1,0 +1,42 @@
+#include "hp/comm/agree.h"
+
+#include <ATen/ATen.h>
+
+#include "hp/core/error.h"
+
+namespace hp {
+
+namespace {
+// Where the backend moves small control values: the CPU, else the current CUDA device (nccl).
+c10::Device control_device(const CommPtr& comm) {
+  return comm->supports_device(c10::Device(c10::kCPU)) ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA);
+}
+}  // namespace
+
+int first_failed_rank(const CommPtr& comm, bool ok) {
+  const auto opts = at::TensorOptions().dtype(at::kInt).device(control_device(comm));
+  at::Tensor first = at::full({1}, ok ? comm->size() : comm->rank(), opts);
+  comm->all_reduce(first, {ReduceOp::MIN}).wait();
+  const int bad = first.cpu().item<int>();
+  return bad == comm->size() ? -1 : bad;
+}
+
+void raise_if_any_failed(const CommPtr& comm, const std::string& error, const std::string& what) {
+  const int bad = first_failed_rank(comm, error.empty());
+  if (bad < 0) return;
+  HP_CHECK(error.empty(), error);
+  throw Error(detail::str_cat(what, " failed on rank ", bad, " (its error says why)"));
+}
+
+bool all_ranks_equal(const CommPtr& comm, const at::Tensor& values, at::Tensor* max, at::Tensor* min) {
+  at::Tensor mx = values.clone(), mn = values.clone();
+  Work a = comm->all_reduce(mx, {ReduceOp::MAX});
+  Work b = comm->all_reduce(mn, {ReduceOp::MIN});
+  a.wait();
+  b.wait();
+  if (max) *max = mx;
+  if (min) *min = mn;
+  return at::equal(mx, mn);
+}
+
+}  // namespace hp
