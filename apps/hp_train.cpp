@@ -27,12 +27,14 @@
 #include <thread>
 
 #include "hp/ckpt/checkpoint.h"
+#include "hp/comm/agree.h"
 #include "hp/core/env.h"
 #include "hp/core/files.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/memory_estimate.h"
 #include "hp/runtime.h"
+#include "hp/train/checkpoint_manager.h"
 #include "hp/train/config.h"
 #include "hp/train/plan.h"
 #include "hp/train/report.h"
@@ -54,7 +56,8 @@ struct Args {
   double device_tflops = 0;
   int64_t memory_per_rank = 0;
   // --export-hf CKPT OUT [--dtype D] [--max-shard-size N]
-  std::string export_ckpt, export_out, export_dtype;
+  std::string export_ckpt, export_out;
+  c10::optional<at::ScalarType> export_dtype;  // --dtype; unset: the parameters'
   int64_t max_shard_bytes = 0;  // 0: the default
 };
 
@@ -173,9 +176,13 @@ Args parse_args(int argc, char** argv) {
       a.export_ckpt = value();
       a.export_out = value();
     } else if (s == "--dtype") {
-      a.export_dtype = value();
-      HP_CHECK(a.export_dtype == "fp32" || a.export_dtype == "bf16" || a.export_dtype == "fp16",
-               "hp-train: --dtype ", a.export_dtype, ": expected fp32, bf16 or fp16");
+      const std::string d = value();
+      static const std::vector<std::pair<const char*, at::ScalarType>> kDtypes = {
+          {"fp32", at::kFloat}, {"bf16", at::kBFloat16}, {"fp16", at::kHalf}};
+      for (const auto& [name, t] : kDtypes) {
+        if (d == name) a.export_dtype = t;
+      }
+      HP_CHECK(a.export_dtype.has_value(), "hp-train: --dtype ", d, ": expected fp32, bf16 or fp16");
     } else if (s == "--max-shard-size") {
       a.max_shard_bytes = parse_bytes(value(), "--max-shard-size");
     } else if (s == "--list-keys") {
@@ -187,7 +194,7 @@ Args parse_args(int argc, char** argv) {
     }
   }
   const bool exporting = !a.export_ckpt.empty();
-  HP_CHECK(exporting || (a.export_dtype.empty() && a.max_shard_bytes == 0),
+  HP_CHECK(exporting || (!a.export_dtype && a.max_shard_bytes == 0),
            "hp-train: --dtype and --max-shard-size only go with --export-hf");
   HP_CHECK(!exporting || (a.config.empty() && a.overrides.empty() && !a.verify && !a.resume && !a.estimate),
            "hp-train: --export-hf takes the model from the checkpoint: no --config, --set, --verify, --resume or "
@@ -207,120 +214,13 @@ Args parse_args(int argc, char** argv) {
 // True on every rank when `ok` is true on every rank. Otherwise the lowest failing rank
 // prints its message, and all return false together (no rank is left waiting).
 bool all_ok(const hp::CommPtr& world, bool ok, const std::string& message) {
-  at::Tensor first_bad = at::full({1}, ok ? world->size() : world->rank(), at::kInt);
-  world->all_reduce(first_bad, {hp::ReduceOp::MIN}).wait();
-  const int bad = first_bad.item<int>();
-  if (bad == world->size()) return true;
+  const int bad = hp::first_failed_rank(world, ok);
+  if (bad < 0) return true;
   if (bad == world->rank()) {
     std::cerr << "hp-train: error" << (world->size() > 1 ? " (rank " + std::to_string(bad) + ")" : "") << ": "
               << message << std::endl;
   }
   return false;
-}
-
-// Whether every rank resolved the same settings (mpirun's ':' form can start ranks with
-// different configs or --set values: they would train differently, or hang when the step
-// counts differ). Returns "" when they agree, else (on each rank that differs from rank 0)
-// the first differing key with both values.
-std::string config_mismatch(const hp::CommPtr& world, const std::vector<std::pair<std::string, std::string>>& mine) {
-  std::string text;
-  for (const auto& [k, v] : mine) text += k + "=" + v + "\n";
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ULL;
-  at::Tensor mx = at::full({1}, static_cast<int64_t>(h >> 1), at::kLong), mn = mx.clone();
-  world->all_reduce(mx, {hp::ReduceOp::MAX}).wait();
-  world->all_reduce(mn, {hp::ReduceOp::MIN}).wait();
-  if (mx.item<int64_t>() == mn.item<int64_t>()) return "";
-  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
-  world->broadcast(len, 0).wait();
-  at::Tensor bytes = at::zeros({len.item<int64_t>()}, at::kByte);
-  if (world->rank() == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
-  world->broadcast(bytes, 0).wait();
-  std::istringstream theirs(std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()));
-  std::map<std::string, std::string> on0;
-  for (std::string line; std::getline(theirs, line);) {
-    auto eq = line.find('=');
-    if (eq != std::string::npos) on0[line.substr(0, eq)] = line.substr(eq + 1);
-  }
-  for (const auto& [k, v] : mine) {
-    auto it = on0.find(k);
-    const std::string other = it == on0.end() ? "(not set)" : it->second;
-    if (other != v) {
-      return "the ranks were started with different configs: " + k + "=" + v + " on rank " +
-             std::to_string(world->rank()) + " but " + k + "=" + other + " on rank 0; every rank must run the same " +
-             "config and --set values";
-    }
-  }
-  return "";
-}
-
-// The newest committed checkpoint under `save_dir` (its 'latest' file names it).
-std::string latest_checkpoint(const std::string& save_dir) {
-  HP_CHECK(!save_dir.empty(), "--resume: no checkpoint folder (set save_dir or output_dir, or pass --resume DIR)");
-  std::ifstream f(save_dir + "/latest");
-  std::string name;
-  HP_CHECK(f && std::getline(f, name) && !name.empty(), "--resume: no checkpoint to resume from in '", save_dir,
-           "' (no 'latest' file: nothing was saved there yet)");
-  const std::string dir = save_dir + "/" + name;
-  HP_CHECK(std::filesystem::exists(hp::ckpt::committed_dir(dir) + "/metadata.json"), "--resume: '", save_dir,
-           "/latest' names ", name,
-           ", which is not a committed checkpoint (no metadata.json)");
-  return dir;
-}
-
-// Points save_dir/latest at `name` (written to a temporary name and renamed) and prunes all
-// but the newest keep_last_n committed checkpoints. Rank 0, after the save committed.
-void commit_latest(const hp::train::TrainConfig& c, const std::string& name) {
-  const std::string tmp = c.save_dir + "/latest.tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << name << "\n";
-    f.close();
-    HP_CHECK(f.good(), "could not write ", tmp);
-  }
-  // Durable before it replaces the old pointer, and the rename durable after.
-  hp::ckpt::fsync_path(tmp);
-  std::filesystem::rename(tmp, c.save_dir + "/latest");
-  hp::ckpt::fsync_path(c.save_dir);
-  if (c.keep_last_n <= 0) return;
-  std::vector<std::string> saved;
-  for (const auto& e : std::filesystem::directory_iterator(c.save_dir)) {
-    const std::string n = e.path().filename().string();
-    if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find('.') == std::string::npos &&
-        std::filesystem::exists(e.path() / "metadata.json")) {
-      saved.push_back(n);
-    }
-  }
-  std::sort(saved.begin(), saved.end());  // zero-padded: oldest first
-  for (size_t i = 0; i + static_cast<size_t>(c.keep_last_n) < saved.size(); ++i) {
-    if (saved[i] != name) {
-      const std::string error = hp::files::remove_tree(c.save_dir + "/" + saved[i]);
-      HP_CHECK(error.empty(), "keep_last_n: ", error);
-    }
-  }
-}
-
-// Saves the training state to save_dir/step_<k> (collective; committed by a rename), then
-// commit_latest. With async_save the state is copied and written in the background, and the
-// pointer moves once that save committed. Returns the folder.
-std::string save_checkpoint(hp::train::Trainer& t, const hp::train::TrainConfig& c, const hp::CommPtr& world) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(t.steps_done()));
-  const std::string name = buf, dir = c.save_dir + "/" + name;
-  std::filesystem::create_directories(c.save_dir);
-  const int rank = world->rank();
-  auto then = [c, name, rank] {
-    hp::ckpt::crash_point("latest", rank);
-    if (rank == 0) commit_latest(c, name);
-  };
-  if (c.async_save) {
-    t.save_async(dir, then);
-    return dir;
-  }
-  t.save(dir);
-  then();
-  world->barrier().wait();
-  return dir;
 }
 
 // --plan: rank 0 predicts (the others wait, without spinning), every rank returns its status.
@@ -385,11 +285,11 @@ int run(const Args& args, const hp::CommPtr& world) {
       const double need = std::max(construction, static_cast<double>(est.total()));
       const double avail = static_cast<double>(hp::memory::available_bytes());
       const int ranks = hp::local_world_size();
-      HP_CHECK(avail == 0 || need * ranks < avail, "the model (", c.model.num_params(), " parameters) needs about ",
+      HP_CHECK(avail == 0 || need * ranks < avail, "the model (", c.model->num_params(), " parameters) needs about ",
                format_bytes(static_cast<int64_t>(std::min(need, 9e18))), " per rank (", format_bytes(est.total()),
                " sharded, without activations), but this node has ", format_bytes(static_cast<int64_t>(avail)),
                " available for ", ranks, " rank(s); see hp-train --estimate");
-      data = make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);  // checks the file
+      data = make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);  // checks the file
       if (lead && !c.output_dir.empty()) {
         std::filesystem::create_directories(c.output_dir);
         // A previous run's curve must not sit beside this run's metrics.
@@ -402,7 +302,7 @@ int run(const Args& args, const hp::CommPtr& world) {
   }
   if (!all_ok(world, error.empty(), error)) return 1;
   if (!args.estimate) {
-    const std::string mismatch = config_mismatch(world, resolved_settings(c));
+    const std::string mismatch = settings_mismatch(world, resolved_settings(c));
     if (!all_ok(world, mismatch.empty(), mismatch)) return 1;
   }
 
@@ -410,21 +310,21 @@ int run(const Args& args, const hp::CommPtr& world) {
     say(describe(c));
     char line[256];
     std::snprintf(line, sizeof line, "parameters: %lld (%.3g B); largest block %lld",
-                  static_cast<long long>(c.model.num_params()), c.model.num_params() / 1e9,
-                  static_cast<long long>(c.model.largest_block_params()));
+                  static_cast<long long>(c.model->num_params()), c.model->num_params() / 1e9,
+                  static_cast<long long>(c.model->largest_block_params()));
     say(line);
     if (c.tensor_parallel > 1) {
       std::snprintf(line, sizeof line,
-                    "per tensor-parallel rank, before fully_shard: %lld parameters, largest block %lld (norms%s whole)",
-                    static_cast<long long>(c.model.params_per_tp_rank(c.tensor_parallel)),
-                    static_cast<long long>(c.model.largest_block_params_per_tp_rank(c.tensor_parallel)),
-                    c.model.type == "deepseek" ? ", MLA down-projections and routers" : "");
+                    "per tensor-parallel rank, before fully_shard: %lld parameters, largest block %lld (%s whole)",
+                    static_cast<long long>(c.model->params_per_tp_rank(c.tensor_parallel)),
+                    static_cast<long long>(c.model->largest_block_params_per_tp_rank(c.tensor_parallel)),
+                    c.model->whole_under_tp().c_str());
       say(line);
     }
     if (!stage_counts.empty()) {
       std::string st = "pipeline: " + std::to_string(stage_counts.size()) + " stages, parameters per stage (before tensor parallelism):";
       for (int64_t n : stage_counts) st += " " + std::to_string(n);
-      say(st + (c.pipeline_schedule == "zbv" ? "; rank r holds stages r and " + std::to_string(stage_counts.size() - 1) + " - r"
+      say(st + (c.pipeline_schedule == PipelineScheduleKind::kZBV ? "; rank r holds stages r and " + std::to_string(stage_counts.size() - 1) + " - r"
                                              : "; a rank holds stages r, r + " + std::to_string(c.pipeline_parallel) + ", ..."));
     }
     say("per rank, without activations: sharded params " + format_bytes(est.sharded_params) + ", grads " +
@@ -433,7 +333,7 @@ int run(const Args& args, const hp::CommPtr& world) {
         (est.post_forward_shares ? ", kept from forward to backward " + format_bytes(est.post_forward_shares) : "") +
         "; total " + format_bytes(est.total()));
     say("per rank while building the model: its shards plus one parameter in fp32 (the largest, " +
-        std::to_string(c.model.largest_param()) + " elements): " +
+        std::to_string(c.model->largest_param()) + " elements): " +
         format_bytes(static_cast<int64_t>(std::min(construction, 9e18))));
     say("activations: hp-train --plan measures them (and predicts the step time) for every layout");
     return 0;
@@ -480,12 +380,12 @@ int run(const Args& args, const hp::CommPtr& world) {
     error.clear();
     std::string dir = args.resume_dir;
     try {
-      if (dir.empty()) dir = latest_checkpoint(c.save_dir);
+      dir = CheckpointManager::resolve(dir.empty() ? c.save_dir : dir);
       trainer.load(dir);
       HP_CHECK(trainer.steps_done() <= c.train_steps, "resume from ", dir, ": it is at step ", trainer.steps_done(),
                ", past train_steps=", c.train_steps);
     } catch (const std::exception& e) {
-      error = e.what();
+      error = "--resume: " + std::string(e.what());
     }
     if (!all_ok(world, error.empty(), error)) return 1;
     say("resumed from " + dir + " after step " + std::to_string(trainer.steps_done()));
@@ -495,55 +395,42 @@ int run(const Args& args, const hp::CommPtr& world) {
     }
   }
 
-  std::vector<double> losses;
-  double total_s = 0, first_s = 0, worst_diff = 0, worst_rel = 0;
-  int64_t worst_step = 0, peak = 0;
+  CheckpointManager checkpoints(CheckpointManager::options_of(c), world);
+  double worst_diff = 0, worst_rel = 0, total_s = 0;
+  int64_t worst_step = 0;
   const int64_t first_step = trainer.steps_done();
-  for (int64_t s = first_step; s < c.train_steps; ++s) {
-    StepStats st;
-    try {
-      st = trainer.step();
-    } catch (const TrainingDiverged& e) {  // every rank raises it alike: report once, exit cleanly
-      if (lead) std::cerr << "hp-train: error: " << e.what() << std::endl;
-      return 1;
-    }
-    losses.push_back(st.loss);
+  TrainCallbacks cb;
+  cb.on_step = [&](const StepStats& st) {
     total_s += st.step_time_s;
-    if (s == first_step) first_s = st.step_time_s;
-    peak = std::max(peak, st.peak_bytes);
-    const double ref = args.verify && lead ? ref_loss[s] : std::numeric_limits<double>::quiet_NaN();
+    const double ref = args.verify && lead ? ref_loss[static_cast<size_t>(st.step - 1)]
+                                           : std::numeric_limits<double>::quiet_NaN();
     if (!std::isnan(ref)) {
       const double d = std::fabs(st.loss - ref);
-      if (s == first_step || std::isnan(d) || (!std::isnan(worst_diff) && d > worst_diff)) worst_diff = d, worst_step = st.step, worst_rel = d / std::fabs(ref);
+      if (st.step == first_step + 1 || std::isnan(d) || (!std::isnan(worst_diff) && d > worst_diff)) {
+        worst_diff = d, worst_step = st.step, worst_rel = d / std::fabs(ref);
+      }
     }
     if (metrics) metrics->step(st, ref);
     if (lead && (st.step % c.log_interval == 0 || st.step == 1 || st.step == c.train_steps)) {
-      const double eta = total_s / st.step * (c.train_steps - st.step);
+      const double eta = total_s / static_cast<double>(st.step - first_step) * static_cast<double>(c.train_steps - st.step);
       std::cout << progress_line(st, c.train_steps, eta, ref) << std::endl;
     }
-    if (c.save_interval > 0 && (st.step % c.save_interval == 0 || st.step == c.train_steps)) {
-      const std::string dir = save_checkpoint(trainer, c, world);
-      say((c.async_save ? "saving " + dir + " in the background" : "saved " + dir));
-    }
-  }
-  if (c.async_save) {
-    error.clear();
-    try {
-      trainer.wait_for_save();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    if (!all_ok(world, error.empty(), "the background save failed: " + error)) return 1;
+  };
+  cb.on_save = [&](const std::string& dir, bool background) {
+    say(background ? "saving " + dir + " in the background" : "saved " + dir);
+  };
+  TrainSummary sum;
+  try {
+    sum = trainer.train(&checkpoints, cb);
+  } catch (const TrainingDiverged& e) {  // every rank raises it alike: report once, exit cleanly
+    if (lead) std::cerr << "hp-train: error: " << e.what() << std::endl;
+    return 1;
   }
 
-  // Summary: the first step (warm-up of allocations and caches) is left out of the rate.
-  const double tokens = static_cast<double>(c.global_batch_size * c.seq_length);
-  const int64_t trained = c.train_steps - first_step;
-  const double rate = trained > 1 ? tokens * static_cast<double>(trained - 1) / (total_s - first_s) : tokens / total_s;
   char line[512];
   std::snprintf(line, sizeof line, "done: %lld steps in %s | loss %.4f -> %.4f | %s tok/s | peak %s per rank",
-                static_cast<long long>(trained), format_duration(total_s).c_str(), losses.front(),
-                losses.back(), format_rate(rate).c_str(), format_bytes(peak).c_str());
+                static_cast<long long>(sum.steps), format_duration(sum.seconds).c_str(), sum.losses.front(),
+                sum.losses.back(), format_rate(sum.tokens_per_s).c_str(), format_bytes(sum.peak_bytes).c_str());
   say(line);
   if (args.verify) {
     std::snprintf(line, sizeof line,
@@ -553,8 +440,9 @@ int run(const Args& args, const hp::CommPtr& world) {
   }
   if (metrics) {
     std::vector<std::pair<std::string, double>> fields = {
-        {"steps", static_cast<double>(c.train_steps)}, {"seconds", total_s},        {"first_loss", losses.front()},
-        {"final_loss", losses.back()},                 {"tokens_per_s", rate},      {"peak_bytes", static_cast<double>(peak)},
+        {"steps", static_cast<double>(c.train_steps)}, {"seconds", sum.seconds},
+        {"first_loss", sum.losses.front()},            {"final_loss", sum.losses.back()},
+        {"tokens_per_s", sum.tokens_per_s},            {"peak_bytes", static_cast<double>(sum.peak_bytes)},
         {"ranks", static_cast<double>(world->size())}};
     if (args.verify) {
       fields.push_back({"verify_max_abs_diff", worst_diff});
@@ -562,8 +450,8 @@ int run(const Args& args, const hp::CommPtr& world) {
     }
     metrics->summary(fields);
     metrics->finish();
-    write_loss_svg(c.output_dir + "/loss.svg", losses, ref_loss,
-                   c.model.type + " " + c.model.preset + ", " + std::to_string(world->size()) + " rank(s)");
+    write_loss_svg(c.output_dir + "/loss.svg", sum.losses, ref_loss,
+                   c.model.family().name() + " " + c.model.preset() + ", " + std::to_string(world->size()) + " rank(s)");
     say("wrote " + c.output_dir + "/metrics.jsonl and " + c.output_dir + "/loss.svg");
   }
   return 0;
@@ -603,15 +491,10 @@ int main(int argc, char** argv) {
     if (!args.export_ckpt.empty()) {
       hp::ckpt::ExportOptions o;
       if (args.max_shard_bytes > 0) o.max_shard_bytes = args.max_shard_bytes;
-      if (!args.export_dtype.empty()) {
-        o.dtype = args.export_dtype == "bf16" ? at::kBFloat16 : args.export_dtype == "fp16" ? at::kHalf : at::kFloat;
-      }
+      if (args.export_dtype) o.dtype = *args.export_dtype;
       // A checkpoint, or a save_dir whose 'latest' names one.
       std::string from = args.export_ckpt;
-      if (!std::filesystem::exists(hp::ckpt::committed_dir(from) + "/metadata.json") &&
-          std::filesystem::exists(from + "/latest")) {
-        from = latest_checkpoint(from);
-      }
+      if (std::filesystem::exists(from + "/latest")) from = hp::train::CheckpointManager::resolve(from);
       hp::train::export_hf(from, args.export_out, world, o);
       if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (Hugging Face Llama)" << std::endl;
       return 0;

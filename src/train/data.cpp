@@ -137,11 +137,11 @@ int64_t invalid_utf8_at(const uint8_t* s, size_t n) {
 class FileDataset : public TokenDataset {
  public:
   FileDataset(const DataSpec& spec, int64_t seq, int64_t vocab)
-      : file_(spec.path), seq_(seq), vocab_(vocab), kind_(spec.type) {
-    width_ = spec.type == "text" ? 1 : spec.token_dtype == "uint32" ? 4 : 2;
+      : file_(spec.path), seq_(seq), vocab_(vocab), kind_(to_string(spec.type)) {
+    width_ = spec.type == DataType::kText ? 1 : spec.token_dtype == TokenDtype::kUint32 ? 4 : 2;
     const std::string& p = spec.path;
     HP_CHECK(file_.size() % width_ == 0, "data.path '", p, "': ", file_.size(),
-             " bytes is not a whole number of ", spec.token_dtype, " tokens");
+             " bytes is not a whole number of ", to_string(spec.token_dtype), " tokens");
     tokens_ = file_.size() / width_;
     // The whole file in chunks; a UTF-8 sequence cut by a chunk's end is carried over.
     constexpr int64_t kChunk = int64_t(1) << 20;
@@ -153,7 +153,7 @@ class FileDataset : public TokenDataset {
       buf.resize(keep + static_cast<size_t>(n));
       file_.read(off, n, buf.data() + keep);
       const bool last = off + n == file_.size();
-      if (spec.type == "text") {
+      if (spec.type == DataType::kText) {
         int64_t bad = invalid_utf8_at(buf.data(), buf.size());
         if (bad >= 0 && !last && bad + 4 > static_cast<int64_t>(buf.size())) {
           buf.erase(buf.begin(), buf.begin() + bad);  // may complete in the next chunk
@@ -210,9 +210,9 @@ class FileDataset : public TokenDataset {
 
 std::unique_ptr<TokenDataset> make_dataset(const DataSpec& spec, int64_t seq_length, int64_t vocab,
                                            uint64_t seed) {
-  if (spec.type == "synthetic") return std::make_unique<SyntheticDataset>(spec.num_samples, seq_length, vocab, seed);
-  HP_CHECK(spec.type == "binary" || spec.type == "text", "data.type=", spec.type,
-           ": expected synthetic, binary or text");
+  if (spec.type == DataType::kSynthetic) {
+    return std::make_unique<SyntheticDataset>(spec.num_samples, seq_length, vocab, seed);
+  }
   return std::make_unique<FileDataset>(spec, seq_length, vocab);
 }
 

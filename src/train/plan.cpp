@@ -40,15 +40,7 @@ TrainConfig with_layers(const TrainConfig& c, int64_t layers) {
   one.tensor_parallel = 1;
   one.sequence_parallel = false;
   one.pipeline_parallel = 1;
-  if (c.model.type == "llama") {
-    one.model.llama.layers = layers;
-  } else {
-    auto& d = one.model.deepseek;
-    const bool any_moe = d.layers > d.dense_layers;
-    const bool any_dense = d.dense_layers > 0;
-    d.layers = layers;
-    d.dense_layers = any_moe ? (any_dense ? 1 : 0) : layers;
-  }
+  one.model->set_layers(layers);
   return one;
 }
 
@@ -61,7 +53,7 @@ struct FB {
 
 // Random inputs and next-token targets of `samples` sequences.
 std::pair<at::Tensor, at::Tensor> random_batch(const TrainConfig& c, int64_t samples) {
-  at::Tensor tokens = at::randint(0, c.model.vocab(), {samples, c.seq_length + 1}, at::kLong);
+  at::Tensor tokens = at::randint(0, c.model->vocab(), {samples, c.seq_length + 1}, at::kLong);
   return {tokens.narrow(1, 0, c.seq_length), tokens.narrow(1, 1, c.seq_length)};
 }
 
@@ -148,63 +140,11 @@ double time_optimizer(at::ScalarType dtype) {
   return median(t) / static_cast<double>(n);
 }
 
-// Activation elements one position of a block keeps for backward, counted from the shapes
-// (the norms' inputs and outputs, q, k, v, attention's probabilities over the sequence and
-// output, the MLP's four hidden-size products), and of the head (the logits, their fp32
-// copy and probabilities).
-struct ActivationCount {
-  double block = 0, head = 0;
-};
-ActivationCount activations_per_token(const TrainConfig& c) {
-  const double T = static_cast<double>(c.seq_length);
-  ActivationCount a;
-  if (c.model.type == "llama") {
-    const auto& l = c.model.llama;
-    const double kv = static_cast<double>(l.kv_heads * l.head_dim());
-    a.block = 6.0 * static_cast<double>(l.dim) + 2.0 * kv + 4.0 * static_cast<double>(l.hidden_dim()) +
-              static_cast<double>(l.heads) * T;
-    a.head = static_cast<double>(l.vocab);
-  } else {
-    const auto& d = c.model.deepseek;
-    const double hidden = d.layers > d.dense_layers
-                              ? static_cast<double>(d.expert_hidden * (d.experts_per_token + d.shared_experts))
-                              : static_cast<double>(d.dense_hidden);
-    a.block = 6.0 * static_cast<double>(d.dim) +
-              static_cast<double>(d.heads * (2 * (d.qk_nope_dim + d.qk_rope_dim) + d.v_head_dim)) +
-              static_cast<double>(d.q_lora_rank + d.kv_lora_rank) + 4.0 * hidden + static_cast<double>(d.heads) * T;
-    a.head = static_cast<double>(d.vocab);
-  }
-  return a;
-}
-
-// Forward FLOPs of one sequence position: per block (matmuls of the active parameters and
-// attention's two products over the sequence) and of the head.
-struct FlopCount {
-  double block = 0, head = 0;
-};
-FlopCount flops_per_token(const TrainConfig& c) {
-  FlopCount f;
-  const double T = static_cast<double>(c.seq_length);
-  if (c.model.type == "llama") {
-    const auto& l = c.model.llama;
-    f.block = 2.0 * static_cast<double>(l.block_params()) + 4.0 * T * static_cast<double>(l.dim);
-    f.head = 2.0 * static_cast<double>(l.vocab * l.dim);
-  } else {
-    const auto& d = c.model.deepseek;
-    const double idle_experts = static_cast<double>(d.experts - d.experts_per_token) * 3.0 *
-                                static_cast<double>(d.dim * d.expert_hidden);
-    const double active = static_cast<double>(d.largest_block_params()) - (d.layers > d.dense_layers ? idle_experts : 0);
-    f.block = 2.0 * active + 2.0 * T * static_cast<double>(d.heads * (d.qk_nope_dim + d.qk_rope_dim + d.v_head_dim));
-    f.head = 2.0 * static_cast<double>(d.vocab * d.dim);
-  }
-  return f;
-}
-
 // FLOP/s of this process's matmul at the model's shapes (each side at most 1024), in the
 // compute dtype.
 double measure_matmul(const TrainConfig& c, int64_t tokens) {
-  const int64_t dim = c.model.dim();
-  const int64_t hidden = c.model.type == "llama" ? c.model.llama.hidden_dim() : c.model.deepseek.dense_hidden;
+  const int64_t dim = c.model->dim();
+  const int64_t hidden = c.model->ffn_hidden();
   const int64_t M = std::min<int64_t>(tokens, 1024), K = std::min<int64_t>(dim, 1024), N = std::min<int64_t>(hidden, 1024);
   at::Tensor a = at::randn({M, K}).to(c.compute_dtype), b = at::randn({K, N}).to(c.compute_dtype);
   std::vector<double> t;
@@ -229,7 +169,7 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
   // Under tensor parallelism fully_shard shards each tp rank's pieces. Under pipeline
   // parallelism a rank holds its stages only: the fullest pp rank's share, with tensor
   // parallelism dividing it as it divides the whole model.
-  r.rank_params = c.model.params_per_tp_rank(c.tensor_parallel);
+  r.rank_params = c.model->params_per_tp_rank(c.tensor_parallel);
   if (c.pipeline_parallel > 1) {
     r.stage_counts = stage_params(c);
     const pp::Schedule sched = pipeline_schedule(c);
@@ -239,16 +179,16 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
     }
     const int64_t fullest = *std::max_element(held.begin(), held.end());
     r.rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(r.rank_params) /
-                                         static_cast<double>(c.model.num_params()));
+                                         static_cast<double>(c.model->num_params()));
   }
-  r.estimate = estimate_memory(r.rank_params, c.model.largest_block_params_per_tp_rank(c.tensor_parallel),
+  r.estimate = estimate_memory(r.rank_params, c.model->largest_block_params_per_tp_rank(c.tensor_parallel),
                                c.params_dtype, mixed_precision(c),
                                {c.data_parallel, c.data_parallel_shard,
                                 // optim_grads keeps parameters gathered until backward: a group of 1
-                                c.data_parallel_shard_strategy == "optim_grads" ? 1 : c.reshard_after_forward_group_size});
+                                c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads ? 1 : c.reshard_after_forward_group_size});
   // Each rank builds the model without storage and materializes its shards one parameter at
   // a time: its shards plus the largest parameter in fp32 (and its low-precision cast).
-  const double largest = 4.0 * static_cast<double>(c.model.largest_param());
+  const double largest = 4.0 * static_cast<double>(c.model->largest_param());
   r.construction = static_cast<double>(r.estimate.sharded_params) + largest * (c.params_dtype == at::kFloat ? 1 : 2);
   return r;
 }
@@ -268,9 +208,9 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
       const double tokens = static_cast<double>(samples * c.seq_length);
       auto need = [&](const TrainConfig& k) {
         // Parameters and their gradients in fp32, logits with their softmax and gradient.
-        return 8.0 * static_cast<double>(k.model.num_params()) + 3.0 * 4.0 * tokens * static_cast<double>(c.model.vocab());
+        return 8.0 * static_cast<double>(k.model->num_params()) + 3.0 * 4.0 * tokens * static_cast<double>(c.model->vocab());
       };
-      const int64_t L = c.model.layers();
+      const int64_t L = c.model->layers();
       int64_t deep = std::max<int64_t>(2, L);
       while (deep > 2 && copies * need(with_layers(c, deep)) > static_cast<double>(budget_bytes)) deep /= 2;
       const TrainConfig two = with_layers(c, std::max<int64_t>(2, deep));
@@ -278,32 +218,32 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
       if (device_tflops <= 0 && copies * need(two) <= static_cast<double>(budget_bytes)) {
         p.activations_first = measure_activations(with_layers(c, 1), samples);
         p.activations_layer =
-            std::max(0.0, measure_activations(two, samples) - p.activations_first) / static_cast<double>(two.model.layers() - 1);
+            std::max(0.0, measure_activations(two, samples) - p.activations_first) / static_cast<double>(two.model->layers() - 1);
         const auto t = time_forward_backward({with_layers(c, 1), two}, samples, copies);
         p.contended = copies > 1;
-        const double extra = static_cast<double>(two.model.layers() - 1);
+        const double extra = static_cast<double>(two.model->layers() - 1);
         p.forward_first = t[0].forward;
         p.backward_first = t[0].backward;
         p.forward_layer = std::max(0.0, t[1].forward - t[0].forward) / extra;
         p.backward_layer = std::max(0.0, t[1].backward - t[0].backward) / extra;
-        p.matmul_forward_layer = flops_per_token(c).block * tokens / measure_matmul(c, static_cast<int64_t>(tokens));
-        p.source = "measured here: the model at 1 and " + std::to_string(two.model.layers()) + " layers, " +
+        p.matmul_forward_layer = c.model->flops_per_token(c.seq_length).block * tokens / measure_matmul(c, static_cast<int64_t>(tokens));
+        p.source = "measured here: the model at 1 and " + std::to_string(two.model->layers()) + " layers, " +
                    std::to_string(threads) + " thread(s)" +
                    (copies > 1 ? ", " + std::to_string(copies) + " copies at once (the ranks sharing a node)" : "");
       } else {
         const double rate = device_tflops > 0 ? 0.5 * device_tflops * 1e12
                                               : measure_matmul(c, static_cast<int64_t>(tokens));
-        const FlopCount f = flops_per_token(c);
-        const double recompute = c.recompute == "none" ? 0 : 1;  // forward again in backward
+        const models::FlopCount f = c.model->flops_per_token(c.seq_length);
+        const double recompute = c.recompute == Recompute::kNone ? 0 : 1;  // forward again in backward
         p.forward_layer = f.block * tokens / rate;
         p.matmul_forward_layer = p.forward_layer;
         p.forward_first = p.forward_layer + f.head * tokens / rate;
         p.backward_layer = (2.0 + recompute) * p.forward_layer;
         p.backward_first = 2.0 * p.forward_first + recompute * p.forward_layer;
         // Recompute keeps a block's input alone (one block's whole set while it reruns).
-        const ActivationCount a = activations_per_token(c);
+        const models::ActivationCount a = c.model->activations_per_token(c.seq_length);
         const double elem = static_cast<double>(c10::elementSize(c.compute_dtype));
-        const double dim = static_cast<double>(c.model.dim());
+        const double dim = static_cast<double>(c.model->dim());
         p.activations_layer = tokens * elem * (recompute > 0 ? dim : a.block);
         p.activations_first = p.activations_layer + tokens * (elem + 8.0) * a.head +
                               (recompute > 0 ? tokens * elem * a.block : 0);
@@ -346,7 +286,7 @@ std::string PlanRow::layout() const {
                   std::to_string(config.data_parallel_shard) + " tp=" + std::to_string(config.tensor_parallel) +
                   " pp=" + std::to_string(config.pipeline_parallel);
   if (config.pipeline_parallel > 1) {
-    s += " (" + config.pipeline_schedule;
+    s += " (" + to_string(config.pipeline_schedule);
     if (config.pipeline_parallel_interleave_num > 1) s += " x" + std::to_string(config.pipeline_parallel_interleave_num);
     s += ")";
   }
@@ -397,7 +337,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         if (p != base.pipeline_parallel) c.pipeline_stage_layers.clear();
         if (p == 1) {
           c.pipeline_parallel_interleave_num = 1;
-          c.pipeline_schedule = "auto";
+          c.pipeline_schedule = PipelineScheduleKind::kAuto;
         }
         row.threads = o.device ? 0 : threads;
         row.overlap = overlap;
@@ -420,7 +360,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         }
         row.feasible = true;
 
-        const int64_t m = c.micro_batch_num, L = c.model.layers();
+        const int64_t m = c.micro_batch_num, L = c.model->layers();
         // Timed with the node's other ranks running beside (sharing caches and memory
         // bandwidth, and the cores when they outnumber them), when ranks share this node.
         const ComputeProfile prof = compute(c.micro_batch_size(), threads, o.device ? 1 : per_node);
@@ -430,12 +370,12 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         const double rank_params = static_cast<double>(row.memory.rank_params);
         const double optimizer = prof.optimizer_per_param * rank_params / static_cast<double>(s);
         const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
-        const double dim = static_cast<double>(c.model.dim());
+        const double dim = static_cast<double>(c.model->dim());
         const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) * dim * act_elem;
         // Activations a rank keeps under tensor parallelism: the head's logits split; of a
         // block, the inputs of the norms (without sequence parallel) and of the column-parallel
         // products (gathered whole) on every rank, the rest split (shares from the shapes).
-        const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / activations_per_token(c).block;
+        const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / c.model->activations_per_token(c.seq_length).block;
         // Its compute: the matrix products divide by the degree; of the rest (norms, residual
         // adds, elementwise), the work on whole activations stays whole on every rank, in the
         // activations' shares (before session 10 everything was divided, and tp layouts were
@@ -542,7 +482,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           const double rounds = p == 1 ? static_cast<double>(m) : 1.0;
           const double ops = static_cast<double>(rank_layers + 1);
           // (A pipeline keeps every stage's parameters through the step.)
-          const double again = c.data_parallel_shard_strategy == "optim_grads" || p > 1 ? 0.0 : (ops - 2.0) / ops;
+          const double again = c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads || p > 1 ? 0.0 : (ops - 2.0) / ops;
           const double gathers = rounds * (1.0 + std::max(0.0, again));
           const LinkModel shard_link = link_of(0, t, s);
           const double gather = comm("all_gather", gather_bytes, s, shard_link, ops);

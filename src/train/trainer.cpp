@@ -14,15 +14,15 @@
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/ckpt/safetensors.h"
+#include "hp/comm/agree.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/fsdp/master_weights.h"
-#include "hp/models/deepseek.h"
-#include "hp/models/llama.h"
-#include "hp/models/tensor_parallel.h"
+#include "hp/models/family.h"
 #include "hp/optim/foreach_adamw.h"
 #include "hp/pp/pipeline.h"
+#include "hp/train/checkpoint_manager.h"
 #include "hp/tp/dtensor.h"
 
 namespace hp::train {
@@ -31,8 +31,14 @@ double lr_at(const TrainConfig& c, int64_t step) {
   if (step < c.lr_warmup_steps) return c.lr * static_cast<double>(step + 1) / c.lr_warmup_steps;
   const int64_t decay_steps = std::max<int64_t>(1, c.train_steps - c.lr_warmup_steps);
   const double progress = std::min(1.0, static_cast<double>(step - c.lr_warmup_steps + 1) / decay_steps);
-  if (c.lr_decay_style == "constant") return c.lr;
-  if (c.lr_decay_style == "linear") return c.lr - (c.lr - c.min_lr) * progress;
+  switch (c.lr_decay_style) {
+    case LrDecay::kConstant:
+      return c.lr;
+    case LrDecay::kLinear:
+      return c.lr - (c.lr - c.min_lr) * progress;
+    case LrDecay::kCosine:
+      break;
+  }
   return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(M_PI * progress));
 }
 
@@ -85,36 +91,6 @@ void cast_params(torch::nn::Module& m, at::ScalarType dtype) {
   }
 }
 
-template <typename Holder>
-class ModelOf : public TrainModel {
- public:
-  explicit ModelOf(Holder m) : m_(std::move(m)) {}
-  torch::nn::Module& root() override { return *m_; }
-  std::vector<torch::nn::Module*> blocks() override {
-    std::vector<torch::nn::Module*> out;
-    for (auto& b : m_->blocks) out.push_back(b.get());
-    return out;
-  }
-  at::Tensor forward(const at::Tensor& tokens, bool hooked) override {
-    return hooked ? hp::call(m_, tokens) : m_->forward(tokens);
-  }
-  at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) override {
-    return m_->loss_of_logits(logits, targets);
-  }
-  void parallelize(const CommPtr& tp, bool sequence_parallel, c10::optional<at::ScalarType> reduce_dtype) override {
-    models::TensorParallelOptions o;
-    o.sequence_parallel = sequence_parallel;
-    o.reduce_dtype = reduce_dtype;
-    models::parallelize(m_, tp, o);
-  }
-  void after_step(const CommPtr& dp) override {
-    if constexpr (std::is_same_v<Holder, models::DeepSeek>) m_->update_balancing_bias(dp);
-  }
-
- private:
-  Holder m_;
-};
-
 // AdamW (multi-tensor, same results as libtorch's) with weight decay on matrices
 // (dim >= 2) and none on norm scales and vectors.
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const std::vector<at::Tensor>& params) {
@@ -153,21 +129,8 @@ at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, 
 std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred, const models::PipelineSlice& slice) {
   std::unique_ptr<memory::DeferredAllocation> scope;
   if (deferred) scope = std::make_unique<memory::DeferredAllocation>();
-  std::unique_ptr<TrainModel> out;
-  c10::optional<RecomputePolicy> recompute;
-  if (c.recompute == "full") recompute = RecomputePolicy::kFull;
-  if (c.recompute == "selective") recompute = RecomputePolicy::kKeepMatmuls;
-  if (c.model.type == "llama") {
-    models::Llama m(c.model.llama, slice);
-    if (!deferred) m->init_weights(c.seed);
-    m->recompute = recompute;
-    out = std::make_unique<ModelOf<models::Llama>>(m);
-  } else {
-    models::DeepSeek m(c.model.deepseek, slice);
-    if (!deferred) m->init_weights(c.seed);
-    m->recompute = recompute;
-    out = std::make_unique<ModelOf<models::DeepSeek>>(m);
-  }
+  std::unique_ptr<TrainModel> out = c.model->build(slice, recompute_policy(c.recompute));
+  if (!deferred) out->init_weights(c.seed);
   cast_params(out->root(), c.params_dtype);
   return out;
 }
@@ -175,8 +138,8 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred, cons
 std::vector<int64_t> stage_params(const TrainConfig& c) {
   const int stages = static_cast<int>(c.pipeline_parallel * c.pipeline_parallel_interleave_num);
   std::vector<int64_t> out;
-  for (const auto& slice : models::split_layers(c.model.layers(), stages, c.pipeline_stage_layers)) {
-    out.push_back(c.model.stage_params(slice));
+  for (const auto& slice : models::split_layers(c.model->layers(), stages, c.pipeline_stage_layers)) {
+    out.push_back(c.model->stage_params(slice));
   }
   return out;
 }
@@ -184,11 +147,21 @@ std::vector<int64_t> stage_params(const TrainConfig& c) {
 pp::Schedule pipeline_schedule(const TrainConfig& c) {
   const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
   const int m = static_cast<int>(c.micro_batch_num);
-  return c.pipeline_schedule == "gpipe"  ? pp::gpipe(pp, m)
-         : c.pipeline_schedule == "1f1b" ? pp::one_f_one_b(pp, m)
-         : c.pipeline_schedule == "zbh1" ? pp::zero_bubble_h1(pp, m)
-         : c.pipeline_schedule == "zbv"  ? pp::zero_bubble_v(pp, m)
-                                         : pp::interleaved_1f1b(pp, v, m);
+  switch (c.pipeline_schedule) {
+    case PipelineScheduleKind::kGPipe:
+      return pp::gpipe(pp, m);
+    case PipelineScheduleKind::k1F1B:
+      return pp::one_f_one_b(pp, m);
+    case PipelineScheduleKind::kZBH1:
+      return pp::zero_bubble_h1(pp, m);
+    case PipelineScheduleKind::kZBV:
+      return pp::zero_bubble_v(pp, m);
+    case PipelineScheduleKind::kInterleaved:
+      return pp::interleaved_1f1b(pp, v, m);
+    case PipelineScheduleKind::kAuto:
+      break;
+  }
+  throw Error("pipeline_schedule: the config is not validated (auto is not resolved)");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -284,7 +257,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     FullyShardOptions o;
     o.param_init = models::parameter_initializer(m.root(), c.seed);
     o.mesh = s.mesh;
-    o.reshard_after_forward = c.data_parallel_shard_strategy == "optim_grads_params";
+    o.reshard_after_forward = c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams;
     o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
     o.comm_fusion = c.comm_fusion;
     o.mp_policy = mixed_precision(c);
@@ -325,7 +298,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   } else {
     const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
     pp::Schedule schedule = pipeline_schedule(c);
-    const auto slices = models::split_layers(c.model.layers(), pp * v, c.pipeline_stage_layers);
+    const auto slices = models::split_layers(c.model->layers(), pp * v, c.pipeline_stage_layers);
     std::vector<pp::PipelineStage> stages;
     std::vector<int> stage_of;  // per params[i]: the stage holding it
     for (int st : schedule.stages_of(s.pp->rank())) {
@@ -340,7 +313,10 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     for (size_t k = 0; k < stages.size(); ++k) {
       if (stages[k].stage == pp * v - 1) last = s.stages[k].get();
     }
-    if (c.model.type == "llama" && c.model.llama.tie_embeddings) {
+    const std::vector<std::string> tied_names = c.model->tied_parameters();
+    HP_CHECK(tied_names.size() <= 1, "model family ", c.model.family().name(), ": ", tied_names.size(),
+             " tied parameters under pipeline parallelism is not supported yet (one is)");
+    if (!tied_names.empty()) {
       // On two ranks, summed over a group of the two (split off the pp group by every rank);
       // on one (ZBV puts the first and the last stage on rank 0), summed here.
       const int first = schedule.rank_of(0), last_rank = schedule.rank_of(pp * v - 1);
@@ -349,7 +325,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       }
       // This rank's copies: on the first stage, and (skipped by the norm) on the last.
       for (size_t i = 0; i < s.params.size(); ++i) {
-        if (s.names[i] != "tok_emb.weight") continue;
+        if (s.names[i] != tied_names.front()) continue;
         s.tied.push_back(i);
         s.norm_skip[i] = stage_of[i] == pp * v - 1;
       }
@@ -367,7 +343,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     s.opt = make_adamw(c, s.params);
   }
 
-  s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
+  s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
   if (!c.init_from_hf.empty()) load_hf(c.init_from_hf);
@@ -456,6 +432,33 @@ StepStats Trainer::step() {
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
   ++s.steps;
   return st;
+}
+
+TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks& cb) {
+  const TrainConfig& c = impl_->c;
+  TrainSummary out;
+  out.first_step = steps_done();
+  double first_s = 0;
+  while (steps_done() < c.train_steps) {
+    const StepStats st = step();
+    out.losses.push_back(st.loss);
+    out.seconds += st.step_time_s;
+    if (out.steps++ == 0) first_s = st.step_time_s;
+    out.peak_bytes = std::max(out.peak_bytes, st.peak_bytes);
+    if (cb.on_step) cb.on_step(st);
+    if (checkpoints && checkpoints->due(st.step, c.train_steps)) {
+      const std::string dir = checkpoints->save(*this);
+      if (cb.on_save) cb.on_save(dir, checkpoints->options().async);
+    }
+  }
+  if (checkpoints && checkpoints->options().async) checkpoints->wait(*this);
+  const double tokens = static_cast<double>(c.global_batch_size * c.seq_length);
+  if (out.steps > 1) {
+    out.tokens_per_s = tokens * static_cast<double>(out.steps - 1) / (out.seconds - first_s);
+  } else if (out.steps == 1) {
+    out.tokens_per_s = tokens / out.seconds;
+  }
+  return out;
 }
 
 namespace {
@@ -585,9 +588,18 @@ void Trainer::load(const std::string& dir) {
   // The saved settings first (the metadata alone): a changed model is named by its key,
   // not by the first tensor whose shape it changed.
   const std::map<std::string, std::string> values = ckpt::load({}, dir);
+  // Compared as values (the saved text is parsed as the config's would be), not as text.
+  std::vector<std::pair<std::string, std::string>> saved;
+  for (const auto& [k, v] : values) {
+    if (k.rfind("config.model.", 0) == 0) saved.emplace_back(k.substr(7), v);
+  }
+  TrainConfig then;
+  then.model = model_from_settings(saved, "resume from " + dir + ": the checkpoint's config");
+  const auto theirs = fixed_settings(then);
   for (const auto& [k, v] : fixed_settings(s.c)) {
     auto it = values.find("config." + k);
-    HP_CHECK(it != values.end() && it->second == v, "resume from ", dir, ": ", k, "=",
+    auto parsed = std::find_if(theirs.begin(), theirs.end(), [&k = k](const auto& e) { return e.first == k; });
+    HP_CHECK(it != values.end() && parsed != theirs.end() && parsed->second == v, "resume from ", dir, ": ", k, "=",
              it == values.end() ? std::string("(not saved)") : it->second, " in the checkpoint but ", k, "=", v,
              " in this config (the model cannot change on resume)");
   }
@@ -621,14 +633,15 @@ namespace {
 // The Hugging Face name of each parameter of the config's model, after checking the
 // folder's config.json against it.
 std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::string& dir) {
-  HP_CHECK(c.model.type == "llama", "init_from_hf: model.type=", c.model.type, " is not supported yet (llama only)");
+  HP_CHECK(c.model->supports_hf(), "init_from_hf: model.type=", c.model.family().name(),
+           " is not supported yet (the family has no Hugging Face names)");
   const std::string path = dir + "/config.json";
   std::ifstream f(path);
   HP_CHECK(f.good(), "init_from_hf: '", dir, "' has no config.json (not a Hugging Face model folder)");
   std::stringstream text;
   text << f.rdbuf();
-  models::check_hf_config(c.model.llama, text.str(), path);
-  const auto names = models::hf_names(c.model.llama);
+  c.model->check_hf_config(text.str(), path);
+  const auto names = c.model->hf_names();
   return {names.begin(), names.end()};
 }
 
@@ -660,39 +673,25 @@ void Trainer::load_hf(const std::string& dir) {
     error = e.what();
   }
   // Each rank reads other bytes: a failure on one raises on all.
-  at::Tensor first = at::full({1}, error.empty() ? s.world->size() : s.world->rank(), at::kInt);
-  s.world->all_reduce(first, {ReduceOp::MIN}).wait();
-  const int bad = first.item<int>();
-  HP_CHECK(error.empty(), error);
-  HP_CHECK(bad == s.world->size(), "loading '", dir, "' failed on rank ", bad, " (its error says why)");
+  raise_if_any_failed(s.world, error, "loading '" + dir + "'");
 }
 
 void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const CommPtr& world,
                ckpt::ExportOptions o) {
   const auto values = ckpt::load({}, ckpt_dir);
-  auto value = [&](const std::string& key) {
-    auto it = values.find("config.model." + key);
-    HP_CHECK(it != values.end(), "export of '", ckpt_dir, "': the checkpoint has no config.model.", key,
-             " (not saved by hp-train)");
-    return it->second;
-  };
-  HP_CHECK(value("type") == "llama", "export of '", ckpt_dir, "': model.type=", value("type"),
-           " is not supported yet (llama only)");
-  models::LlamaConfig m;
-  m.vocab = std::stoll(value("vocab"));
-  m.dim = std::stoll(value("dim"));
-  m.layers = std::stoll(value("layers"));
-  m.heads = std::stoll(value("heads"));
-  m.kv_heads = std::stoll(value("kv_heads"));
-  m.ffn_dim = std::stoll(value("ffn_dim"));
-  m.max_seq = std::stoll(value("max_seq"));
-  m.rope_theta = std::stod(value("rope_theta"));
-  m.norm_eps = std::stod(value("norm_eps"));
-  m.tie_embeddings = value("tie_embeddings") == "1";
-  m.validate();
+  std::vector<std::pair<std::string, std::string>> settings;
+  for (const auto& [k, v] : values) {
+    if (k.rfind("config.model.", 0) == 0) settings.emplace_back(k.substr(7), v);
+  }
+  HP_CHECK(!settings.empty(), "export of '", ckpt_dir, "': the checkpoint has no config.model.* settings (not saved by ",
+           "hp-train)");
+  const ModelSpec model = model_from_settings(settings, "export of '" + ckpt_dir + "'");
+  HP_CHECK(model->supports_hf(), "export of '", ckpt_dir, "': model.type=", model.family().name(),
+           " is not supported yet (the family has no Hugging Face names)");
+  model->validate();
   const auto saved = ckpt::saved_tensors(ckpt_dir);
   std::vector<std::pair<std::string, std::string>> tensors;
-  for (const auto& [ours, theirs] : models::hf_names(m)) {
+  for (const auto& [ours, theirs] : model->hf_names()) {
     auto it = saved.find(ours);
     HP_CHECK(it != saved.end(), "export of '", ckpt_dir, "': the checkpoint lacks the parameter '", ours, "'");
     // Written in the parameters' dtype unless asked otherwise (fp32 masters are the source
@@ -700,7 +699,7 @@ void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const Co
     if (!o.dtype) o.dtype = ckpt::dtype_from_string(it->second.dtype);
     tensors.emplace_back(saved.count(ours + ".master") ? ours + ".master" : ours, theirs);
   }
-  ckpt::export_consolidated(ckpt_dir, tensors, out_dir, world, o, {{"config.json", models::hf_config(m, *o.dtype)}});
+  ckpt::export_consolidated(ckpt_dir, tensors, out_dir, world, o, {{"config.json", model->hf_config(*o.dtype)}});
 }
 
 int64_t Trainer::steps_done() const { return impl_->steps; }
@@ -762,7 +761,7 @@ ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const
     for (size_t i = 0; i < named.size(); ++i) s.model_params[i].copy_(stored[i]);
   }
   s.opt = make_adamw(c, s.opt_params);
-  s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
+  s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
 }

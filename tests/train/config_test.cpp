@@ -7,8 +7,10 @@
 #include <cmath>
 
 #include "hp/core/error.h"
+#include "hp/models/deepseek.h"
 #include "hp/train/config.h"
 #include "test_util.h"
+#include "toy_family.h"
 #include "hp/train/trainer.h"
 
 namespace ht = hp::train;
@@ -31,7 +33,7 @@ std::string error_of(const std::string& yaml, const std::vector<std::string>& ov
 TEST(TrainConfig, ShippedDemoConfigReadsAsWritten) {
   ht::TrainConfig c = ht::load_config(HP_SOURCE_DIR "/configs/deepseek_tiny.yaml");
   c.validate(4);
-  EXPECT_EQ(c.model.type, "deepseek");
+  EXPECT_EQ(c.model.family().name(), "deepseek");
   EXPECT_EQ(c.params_dtype, at::kBFloat16);
   EXPECT_EQ(c.compute_dtype, at::kBFloat16);
   EXPECT_TRUE(c.accumulate_allreduce_grads_in_fp32);
@@ -50,19 +52,19 @@ TEST(TrainConfig, ShippedDemoConfigReadsAsWritten) {
 
 TEST(TrainConfig, DefaultsOverridesAndPresets) {
   ht::TrainConfig c = ht::parse_config("params_dtype: bf16\nmodel:\n  dim: 96\n", {"model.dim=128", "lr=0.5"});
-  EXPECT_EQ(c.model.deepseek.dim, 128);  // --set wins over the file
+  EXPECT_EQ(c.model.config<hp::models::DeepSeekConfig>().dim, 128);  // --set wins over the file
   EXPECT_EQ(c.lr, 0.5);
   EXPECT_EQ(c.compute_dtype, at::kBFloat16);  // compute_dtype defaults to params_dtype
   EXPECT_FALSE(c.accumulate_allreduce_grads_in_fp32);
-  EXPECT_EQ(c.model.deepseek.experts, hp::models::DeepSeekConfig::tiny().experts);
+  EXPECT_EQ(c.model.config<hp::models::DeepSeekConfig>().experts, hp::models::DeepSeekConfig::tiny().experts);
 
   ht::TrainConfig big = ht::parse_config("model:\n  type: deepseek\n  preset: deepseek_v3\n  layers: 4\n");
-  EXPECT_EQ(big.model.deepseek.dim, 7168);
-  EXPECT_EQ(big.model.deepseek.layers, 4);  // fields override the preset whatever their order
+  EXPECT_EQ(big.model.config<hp::models::DeepSeekConfig>().dim, 7168);
+  EXPECT_EQ(big.model.config<hp::models::DeepSeekConfig>().layers, 4);  // fields override the preset whatever their order
 
   ht::TrainConfig ll = ht::parse_config("model:\n  kv_heads: 1\n  type: llama\n");
-  EXPECT_EQ(ll.model.type, "llama");
-  EXPECT_EQ(ll.model.llama.kv_heads, 1);
+  EXPECT_EQ(ll.model.family().name(), "llama");
+  EXPECT_EQ(ll.model.config<hp::models::LlamaConfig>().kv_heads, 1);
   ll.validate(1);
   EXPECT_EQ(ll.data_parallel_shard, 1);
 
@@ -226,13 +228,13 @@ TEST(TrainSchedule, WarmupThenCosineOrLinear) {
   EXPECT_NEAR(ht::lr_at(c, 4), 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 0.1)), 1e-12);  // decay 1/10
   EXPECT_NEAR(ht::lr_at(c, 8), 0.1 + 0.9 * 0.5, 1e-12);  // decay 5/10: cos = 0
   EXPECT_NEAR(ht::lr_at(c, 13), 0.1, 1e-12);             // the last step runs at min_lr
-  c.lr_decay_style = "linear";
+  c.lr_decay_style = ht::LrDecay::kLinear;
   EXPECT_NEAR(ht::lr_at(c, 5), 1.0 - 0.9 * 0.2, 1e-12);
   EXPECT_NEAR(ht::lr_at(c, 13), 0.1, 1e-12);
-  c.lr_decay_style = "constant";
+  c.lr_decay_style = ht::LrDecay::kConstant;
   EXPECT_DOUBLE_EQ(ht::lr_at(c, 12), 1.0);
   c.lr_warmup_steps = 0;
-  c.lr_decay_style = "cosine";
+  c.lr_decay_style = ht::LrDecay::kCosine;
   c.train_steps = 2;
   EXPECT_NEAR(ht::lr_at(c, 0), 0.1 + 0.9 * 0.5, 1e-12);  // two steps: halfway, then the end
   EXPECT_NEAR(ht::lr_at(c, 1), 0.1, 1e-12);
@@ -266,13 +268,105 @@ TEST(Config, StageParameterCountsMatchTheBuiltStages) {
   for (const auto& [yaml, overrides] : cases) {
     ht::TrainConfig c = ht::parse_config(yaml, overrides, "stages.yaml");
     for (int stages : {1, 2, 3, 4}) {
-      for (const auto& slice : hp::models::split_layers(c.model.layers(), stages)) {
+      for (const auto& slice : hp::models::split_layers(c.model->layers(), stages)) {
         auto m = ht::make_model(c, /*deferred=*/true, slice);
         int64_t built = 0;
         for (const auto& p : m->root().parameters()) built += p.numel();
-        EXPECT_EQ(c.model.stage_params(slice), built)
+        EXPECT_EQ(c.model->stage_params(slice), built)
             << yaml << " stages " << stages << " layers [" << slice.first_layer << ", " << slice.end_layer << ")";
       }
     }
   }
+}
+
+// The key table's defaults are TrainConfig{}'s: each key's listed default, set explicitly,
+// gives a config equal to the default one, and so does the empty config.
+TEST(TrainConfig, EveryKeysDefaultIsTheDefaultConfigs) {
+  const auto want = ht::resolved_settings(ht::TrainConfig{});
+  EXPECT_EQ(ht::resolved_settings(ht::parse_config("")), want);
+  int checked = 0;
+  for (const auto& k : ht::config_keys()) {
+    // Derived defaults name their source instead of a value; the model's fields are the
+    // preset's (checked below).
+    if (k.default_value == "preset" || k.default_value == "params_dtype" ||
+        k.default_value == "output_dir/checkpoints" || k.default_value == "[] (even)") {
+      continue;
+    }
+    const auto got = ht::resolved_settings(ht::parse_config("", {k.key + "=" + k.default_value}));
+    EXPECT_EQ(got, want) << k.key << "=" << k.default_value;
+    ++checked;
+  }
+  EXPECT_GE(checked, 40);
+  // Hand-written: what the docs promise a config without keys trains.
+  const ht::TrainConfig d;
+  EXPECT_EQ(d.model.family().name(), "deepseek");
+  EXPECT_EQ(d.model.preset(), "tiny");
+  EXPECT_EQ(d.model->num_params(), hp::models::DeepSeekConfig::tiny().num_params());
+  EXPECT_EQ(d.lr, 1e-3);
+  EXPECT_EQ(d.adam_beta2, 0.95);
+  EXPECT_EQ(d.global_batch_size, 8);
+  EXPECT_EQ(d.pipeline_schedule, ht::PipelineScheduleKind::kAuto);
+  EXPECT_EQ(d.data.type, ht::DataType::kSynthetic);
+  // Every model field of each family reads back what its preset holds.
+  for (const auto* f : hp::models::model_families()) {
+    const ht::TrainConfig c = ht::parse_config("model:\n  type: " + f->name() + "\n");
+    std::vector<std::string> sets;
+    for (const auto& [key, value] : ht::resolved_settings(c)) {
+      if (key.rfind("model.", 0) == 0) sets.push_back(key + "=" + value);
+    }
+    EXPECT_EQ(ht::resolved_settings(ht::parse_config("", sets)), ht::resolved_settings(c)) << f->name();
+  }
+}
+
+// Every enum's names parse to their value and are written back the same.
+TEST(TrainConfig, EnumChoicesRoundTrip) {
+  auto check = [](const char* key, const auto& names) {
+    for (const auto& [value, name] : names) {
+      const auto settings = ht::resolved_settings(ht::parse_config("", {std::string(key) + "=" + name}));
+      bool found = false;
+      for (const auto& [k, v] : settings) {
+        if (k == key) {
+          EXPECT_EQ(v, name) << key;
+          found = true;
+        }
+      }
+      EXPECT_TRUE(found) << key;
+    }
+  };
+  check("data.type", ht::enum_names<ht::DataType>());
+  check("data.token_dtype", ht::enum_names<ht::TokenDtype>());
+  check("data_parallel_shard_strategy", ht::enum_names<ht::ShardStrategy>());
+  check("recompute", ht::enum_names<ht::Recompute>());
+  check("pipeline_schedule", ht::enum_names<ht::PipelineScheduleKind>());
+  check("lr_decay_style", ht::enum_names<ht::LrDecay>());
+  EXPECT_EQ(ht::parse_config("pipeline_schedule: zbv\n").pipeline_schedule, ht::PipelineScheduleKind::kZBV);
+  EXPECT_EQ(ht::parse_config("recompute: selective\n").recompute, ht::Recompute::kSelective);
+}
+
+// A family registered at run time gets its keys parsed, listed and checked like the
+// built-in ones.
+TEST(TrainConfig, ARegisteredFamilyBringsItsKeys) {
+  hp::test::register_toy_family();
+  ht::TrainConfig c = ht::parse_config("model:\n  type: toy\n  toy_hidden: 48\n  layers: 5\n");
+  EXPECT_EQ(c.model.family().name(), "toy");
+  EXPECT_EQ(c.model.config<hp::test::ToyConfig>().hidden, 48);
+  EXPECT_EQ(c.model->layers(), 5);
+  EXPECT_EQ(c.model->num_params(), 2 * 64 * 16 + 5 * 2 * 16 * 48);  // by hand: embedding, head, blocks
+  hp::test::expect_error([] { ht::parse_config("model:\n  type: toy\n  kv_heads: 2\n"); },
+                         {"model.kv_heads=2", "model.type llama", "model.type is toy"});
+  hp::test::expect_error([] { ht::parse_config("model:\n  toy_hidden: 2\n"); },
+                         {"model.toy_hidden=2", "model.type toy", "model.type is deepseek"});
+  hp::test::expect_error([] { ht::parse_config("model:\n  type: toy\n  preset: big\n"); },
+                         {"model.preset=big", "small"});
+  hp::test::expect_error([] { (void)ht::ModelSpec("gpt"); }, {"'gpt'", "deepseek, llama, toy"});
+  bool listed = false;
+  for (const auto& k : ht::config_keys()) {
+    if (k.key == "model.toy_hidden") listed = k.help.find("[toy]") != std::string::npos;
+    if (k.key == "model.type") {
+      EXPECT_NE(k.type.find("toy"), std::string::npos) << k.type;
+    }
+  }
+  EXPECT_TRUE(listed);
+  hp::test::expect_error([] { hp::models::register_model_family(std::make_shared<hp::test::ToyFamily>()); },
+                         {"'toy' is registered already"});
 }

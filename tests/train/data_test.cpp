@@ -43,7 +43,7 @@ TEST(TrainData, BinaryFileSamplesAreConsecutiveWindows) {
   std::vector<uint16_t> toks(23);
   for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(1000 + i);
   ht::DataSpec d;
-  d.type = "binary";
+  d.type = ht::DataType::kBinary;
   d.path = temp_file("u16.bin", raw(toks));
   auto ds = ht::make_dataset(d, 5, 2000, 0);
   ASSERT_EQ(ds->size(), (23 - 1) / 5);  // 4 windows of 6 tokens, each starting 5 later
@@ -54,7 +54,7 @@ TEST(TrainData, BinaryFileSamplesAreConsecutiveWindows) {
   }
   std::vector<uint32_t> wide = {70000, 1, 2, 3};
   d.path = temp_file("u32.bin", raw(wide));
-  d.token_dtype = "uint32";
+  d.token_dtype = ht::TokenDtype::kUint32;
   auto ds32 = ht::make_dataset(d, 3, 80000, 0);
   EXPECT_EQ(ht::load_batch(*ds32, {0}, 3)[0][0].item<int64_t>(), 70000);
 }
@@ -65,7 +65,7 @@ TEST(TrainData, FileChangedWhileTrainingIsNamed) {
   std::vector<uint16_t> toks(64);
   for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i % 50);
   ht::DataSpec d;
-  d.type = "binary";
+  d.type = ht::DataType::kBinary;
   const std::string bytes = raw(toks);
   auto error_reading = [&](const ht::TokenDataset& ds, int64_t sample) -> std::string {
     try {
@@ -111,7 +111,7 @@ TEST(TrainData, TextValidatedAcrossChunkBoundaries) {
   text.replace((1 << 20) - 1, 1, "\xc3");  // the first byte of a 2-byte character ends chunk 1
   text += "\xa9 and more text after the boundary";
   ht::DataSpec d;
-  d.type = "text";
+  d.type = ht::DataType::kText;
   d.path = temp_file("chunks.txt", text);
   EXPECT_EQ(error_of(d, 8, 256), "");
   text += "\xff";
@@ -122,7 +122,7 @@ TEST(TrainData, TextValidatedAcrossChunkBoundaries) {
 
 TEST(TrainData, TextIsBytes) {
   ht::DataSpec d;
-  d.type = "text";
+  d.type = ht::DataType::kText;
   d.path = temp_file("a.txt", "h\xc3\xa9llo!");  // "héllo!" in UTF-8: 7 bytes
   auto ds = ht::make_dataset(d, 3, 256, 0);
   ASSERT_EQ(ds->size(), 2);
@@ -135,7 +135,7 @@ TEST(TrainData, TextIsBytes) {
 
 TEST(TrainData, BadFilesNameTheProblem) {
   ht::DataSpec d;
-  d.type = "binary";
+  d.type = ht::DataType::kBinary;
   d.path = "/nonexistent/tokens.bin";
   EXPECT_NE(error_of(d, 4, 100).find("/nonexistent/tokens.bin"), std::string::npos);
   d.path = temp_file("odd.bin", std::string(7, '\1'));
@@ -149,7 +149,7 @@ TEST(TrainData, BadFilesNameTheProblem) {
   EXPECT_NE(error_of(d, 4, 256).find("3 tokens"), std::string::npos) << error_of(d, 4, 256);
   d.path = "/tmp";
   EXPECT_NE(error_of(d, 2, 256).find("not a regular file"), std::string::npos) << error_of(d, 2, 256);
-  d.type = "text";
+  d.type = ht::DataType::kText;
   // Each invalid sequence sits at byte offset 2: a stray byte, a truncated sequence, an
   // overlong of each length, a surrogate, beyond U+10FFFF, a lead byte past F4.
   for (const char* bad : {"ok\xff" "abc", "ok\xc3", "ok\xc0\xaf", "ok\xe0\x80\xaf", "ok\xf0\x80\x80\xaf",

@@ -255,7 +255,7 @@ TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
   const double block = 6 * 64 + 2 * 32 + 4 * 192 + 4 * 64;
   EXPECT_DOUBLE_EQ(p.activations_layer, tokens * 4 * block);
   EXPECT_DOUBLE_EQ(p.activations_first, tokens * 4 * block + tokens * 12 * 256);
-  c.recompute = "full";
+  c.recompute = ht::Recompute::kFull;
   EXPECT_NEAR(ht::measured_compute(c, 100)(2, 1, 1).backward_layer, 3 * layer, 1e-18);
 }
 

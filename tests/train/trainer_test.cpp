@@ -6,6 +6,7 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -17,7 +18,10 @@
 #include "hp/runtime.h"
 #include "fsdp/fsdp_test_util.h"
 #include "test_util.h"
+#include "toy_family.h"
 #include "hp/tp/dtensor.h"
+#include "hp/models/deepseek.h"
+#include "hp/train/checkpoint_manager.h"
 #include "hp/train/trainer.h"
 
 namespace ht = hp::train;
@@ -86,10 +90,13 @@ namespace {
 // With pipeline parallelism (pp > 1, v stages per rank) the models have 4 layers.
 ht::TrainConfig small_config(const std::string& type, int world, int64_t tp = 1, int64_t pp = 1, int64_t v = 1) {
   ht::TrainConfig c;
-  c.model.type = type;
-  c.model.deepseek.layers = pp > 1 ? 4 : 3;
-  if (pp > 1) c.model.llama.layers = 4;
-  c.model.deepseek.bias_update_rate = 0.01;
+  c.model = ht::ModelSpec(type);
+  if (type == "deepseek") {
+    c.model.config<hp::models::DeepSeekConfig>().layers = pp > 1 ? 4 : 3;
+    c.model.config<hp::models::DeepSeekConfig>().bias_update_rate = 0.01;
+  } else if (pp > 1) {
+    c.model->set_layers(4);
+  }
   c.tensor_parallel = tp;
   c.sequence_parallel = tp > 1;
   c.pipeline_parallel = pp;
@@ -104,6 +111,9 @@ ht::TrainConfig small_config(const std::string& type, int world, int64_t tp = 1,
   c.lr_warmup_steps = 2;
   c.weight_decay = 0.1;
   c.clip_grad = 0.3;  // below the gradient norm of the first steps: clipping is exercised
+  // The toy family's gradients are smaller (norms 0.013-0.015 over its 5 steps at 1 rank):
+  // clipped too.
+  if (type == "toy") c.clip_grad = 0.01;
   c.train_steps = 5;
   c.data.num_samples = 20;  // the run crosses an epoch boundary
   c.output_dir = "";
@@ -125,7 +135,7 @@ struct Naive {
 Naive naive_run(const ht::TrainConfig& c, bool masters = false) {
   Naive out;
   out.model = ht::make_model(c);
-  auto data = ht::make_dataset(c.data, c.seq_length, c.model.vocab(), c.seed);
+  auto data = ht::make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
   ht::DataSharder sharder(data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(), c.seed, c.data.shuffle);
   std::vector<at::Tensor> model_params = out.model->root().parameters(), decay, plain, all;
   for (auto& p : model_params) {
@@ -147,7 +157,7 @@ Naive naive_run(const ht::TrainConfig& c, bool masters = false) {
       at::Tensor b = ht::load_batch(*data, sharder.global_samples(step, j), c.seq_length);
       at::Tensor logits = out.model->forward(b.narrow(1, 0, c.seq_length), false);
       if (logits.scalar_type() != at::kDouble) logits = logits.to(at::kFloat);
-      at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, c.model.vocab()}),
+      at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, c.model->vocab()}),
                                                              b.narrow(1, 1, c.seq_length).reshape({-1}));
       (loss / static_cast<double>(c.micro_batch_num)).backward();
       sum += loss.item<double>();
@@ -200,7 +210,7 @@ at::Tensor tp_whole(const at::Tensor& piece, const at::Tensor& param, const hp::
 }
 
 void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
-                          const std::string& schedule = "auto", const std::vector<int64_t>& stage_layers = {},
+                          ht::PipelineScheduleKind schedule = ht::PipelineScheduleKind::kAuto, const std::vector<int64_t>& stage_layers = {},
                           bool tie = false, bool per_submodule = false) {
   auto w = hp::world();
   ht::TrainConfig c = small_config(type, w->size(), tp, pp, v);
@@ -210,7 +220,7 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
     c.wait_per_submodule = true;
   }
   c.pipeline_stage_layers = stage_layers;
-  c.model.llama.tie_embeddings = tie;
+  if (tie) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
   c.validate(w->size());
   c.params_dtype = c.compute_dtype = at::kDouble;
   Naive naive = naive_run(c);
@@ -263,20 +273,33 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
 
 TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek"); }
 TEST(TrainDist, LlamaMatchesSingleProcess) { expect_matches_naive("llama"); }
+
+// A family defined in the test (toy_family.h), through the same paths: FSDP (HSDP at 4
+// ranks), tensor and sequence parallelism, a pipeline, and both.
+TEST(TrainDist, ToyFamilyMatchesSingleProcess) {
+  hp::test::register_toy_family();
+  auto w = hp::world();
+  expect_matches_naive("toy");
+  if (w->size() % 2 == 0) {
+    expect_matches_naive("toy", 2);
+    expect_matches_naive("toy", 1, 2);
+  }
+  if (w->size() == 4) expect_matches_naive("toy", 2, 2);
+}
 // Each block waiting per layer in forward (wait_per_submodule): the MoE's experts that get
 // no tokens on a rank are never called, and their parameters are waited for at the end of
 // the block's forward.
 TEST(TrainDist, WaitPerSubmoduleMatchesSingleProcess) {
-  expect_matches_naive("llama", 1, 1, 1, "auto", {}, false, /*per_submodule=*/true);
-  expect_matches_naive("deepseek", 1, 1, 1, "auto", {}, false, /*per_submodule=*/true);
+  expect_matches_naive("llama", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, /*per_submodule=*/true);
+  expect_matches_naive("deepseek", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, /*per_submodule=*/true);
   if (hp::world()->size() == 4) {
     // Under tensor parallelism (its hooks on the same layers) and over pipeline stages
     // with tied embeddings (the root, which reads the embedding outside its module, is left
     // out), each sharded over 2.
     SCOPED_TRACE("tensor_parallel=2");
-    expect_matches_naive("llama", 2, 1, 1, "auto", {}, false, /*per_submodule=*/true);
+    expect_matches_naive("llama", 2, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, /*per_submodule=*/true);
     SCOPED_TRACE("pipeline_parallel=2, tied embeddings");
-    expect_matches_naive("llama", 1, 2, 1, "auto", {}, /*tie=*/true, /*per_submodule=*/true);
+    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true, /*per_submodule=*/true);
   }
 }
 // tensor_parallel 2 with sequence parallel (and loss parallel): alone at 2 ranks, under
@@ -286,11 +309,11 @@ TEST(TrainDist, LlamaTensorParallelMatchesSingleProcess) {
   expect_matches_naive("llama", 2);
   // Tied embeddings: the vocabulary-parallel embedding's pieces are the head's columns.
   SCOPED_TRACE("tied embeddings");
-  expect_matches_naive("llama", 2, 1, 1, "auto", {}, /*tie=*/true);
+  expect_matches_naive("llama", 2, 1, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true);
   if (hp::world()->size() % 4 == 0) {
     // And over two pipeline stages: each copy split by tp, their gradients summed over pp.
     SCOPED_TRACE("tied embeddings, pipeline_parallel=2");
-    expect_matches_naive("llama", 2, 2, 1, "auto", {}, /*tie=*/true);
+    expect_matches_naive("llama", 2, 2, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true);
   }
 }
 // Pipeline parallel 2 (1F1B, and interleaved with 2 stages per rank): alone at 2 ranks,
@@ -306,28 +329,28 @@ TEST(TrainDist, PipelineMatchesSingleProcess) {
   }
   {
     SCOPED_TRACE("zbh1");
-    expect_matches_naive("deepseek", tp, 2, 1, "zbh1");
+    expect_matches_naive("deepseek", tp, 2, 1, ht::PipelineScheduleKind::kZBH1);
   }
   {
     SCOPED_TRACE("zbv");
-    expect_matches_naive("deepseek", tp, 2, 2, "zbv");
+    expect_matches_naive("deepseek", tp, 2, 2, ht::PipelineScheduleKind::kZBV);
   }
   {
     SCOPED_TRACE("explicit stage layers [3, 1]");
-    expect_matches_naive("deepseek", tp, 2, 1, "1f1b", {3, 1});
+    expect_matches_naive("deepseek", tp, 2, 1, ht::PipelineScheduleKind::k1F1B, {3, 1});
   }
   if (w != 8) {
     expect_matches_naive("llama", 1, 2, 1);
     // Tied embeddings: a copy on the first and on the last stage, gradients summed, the norm
     // counting it once; each copy sharded by FSDP at 4 ranks, and stepped with fp32 masters.
     SCOPED_TRACE("llama, tied embeddings over the stages");
-    expect_matches_naive("llama", 1, 2, 1, "auto", {}, /*tie=*/true);
+    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true);
     // Under the split backward the head's product with the embedding's weight is a marked
     // weight output; ZBV puts both copies on rank 0, summed there.
     SCOPED_TRACE("llama, tied embeddings, zbh1");
-    expect_matches_naive("llama", 1, 2, 1, "zbh1", {}, /*tie=*/true);
+    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kZBH1, {}, /*tie=*/true);
     SCOPED_TRACE("llama, tied embeddings, zbv");
-    expect_matches_naive("llama", 1, 2, 2, "zbv", {}, /*tie=*/true);
+    expect_matches_naive("llama", 1, 2, 2, ht::PipelineScheduleKind::kZBV, {}, /*tie=*/true);
   }
 }
 // Resume is exact: 6 steps straight, against 3 steps, save (also in the background, while the
@@ -388,7 +411,7 @@ TEST(TrainDist, ResumeIsBitwise) {
   if (w->size() == 2 || w->size() == 4) {
     // Tied embeddings over the stages: both copies under one name, written once, loaded into both.
     ht::TrainConfig tied = small_config("llama", w->size(), 1, 2);
-    tied.model.llama.tie_embeddings = true;
+    tied.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
     tied.validate(w->size());
     expect_resume_bitwise(tied, "tied_pp");
   }
@@ -398,11 +421,94 @@ TEST(TrainDist, ResumeIsBitwise) {
   // 1.x's zero_grad), so the step counts differ per parameter and whether a gradient is held
   // matters: both are saved and restored.
   ht::TrainConfig sparse = small_config("deepseek", w->size(), tp);
-  sparse.model.deepseek.experts = 64;
-  sparse.model.deepseek.experts_per_token = 1;
+  sparse.model.config<hp::models::DeepSeekConfig>().experts = 64;
+  sparse.model.config<hp::models::DeepSeekConfig>().experts_per_token = 1;
   sparse.seq_length = 4;
   sparse.validate(w->size());
   expect_resume_bitwise(sparse, "sparse_experts");
+}
+
+// The library's loop and checkpoint manager, without the CLI: Trainer::train runs every step
+// once with its callback, saves every 2 steps and after the last (background or not),
+// keeps the newest 2, moves `latest` to the last; resolve() finds it, and a trainer loaded
+// from it matches the straight run's state bitwise. The summary is checked against the
+// callbacks' own figures.
+void expect_manager_runs(bool async) {
+  auto w = hp::world();
+  const std::string dir = ::testing::TempDir() + "hp_manager_" + std::to_string(w->size()) + (async ? "_async" : "");
+  if (w->rank() == 0) hp::files::remove_tree(dir);
+  w->barrier().wait();
+  ht::TrainConfig c = small_config("deepseek", w->size(), resume_tp(w->size()));
+  ht::CheckpointManager::Options o{dir, 2, 2, async};
+  ht::CheckpointManager m(o, w);
+  std::vector<ht::StepStats> seen;
+  std::vector<std::string> saves;
+  ht::TrainCallbacks cb;
+  cb.on_step = [&](const ht::StepStats& st) { seen.push_back(st); };
+  cb.on_save = [&](const std::string& d, bool background) {
+    EXPECT_EQ(background, async);
+    saves.push_back(d);
+  };
+  ht::Trainer t(c, w);
+  const ht::TrainSummary sum = t.train(&m, cb);
+  ASSERT_EQ(seen.size(), 5u);
+  EXPECT_EQ(sum.first_step, 0);
+  EXPECT_EQ(sum.steps, 5);
+  double secs = 0, rest = 0;
+  int64_t peak = 0;
+  for (size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_EQ(seen[i].step, static_cast<int64_t>(i) + 1);
+    EXPECT_EQ(sum.losses[i], seen[i].loss);
+    secs += seen[i].step_time_s;
+    if (i > 0) rest += seen[i].step_time_s;
+    peak = std::max(peak, seen[i].peak_bytes);
+  }
+  EXPECT_DOUBLE_EQ(sum.seconds, secs);
+  EXPECT_EQ(sum.peak_bytes, peak);
+  EXPECT_DOUBLE_EQ(sum.tokens_per_s, 4.0 * static_cast<double>(c.global_batch_size * c.seq_length) / rest);
+  EXPECT_EQ(saves, (std::vector<std::string>{dir + "/step_00000002", dir + "/step_00000004", dir + "/step_00000005"}));
+  w->barrier().wait();
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000004", "step_00000005"}));
+  EXPECT_EQ(ht::CheckpointManager::resolve(dir), dir + "/step_00000005");
+  EXPECT_EQ(ht::CheckpointManager::resolve(dir + "/step_00000004"), dir + "/step_00000004");
+  ht::Trainer r(c, w);
+  r.load(ht::CheckpointManager::resolve(dir));
+  EXPECT_EQ(r.steps_done(), 5);
+  const auto a = t.sharded_params(), b = r.sharded_params();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
+  // A finished run trains nothing more.
+  EXPECT_EQ(r.train(&m, cb).steps, 0);
+  EXPECT_EQ(seen.size(), 5u);
+}
+
+TEST(TrainDist, CheckpointManagerSavesKeepsAndResolves) {
+  expect_manager_runs(false);
+  expect_manager_runs(true);
+}
+
+// `latest` is read back from disk: what it names must be a committed checkpoint folder of
+// its own folder.
+TEST(TrainDist, CheckpointManagerDistrustsLatest) {
+  auto w = hp::world();
+  const std::string dir = ::testing::TempDir() + "hp_manager_latest_" + std::to_string(w->size()) + "_" +
+                          std::to_string(w->rank());
+  hp::files::remove_tree(dir);
+  std::filesystem::create_directories(dir + "/step_00000003");
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {"no checkpoint to resume from in", dir});
+  auto write_latest = [&](const std::string& text) {
+    std::ofstream f(dir + "/latest");
+    f << text;
+  };
+  write_latest("../../etc\n");
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {"names '../../etc'", "not a checkpoint folder name"});
+  write_latest("step_00000003\n");
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {"step_00000003", "not a committed checkpoint"});
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(""); }, {"no checkpoint folder"});
+  hp::files::remove_tree(dir);
 }
 
 TEST(TrainDist, ResumeUnderAnotherLayoutContinues) {
@@ -414,7 +520,7 @@ TEST(TrainDist, ResumeUnderAnotherLayoutContinues) {
   a.train_steps = 6;
   // The other layout: pipeline 2 over the same ranks (or tensor parallel 2 when the world is 2).
   ht::TrainConfig b = w->size() == 2 ? small_config("deepseek", 2, 2) : small_config("deepseek", w->size(), tp, 2);
-  b.model.deepseek.layers = a.model.deepseek.layers;
+  b.model.config<hp::models::DeepSeekConfig>().layers = a.model.config<hp::models::DeepSeekConfig>().layers;
   b.train_steps = 6;
   b.validate(w->size());
   std::vector<double> straight;
@@ -442,7 +548,7 @@ TEST(TrainDist, ResumeRejectsAnotherModel) {
     t.step();
     t.save(dir);
   }
-  c.model.deepseek.dense_hidden = 64;
+  c.model.config<hp::models::DeepSeekConfig>().dense_hidden = 64;
   ht::Trainer r(c, w);
   hp::test::expect_error([&] { r.load(dir); }, {"model.dense_hidden=", "in the checkpoint but model.dense_hidden=64"});
 }
@@ -476,7 +582,7 @@ void expect_hf_round_trip(ht::TrainConfig c, const std::string& label, c10::opti
   index << f.rdbuf();
   EXPECT_NE(index.str().find("\"model.layers.1.self_attn.q_proj.weight\""), std::string::npos) << label;
   EXPECT_NE(index.str().find("-of-00"), std::string::npos) << label;
-  EXPECT_EQ(index.str().find("lm_head") == std::string::npos, c.model.llama.tie_embeddings) << label;
+  EXPECT_EQ(index.str().find("lm_head") == std::string::npos, c.model.config<hp::models::LlamaConfig>().tie_embeddings) << label;
   EXPECT_TRUE(std::filesystem::exists(out + "/model-00002-of-" + index.str().substr(index.str().find("-of-") + 4, 5) +
                                       ".safetensors")) << label;
   ht::TrainConfig d = c;
@@ -509,7 +615,7 @@ TEST(TrainDist, HuggingFaceExportImportIsBitwise) {
   expect_hf_round_trip(bf, "bf16_masters", at::kFloat);
   if (w->size() == 2 || w->size() == 4) {
     ht::TrainConfig tied = small_config("llama", w->size(), 1, 2);
-    tied.model.llama.tie_embeddings = true;
+    tied.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
     tied.validate(w->size());
     expect_hf_round_trip(tied, "tied_pp", c10::nullopt);
   }
@@ -531,7 +637,7 @@ TEST(TrainDist, HuggingFaceInterchangeErrors) {
   hp::test::expect_error([&] { ht::export_hf(base + "_ckpt", base + "_out", w); },
                          {"already exists", "nothing is overwritten"});
   ht::TrainConfig other = c;
-  other.model.llama.kv_heads = 4;
+  other.model.config<hp::models::LlamaConfig>().kv_heads = 4;
   other.init_from_hf = base + "_out";
   hp::test::expect_error([&] { ht::Trainer t(other, w); },
                          {"model.kv_heads=4 but num_key_value_heads=2", "config.json"});
@@ -561,8 +667,8 @@ TEST(TrainDist, ParamsPerTensorParallelRankMatchTheSplitModel) {
       for (const auto& p : b->parameters()) n += p.numel();
       largest_block = std::max(largest_block, n);
     }
-    EXPECT_EQ(c.model.params_per_tp_rank(2), total) << type;
-    EXPECT_EQ(c.model.largest_block_params_per_tp_rank(2), largest_block) << type;
+    EXPECT_EQ(c.model->params_per_tp_rank(2), total) << type;
+    EXPECT_EQ(c.model->largest_block_params_per_tp_rank(2), largest_block) << type;
   }
 }
 
@@ -617,7 +723,7 @@ TEST(TrainDist, RecomputeFullIsBitwiseAndSelectiveMatchesOneProcess) {
     ht::TrainConfig c = small_config(type, w->size());
     c.train_steps = 3;
     ht::Trainer plain(c, w);
-    c.recompute = "full";
+    c.recompute = ht::Recompute::kFull;
     ht::Trainer full(c, w);
     for (int64_t s = 0; s < c.train_steps; ++s) {
       ht::StepStats a = plain.step(), b = full.step();
@@ -628,7 +734,7 @@ TEST(TrainDist, RecomputeFullIsBitwiseAndSelectiveMatchesOneProcess) {
     ASSERT_EQ(pa.size(), pb.size());
     for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i], pb[i])) << type << " param " << i;
 
-    c.recompute = "selective";
+    c.recompute = ht::Recompute::kSelective;
     c.params_dtype = c.compute_dtype = at::kDouble;
     Naive naive = naive_run(c);
     ht::Trainer sel(c, w);

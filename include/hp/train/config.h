@@ -2,56 +2,93 @@
 //
 // Training keys follow the seed system's names where they apply (params_dtype,
 // data_parallel_shard, micro_batch_num, ...); the model and the data have their own
-// sections. Every key is declared once, in src/train/config.cpp, with its type, default
-// and help (`hp-train --list-keys` prints them; docs/train.md explains them). Reading
-// rejects, before anything else happens and naming the key: unknown keys (with the
-// nearest known key suggested), values of the wrong type or outside their choices, keys
-// of the other model type. validate() rejects impossible combinations against the world
-// size, and raises "not supported yet" for capabilities not built (tensor_parallel > 1,
-// pipeline_parallel > 1, fp16, ZeRO-1).
+// sections. Every key is declared once, in src/train/config.cpp's key table, with its type,
+// help, setter and getter; the default of each key is the value of TrainConfig{} that the
+// getter reads (the member initializers below are the one source, `hp-train --list-keys`
+// prints them from the table, and resolved_settings() lists every key through it). A model
+// key (model.<field>) is declared by its family (hp/models/family.h). Every choice is an
+// enum parsed once, at load. Reading rejects, before anything else happens and naming the
+// key: unknown keys (with the nearest known key suggested), values of the wrong type or
+// outside their choices (listing them), keys of another model family. validate() rejects
+// impossible combinations against the world size, and raises "not supported yet" for
+// capabilities not built (fp16, ZeRO-1, ...).
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/fsdp/mixed_precision.h"
-#include "hp/models/deepseek.h"
-#include "hp/models/llama.h"
+#include "hp/models/family.h"
 
 namespace hp::train {
 
-struct ModelSpec {
-  std::string type = "deepseek";  // deepseek | llama
-  std::string preset = "tiny";    // tiny | deepseek_v3 (deepseek) | llama3_8b (llama)
-  models::DeepSeekConfig deepseek = models::DeepSeekConfig::tiny();
-  models::LlamaConfig llama = models::LlamaConfig::tiny();
-  int64_t vocab() const;
-  int64_t dim() const;  // the residual stream's width
-  int64_t max_seq() const;
-  int64_t layers() const;
-  int64_t num_params() const;
-  int64_t largest_block_params() const;
-  int64_t largest_param() const;
-  // Parameters each tensor-parallel rank holds (before fully_shard): the split ones divided
-  // by tp, the whole ones (norms; DeepSeek's MLA down-projections, their norms and the MoE
-  // router) in full. tp = 1: num_params() and largest_block_params().
-  int64_t params_per_tp_rank(int64_t tp) const;
-  // Parameters of a pipeline stage's part of the model (before tensor parallelism), from
-  // the config alone (a tied Llama's last stage counts its copy of the embedding).
-  int64_t stage_params(const models::PipelineSlice& slice) const;
-  int64_t largest_block_params_per_tp_rank(int64_t tp) const;
+// The config's model: a family, one of its presets, and the fields set over it. Copies are
+// deep. `->` reaches the family's arithmetic (num_params(), stage_params(), ...).
+class ModelSpec {
+ public:
+  // The default family's default preset.
+  ModelSpec();
+  // `family`'s `preset` (empty: its default); raises listing the accepted names.
+  explicit ModelSpec(const std::string& family, const std::string& preset = "");
+  ModelSpec(const ModelSpec& o);
+  ModelSpec& operator=(const ModelSpec& o);
+  ModelSpec(ModelSpec&&) noexcept = default;
+  ModelSpec& operator=(ModelSpec&&) noexcept = default;
+
+  const models::ModelFamily& family() const { return args_->family(); }
+  const std::string& preset() const { return preset_; }
+  models::ModelArgs* operator->() { return args_.get(); }
+  const models::ModelArgs* operator->() const { return args_.get(); }
+  models::ModelArgs& args() { return *args_; }
+  const models::ModelArgs& args() const { return *args_; }
+  // The family's config struct (models::LlamaConfig, ...); raises for another family.
+  template <typename Config>
+  Config& config() {
+    return models::config_of<Config>(*args_);
+  }
+  template <typename Config>
+  const Config& config() const {
+    return models::config_of<Config>(*args_);
+  }
+
+ private:
+  std::string preset_;
+  std::unique_ptr<models::ModelArgs> args_;
 };
 
+enum class DataType { kSynthetic, kBinary, kText };
+enum class TokenDtype { kUint16, kUint32 };
+// ZeRO-3 (reshard after forward) or ZeRO-2 (keep the parameters until backward).
+enum class ShardStrategy { kOptimGradsParams, kOptimGrads };
+// Activation recomputation of every block.
+enum class Recompute { kNone, kFull, kSelective };
+enum class PipelineScheduleKind { kAuto, kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
+enum class LrDecay { kCosine, kLinear, kConstant };
+
+// Each enum's config names, in the order errors and --list-keys show them; to_string(e) is
+// the name.
+template <typename E>
+const std::vector<std::pair<E, const char*>>& enum_names();
+template <typename E>
+std::string to_string(E e) {
+  for (const auto& [v, name] : enum_names<E>()) {
+    if (v == e) return name;
+  }
+  return "?";
+}
+
 struct DataSpec {
-  std::string type = "synthetic";  // synthetic | binary | text
-  std::string path;                // binary and text
-  std::string token_dtype = "uint16";  // binary: uint16 | uint32
-  int64_t num_samples = 4096;          // synthetic corpus size
-  bool shuffle = true;                 // a new order every epoch
+  DataType type = DataType::kSynthetic;
+  std::string path;                              // binary and text
+  TokenDtype token_dtype = TokenDtype::kUint16;  // binary
+  int64_t num_samples = 4096;                    // synthetic corpus size
+  bool shuffle = true;                           // a new order every epoch
 };
 
 struct TrainConfig {
@@ -67,19 +104,18 @@ struct TrainConfig {
 
   int64_t data_parallel = 1;         // dp_replicate
   int64_t data_parallel_shard = -1;  // dp_shard; -1 = the rest of the world
-  std::string data_parallel_shard_strategy = "optim_grads_params";
+  ShardStrategy data_parallel_shard_strategy = ShardStrategy::kOptimGradsParams;
   int64_t reshard_after_forward_group_size = 0;  // 0: reshard over all of data_parallel_shard
   bool comm_fusion = true;
   // fully_shard's wait_per_submodule on every block (needs comm_fusion false).
   bool wait_per_submodule = false;
-  std::string recompute = "none";  // none | full | selective (activation checkpointing per block)
+  Recompute recompute = Recompute::kNone;
   int64_t tensor_parallel = 1;
   bool sequence_parallel = false;
   int64_t pipeline_parallel = 1;
   int64_t pipeline_parallel_interleave_num = 1;
-  // gpipe | 1f1b | interleaved; "auto": 1f1b, or interleaved with interleave_num > 1.
-  // validate() resolves auto.
-  std::string pipeline_schedule = "auto";
+  // auto: 1f1b, or interleaved with interleave_num > 1; validate() resolves it.
+  PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::kAuto;
   // Layers of each of the pipeline_parallel x interleave stages; empty: as even as possible.
   std::vector<int64_t> pipeline_stage_layers;
 
@@ -91,8 +127,8 @@ struct TrainConfig {
   int64_t keep_last_n = 0;
   bool async_save = false;  // copy the state, write it in the background while training goes on
   // A Hugging Face model folder (config.json and safetensors) the weights start from instead
-  // of the seed (Llama only); the config's model must match its config.json. A resumed run
-  // takes its weights from the checkpoint instead.
+  // of the seed (a family with Hugging Face names); the config's model must match its
+  // config.json. A resumed run takes its weights from the checkpoint instead.
   std::string init_from_hf;
 
   int64_t micro_batch_num = 1;
@@ -102,7 +138,7 @@ struct TrainConfig {
   double lr = 1e-3;
   double min_lr = 0.0;
   int64_t lr_warmup_steps = 0;
-  std::string lr_decay_style = "cosine";  // cosine | linear | constant
+  LrDecay lr_decay_style = LrDecay::kCosine;
   double weight_decay = 0.0;
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.95;
@@ -139,8 +175,12 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
 struct KeyInfo {
   std::string key, type, default_value, help;
 };
-// Every key, in the order the docs list them.
+// Every key, in the order the docs list them; default_value is TrainConfig{}'s value (or
+// how it is derived, for a key whose default follows from another).
 std::vector<KeyInfo> config_keys();
+
+// The recompute policy of hooks/checkpoint.h for a Recompute choice (none: unset).
+c10::optional<RecomputePolicy> recompute_policy(Recompute r);
 
 // fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
 // (and fp32 main gradients for low-precision parameters) with
@@ -151,9 +191,22 @@ MixedPrecisionPolicy mixed_precision(const TrainConfig& c);
 // One line per setting, for the start of a run.
 std::string describe(const TrainConfig& c);
 
-// Every resolved setting that decides what a run computes, as (key, value) in a fixed
-// order: the ranks of one run compare these before training (a run started with a
-// different config on some ranks would train differently or hang).
+// Every key's value, as (key, text that parses back to it), in the key table's order (the
+// model's keys those of its family): the ranks of one run compare these before training (a
+// run started with a different config on some ranks would train differently or hang), and
+// a checkpoint keeps the model's.
 std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainConfig& c);
+
+// "" when every rank of `world` resolved the same `mine` (resolved_settings): mpirun's ':'
+// form can start ranks with different configs or --set values, which would train
+// differently or hang. Else, on each rank that differs from rank 0, the first differing key
+// with both values. Collective.
+std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<std::string, std::string>>& mine);
+
+// The model that resolved_settings' model.* entries describe (as a checkpoint keeps them; the
+// other entries are ignored). Raises naming the key and `source` for a value that does not
+// parse.
+ModelSpec model_from_settings(const std::vector<std::pair<std::string, std::string>>& settings,
+                              const std::string& source);
 
 }  // namespace hp::train

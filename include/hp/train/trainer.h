@@ -24,7 +24,7 @@
 #include "hp/comm/communicator.h"
 #include "hp/core/error.h"
 #include "hp/fsdp/fully_shard.h"
-#include "hp/models/llama.h"
+#include "hp/models/family.h"
 #include "hp/pp/schedule.h"
 #include "hp/train/config.h"
 #include "hp/train/data.h"
@@ -66,24 +66,8 @@ struct StepStats {
   int64_t peak_bytes = 0;     // largest tensor-memory peak over ranks
 };
 
-// A model hp-train can train: the reference models behind one interface.
-class TrainModel {
- public:
-  virtual ~TrainModel() = default;
-  virtual torch::nn::Module& root() = 0;
-  virtual std::vector<torch::nn::Module*> blocks() = 0;
-  // Logits [B, T, vocab]; through hp::call (so fully_shard's hooks run) when `hooked`.
-  // Under tensor parallelism with loss parallel, this rank's vocabulary piece of them.
-  virtual at::Tensor forward(const at::Tensor& tokens, bool hooked) = 0;
-  // Mean cross-entropy of forward's logits (vocabulary-parallel when they are split).
-  virtual at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) = 0;
-  // Applies tensor (and sequence) parallelism over `tp` (before fully_shard); raises "not
-  // supported yet" for a model without a plan.
-  virtual void parallelize(const CommPtr& tp, bool sequence_parallel,
-                           c10::optional<at::ScalarType> reduce_dtype) = 0;
-  // DeepSeek: balancing bias from the load since the last call (summed over `dp`).
-  virtual void after_step(const CommPtr& dp) = 0;
-};
+// A model hp-train can train: any family's, behind one interface (hp/models/family.h).
+using TrainModel = models::Model;
 // Built in fp32, initialized from the seed (layout-independent), then cast to params_dtype.
 // `deferred`: built under hp::memory::DeferredAllocation and not initialized (no storage of
 // its own); fully_shard with param_init = models::parameter_initializer(root, seed) gives
@@ -93,13 +77,32 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = fal
                                        const models::PipelineSlice& slice = {});
 
 // Parameters of each of the pipeline_parallel x interleave stages (before tensor
-// parallelism), from the config alone (ModelSpec::stage_params).
+// parallelism), from the config alone (the family's ModelArgs::stage_params).
 std::vector<int64_t> stage_params(const TrainConfig& c);
 
 // The pipeline schedule of a validated config with pipeline_parallel > 1: its
 // pipeline_schedule over pipeline_parallel ranks and micro_batch_num micro-batches (the
 // placement of stages on ranks is the schedule's rank_of).
 pp::Schedule pipeline_schedule(const TrainConfig& c);
+
+class CheckpointManager;
+
+// What Trainer::train reports: after each step, and after each save it starts.
+struct TrainCallbacks {
+  std::function<void(const StepStats&)> on_step;
+  // The checkpoint's folder; `background`: being written while training goes on.
+  std::function<void(const std::string& dir, bool background)> on_save;
+};
+
+// A run of Trainer::train.
+struct TrainSummary {
+  int64_t first_step = 0;    // steps done before it (a resumed run's)
+  int64_t steps = 0;         // steps it trained
+  double seconds = 0;        // their step times summed (each the slowest rank's)
+  double tokens_per_s = 0;   // after the first step (allocations and caches warming up); one step: that one
+  int64_t peak_bytes = 0;    // largest tensor-memory peak of any step on any rank
+  std::vector<double> losses;
+};
 
 class Trainer {
  public:
@@ -108,6 +111,11 @@ class Trainer {
   Trainer(const TrainConfig& c, CommPtr world, std::shared_ptr<const TokenDataset> data = nullptr);
   ~Trainer();
   StepStats step();  // the next step
+  // Trains from steps_done() to train_steps: on_step after each step; a save through
+  // `checkpoints` (when given) after each step it says is due, then on_save; at the end a
+  // background save is waited for. Every rank raises alike: TrainingDiverged for a loss or
+  // norm that is not finite, hp::Error for a save that failed on any rank.
+  TrainSummary train(CheckpointManager* checkpoints = nullptr, const TrainCallbacks& callbacks = {});
   int64_t steps_done() const;
   // This rank's sharded parameters and what the optimizer steps them with.
   std::vector<at::Tensor> sharded_params() const;
@@ -139,11 +147,12 @@ class Trainer {
   // by the next save_async() or wait_for_save().
   void save_async(const std::string& dir, std::function<void()> then = nullptr);
   void wait_for_save();
-  // The model's weights (and fp32 masters) from a Hugging Face Llama folder (config.json,
+  // The model's weights (and fp32 masters) from a Hugging Face model folder (config.json,
   // safetensors: hp/ckpt/consolidated.h), each rank reading only its shards' bytes, cast to
   // the parameters' dtype; the optimizer's state is left as it is. Collective over the
   // world (an error on any rank raises on all). Raises naming the key when config.json
-  // describes another model, and "not supported yet" for a model other than Llama. The
+  // describes another model, and "not supported yet" for a family without Hugging Face
+  // names (ModelArgs::supports_hf). The
   // constructor calls it for the config's init_from_hf.
   void load_hf(const std::string& dir);
 
@@ -154,12 +163,13 @@ class Trainer {
 };
 
 // Writes the model of the committed checkpoint `ckpt_dir` (saved by Trainer::save, any
-// layout) to the new folder `out_dir` in Hugging Face's layout for LlamaForCausalLM
+// layout) to the new folder `out_dir` in Hugging Face's layout for the model's family
+// (LlamaForCausalLM for Llama)
 // (config.json, model-0000k-of-0000n.safetensors of at most options.max_shard_bytes, the
 // index): the fp32 masters where the checkpoint holds them, else the parameters, written as
 // options.dtype (default: the parameters' dtype). Collective over `world`: the files are
 // spread over the ranks and no rank holds the whole model (ckpt::export_consolidated).
-// Raises "not supported yet" for a model other than Llama.
+// Raises "not supported yet" for a family without Hugging Face names.
 void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const CommPtr& world,
                ckpt::ExportOptions options = {});
 

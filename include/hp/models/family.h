@@ -1,0 +1,209 @@
+// The model-family seam: everything the trainer, the planner and the memory estimate need
+// to know about a kind of model, behind one interface, so that none of them names a model.
+//
+//   ModelFamily   a kind of model (Llama, DeepSeek-V3): its name, its presets, the config
+//                 keys of its fields (model.<field>).
+//   ModelArgs     one configured model of a family (its sizes): parameter counts (whole, per
+//                 pipeline slice, per tensor-parallel rank), FLOPs and activations per token,
+//                 validation, the tensor-parallel check, Hugging Face names and config, and
+//                 the factory that builds it.
+//   Model         a built model: the root module, its blocks (fully_shard's units), forward,
+//                 the loss, the tensor-parallel plan and the step hook.
+//
+// Families are found by name in a registry (model_family); the built-in ones are listed in
+// src/models/family.cpp, one line each, and register_model_family adds others (a test's toy
+// family, a user's model) at run time. A new family implements ModelFamily and ModelArgs in
+// models/ and touches nothing above.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+#include "hp/core/error.h"
+#include "hp/hooks/checkpoint.h"
+#include "hp/models/llama.h"  // PipelineSlice
+
+namespace hp::models {
+
+class ModelFamily;
+
+// A built model (one pipeline stage's part of it, or the whole).
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual torch::nn::Module& root() = 0;
+  // The blocks, in order: each becomes a fully_shard unit before the root.
+  virtual std::vector<torch::nn::Module*> blocks() = 0;
+  // Logits [B, T, vocab] of tokens [B, T]; through hp::call (so fully_shard's hooks run)
+  // when `hooked`. Under tensor parallelism with loss parallel, this rank's vocabulary piece.
+  virtual at::Tensor forward(const at::Tensor& tokens, bool hooked) = 0;
+  // Mean cross-entropy of forward's logits (vocabulary-parallel when they are split).
+  virtual at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) = 0;
+  // Deterministic, layout-independent initialization from `seed`.
+  virtual void init_weights(uint64_t seed) = 0;
+  // Applies tensor (and sequence) parallelism over `tp` (before fully_shard); raises "not
+  // supported yet" for a family without a plan.
+  virtual void parallelize(const CommPtr& tp, bool sequence_parallel, c10::optional<at::ScalarType> reduce_dtype) = 0;
+  // After each optimizer step (DeepSeek: the balancing bias from the load summed over `dp`;
+  // null `dp`: this process only).
+  virtual void after_step(const CommPtr& dp) {}
+};
+
+// Forward FLOPs of one sequence position: per block (its matmuls and attention's two
+// products over the sequence) and of the head.
+struct FlopCount {
+  double block = 0, head = 0;
+};
+// Activation elements one sequence position keeps for backward: per block and of the head
+// (the logits, their fp32 copy and probabilities).
+struct ActivationCount {
+  double block = 0, head = 0;
+};
+
+// The value of one model field, as its key's kind says.
+using ModelValue = std::variant<int64_t, double, bool>;
+
+// One field of a family's config that hp-train's model.<name> key sets.
+struct ModelKey {
+  enum class Kind { kInt, kFloat, kBool };
+  std::string name;  // without "model."
+  Kind kind = Kind::kInt;
+  // Int and float: the smallest value accepted; above_min: the value must be greater.
+  double min = 0;
+  bool above_min = false;
+  std::string help;
+  std::function<void(class ModelArgs&, const ModelValue&)> set;
+  std::function<ModelValue(const class ModelArgs&)> get;
+};
+
+// One configured model of a family: sizes and arithmetic from the config alone (nothing
+// allocated), and the factory.
+class ModelArgs {
+ public:
+  virtual ~ModelArgs() = default;
+  virtual std::unique_ptr<ModelArgs> clone() const = 0;
+  virtual const ModelFamily& family() const = 0;
+
+  virtual int64_t vocab() const = 0;
+  virtual int64_t dim() const = 0;  // the residual stream's width
+  virtual int64_t layers() const = 0;
+  virtual int64_t max_seq() const = 0;
+  // A dense feed-forward's hidden size (the planner times matmuls at it).
+  virtual int64_t ffn_hidden() const = 0;
+
+  virtual int64_t num_params() const = 0;
+  virtual int64_t largest_param() const = 0;  // elements of the largest single parameter
+  virtual int64_t largest_block_params() const = 0;
+  // Parameters of a pipeline stage's part of the model (before tensor parallelism); a stage
+  // that holds a copy of a tied parameter counts it.
+  virtual int64_t stage_params(const PipelineSlice& slice) const = 0;
+  // Parameters each tensor-parallel rank holds (before fully_shard): the split ones divided
+  // by tp, the whole ones (whole_under_tp) in full. tp = 1: num_params().
+  virtual int64_t params_per_tp_rank(int64_t tp) const = 0;
+  virtual int64_t largest_block_params_per_tp_rank(int64_t tp) const = 0;
+  // What tensor parallelism keeps whole on every rank, in words ("norms", ...).
+  virtual std::string whole_under_tp() const = 0;
+  virtual FlopCount flops_per_token(int64_t seq_length) const = 0;
+  virtual ActivationCount activations_per_token(int64_t seq_length) const = 0;
+
+  // The same model with `layers` blocks, keeping the kinds of block it has (the planner
+  // times a model of 1 and 2 layers).
+  virtual void set_layers(int64_t layers) = 0;
+  // Raises hp::Error naming the offending field.
+  virtual void validate() const = 0;
+  // Raises hp::Error naming the field when the model cannot be split over `tp` ranks.
+  virtual void check_tensor_parallel(int64_t tp) const = 0;
+  // Names (in the whole model) of parameters that a pipeline's first and last stage each
+  // hold a copy of, to be summed after backward (Llama's tied embedding).
+  virtual std::vector<std::string> tied_parameters() const { return {}; }
+
+  // Builds the model (a pipeline stage's part: `slice`), in fp32, not initialized; every
+  // block checkpointed with `recompute` when set.
+  virtual std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const = 0;
+
+  // Hugging Face interchange. supports_hf() false: the others raise "not supported yet".
+  virtual bool supports_hf() const { return false; }
+  // (ours, theirs) for every parameter, in the order Hugging Face writes them.
+  virtual std::vector<std::pair<std::string, std::string>> hf_names() const;
+  // The config.json describing this model, its weights stored as `dtype`.
+  virtual std::string hf_config(at::ScalarType dtype) const;
+  // Raises naming the key where a config.json (its text; `path` names it) describes another model.
+  virtual void check_hf_config(const std::string& text, const std::string& path) const;
+};
+
+class ModelFamily {
+ public:
+  virtual ~ModelFamily() = default;
+  virtual std::string name() const = 0;
+  // The presets' names; the first is the default.
+  virtual std::vector<std::string> presets() const = 0;
+  // The preset's model; raises naming the accepted presets for another name.
+  virtual std::unique_ptr<ModelArgs> preset(const std::string& name) const = 0;
+  // The fields a config may set, in the order --list-keys shows them.
+  virtual const std::vector<ModelKey>& keys() const = 0;
+};
+
+// The family registered under `name`; raises listing the registered names.
+const ModelFamily& model_family(const std::string& name);
+// Every registered family, the built-in ones first, in registration order.
+std::vector<const ModelFamily*> model_families();
+// Adds `family` (kept for the process's life); raises when its name is taken.
+void register_model_family(std::shared_ptr<const ModelFamily> family);
+// The family a config without model.type trains.
+const ModelFamily& default_model_family();
+
+// A family's args holding its config struct `Config`: the common part of every family.
+template <typename Config>
+class ArgsOf : public ModelArgs {
+ public:
+  explicit ArgsOf(Config c) : config(std::move(c)) {}
+  Config config;
+};
+
+// The config of `a` as family type Config; raises naming both families when `a` is another.
+template <typename Config>
+Config& config_of(ModelArgs& a) {
+  auto* p = dynamic_cast<ArgsOf<Config>*>(&a);
+  HP_CHECK(p != nullptr, "the model is of family ", a.family().name(), ", not the one asked for");
+  return p->config;
+}
+template <typename Config>
+const Config& config_of(const ModelArgs& a) {
+  return config_of<Config>(const_cast<ModelArgs&>(a));
+}
+
+// Keys of a field of Config (for ModelFamily::keys()).
+template <typename Config>
+ModelKey int_key(const char* name, int64_t Config::*f, int64_t min, const char* help) {
+  return {name, ModelKey::Kind::kInt, static_cast<double>(min), false, help,
+          [f](ModelArgs& a, const ModelValue& v) { config_of<Config>(a).*f = std::get<int64_t>(v); },
+          [f](const ModelArgs& a) { return ModelValue(config_of<Config>(a).*f); }};
+}
+template <typename Config>
+ModelKey float_key(const char* name, double Config::*f, double min, bool above_min, const char* help) {
+  return {name, ModelKey::Kind::kFloat, min, above_min, help,
+          [f](ModelArgs& a, const ModelValue& v) { config_of<Config>(a).*f = std::get<double>(v); },
+          [f](const ModelArgs& a) { return ModelValue(config_of<Config>(a).*f); }};
+}
+template <typename Config>
+ModelKey bool_key(const char* name, bool Config::*f, const char* help) {
+  return {name, ModelKey::Kind::kBool, 0, false, help,
+          [f](ModelArgs& a, const ModelValue& v) { config_of<Config>(a).*f = std::get<bool>(v); },
+          [f](const ModelArgs& a) { return ModelValue(config_of<Config>(a).*f); }};
+}
+
+// The built-in families (src/models/llama_family.cpp, deepseek_family.cpp).
+std::shared_ptr<const ModelFamily> llama_family();
+std::shared_ptr<const ModelFamily> deepseek_family();
+
+}  // namespace hp::models

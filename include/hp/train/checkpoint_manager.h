@@ -1,0 +1,59 @@
+// Where and when hp-train's checkpoints are written, and which one a run resumes from.
+//
+// A run's checkpoints are folders save_dir/step_<k> (k zero-padded to 8 digits, so names
+// sort by step), each committed by ckpt::save's one rename; save_dir/latest names the newest
+// committed one and moves only after it committed (written to latest.tmp, fsynced, renamed).
+// keep_last_n > 0 removes all but the newest n committed ones after each commit (never the
+// one `latest` names). With async the state is copied and written in the background by the
+// trainer's own thread, and `latest` moves when that save committed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "hp/comm/communicator.h"
+#include "hp/train/config.h"
+
+namespace hp::train {
+
+class Trainer;
+
+class CheckpointManager {
+ public:
+  struct Options {
+    std::string dir;          // save_dir
+    int64_t interval = 0;     // save every this many steps and after the last; 0 = never
+    int64_t keep_last_n = 0;  // 0 = keep all
+    bool async = false;
+  };
+  // The options a validated config asks for (save_dir, save_interval, keep_last_n, async_save).
+  static Options options_of(const TrainConfig& c);
+
+  CheckpointManager(Options o, CommPtr world);
+
+  // Whether to save after step `step` (1-based) of a run of `last_step` steps.
+  bool due(int64_t step, int64_t last_step) const;
+  // Saves `t`'s state to dir/step_<steps done> (collective over the world), then moves
+  // `latest` and prunes (rank 0); with async, returns once the state is copied. Returns
+  // the folder.
+  std::string save(Trainer& t);
+  // Waits for a background save; raises on every rank when it failed on any.
+  void wait(Trainer& t);
+  // The checkpoint a resume starts from: `dir` itself when it is a committed checkpoint,
+  // else the one dir/latest names. Raises naming the folder when there is none, or when
+  // `latest` is unreadable, names something outside `dir`, or names an uncommitted folder.
+  static std::string resolve(const std::string& dir);
+  // The folder name of the checkpoint after `steps` steps ("step_00000042").
+  static std::string name_of(int64_t steps);
+
+  const Options& options() const { return o_; }
+
+ private:
+  // Points o.dir/latest at `name`, then prunes. Rank 0, after the save of `name` committed.
+  static void commit(const Options& o, const std::string& name);
+
+  Options o_;
+  CommPtr world_;
+};
+
+}  // namespace hp::train

@@ -1,0 +1,159 @@
+// DeepSeek-V3 behind the model-family seam.
+#include "family_util.h"
+#include "hp/models/deepseek.h"
+
+namespace hp::models {
+
+namespace {
+
+class DeepSeekModel : public detail::ModelOf<DeepSeek> {
+ public:
+  using ModelOf::ModelOf;
+  void after_step(const CommPtr& dp) override { m_->update_balancing_bias(dp); }
+};
+
+class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
+ public:
+  DeepSeekArgs(const ModelFamily& family, DeepSeekConfig c) : ArgsOf(std::move(c)), family_(family) {}
+  std::unique_ptr<ModelArgs> clone() const override { return std::make_unique<DeepSeekArgs>(*this); }
+  const ModelFamily& family() const override { return family_; }
+
+  int64_t vocab() const override { return config.vocab; }
+  int64_t dim() const override { return config.dim; }
+  int64_t layers() const override { return config.layers; }
+  int64_t max_seq() const override { return config.max_seq; }
+  int64_t ffn_hidden() const override { return config.dense_hidden; }
+  int64_t num_params() const override { return config.num_params(); }
+  int64_t largest_param() const override { return config.largest_param(); }
+  int64_t largest_block_params() const override { return config.largest_block_params(); }
+
+  int64_t stage_params(const PipelineSlice& sl) const override {
+    const DeepSeekConfig& d = config;
+    const int64_t end = check_slice(sl, d.layers);
+    int64_t n = (sl.embedding ? d.vocab * d.dim : 0) + (sl.head ? d.dim + d.vocab * d.dim : 0);
+    // kinds() lists the dense kind first (when there is one), the MoE kind last.
+    const auto k = kinds();
+    for (int64_t i = sl.first_layer; i < end; ++i) n += (i < d.dense_layers ? k.front() : k.back()).total;
+    return n;
+  }
+  int64_t params_per_tp_rank(int64_t tp) const override {
+    return detail::params_per_tp_rank(num_params(), config.dim, kinds(), tp);
+  }
+  int64_t largest_block_params_per_tp_rank(int64_t tp) const override {
+    if (tp <= 1) return largest_block_params();
+    return detail::largest_block_per_tp_rank(kinds(), tp);
+  }
+  std::string whole_under_tp() const override { return "norms, MLA down-projections and routers"; }
+
+  // The matmuls of the active parameters (the routed experts a token does not use left out)
+  // and attention's two products over the sequence.
+  FlopCount flops_per_token(int64_t seq_length) const override {
+    const DeepSeekConfig& d = config;
+    const double T = static_cast<double>(seq_length);
+    const double idle_experts =
+        static_cast<double>(d.experts - d.experts_per_token) * 3.0 * static_cast<double>(d.dim * d.expert_hidden);
+    const double active = static_cast<double>(d.largest_block_params()) - (d.layers > d.dense_layers ? idle_experts : 0);
+    FlopCount f;
+    f.block = 2.0 * active + 2.0 * T * static_cast<double>(d.heads * (d.qk_nope_dim + d.qk_rope_dim + d.v_head_dim));
+    f.head = 2.0 * static_cast<double>(d.vocab * d.dim);
+    return f;
+  }
+  // As Llama's, with MLA's latents and per-head query/key/value widths, and the hidden
+  // products of the experts a token runs.
+  ActivationCount activations_per_token(int64_t seq_length) const override {
+    const DeepSeekConfig& d = config;
+    const double hidden = d.layers > d.dense_layers
+                              ? static_cast<double>(d.expert_hidden * (d.experts_per_token + d.shared_experts))
+                              : static_cast<double>(d.dense_hidden);
+    ActivationCount a;
+    a.block = 6.0 * static_cast<double>(d.dim) +
+              static_cast<double>(d.heads * (2 * (d.qk_nope_dim + d.qk_rope_dim) + d.v_head_dim)) +
+              static_cast<double>(d.q_lora_rank + d.kv_lora_rank) + 4.0 * hidden +
+              static_cast<double>(d.heads) * static_cast<double>(seq_length);
+    a.head = static_cast<double>(d.vocab);
+    return a;
+  }
+
+  // Keeps a dense first block and MoE blocks after it, where the model has those kinds.
+  void set_layers(int64_t layers) override {
+    DeepSeekConfig& d = config;
+    const bool any_moe = d.layers > d.dense_layers;
+    const bool any_dense = d.dense_layers > 0;
+    d.layers = layers;
+    d.dense_layers = any_moe ? (any_dense ? 1 : 0) : layers;
+  }
+  void validate() const override { config.validate(); }
+  void check_tensor_parallel(int64_t tp) const override { models::check_tensor_parallel(config, tp); }
+
+  std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const override {
+    DeepSeek m(config, slice);
+    m->recompute = recompute;
+    return std::make_unique<DeepSeekModel>(m);
+  }
+
+ private:
+  // Per kind of block (dense, MoE): its parameters, and those kept whole under tensor
+  // parallelism: the norms, MLA's down-projections and their norms, the MoE router.
+  std::vector<detail::BlockKind> kinds() const {
+    const DeepSeekConfig& d = config;
+    std::vector<detail::BlockKind> out;
+    for (bool dense : {true, false}) {
+      if (dense ? d.dense_layers == 0 : d.layers == d.dense_layers) continue;
+      DeepSeekConfig one = d;
+      one.layers = 1;
+      one.dense_layers = dense ? 1 : 0;
+      const int64_t mla_whole =
+          d.dim * d.q_lora_rank + d.q_lora_rank + d.dim * (d.kv_lora_rank + d.qk_rope_dim) + d.kv_lora_rank;
+      out.push_back(detail::BlockKind{one.num_params() - 2 * d.vocab * d.dim - d.dim,
+                                      2 * d.dim + mla_whole + (dense ? 0 : d.dim * d.experts),
+                                      dense ? d.dense_layers : d.layers - d.dense_layers});
+    }
+    return out;
+  }
+  const ModelFamily& family_;
+};
+
+class DeepSeekFamily : public ModelFamily {
+ public:
+  std::string name() const override { return "deepseek"; }
+  std::vector<std::string> presets() const override { return {"tiny", "deepseek_v3"}; }
+  std::unique_ptr<ModelArgs> preset(const std::string& name) const override {
+    if (name == "tiny") return std::make_unique<DeepSeekArgs>(*this, DeepSeekConfig::tiny());
+    HP_CHECK(name == "deepseek_v3", "model preset '", name, "' is not one of deepseek's: tiny, deepseek_v3");
+    return std::make_unique<DeepSeekArgs>(*this, DeepSeekConfig::deepseek_v3());
+  }
+  const std::vector<ModelKey>& keys() const override {
+    using D = DeepSeekConfig;
+    static const std::vector<ModelKey> k = {
+        int_key<D>("vocab", &D::vocab, 2, "vocabulary size (at least 2)"),
+        int_key<D>("dim", &D::dim, 1, "hidden size"),
+        int_key<D>("layers", &D::layers, 1, "transformer blocks"),
+        int_key<D>("heads", &D::heads, 1, "attention heads"),
+        int_key<D>("max_seq", &D::max_seq, 1, "longest sequence (rotary table)"),
+        float_key<D>("rope_theta", &D::rope_theta, 0, true, "rotary base"),
+        float_key<D>("norm_eps", &D::norm_eps, 0, true, "RMSNorm epsilon"),
+        int_key<D>("dense_layers", &D::dense_layers, 0, "first blocks with a dense feed-forward"),
+        int_key<D>("q_lora_rank", &D::q_lora_rank, 1, "MLA query latent rank"),
+        int_key<D>("kv_lora_rank", &D::kv_lora_rank, 1, "MLA key/value latent rank"),
+        int_key<D>("qk_nope_dim", &D::qk_nope_dim, 1, "MLA per-head non-rotary query/key dims"),
+        int_key<D>("qk_rope_dim", &D::qk_rope_dim, 2, "MLA decoupled rotary key dims"),
+        int_key<D>("v_head_dim", &D::v_head_dim, 1, "MLA per-head value dims"),
+        int_key<D>("dense_hidden", &D::dense_hidden, 1, "dense feed-forward hidden size"),
+        int_key<D>("experts", &D::experts, 1, "routed experts per MoE block"),
+        int_key<D>("experts_per_token", &D::experts_per_token, 1, "routed experts each token uses"),
+        int_key<D>("shared_experts", &D::shared_experts, 0, "always-on experts"),
+        int_key<D>("expert_hidden", &D::expert_hidden, 1, "expert hidden size"),
+        float_key<D>("bias_update_rate", &D::bias_update_rate, 0, false, "balancing-bias step per update"),
+    };
+    return k;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<const ModelFamily> deepseek_family() {
+  static const auto f = std::make_shared<DeepSeekFamily>();
+  return f;
+}
+
+}  // namespace hp::models

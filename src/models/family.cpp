@@ -1,0 +1,74 @@
+#include "hp/models/family.h"
+
+#include <mutex>
+
+namespace hp::models {
+
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::vector<std::shared_ptr<const ModelFamily>> families;
+};
+
+void add(Registry& r, std::shared_ptr<const ModelFamily> f) {
+  HP_CHECK(f != nullptr, "register_model_family: a null family");
+  const std::string name = f->name();
+  HP_CHECK(!name.empty(), "register_model_family: a family without a name");
+  for (const auto& g : r.families) {
+    HP_CHECK(g->name() != name, "register_model_family: a family named '", name, "' is registered already");
+  }
+  r.families.push_back(std::move(f));
+}
+
+Registry& registry() {
+  static Registry* r = [] {
+    auto* out = new Registry;
+    // The built-in families, one line each; the first is the default.
+    add(*out, deepseek_family());
+    add(*out, llama_family());
+    return out;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+const ModelFamily& model_family(const std::string& name) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::string all;
+  for (const auto& f : r.families) {
+    if (f->name() == name) return *f;
+    all += (all.empty() ? "" : ", ") + f->name();
+  }
+  throw Error(detail::str_cat("no model family named '", name, "' (registered: ", all, ")"));
+}
+
+std::vector<const ModelFamily*> model_families() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<const ModelFamily*> out;
+  for (const auto& f : r.families) out.push_back(f.get());
+  return out;
+}
+
+void register_model_family(std::shared_ptr<const ModelFamily> family) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  add(r, std::move(family));
+}
+
+const ModelFamily& default_model_family() { return *model_families().front(); }
+
+namespace {
+[[noreturn]] void no_hf(const ModelArgs& a) {
+  throw Error(detail::str_cat("Hugging Face interchange is not supported yet for model family ", a.family().name()));
+}
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> ModelArgs::hf_names() const { no_hf(*this); }
+std::string ModelArgs::hf_config(at::ScalarType) const { no_hf(*this); }
+void ModelArgs::check_hf_config(const std::string&, const std::string&) const { no_hf(*this); }
+
+}  // namespace hp::models

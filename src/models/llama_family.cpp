@@ -1,0 +1,123 @@
+// Llama behind the model-family seam.
+#include "family_util.h"
+#include "hp/models/llama.h"
+
+namespace hp::models {
+
+namespace {
+
+class LlamaArgs : public ArgsOf<LlamaConfig> {
+ public:
+  LlamaArgs(const ModelFamily& family, LlamaConfig c) : ArgsOf(std::move(c)), family_(family) {}
+  std::unique_ptr<ModelArgs> clone() const override { return std::make_unique<LlamaArgs>(*this); }
+  const ModelFamily& family() const override { return family_; }
+
+  int64_t vocab() const override { return config.vocab; }
+  int64_t dim() const override { return config.dim; }
+  int64_t layers() const override { return config.layers; }
+  int64_t max_seq() const override { return config.max_seq; }
+  int64_t ffn_hidden() const override { return config.hidden_dim(); }
+  int64_t num_params() const override { return config.num_params(); }
+  int64_t largest_param() const override { return config.largest_param(); }
+  int64_t largest_block_params() const override { return config.block_params(); }
+
+  int64_t stage_params(const PipelineSlice& sl) const override {
+    const LlamaConfig& l = config;
+    const int64_t end = check_slice(sl, l.layers);
+    // Tied embeddings: the last stage holds a copy of the embedding for its head.
+    const int64_t embedding = sl.embedding || (sl.head && l.tie_embeddings) ? l.vocab * l.dim : 0;
+    const int64_t head = sl.head ? l.dim + (l.tie_embeddings ? 0 : l.vocab * l.dim) : 0;
+    return embedding + (end - sl.first_layer) * l.block_params() + head;
+  }
+  int64_t params_per_tp_rank(int64_t tp) const override {
+    return detail::params_per_tp_rank(num_params(), config.dim, kinds(), tp);
+  }
+  int64_t largest_block_params_per_tp_rank(int64_t tp) const override {
+    return detail::largest_block_per_tp_rank(kinds(), tp);
+  }
+  std::string whole_under_tp() const override { return "norms"; }
+
+  FlopCount flops_per_token(int64_t seq_length) const override {
+    const LlamaConfig& l = config;
+    const double T = static_cast<double>(seq_length);
+    FlopCount f;
+    f.block = 2.0 * static_cast<double>(l.block_params()) + 4.0 * T * static_cast<double>(l.dim);
+    f.head = 2.0 * static_cast<double>(l.vocab * l.dim);
+    return f;
+  }
+  // The norms' inputs and outputs, q, k, v, attention's probabilities over the sequence and
+  // output, the MLP's four hidden-size products; the head's logits.
+  ActivationCount activations_per_token(int64_t seq_length) const override {
+    const LlamaConfig& l = config;
+    const double kv = static_cast<double>(l.kv_heads * l.head_dim());
+    ActivationCount a;
+    a.block = 6.0 * static_cast<double>(l.dim) + 2.0 * kv + 4.0 * static_cast<double>(l.hidden_dim()) +
+              static_cast<double>(l.heads) * static_cast<double>(seq_length);
+    a.head = static_cast<double>(l.vocab);
+    return a;
+  }
+
+  void set_layers(int64_t layers) override { config.layers = layers; }
+  void validate() const override { config.validate(); }
+  void check_tensor_parallel(int64_t tp) const override { models::check_tensor_parallel(config, tp); }
+  std::vector<std::string> tied_parameters() const override {
+    if (config.tie_embeddings) return {"tok_emb.weight"};
+    return {};
+  }
+
+  std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const override {
+    Llama m(config, slice);
+    m->recompute = recompute;
+    return std::make_unique<detail::ModelOf<Llama>>(m);
+  }
+
+  bool supports_hf() const override { return true; }
+  std::vector<std::pair<std::string, std::string>> hf_names() const override { return models::hf_names(config); }
+  std::string hf_config(at::ScalarType dtype) const override { return models::hf_config(config, dtype); }
+  void check_hf_config(const std::string& text, const std::string& path) const override {
+    models::check_hf_config(config, text, path);
+  }
+
+ private:
+  std::vector<detail::BlockKind> kinds() const {
+    return {detail::BlockKind{config.block_params(), 2 * config.dim, config.layers}};  // two norms whole
+  }
+  const ModelFamily& family_;
+};
+
+class LlamaFamily : public ModelFamily {
+ public:
+  std::string name() const override { return "llama"; }
+  std::vector<std::string> presets() const override { return {"tiny", "llama3_8b"}; }
+  std::unique_ptr<ModelArgs> preset(const std::string& name) const override {
+    if (name == "tiny") return std::make_unique<LlamaArgs>(*this, LlamaConfig::tiny());
+    HP_CHECK(name == "llama3_8b", "model preset '", name, "' is not one of llama's: tiny, llama3_8b");
+    return std::make_unique<LlamaArgs>(*this, LlamaConfig::llama3_8b());
+  }
+  const std::vector<ModelKey>& keys() const override {
+    using L = LlamaConfig;
+    // One token leaves nothing to predict (the loss is 0 from the start): vocab >= 2.
+    static const std::vector<ModelKey> k = {
+        int_key<L>("vocab", &L::vocab, 2, "vocabulary size (at least 2)"),
+        int_key<L>("dim", &L::dim, 1, "hidden size"),
+        int_key<L>("layers", &L::layers, 1, "transformer blocks"),
+        int_key<L>("heads", &L::heads, 1, "attention heads"),
+        int_key<L>("max_seq", &L::max_seq, 1, "longest sequence (rotary table)"),
+        float_key<L>("rope_theta", &L::rope_theta, 0, true, "rotary base"),
+        float_key<L>("norm_eps", &L::norm_eps, 0, true, "RMSNorm epsilon"),
+        int_key<L>("kv_heads", &L::kv_heads, 1, "grouped-query key/value heads"),
+        int_key<L>("ffn_dim", &L::ffn_dim, 0, "SwiGLU hidden size (0: 8/3 dim, rounded)"),
+        bool_key<L>("tie_embeddings", &L::tie_embeddings, "output head shares the embedding"),
+    };
+    return k;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<const ModelFamily> llama_family() {
+  static const auto f = std::make_shared<LlamaFamily>();
+  return f;
+}
+
+}  // namespace hp::models

@@ -1,0 +1,125 @@
+#include "hp/train/checkpoint_manager.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "hp/ckpt/checkpoint.h"
+#include "hp/comm/agree.h"
+#include "hp/core/error.h"
+#include "hp/core/files.h"
+#include "hp/train/trainer.h"
+
+namespace hp::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool committed(const std::string& dir) {
+  std::error_code ec;
+  return fs::exists(ckpt::committed_dir(dir) + "/metadata.json", ec);
+}
+
+// A checkpoint's folder name as this manager writes it: step_ and 8 or more digits.
+bool is_checkpoint_name(const std::string& n) {
+  if (n.rfind("step_", 0) != 0 || n.size() < 13) return false;
+  return std::all_of(n.begin() + 5, n.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+}
+
+}  // namespace
+
+CheckpointManager::Options CheckpointManager::options_of(const TrainConfig& c) {
+  return {c.save_dir, c.save_interval, c.keep_last_n, c.async_save};
+}
+
+CheckpointManager::CheckpointManager(Options o, CommPtr world) : o_(std::move(o)), world_(std::move(world)) {
+  HP_CHECK(o_.interval == 0 || !o_.dir.empty(), "checkpoints every ", o_.interval, " steps need a folder (save_dir)");
+  HP_CHECK(o_.interval >= 0 && o_.keep_last_n >= 0, "checkpoint interval ", o_.interval, " and keep_last_n ",
+           o_.keep_last_n, " must not be negative");
+}
+
+bool CheckpointManager::due(int64_t step, int64_t last_step) const {
+  return o_.interval > 0 && (step % o_.interval == 0 || step == last_step);
+}
+
+std::string CheckpointManager::name_of(int64_t steps) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(steps));
+  return buf;
+}
+
+std::string CheckpointManager::resolve(const std::string& dir) {
+  HP_CHECK(!dir.empty(), "no checkpoint folder (set save_dir or output_dir, or name the checkpoint)");
+  if (committed(dir)) return dir;
+  std::ifstream f(dir + "/latest");
+  std::string name;
+  HP_CHECK(f && std::getline(f, name) && !name.empty(), "no checkpoint to resume from in '", dir,
+           "' (no 'latest' file: nothing was saved there yet)");
+  // The file is read back from disk: it must name a checkpoint folder of `dir` itself.
+  HP_CHECK(is_checkpoint_name(name), "'", dir, "/latest' names '", name,
+           "', which is not a checkpoint folder name (step_ and digits)");
+  const std::string out = dir + "/" + name;
+  HP_CHECK(committed(out), "'", dir, "/latest' names ", name, ", which is not a committed checkpoint (no metadata.json)");
+  return out;
+}
+
+void CheckpointManager::commit(const Options& o_, const std::string& name) {
+  const std::string tmp = o_.dir + "/latest.tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << name << "\n";
+    f.close();
+    HP_CHECK(f.good(), "could not write ", tmp);
+  }
+  // Durable before it replaces the old pointer, and the rename durable after.
+  ckpt::fsync_path(tmp);
+  fs::rename(tmp, o_.dir + "/latest");
+  ckpt::fsync_path(o_.dir);
+  if (o_.keep_last_n <= 0) return;
+  std::vector<std::string> saved;
+  for (const auto& e : fs::directory_iterator(o_.dir)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && is_checkpoint_name(n) && fs::exists(e.path() / "metadata.json")) saved.push_back(n);
+  }
+  std::sort(saved.begin(), saved.end());  // zero-padded: oldest first
+  for (size_t i = 0; i + static_cast<size_t>(o_.keep_last_n) < saved.size(); ++i) {
+    if (saved[i] == name) continue;
+    const std::string error = files::remove_tree(o_.dir + "/" + saved[i]);
+    HP_CHECK(error.empty(), "keep_last_n: ", error);
+  }
+}
+
+std::string CheckpointManager::save(Trainer& t) {
+  HP_CHECK(!o_.dir.empty(), "save: no checkpoint folder (save_dir)");
+  const std::string name = name_of(t.steps_done()), dir = o_.dir + "/" + name;
+  fs::create_directories(o_.dir);
+  const int rank = world_->rank();
+  // By value: a background save may commit after this manager is gone.
+  auto then = [o = o_, name, rank] {
+    ckpt::crash_point("latest", rank);
+    if (rank == 0) commit(o, name);
+  };
+  if (o_.async) {
+    t.save_async(dir, then);
+    return dir;
+  }
+  t.save(dir);
+  then();
+  world_->barrier().wait();
+  return dir;
+}
+
+void CheckpointManager::wait(Trainer& t) {
+  std::string error;
+  try {
+    t.wait_for_save();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  raise_if_any_failed(world_, error, "the background save");
+}
+
+}  // namespace hp::train
