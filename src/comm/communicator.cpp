@@ -16,26 +16,6 @@
 
 namespace hp {
 
-const char* to_string(CommOp op) {
-  switch (op) {
-    case CommOp::kAllGather: return "all_gather";
-    case CommOp::kReduceScatter: return "reduce_scatter";
-    case CommOp::kAllReduce: return "all_reduce";
-    case CommOp::kBroadcast: return "broadcast";
-    case CommOp::kAllToAll: return "all_to_all";
-    case CommOp::kSend: return "send";
-    case CommOp::kRecv: return "recv";
-    case CommOp::kBatchSendRecv: return "batch_send_recv";
-    case CommOp::kBarrier: return "barrier";
-    case CommOp::kNewGroup: return "new_group";
-  }
-  return "?";
-}
-
-bool is_collective(CommOp op) {
-  return op != CommOp::kSend && op != CommOp::kRecv && op != CommOp::kBatchSendRecv && op != CommOp::kNewGroup;
-}
-
 const char* to_string(ReduceOp op) {
   switch (op) {
     case ReduceOp::SUM: return "sum";
@@ -102,7 +82,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       ws->start = Clock::now();
       // Counted: the ops every rank of the communicator runs. Point-to-point ops, and
       // new_group (only the listed ranks call it), are not.
-      if (is_collective(ws->op)) {
+      if (ws->op != "send" && ws->op != "recv" && ws->op != "batch_send_recv" && ws->op != "new_group") {
         ws->collective = ++cs->collectives_started;
       }
       cs->running = ws;
@@ -114,17 +94,17 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
     } catch (const CommError&) {
       err = std::current_exception();
     } catch (const std::exception& e) {
-      err = std::make_exception_ptr(CommError(cs->rank, cs->name, to_string(ws->op), ws->seq, e.what(), cs->world_rank));
+      err = std::make_exception_ptr(CommError(cs->rank, cs->name, ws->op, ws->seq, e.what(), cs->world_rank));
     } catch (...) {
       err = std::make_exception_ptr(
-          CommError(cs->rank, cs->name, to_string(ws->op), ws->seq, "unknown exception", cs->world_rank));
+          CommError(cs->rank, cs->name, ws->op, ws->seq, "unknown exception", cs->world_rank));
     }
     // Recorded before the op is marked done: once wait() returns, the op's span is in the
     // trace.
     if (trace::enabled()) {
       int64_t end = trace::now_us();
       trace::record(trace::Event{
-          to_string(ws->op), "comm", ws->issue_us, end - ws->issue_us, cs->lane, true,
+          ws->op, "comm", ws->issue_us, end - ws->issue_us, cs->lane, true,
           (static_cast<uint64_t>(cs->lane) << 40) | ws->seq,
           str_cat("{\"seq\":", ws->seq, ",\"group\":\"", cs->name, "\",\"bytes\":", ws->bytes,
                   cs->transport->trace_note(), "}")});
@@ -167,7 +147,7 @@ bool stop_worker(CommShared& cs, std::chrono::milliseconds grace) {
       deadline = cs.running->start + cs.running->timeout;
       if (Clock::now() >= deadline) {
         cs.broken = std::make_exception_ptr(TimeoutError(
-            cs.rank, cs.name, to_string(cs.running->op), cs.running->seq,
+            cs.rank, cs.name, cs.running->op, cs.running->seq,
             "timed out at shutdown (a peer never joined the op)", cs.world_rank));
         cs.transport->abandon();
         cs.done_cv.notify_all();
@@ -211,12 +191,11 @@ class QueuedCommunicator final : public Communicator {
   const std::string& name() const override { return cs_->name; }
   std::string backend() const override { return backend_; }
   bool supports_device(const c10::Device& d) const override { return cs_->transport->supports_device(d); }
-  bool copies_without_cpu() const override { return cs_->transport->copies_without_cpu(); }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
   Timeout default_timeout() const override { return timeout_; }
 
   Work all_gather(at::Tensor out, at::Tensor in, const CollectiveOptions& o) override {
-    const CommOp op = CommOp::kAllGather;
+    const char* op = "all_gather";
     check_tensor(op, out, "output");
     check_tensor(op, in, "input");
     check_same_dtype(op, out, in);
@@ -229,10 +208,10 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work all_gather_into_new(std::function<at::Tensor()> make_out, at::Tensor in, const CollectiveOptions& o) override {
-    const CommOp op = CommOp::kAllGather;
+    const char* op = "all_gather";
     check_tensor(op, in, "input");
     HP_CHECK(make_out != nullptr, where(op), "no function to make the output");
-    if (!in.device().is_cpu() || copies_without_cpu()) return all_gather(make_out(), in, o);
+    if (!in.device().is_cpu() || backend_ == "nccl") return all_gather(make_out(), in, o);
     return enqueue(op, o.timeout, in.nbytes(), [t = transport(), make_out = std::move(make_out), in, n = size()] {
       const at::Tensor out = make_out();
       HP_CHECK(out.defined() && out.scalar_type() == in.scalar_type() && out.device() == in.device() &&
@@ -245,7 +224,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work reduce_scatter(at::Tensor out, at::Tensor in, const ReduceOptions& o) override {
-    const CommOp op = CommOp::kReduceScatter;
+    const char* op = "reduce_scatter";
     check_tensor(op, out, "output");
     check_tensor(op, in, "input");
     check_same_dtype(op, out, in);
@@ -262,7 +241,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work all_reduce(at::Tensor x, const ReduceOptions& o) override {
-    const CommOp op = CommOp::kAllReduce;
+    const char* op = "all_reduce";
     check_tensor(op, x, "tensor");
     check_reduce_op(op, o.op, x);
     ReduceOp rop = o.op;
@@ -274,7 +253,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work broadcast(at::Tensor x, int root, const CollectiveOptions& o) override {
-    const CommOp op = CommOp::kBroadcast;
+    const char* op = "broadcast";
     check_tensor(op, x, "tensor");
     check_peer(op, root, "root", /*allow_self=*/true);
     return enqueue(op, o.timeout, x.nbytes(), [t = transport(), x, root] {
@@ -283,7 +262,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work all_to_all(at::Tensor out, at::Tensor in, const AllToAllOptions& o) override {
-    const CommOp op = CommOp::kAllToAll;
+    const char* op = "all_to_all";
     check_tensor(op, out, "output");
     check_tensor(op, in, "input");
     check_same_dtype(op, out, in);
@@ -320,7 +299,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work send(at::Tensor x, int dst, const PointToPointOptions& o) override {
-    const CommOp op = CommOp::kSend;
+    const char* op = "send";
     check_tensor(op, x, "tensor");
     check_peer(op, dst, "destination", /*allow_self=*/false);
     HP_CHECK(o.tag >= 0 && o.tag < (1 << 20), where(op), "tag ", o.tag,
@@ -332,7 +311,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work recv(at::Tensor x, int src, const PointToPointOptions& o) override {
-    const CommOp op = CommOp::kRecv;
+    const char* op = "recv";
     check_tensor(op, x, "tensor");
     check_peer(op, src, "source", /*allow_self=*/false);
     HP_CHECK(o.tag >= 0 && o.tag < (1 << 20), where(op), "tag ", o.tag,
@@ -344,7 +323,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work batch_send_recv(std::vector<P2POp> ops, const CollectiveOptions& o) override {
-    const CommOp op = CommOp::kBatchSendRecv;
+    const char* op = "batch_send_recv";
     int64_t bytes = 0;
     for (const auto& x : ops) {
       const bool send = x.kind == P2POp::kSend;
@@ -382,7 +361,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   CommPtr new_group(const std::vector<int>& ranks, const CommOptions& o) override {
-    const CommOp op = CommOp::kNewGroup;
+    const char* op = "new_group";
     HP_CHECK(!ranks.empty(), where(op), "the rank list is empty");
     std::vector<int> seen(size(), 0);
     bool member = false;
@@ -410,11 +389,11 @@ class QueuedCommunicator final : public Communicator {
  private:
   Transport* transport() const { return cs_->transport.get(); }
 
-  std::string where(CommOp op) const {
-    return str_cat("[rank ", rank(), "] ", to_string(op), " on group '", cs_->name, "': ");
+  std::string where(const char* op) const {
+    return str_cat("[rank ", rank(), "] ", op, " on group '", cs_->name, "': ");
   }
 
-  void check_tensor(CommOp op, const at::Tensor& t, const char* what) const {
+  void check_tensor(const char* op, const at::Tensor& t, const char* what) const {
     HP_CHECK(t.defined(), where(op), what, " is an undefined tensor");
     HP_CHECK(cs_->transport->supports_device(t.device()), where(op), what, " is on ",
              t.device(), ", which the ", backend_, " backend does not support");
@@ -425,12 +404,12 @@ class QueuedCommunicator final : public Communicator {
              ", strides ", t.strides(), "); pass .contiguous()");
   }
 
-  void check_same_dtype(CommOp op, const at::Tensor& out, const at::Tensor& in) const {
+  void check_same_dtype(const char* op, const at::Tensor& out, const at::Tensor& in) const {
     HP_CHECK(out.scalar_type() == in.scalar_type(), where(op), "output dtype ",
              out.scalar_type(), " does not match input dtype ", in.scalar_type());
   }
 
-  void check_reduce_op(CommOp op, ReduceOp r, const at::Tensor& t) const {
+  void check_reduce_op(const char* op, ReduceOp r, const at::Tensor& t) const {
     auto dt = t.scalar_type();
     if (dt == at::kBool) {
       HP_CHECK(r == ReduceOp::MAX || r == ReduceOp::MIN, where(op), "reduce op ",
@@ -441,14 +420,14 @@ class QueuedCommunicator final : public Communicator {
              " tensors (the average would be truncated); use sum and divide in floating point");
   }
 
-  void check_peer(CommOp op, int peer, const char* what, bool allow_self) const {
+  void check_peer(const char* op, int peer, const char* what, bool allow_self) const {
     HP_CHECK(peer >= 0 && peer < size(), where(op), what, " rank ", peer, " is not in [0, ",
              size(), ")");
     HP_CHECK(allow_self || peer != rank(), where(op), what, " rank ", peer,
              " is this rank: sending to itself is not supported");
   }
 
-  void check_splits(CommOp op, const std::vector<int64_t>& s, const at::Tensor& t,
+  void check_splits(const char* op, const std::vector<int64_t>& s, const at::Tensor& t,
                     const char* what) const {
     HP_CHECK(static_cast<int>(s.size()) == size(), where(op), what, " has ", s.size(),
              " entries, the group has ", size(), " ranks");
@@ -461,7 +440,7 @@ class QueuedCommunicator final : public Communicator {
              t.size(0));
   }
 
-  Work enqueue(CommOp op, Timeout timeout, int64_t bytes, std::function<void()> fn) {
+  Work enqueue(const char* op, Timeout timeout, int64_t bytes, std::function<void()> fn) {
     HP_CHECK(timeout.count() >= 0, where(op), "timeout ", timeout.count(), " ms is negative");
     auto ws = std::make_shared<WorkState>();
     ws->op = op;
