@@ -45,4 +45,26 @@ inline c10::Device test_device() {
   return c10::Device(v && *v ? v : "cpu");
 }
 
+// `got` (any floating dtype, on any device) against `exact` (float64, the exact value of an
+// AVG: a sum exact in every dtype divided once): in float32 and float64 bitwise the exact
+// value rounded once to the dtype; in bfloat16 and float16, whose division runs in float32
+// and rounds again, within one unit in the last place of the exact value.
+inline void expect_rounded_once(const at::Tensor& got_any, const at::Tensor& exact, const std::string& what) {
+  const at::Tensor got = got_any.cpu();
+  ASSERT_EQ(got.sizes(), exact.sizes()) << what;
+  if (got.numel() == 0) return;
+  const at::ScalarType dt = got.scalar_type();
+  if (dt == at::kFloat || dt == at::kDouble) {
+    EXPECT_TRUE(at::equal(got, exact.to(dt))) << what << ": max abs diff "
+                                              << (got.to(at::kDouble) - exact).abs().max().item<double>();
+    return;
+  }
+  // One ulp: 2^(exponent - mantissa bits), 7 for bfloat16, 10 for float16.
+  const double bits = dt == at::kBFloat16 ? 7 : 10;
+  const at::Tensor ulp = at::pow(2.0, at::floor(at::log2(exact.abs().clamp_min(1e-30))) - bits);
+  const at::Tensor err = (got.to(at::kDouble) - exact).abs();
+  EXPECT_TRUE((err <= ulp).all().item<bool>()) << what << ": max error " << (err / ulp).max().item<double>()
+                                               << " ulp";
+}
+
 }  // namespace hp::test

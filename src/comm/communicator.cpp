@@ -16,6 +16,26 @@
 
 namespace hp {
 
+const char* to_string(CommOp op) {
+  switch (op) {
+    case CommOp::kAllGather: return "all_gather";
+    case CommOp::kReduceScatter: return "reduce_scatter";
+    case CommOp::kAllReduce: return "all_reduce";
+    case CommOp::kBroadcast: return "broadcast";
+    case CommOp::kAllToAll: return "all_to_all";
+    case CommOp::kSend: return "send";
+    case CommOp::kRecv: return "recv";
+    case CommOp::kBatchSendRecv: return "batch_send_recv";
+    case CommOp::kBarrier: return "barrier";
+    case CommOp::kNewGroup: return "new_group";
+  }
+  return "?";
+}
+
+bool is_collective(CommOp op) {
+  return op != CommOp::kSend && op != CommOp::kRecv && op != CommOp::kBatchSendRecv && op != CommOp::kNewGroup;
+}
+
 const char* to_string(ReduceOp op) {
   switch (op) {
     case ReduceOp::SUM: return "sum";
@@ -82,7 +102,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       ws->start = Clock::now();
       // Counted: the ops every rank of the communicator runs. Point-to-point ops, and
       // new_group (only the listed ranks call it), are not.
-      if (ws->op != "send" && ws->op != "recv" && ws->op != "batch_send_recv" && ws->op != "new_group") {
+      if (is_collective(ws->op)) {
         ws->collective = ++cs->collectives_started;
       }
       cs->running = ws;
@@ -94,17 +114,17 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
     } catch (const CommError&) {
       err = std::current_exception();
     } catch (const std::exception& e) {
-      err = std::make_exception_ptr(CommError(cs->rank, cs->name, ws->op, ws->seq, e.what(), cs->world_rank));
+      err = std::make_exception_ptr(CommError(cs->rank, cs->name, to_string(ws->op), ws->seq, e.what(), cs->world_rank));
     } catch (...) {
       err = std::make_exception_ptr(
-          CommError(cs->rank, cs->name, ws->op, ws->seq, "unknown exception", cs->world_rank));
+          CommError(cs->rank, cs->name, to_string(ws->op), ws->seq, "unknown exception", cs->world_rank));
     }
     // Recorded before the op is marked done: once wait() returns, the op's span is in the
     // trace.
     if (trace::enabled()) {
       int64_t end = trace::now_us();
       trace::record(trace::Event{
-          ws->op, "comm", ws->issue_us, end - ws->issue_us, cs->lane, true,
+          to_string(ws->op), "comm", ws->issue_us, end - ws->issue_us, cs->lane, true,
           (static_cast<uint64_t>(cs->lane) << 40) | ws->seq,
           str_cat("{\"seq\":", ws->seq, ",\"group\":\"", cs->name, "\",\"bytes\":", ws->bytes,
                   cs->transport->trace_note(), "}")});
@@ -147,7 +167,7 @@ bool stop_worker(CommShared& cs, std::chrono::milliseconds grace) {
       deadline = cs.running->start + cs.running->timeout;
       if (Clock::now() >= deadline) {
         cs.broken = std::make_exception_ptr(TimeoutError(
-            cs.rank, cs.name, cs.running->op, cs.running->seq,
+            cs.rank, cs.name, to_string(cs.running->op), cs.running->seq,
             "timed out at shutdown (a peer never joined the op)", cs.world_rank));
         cs.transport->abandon();
         cs.done_cv.notify_all();
@@ -191,11 +211,12 @@ class QueuedCommunicator final : public Communicator {
   const std::string& name() const override { return cs_->name; }
   std::string backend() const override { return backend_; }
   bool supports_device(const c10::Device& d) const override { return cs_->transport->supports_device(d); }
+  bool copies_without_cpu() const override { return cs_->transport->copies_without_cpu(); }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
   Timeout default_timeout() const override { return timeout_; }
 
   Work all_gather(at::Tensor out, at::Tensor in, const CollectiveOptions& o) override {
-    const char* op = "all_gather";
+    const CommOp op = CommOp::kAllGather;
     check_tensor(op, out, "output");
     check_tensor(op, in, "input");
     check_same_dtype(op, out, in);
@@ -208,10 +229,10 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work all_gather_into_new(std::function<at::Tensor()> make_out, at::Tensor in, const CollectiveOptions& o) override {
-    const char* op = "all_gather";
+    const CommOp op = CommOp::kAllGather;
     check_tensor(op, in, "input");
     HP_CHECK(make_out != nullptr, where(op), "no function to make the output");
-    if (!in.device().is_cpu() || backend_ == "nccl") return all_gather(make_out(), in, o);
+    if (!in.device().is_cpu() || copies_without_cpu()) return all_gather(make_out(), in, o);
     return enqueue(op, o.timeout, in.nbytes(), [t = transport(), make_out = std::move(make_out), in, n = size()] {
       const at::Tensor out = make_out();
       HP_CHECK(out.defined() && out.scalar_type() == in.scalar_type() && out.device() == in.device() &&
@@ -224,7 +245,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work reduce_scatter(at::Tensor out, at::Tensor in, const ReduceOptions& o) override {
-    const char* op = "reduce_scatter";
+    const CommOp op = CommOp::kReduceScatter;
     check_tensor(op, out, "output");
     check_tensor(op, in, "input");
     check_same_dtype(op, out, in);
@@ -241,7 +262,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work all_reduce(at::Tensor x, const ReduceOptions& o) override {
-    const char* op = "all_reduce";
+    const CommOp op = CommOp::kAllReduce;
     check_tensor(op, x, "tensor");
     check_reduce_op(op, o.op, x);
     ReduceOp rop = o.op;
@@ -253,7 +274,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work broadcast(at::Tensor x, int root, const CollectiveOptions& o) override {
-    const char* op = "broadcast";
+    const CommOp op = CommOp::kBroadcast;
     check_tensor(op, x, "tensor");
     check_peer(op, root, "root", /*allow_self=*/true);
     return enqueue(op, o.timeout, x.nbytes(), [t = transport(), x, root] {
@@ -262,7 +283,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work all_to_all(at::Tensor out, at::Tensor in, const AllToAllOptions& o) override {
-    const char* op = "all_to_all";
+    const CommOp op = CommOp::kAllToAll;
     check_tensor(op, out, "output");
     check_tensor(op, in, "input");
     check_same_dtype(op, out, in);
@@ -299,7 +320,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work send(at::Tensor x, int dst, const PointToPointOptions& o) override {
-    const char* op = "send";
+    const CommOp op = CommOp::kSend;
     check_tensor(op, x, "tensor");
     check_peer(op, dst, "destination", /*allow_self=*/false);
     HP_CHECK(o.tag >= 0 && o.tag < (1 << 20), where(op), "tag ", o.tag,
@@ -311,7 +332,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work recv(at::Tensor x, int src, const PointToPointOptions& o) override {
-    const char* op = "recv";
+    const CommOp op = CommOp::kRecv;
     check_tensor(op, x, "tensor");
     check_peer(op, src, "source", /*allow_self=*/false);
     HP_CHECK(o.tag >= 0 && o.tag < (1 << 20), where(op), "tag ", o.tag,
@@ -323,7 +344,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work batch_send_recv(std::vector<P2POp> ops, const CollectiveOptions& o) override {
-    const char* op = "batch_send_recv";
+    const CommOp op = CommOp::kBatchSendRecv;
     int64_t bytes = 0;
     for (const auto& x : ops) {
       const bool send = x.kind == P2POp::kSend;
@@ -361,7 +382,7 @@ class QueuedCommunicator final : public Communicator {
   }
 
   CommPtr new_group(const std::vector<int>& ranks, const CommOptions& o) override {
-    const char* op = "new_group";
+    const CommOp op = CommOp::kNewGroup;
     HP_CHECK(!ranks.empty(), where(op), "the rank list is empty");
     std::vector<int> seen(size(), 0);
     bool member = false;
@@ -389,11 +410,11 @@ class QueuedCommunicator final : public Communicator {
  private:
   Transport* transport() const { return cs_->transport.get(); }
 
-  std::string where(const char* op) const {
-    return str_cat("[rank ", rank(), "] ", op, " on group '", cs_->name, "': ");
+  std::string where(CommOp op) const {
+    return str_cat("[rank ", rank(), "] ", to_string(op), " on group '", cs_->name, "': ");
   }
 
-  void check_tensor(const char* op, const at::Tensor& t, const char* what) const {
+  void check_tensor(CommOp op, const at::Tensor& t, const char* what) const {
     HP_CHECK(t.defined(), where(op), what, " is an undefined tensor");
     HP_CHECK(cs_->transport->supports_device(t.device()), where(op), what, " is on ",
              t.device(), ", which the ", backend_, " backend does not support");
@@ -404,12 +425,12 @@ class QueuedCommunicator final : public Communicator {
              ", strides ", t.strides(), "); pass .contiguous()");
   }
 
-  void check_same_dtype(const char* op, const at::Tensor& out, const at::Tensor& in) const {
+  void check_same_dtype(CommOp op, const at::Tensor& out, const at::Tensor& in) const {
     HP_CHECK(out.scalar_type() == in.scalar_type(), where(op), "output dtype ",
              out.scalar_type(), " does not match input dtype ", in.scalar_type());
   }
 
-  void check_reduce_op(const char* op, ReduceOp r, const at::Tensor& t) const {
+  void check_reduce_op(CommOp op, ReduceOp r, const at::Tensor& t) const {
     auto dt = t.scalar_type();
     if (dt == at::kBool) {
       HP_CHECK(r == ReduceOp::MAX || r == ReduceOp::MIN, where(op), "reduce op ",
@@ -420,14 +441,14 @@ class QueuedCommunicator final : public Communicator {
              " tensors (the average would be truncated); use sum and divide in floating point");
   }
 
-  void check_peer(const char* op, int peer, const char* what, bool allow_self) const {
+  void check_peer(CommOp op, int peer, const char* what, bool allow_self) const {
     HP_CHECK(peer >= 0 && peer < size(), where(op), what, " rank ", peer, " is not in [0, ",
              size(), ")");
     HP_CHECK(allow_self || peer != rank(), where(op), what, " rank ", peer,
              " is this rank: sending to itself is not supported");
   }
 
-  void check_splits(const char* op, const std::vector<int64_t>& s, const at::Tensor& t,
+  void check_splits(CommOp op, const std::vector<int64_t>& s, const at::Tensor& t,
                     const char* what) const {
     HP_CHECK(static_cast<int>(s.size()) == size(), where(op), what, " has ", s.size(),
              " entries, the group has ", size(), " ranks");
@@ -440,7 +461,7 @@ class QueuedCommunicator final : public Communicator {
              t.size(0));
   }
 
-  Work enqueue(const char* op, Timeout timeout, int64_t bytes, std::function<void()> fn) {
+  Work enqueue(CommOp op, Timeout timeout, int64_t bytes, std::function<void()> fn) {
     HP_CHECK(timeout.count() >= 0, where(op), "timeout ", timeout.count(), " ms is negative");
     auto ws = std::make_shared<WorkState>();
     ws->op = op;

@@ -80,19 +80,29 @@ bool SimulatedNetwork::spans_nodes(const std::vector<int>& world_ranks) const {
   return false;
 }
 
-double SimulatedNetwork::seconds(const std::string& op, int64_t bytes, int n, const LinkModel& link) {
-  double factor = 1;
-  if (op == "all_gather" || op == "reduce_scatter" || op == "all_to_all") {
-    factor = (n - 1.0) / n;
-  } else if (op == "all_reduce") {
-    factor = 2.0 * (n - 1.0) / n;
-  } else if (op == "barrier") {
-    factor = 0;
-  } else {
-    HP_CHECK(op == "broadcast" || op == "send" || op == "recv" || op == "batch_send_recv",
-             "simulated network: no model for the op '", op, "'");
+double SimulatedNetwork::seconds(CommOp op, int64_t bytes, int n, const LinkModel& link) {
+  double factor = 1;  // broadcast and point-to-point: the bytes once
+  switch (op) {
+    case CommOp::kAllGather:
+    case CommOp::kReduceScatter:
+    case CommOp::kAllToAll:
+      factor = (n - 1.0) / n;
+      break;
+    case CommOp::kAllReduce:
+      factor = 2.0 * (n - 1.0) / n;
+      break;
+    case CommOp::kBarrier:
+      factor = 0;
+      break;
+    case CommOp::kBroadcast:
+    case CommOp::kSend:
+    case CommOp::kRecv:
+    case CommOp::kBatchSendRecv:
+      break;
+    case CommOp::kNewGroup:
+      throw Error(detail::str_cat("simulated network: no model for the op '", to_string(op), "'"));
   }
-  if (n <= 1 && op != "send" && op != "recv" && op != "batch_send_recv") return 0;
+  if (n <= 1 && is_collective(op)) return 0;
   return link.alpha_us * 1e-6 + factor * static_cast<double>(bytes) / (link.gbytes_per_s * 1e9);
 }
 
@@ -114,44 +124,45 @@ class SimulatedTransport final : public Transport {
   int size() const override { return inner_->size(); }
   std::vector<int> world_ranks() const override { return inner_->world_ranks(); }
   bool supports_device(const c10::Device& d) const override { return inner_->supports_device(d); }
+  bool copies_without_cpu() const override { return inner_->copies_without_cpu(); }
 
   void all_gather(const at::Tensor& out, const at::Tensor& in) override {
-    model("all_gather", static_cast<int64_t>(out.nbytes()));
+    model(CommOp::kAllGather, static_cast<int64_t>(out.nbytes()));
     inner_->all_gather(out, in);
   }
   void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
-    model("reduce_scatter", static_cast<int64_t>(in.nbytes()));
+    model(CommOp::kReduceScatter, static_cast<int64_t>(in.nbytes()));
     inner_->reduce_scatter(out, in, op);
   }
   void all_reduce(const at::Tensor& t, ReduceOp op) override {
-    model("all_reduce", static_cast<int64_t>(t.nbytes()));
+    model(CommOp::kAllReduce, static_cast<int64_t>(t.nbytes()));
     inner_->all_reduce(t, op);
   }
   void broadcast(const at::Tensor& t, int root) override {
-    model("broadcast", static_cast<int64_t>(t.nbytes()));
+    model(CommOp::kBroadcast, static_cast<int64_t>(t.nbytes()));
     inner_->broadcast(t, root);
   }
   void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_counts,
                   const std::vector<int64_t>& in_counts) override {
-    model("all_to_all", static_cast<int64_t>(in.nbytes()));
+    model(CommOp::kAllToAll, static_cast<int64_t>(in.nbytes()));
     inner_->all_to_all(out, in, out_counts, in_counts);
   }
   void send(const at::Tensor& t, int dst, int tag) override {
-    model("send", static_cast<int64_t>(t.nbytes()));
+    model(CommOp::kSend, static_cast<int64_t>(t.nbytes()));
     inner_->send(t, dst, tag);
   }
   void recv(const at::Tensor& t, int src, int tag) override {
-    model("recv", static_cast<int64_t>(t.nbytes()));
+    model(CommOp::kRecv, static_cast<int64_t>(t.nbytes()));
     inner_->recv(t, src, tag);
   }
   void batch_send_recv(const std::vector<P2POp>& ops) override {
     int64_t sent = 0, received = 0;
     for (const auto& o : ops) (o.kind == P2POp::kSend ? sent : received) += static_cast<int64_t>(o.tensor.nbytes());
-    model("batch_send_recv", std::max(sent, received));
+    model(CommOp::kBatchSendRecv, std::max(sent, received));
     inner_->batch_send_recv(ops);
   }
   void barrier() override {
-    model("barrier", 0);
+    model(CommOp::kBarrier, 0);
     inner_->barrier();
   }
   std::unique_ptr<Transport> split(int color, int key) override {
@@ -185,7 +196,7 @@ class SimulatedTransport final : public Transport {
   }
 
  private:
-  void model(const char* op, int64_t bytes) { model_s_ = SimulatedNetwork::seconds(op, bytes, size(), link_); }
+  void model(CommOp op, int64_t bytes) { model_s_ = SimulatedNetwork::seconds(op, bytes, size(), link_); }
 
   std::unique_ptr<Transport> inner_;
   SimulatedNetwork net_;

@@ -32,6 +32,8 @@ class Transport {
   virtual int size() const = 0;
   virtual std::vector<int> world_ranks() const = 0;
   virtual bool supports_device(const c10::Device& d) const = 0;
+  // Communicator::copies_without_cpu.
+  virtual bool copies_without_cpu() const { return false; }
 
   virtual void all_gather(const at::Tensor& out, const at::Tensor& in) = 0;
   virtual void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) = 0;

@@ -10,8 +10,8 @@ void CommShared::raise_broken(const WorkState& ws) const {
   try {
     std::rethrow_exception(broken);
   } catch (const CommError& e) {
-    if (e.op() == ws.op && e.seq() == ws.seq) throw;
-    throw CommError(rank, name, ws.op, ws.seq,
+    if (e.op() == to_string(ws.op) && e.seq() == ws.seq) throw;
+    throw CommError(rank, name, to_string(ws.op), ws.seq,
                     str_cat("not run: the communicator is unusable after an earlier failure (",
                             e.what(), ")"),
                     world_rank);
@@ -66,7 +66,7 @@ bool wait_until(WorkState& ws, const Clock::time_point* until) {
       if (now >= op_deadline) {
         auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(run.timeout).count();
         cs.broken = std::make_exception_ptr(TimeoutError(
-            cs.rank, cs.name, run.op, run.seq,
+            cs.rank, cs.name, to_string(run.op), run.seq,
             str_cat("timed out after ", ms, " ms (", timeout_cause(cs, run), "); the communicator is now unusable"),
             cs.world_rank));
         cs.transport->abandon();
@@ -124,7 +124,7 @@ bool Work::wait_for(std::chrono::milliseconds d) const {
   return detail::wait_until(*state_, &until);
 }
 
-std::string Work::op() const { return state_ ? state_->op : "none"; }
+std::string Work::op() const { return state_ ? to_string(state_->op) : "none"; }
 uint64_t Work::seq() const { return state_ ? state_->seq : 0; }
 
 }  // namespace hp

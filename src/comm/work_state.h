@@ -22,7 +22,7 @@ struct CommShared;
 using Clock = std::chrono::steady_clock;
 
 struct WorkState {
-  std::string op;
+  CommOp op = CommOp::kBarrier;
   uint64_t seq = 0;
   uint64_t collective = 0;  // its index among the communicator's collectives (0: send/recv)
   Timeout timeout{0};

@@ -2,6 +2,9 @@
 // the overlap setting.
 #include "comm_context.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <atomic>
 
 #include "hp/core/env.h"
@@ -25,20 +28,24 @@ int overlap_setting() {
 }  // namespace
 
 namespace detail {
-bool fsdp_overlap_for(const std::string& backend) {
+bool fsdp_overlap_for(bool copies_without_cpu) {
   const int v = overlap_setting();
   if (v != 2) return v == 1;
   // The collectives overlap compute for free where a device moves the bytes (nccl), or
   // where the communication thread has a core of its own; otherwise its copies take the
   // core compute needs, and waiting where each collective is issued is faster. (Not a
   // simulated network: its link is modelled, but the real copies still take the core.)
-  return backend == "nccl" || spare_core_per_rank();
+  return fsdp_overlap_auto(copies_without_cpu, usable_cores(), local_world_size(), at::get_num_threads());
 }
 }  // namespace detail
 
+bool fsdp_overlap_auto(bool copies_without_cpu, int cores, int ranks_per_node, int threads_per_rank) {
+  return copies_without_cpu || cores >= std::max(1, ranks_per_node) * (threads_per_rank + 1);
+}
+
 void set_fsdp_overlap(bool on) { g_overlap.store(on ? 1 : 0); }
 void reset_fsdp_overlap() { g_overlap.store(-1); }
-bool fsdp_overlap() { return detail::fsdp_overlap_for(""); }
+bool fsdp_overlap() { return detail::fsdp_overlap_for(false); }
 
 namespace detail {
 
@@ -95,7 +102,7 @@ bool reduce_scatter_in_flight() {
 // device's stream), and t gathers from its real shards (not a post-forward share, over
 // another group).
 bool can_follow_reductions(const detail::GroupState& t) {
-  if (t.storage != ShardState::kSharded || t.post_group || !t.device.is_cpu() || t.shard->backend() == "nccl") {
+  if (t.storage != ShardState::kSharded || t.post_group || !t.device.is_cpu() || t.shard->copies_without_cpu()) {
     return false;
   }
   for (detail::GroupState* s : comm_context().reduce_order) {

@@ -128,7 +128,7 @@ struct FSDPModule::State {
   std::vector<detail::PendingReduce> pending;
 
   int shards() const { return shard->size(); }
-  bool overlap() const { return detail::fsdp_overlap_for(shard->backend()); }
+  bool overlap() const { return detail::fsdp_overlap_for(shard->copies_without_cpu()); }
   bool has_grads() const {
     for (const auto& p : params) {
       if (p.requires_grad) return true;

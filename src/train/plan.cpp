@@ -164,35 +164,6 @@ std::string fmt(const char* f, double x) {
 
 }  // namespace
 
-RankMemory estimate_rank_memory(const TrainConfig& c) {
-  RankMemory r;
-  // Under tensor parallelism fully_shard shards each tp rank's pieces. Under pipeline
-  // parallelism a rank holds its stages only: the fullest pp rank's share, with tensor
-  // parallelism dividing it as it divides the whole model.
-  r.rank_params = c.model->params_per_tp_rank(c.tensor_parallel);
-  if (c.pipeline_parallel > 1) {
-    r.stage_counts = stage_params(c);
-    const pp::Schedule sched = pipeline_schedule(c);
-    std::vector<int64_t> held(static_cast<size_t>(c.pipeline_parallel), 0);
-    for (size_t k = 0; k < r.stage_counts.size(); ++k) {
-      held[static_cast<size_t>(sched.rank_of(static_cast<int>(k)))] += r.stage_counts[k];
-    }
-    const int64_t fullest = *std::max_element(held.begin(), held.end());
-    r.rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(r.rank_params) /
-                                         static_cast<double>(c.model->num_params()));
-  }
-  r.estimate = estimate_memory(r.rank_params, c.model->largest_block_params_per_tp_rank(c.tensor_parallel),
-                               c.params_dtype, mixed_precision(c),
-                               {c.data_parallel, c.data_parallel_shard,
-                                // optim_grads keeps parameters gathered until backward: a group of 1
-                                c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads ? 1 : c.reshard_after_forward_group_size});
-  // Each rank builds the model without storage and materializes its shards one parameter at
-  // a time: its shards plus the largest parameter in fp32 (and its low-precision cast).
-  const double largest = 4.0 * static_cast<double>(c.model->largest_param());
-  r.construction = static_cast<double>(r.estimate.sharded_params) + largest * (c.params_dtype == at::kFloat ? 1 : 2);
-  return r;
-}
-
 ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_t budget_bytes) {
   auto cache = std::make_shared<std::map<std::tuple<int64_t, int, int>, ComputeProfile>>();
   return [c, device_tflops, budget_bytes, cache](int64_t samples, int threads, int copies) {
@@ -302,18 +273,16 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
   // A node running more compute threads than cores: every rank waits for the slowest.
   const double oversubscribed =
       o.device ? 1.0 : std::max(1.0, static_cast<double>(per_node) * threads / static_cast<double>(cores));
-  const bool overlap = o.device || cores >= per_node * (threads + 1);
+  const bool overlap = fsdp_overlap_auto(o.device, cores, per_node, threads);
   int64_t memory = o.memory_per_rank;
   if (memory == 0 && !o.device) memory = memory::available_bytes() / per_node;
 
   const SimulatedNetwork& net = o.network;
-  auto link_of = [&](int first, int stride, int n) {
-    std::vector<int> ranks;
-    for (int i = 0; i < n; ++i) ranks.push_back(first + i * stride);
-    return net.spans_nodes(ranks) ? net.inter : net.intra;
-  };
+  // The link of a group: the inter-node one when its ranks span nodes. The groups are the
+  // trainer's own (layout_mesh), so their placement is the run's.
+  auto link_of = [&](const std::vector<int>& ranks) { return net.spans_nodes(ranks) ? net.inter : net.intra; };
   // `ops` equal ops of `bytes` in all.
-  auto comm = [](const char* op, double bytes, int n, const LinkModel& link, double ops) {
+  auto comm = [](CommOp op, double bytes, int n, const LinkModel& link, double ops) {
     if (ops <= 0) return 0.0;
     return ops * SimulatedNetwork::seconds(op, static_cast<int64_t>(bytes / ops), n, link);
   };
@@ -359,6 +328,10 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           continue;
         }
         row.feasible = true;
+        const MeshLayout mesh = layout_mesh(c);
+        // Rank 0's group over `dims` (every group of a dim has the same shape).
+        auto link_over = [&](const std::vector<std::string>& dims) { return link_of(mesh.group_ranks(0, dims)); };
+        const LinkModel replicate_link = r > 1 ? link_over({"dp_replicate"}) : net.intra;
 
         const int64_t m = c.micro_batch_num, L = c.model->layers();
         // Timed with the node's other ranks running beside (sharing caches and memory
@@ -388,12 +361,12 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         }
         // Tensor parallelism, per block and direction of one micro-batch: 2 all-gathers and 2
         // reduce-scatters of the activations with sequence parallel, else 2 all-reduces.
-        const LinkModel tp_link = link_of(0, 1, t);
+        const LinkModel tp_link = link_over({"tp"});
         const double tp_block = t == 1 ? 0
                                 : c.sequence_parallel
-                                    ? comm("all_gather", 2 * act_bytes, t, tp_link, 2) +
-                                          comm("reduce_scatter", 2 * act_bytes, t, tp_link, 2)
-                                    : comm("all_reduce", 2 * act_bytes, t, tp_link, 2);
+                                    ? comm(CommOp::kAllGather, 2 * act_bytes, t, tp_link, 2) +
+                                          comm(CommOp::kReduceScatter, 2 * act_bytes, t, tp_link, 2)
+                                    : comm(CommOp::kAllReduce, 2 * act_bytes, t, tp_link, 2);
         const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t);
         const double act_head = (prof.activations_first - prof.activations_layer) / t;
         int64_t rank_layers = L;
@@ -426,8 +399,11 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           }
           rank_layers = *std::max_element(layers_of_rank.begin(), layers_of_rank.end());
           // Each stage's output (and its gradient back) crosses to the next stage's rank.
-          const double hop = SimulatedNetwork::seconds("send", static_cast<int64_t>(act_bytes), 2,
-                                                       link_of(0, r * s * t, std::min(p, 2)));
+          // The first hop, stage 0's rank to stage 1's (as a stage's send to the next).
+          std::vector<int> first_hop = mesh.group_ranks(0, {"pp"});
+          first_hop.resize(std::min<size_t>(first_hop.size(), 2));
+          const double hop = SimulatedNetwork::seconds(CommOp::kSend, static_cast<int64_t>(act_bytes), 2,
+                                                       link_of(first_hop));
           // On oversubscribed cores a rank waiting in the bubble leaves its core to the others:
           // the step is the schedule's with a core each, or the node's work over its cores,
           // whichever is longer.
@@ -484,20 +460,20 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           // (A pipeline keeps every stage's parameters through the step.)
           const double again = c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads || p > 1 ? 0.0 : (ops - 2.0) / ops;
           const double gathers = rounds * (1.0 + std::max(0.0, again));
-          const LinkModel shard_link = link_of(0, t, s);
-          const double gather = comm("all_gather", gather_bytes, s, shard_link, ops);
-          const double reduce = comm("reduce_scatter", reduce_bytes, s, shard_link, ops) +
-                                comm("all_reduce", reduce_bytes / s, r, link_of(0, s * t, r), ops);
+          const LinkModel shard_link = link_over({"dp_shard"});
+          const double gather = comm(CommOp::kAllGather, gather_bytes, s, shard_link, ops);
+          const double reduce = comm(CommOp::kReduceScatter, reduce_bytes, s, shard_link, ops) +
+                                comm(CommOp::kAllReduce, reduce_bytes / s, r, replicate_link, ops);
           row.fsdp_comm_s = gathers * gather + rounds * reduce;
           row.exposed_s += overlap ? (gather + reduce) / ops + std::max(0.0, row.fsdp_comm_s - row.compute_s)
                                    : row.fsdp_comm_s;
         } else if (r > 1) {
-          row.fsdp_comm_s = comm("all_reduce", rank_params * 4.0, r, link_of(0, s * t, r), 1) *
+          row.fsdp_comm_s = comm(CommOp::kAllReduce, rank_params * 4.0, r, replicate_link, 1) *
                             (p == 1 ? static_cast<double>(m) : 1.0);
           row.exposed_s += row.fsdp_comm_s;
         }
         // The gradient norm, the loss and the step time: three small all-reduces over the world.
-        row.exposed_s += 3 * SimulatedNetwork::seconds("all_reduce", 16, N, N > per_node ? net.inter : net.intra);
+        row.exposed_s += 3 * SimulatedNetwork::seconds(CommOp::kAllReduce, 16, N, N > per_node ? net.inter : net.intra);
         row.step_s = row.compute_s + row.exposed_s;
         const double state = static_cast<double>(row.memory.estimate.total());
         if (memory > 0 && state + row.activations > static_cast<double>(memory)) {

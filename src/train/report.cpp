@@ -180,4 +180,30 @@ void write_loss_svg(const std::string& path, const std::vector<double>& loss, co
   commit(partial, path);
 }
 
+void LossComparison::add(int64_t step, double loss, double ref) {
+  if (std::isnan(ref)) return;
+  const double d = std::fabs(loss - ref);
+  if (!any || std::isnan(d) || (!std::isnan(worst_abs) && d > worst_abs)) {
+    worst_abs = d, worst_step = step, worst_rel = d / std::fabs(ref);
+  }
+  any = true;
+}
+
+std::string LossComparison::line(int64_t steps) const {
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "verify: largest |loss - single-process loss| over %lld steps: %.2e at step %lld (relative %.2e)",
+                static_cast<long long>(steps), worst_abs, static_cast<long long>(worst_step), worst_rel);
+  return buf;
+}
+
+std::string summary_line(const TrainSummary& s) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "done: %lld steps in %s | loss %.4f -> %.4f | %s tok/s | peak %s per rank",
+                static_cast<long long>(s.steps), format_duration(s.seconds).c_str(),
+                s.losses.empty() ? 0.0 : s.losses.front(), s.losses.empty() ? 0.0 : s.losses.back(),
+                format_rate(s.tokens_per_s).c_str(), format_bytes(s.peak_bytes).c_str());
+  return buf;
+}
+
 }  // namespace hp::train

@@ -38,16 +38,16 @@ TEST(SimulatedNetwork, ParsesSpecsAndNamesWhatIsWrong) {
 // alpha + bus factor x bytes / bandwidth, by hand: 4 ranks, 10 us, 2 GB/s, 8e6 bytes.
 TEST(SimulatedNetwork, ModelsEachCollectiveWithItsBusFactor) {
   const hp::LinkModel l{10, 2};
-  auto s = [&](const char* op, int n) { return hp::SimulatedNetwork::seconds(op, 8000000, n, l); };
-  EXPECT_DOUBLE_EQ(s("all_gather", 4), 10e-6 + 0.75 * 4e-3);
-  EXPECT_DOUBLE_EQ(s("reduce_scatter", 4), 10e-6 + 0.75 * 4e-3);
-  EXPECT_DOUBLE_EQ(s("all_to_all", 4), 10e-6 + 0.75 * 4e-3);
-  EXPECT_DOUBLE_EQ(s("all_reduce", 4), 10e-6 + 1.5 * 4e-3);
-  EXPECT_DOUBLE_EQ(s("broadcast", 4), 10e-6 + 4e-3);
-  EXPECT_DOUBLE_EQ(s("send", 2), 10e-6 + 4e-3);
-  EXPECT_DOUBLE_EQ(s("batch_send_recv", 2), 10e-6 + 4e-3);
-  EXPECT_DOUBLE_EQ(s("barrier", 4), 10e-6);
-  EXPECT_DOUBLE_EQ(s("all_reduce", 1), 0);  // a group of one moves nothing
+  auto s = [&](hp::CommOp op, int n) { return hp::SimulatedNetwork::seconds(op, 8000000, n, l); };
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kAllGather, 4), 10e-6 + 0.75 * 4e-3);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kReduceScatter, 4), 10e-6 + 0.75 * 4e-3);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kAllToAll, 4), 10e-6 + 0.75 * 4e-3);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kAllReduce, 4), 10e-6 + 1.5 * 4e-3);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kBroadcast, 4), 10e-6 + 4e-3);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kSend, 2), 10e-6 + 4e-3);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kBatchSendRecv, 2), 10e-6 + 4e-3);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kBarrier, 4), 10e-6);
+  EXPECT_DOUBLE_EQ(s(hp::CommOp::kAllReduce, 1), 0);  // a group of one moves nothing
   hp::test::expect_error([&] { s("gather", 2); }, {"no model for the op 'gather'"});
 }
 
@@ -104,18 +104,18 @@ TEST(FsdpOverlap, AutoFollowsTheSpareCoreRule) {
   const int threads = at::get_num_threads();
   setenv("HP_FSDP_OVERLAP", "auto", 1);
   hp::reset_fsdp_overlap();
-  EXPECT_TRUE(hp::detail::fsdp_overlap_for("nccl"));
+  EXPECT_TRUE(hp::detail::fsdp_overlap_for(true));
   // As many compute threads as the machine has cores: none to spare.
   hp::set_compute_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   EXPECT_FALSE(hp::spare_core_per_rank());
   EXPECT_FALSE(hp::fsdp_overlap());
-  EXPECT_TRUE(hp::detail::fsdp_overlap_for("nccl"));
+  EXPECT_TRUE(hp::detail::fsdp_overlap_for(true));
   hp::set_compute_threads(1);
   const bool spare = std::thread::hardware_concurrency() >= 2;  // this process may use them (no binding)
   EXPECT_EQ(hp::spare_core_per_rank(), spare);
   EXPECT_EQ(hp::fsdp_overlap(), spare);
   hp::set_fsdp_overlap(false);
-  EXPECT_FALSE(hp::detail::fsdp_overlap_for("nccl"));
+  EXPECT_FALSE(hp::detail::fsdp_overlap_for(true));
   hp::set_fsdp_overlap(true);
   EXPECT_TRUE(hp::fsdp_overlap());
   hp::set_compute_threads(threads);

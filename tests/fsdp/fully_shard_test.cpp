@@ -316,14 +316,33 @@ Result train(const Case& c) {
 
 }  // namespace
 
-TEST(FullyShard, MatchesSingleProcessTraining) {
+// The whole matrix with fully_shard's overlap on (prefetches, reductions behind backward)
+// and off (each collective waited for where it is issued: what HP_FSDP_OVERLAP=auto picks
+// on a node without a spare core per rank, as these); the two give bitwise the same
+// parameters, case by case (the same reductions of the same values, only timed apart).
+class FullyShardOverlap : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { hp::set_fsdp_overlap(GetParam()); }
+  void TearDown() override { hp::reset_fsdp_overlap(); }
+};
+
+// Each overlap setting's parameters per case, for the comparison of the two.
+std::map<bool, std::map<std::string, std::vector<at::Tensor>>>& parity_params() {
+  static std::map<bool, std::map<std::string, std::vector<at::Tensor>>> p;
+  return p;
+}
+
+TEST_P(FullyShardOverlap, MatchesSingleProcessTraining) {
   const int n = hp::world()->size();
-  std::map<std::string, std::vector<at::Tensor>> by_case;
+  const bool overlap = GetParam();
+  ASSERT_EQ(hp::fsdp_overlap(), overlap);
+  std::map<std::string, std::vector<at::Tensor>>& by_case = parity_params()[overlap];
+  by_case.clear();
   // Trains one case against single-process training; its parameters after the steps.
-  auto run = [n](const Case& c) {
+  auto run = [n, overlap](const Case& c) {
     Result res = train(c);
-    EXPECT_LE(res.max_rel, kAlgoBound) << c.name() << " on " << n << " ranks";
-    EXPECT_LE(res.grad_rel, kAlgoBound) << c.name() << " on " << n << " ranks (gradients)";
+    EXPECT_LE(res.max_rel, kAlgoBound) << c.name() << " on " << n << " ranks, overlap " << overlap;
+    EXPECT_LE(res.grad_rel, kAlgoBound) << c.name() << " on " << n << " ranks (gradients), overlap " << overlap;
     return res.params;
   };
   for (bool hsdp : {false, true}) {
@@ -381,7 +400,20 @@ TEST(FullyShard, MatchesSingleProcessTraining) {
       EXPECT_TRUE(at::equal(params[i], other[i])) << name << " vs " << fused << " param " << i;
     }
   }
+  // The other setting's run, when it came first: bitwise the same.
+  auto other = parity_params().find(!overlap);
+  if (other == parity_params().end()) return;
+  for (const auto& [name, params] : by_case) {
+    const auto& theirs = other->second.at(name);
+    ASSERT_EQ(params.size(), theirs.size()) << name;
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::equal(params[i], theirs[i])) << name << ": overlap on and off differ, param " << i;
+    }
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(FullyShard, FullyShardOverlap, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "on" : "off"; });
 
 TEST(FullyShard, FrozenParametersAndGradientAccumulation) {
   const int n = hp::world()->size();

@@ -282,7 +282,8 @@ TEST(Config, StageParameterCountsMatchTheBuiltStages) {
 // The key table's defaults are TrainConfig{}'s: each key's listed default, set explicitly,
 // gives a config equal to the default one, and so does the empty config.
 TEST(TrainConfig, EveryKeysDefaultIsTheDefaultConfigs) {
-  const auto want = ht::resolved_settings(ht::TrainConfig{});
+  const ht::TrainConfig defaults;
+  const auto want = ht::resolved_settings(defaults);
   EXPECT_EQ(ht::resolved_settings(ht::parse_config("")), want);
   int checked = 0;
   for (const auto& k : ht::config_keys()) {

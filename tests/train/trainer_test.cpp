@@ -274,6 +274,21 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
 TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek"); }
 TEST(TrainDist, LlamaMatchesSingleProcess) { expect_matches_naive("llama"); }
 
+// The same parity with fully_shard's overlap off (what HP_FSDP_OVERLAP=auto picks without a
+// spare core per rank; test_main turns it on for the others): FSDP/HSDP, tensor parallel,
+// a pipeline.
+TEST(TrainDist, MatchesSingleProcessWithOverlapOff) {
+  auto w = hp::world();
+  hp::set_fsdp_overlap(false);
+  expect_matches_naive("deepseek");
+  expect_matches_naive("llama");
+  if (w->size() % 2 == 0) {
+    expect_matches_naive("llama", 2);
+    expect_matches_naive("deepseek", 1, 2);
+  }
+  hp::reset_fsdp_overlap();
+}
+
 // A family defined in the test (toy_family.h), through the same paths: FSDP (HSDP at 4
 // ranks), tensor and sequence parallelism, a pipeline, and both.
 TEST(TrainDist, ToyFamilyMatchesSingleProcess) {

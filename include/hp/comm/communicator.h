@@ -38,6 +38,16 @@ namespace hp {
 enum class ReduceOp { SUM, AVG, MAX, MIN };
 const char* to_string(ReduceOp op);
 
+// The ops of a Communicator; to_string gives the name errors, traces and Work::op() use.
+enum class CommOp {
+  kAllGather, kReduceScatter, kAllReduce, kBroadcast, kAllToAll, kSend, kRecv, kBatchSendRecv, kBarrier,
+  kNewGroup
+};
+const char* to_string(CommOp op);
+// Whether every rank of the communicator runs the op (not point-to-point, not new_group,
+// which only the listed ranks call).
+bool is_collective(CommOp op);
+
 // 0 ms means "the communicator's default timeout".
 using Timeout = std::chrono::milliseconds;
 
@@ -97,6 +107,10 @@ class Communicator {
   virtual std::string backend() const = 0;
   // Whether this backend moves tensors on `d` (mpi and local: CPU only).
   virtual bool supports_device(const c10::Device& d) const = 0;
+  // Whether its ops move bytes on a device (its copy engines and streams: nccl), not on a
+  // CPU thread: they take no core from compute, and they are ordered on the device's stream,
+  // so an output must exist when the op is issued. Asked instead of the backend's name.
+  virtual bool copies_without_cpu() const = 0;
   // The world rank of each member, indexed by rank in this communicator.
   virtual const std::vector<int>& world_ranks() const = 0;
   virtual Timeout default_timeout() const = 0;

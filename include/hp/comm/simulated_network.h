@@ -43,10 +43,9 @@ struct SimulatedNetwork {
 
   // Whether the group of these world ranks spans simulated nodes.
   bool spans_nodes(const std::vector<int>& world_ranks) const;
-  // Modelled seconds of `op` ("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
-  // "broadcast", "send", "recv", "batch_send_recv", "barrier") moving `bytes` (as above)
-  // over a group of n ranks on the given link.
-  static double seconds(const std::string& op, int64_t bytes, int n, const LinkModel& link);
+  // Modelled seconds of `op` moving `bytes` (as above) over a group of n ranks on the given
+  // link (new_group has no model: raises).
+  static double seconds(CommOp op, int64_t bytes, int n, const LinkModel& link);
 };
 
 }  // namespace hp

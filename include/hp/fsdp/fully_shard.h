@@ -179,19 +179,24 @@ FSDPHandle fsdp_handle(const torch::nn::Module& module);
 
 // Overlap: on, all-gathers are prefetched and reductions run while backward goes on; off,
 // every fully_shard collective is waited for where it is issued and nothing is prefetched.
-// HP_FSDP_OVERLAP=auto (the default) turns it on for a module whose group's backend moves
-// data without the CPU (nccl), or where each rank has a core to spare for its
-// communication thread (hp::spare_core_per_rank()), and off otherwise: a communication
-// thread sharing the compute thread's core makes the step slower, not faster. 0 and 1 force
+// HP_FSDP_OVERLAP=auto (the default) turns it on by fsdp_overlap_auto: for a module whose
+// group's communicator copies without the CPU (Communicator::copies_without_cpu(): nccl),
+// or where each rank has a core to spare for its communication thread, and off otherwise:
+// a communication thread sharing the compute thread's core makes the step slower, not
+// faster. The planner predicts with the same rule. 0 and 1 force
 // it. set_fsdp_overlap forces it process-wide (between steps, not inside a forward or
 // backward); reset_fsdp_overlap returns to HP_FSDP_OVERLAP. fsdp_overlap() says what a
 // CPU backend's module does now.
 void set_fsdp_overlap(bool on);
 void reset_fsdp_overlap();
 bool fsdp_overlap();
+// The auto rule: on where the communicator copies without the CPU, or where a node's
+// `cores` hold each of its `ranks_per_node` ranks' `threads_per_rank` compute threads and
+// one communication thread.
+bool fsdp_overlap_auto(bool copies_without_cpu, int cores, int ranks_per_node, int threads_per_rank);
 namespace detail {
-// What a module whose shard group runs on `backend` does now.
-bool fsdp_overlap_for(const std::string& backend);
+// What a module whose shard group copies without the CPU (or not) does now.
+bool fsdp_overlap_for(bool copies_without_cpu);
 }  // namespace detail
 
 }  // namespace hp

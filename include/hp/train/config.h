@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "hp/fsdp/mixed_precision.h"
+#include "hp/mesh/device_mesh.h"
 #include "hp/models/family.h"
 
 namespace hp::train {
@@ -181,6 +182,13 @@ std::vector<KeyInfo> config_keys();
 
 // The recompute policy of hooks/checkpoint.h for a Recompute choice (none: unset).
 c10::optional<RecomputePolicy> recompute_policy(Recompute r);
+
+// The mesh of a validated config's layout, outermost first: pp, dp_replicate (when
+// data_parallel > 1), dp_shard, tp (tensor parallel on consecutive ranks, pipeline stages
+// farthest apart). The Trainer builds its DeviceMesh from it and the planner places its
+// groups' links by it.
+std::vector<MeshDim> layout_dims(const TrainConfig& c);
+MeshLayout layout_mesh(const TrainConfig& c);
 
 // fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
 // (and fp32 main gradients for low-precision parameters) with

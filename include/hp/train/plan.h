@@ -52,6 +52,13 @@ struct RankMemory {
   double construction = 0;   // bytes while building the model: its shards + one fp32 parameter
 };
 RankMemory estimate_rank_memory(const TrainConfig& c);
+// hp-train --estimate's report of `rm` (lines: parameters, per tensor-parallel rank, per
+// pipeline stage, per rank without activations, while building the model).
+std::string describe_estimate(const TrainConfig& c, const RankMemory& rm);
+// Raises naming the sizes when this node's available memory cannot hold local_ranks ranks
+// of `rm` (each building the model, then training); does nothing where the available memory
+// is unknown.
+void check_fits_node(const TrainConfig& c, const RankMemory& rm, int local_ranks);
 
 // Seconds of one micro-batch of `samples` sequences on one rank of one process (whole
 // model, no parallelism), as t(L) = first + (L - 1) x layer: `first` holds the embedding,

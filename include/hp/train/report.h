@@ -19,6 +19,21 @@ std::string format_rate(double per_second);   // "12.3k"
 //  | ETA 0:32", plus " | ref diff 1.2e-05" when `ref_loss` is given (not NaN).
 std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss);
 
+// --verify: each step's loss against the single-process reference's.
+struct LossComparison {
+  double worst_abs = 0, worst_rel = 0;
+  int64_t worst_step = 0;
+  bool any = false;
+  // Records step `step`'s `loss` against `ref` (NaN: no reference, ignored). A NaN
+  // difference stays the worst.
+  void add(int64_t step, double loss, double ref);
+  // "verify: largest |loss - single-process loss| over N steps: ... at step K (relative ...)"
+  std::string line(int64_t steps) const;
+};
+
+// "done: 6 steps in 0:03 | loss 5.5588 -> 5.1116 | 19.3k tok/s | peak 20.1 MiB per rank"
+std::string summary_line(const TrainSummary& s);
+
 // One JSON object per line: every step's figures, then a summary object.
 // metrics.jsonl, written as `path`.partial and flushed at every step (so a crash leaves
 // the steps so far there), then renamed to `path` by finish(): a reader never sees a

@@ -1,0 +1,40 @@
+// hp-train's command line: the arguments and their checks, apart from the program so that
+// they can be tested (tests/train/cli_test.sh runs the program itself).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hp::train {
+
+struct Args {
+  std::string config;
+  std::vector<std::string> overrides;
+  bool verify = false, list_keys = false, help = false, estimate = false;
+  bool resume = false;
+  std::string resume_dir;  // empty: save_dir's latest
+  int world = 0;  // --world: the rank count --estimate and --plan assume (0 = this run's)
+  // --plan [--ranks-per-node K] [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]
+  bool plan = false, plan_json = false;
+  int ranks_per_node = 0;
+  std::string link;
+  double device_tflops = 0;
+  int64_t memory_per_rank = 0;
+  // --export-hf CKPT OUT [--dtype D] [--max-shard-size N]
+  std::string export_ckpt, export_out;
+  c10::optional<at::ScalarType> export_dtype;  // --dtype; unset: the parameters'
+  int64_t max_shard_bytes = 0;  // 0: the default
+};
+
+// The usage text (--help, and after an argument error).
+extern const char* const kUsage;
+
+// Parses argv; raises hp::Error naming the argument (with the usage text where it helps)
+// for an unknown argument, a missing or bad value, or options that do not go together.
+Args parse_args(int argc, char** argv);
+
+}  // namespace hp::train

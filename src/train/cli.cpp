@@ -1,0 +1,165 @@
+#include "hp/train/cli.h"
+
+#include <cctype>
+#include <map>
+
+#include "hp/comm/simulated_network.h"
+#include "hp/core/error.h"
+
+namespace hp::train {
+
+const char* const kUsage =
+    "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR]]\n"
+    "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
+    "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
+    "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
+    "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size N]\n"
+    "       hp-train --list-keys\n"
+    "  --config FILE    YAML config (configs/*.yaml)\n"
+    "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
+    "  --verify         also train in one process on the global batch and compare losses\n"
+    "  --resume [DIR]   continue from a checkpoint: DIR, or the newest under save_dir\n"
+    "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
+    "                   and exit, allocating nothing (any size, deepseek_v3 included)\n"
+    "  --world N        the number of ranks --estimate and --plan assume (default: this run's)\n"
+    "  --plan           every layout of the config over --world ranks (data_parallel x\n"
+    "                   data_parallel_shard x tensor_parallel x pipeline_parallel), with its\n"
+    "                   memory per rank and predicted step time, fastest first; the compute is\n"
+    "                   timed here (or counted in FLOPs at --device-tflops, for one GPU a rank),\n"
+    "                   the communication modelled over --link (HP_SIM_NET's syntax, default\n"
+    "                   HP_SIM_NET, else this machine's shared memory, measured); --ranks-per-node\n"
+    "                   sets the node size; --json prints one JSON object per layout\n"
+    "  --export-hf CKPT_DIR OUT_DIR\n"
+    "                   write a checkpoint's Llama to the new folder OUT_DIR in Hugging Face's\n"
+    "                   layout (config.json, safetensors shards, index); CKPT_DIR may be a\n"
+    "                   save_dir (its latest checkpoint is exported). Under mpirun the\n"
+    "                   ranks share the files. --dtype: the weights' dtype (default: the\n"
+    "                   parameters'); --max-shard-size: bytes per file (5GB; K/M/GB suffixes)\n"
+    "  --list-keys      print every config key with its default\n"
+    "Run under mpirun for several ranks; see docs/train.md.\n";
+
+// "5GB", "500MB", "100K", "12345": decimal units, as Hugging Face writes them.
+namespace {
+
+int64_t parse_bytes(const std::string& v, const char* flag) {
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = v.substr(used);
+  for (auto& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  const std::map<std::string, double> scale = {{"", 1}, {"B", 1}, {"K", 1e3}, {"KB", 1e3}, {"M", 1e6},
+                                               {"MB", 1e6}, {"G", 1e9}, {"GB", 1e9}};
+  auto it = scale.find(unit);
+  HP_CHECK(used > 0 && it != scale.end() && x * it->second >= 1 && x * it->second < 9e18,
+           "hp-train: ", flag, " ", v, ": expected a positive size in bytes (e.g. 5GB, 500MB, 1048576)");
+  return static_cast<int64_t>(x * it->second);
+}
+
+// --world N, --ranks-per-node K: a whole number above 0.
+int positive_ranks(const std::string& flag, const std::string& v) {
+  size_t used = 0;
+  int n = 0;
+  try {
+    n = std::stoi(v, &used);
+  } catch (const std::exception&) {
+    n = 0;
+  }
+  HP_CHECK(used == v.size() && n > 0, "hp-train: ", flag, " ", v, ": expected a positive number of ranks");
+  return n;
+}
+
+}  // namespace
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    auto value = [&]() -> std::string {
+      HP_CHECK(i + 1 < argc, "hp-train: ", s, " needs a value\n", kUsage);
+      return argv[++i];
+    };
+    if (s == "--config") {
+      a.config = value();
+    } else if (s.rfind("--config=", 0) == 0) {
+      a.config = s.substr(9);
+    } else if (s == "--set") {
+      a.overrides.push_back(value());
+    } else if (s.rfind("--set=", 0) == 0) {
+      a.overrides.push_back(s.substr(6));
+    } else if (s == "--verify") {
+      a.verify = true;
+    } else if (s == "--resume") {
+      a.resume = true;
+      if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) a.resume_dir = argv[++i];
+    } else if (s.rfind("--resume=", 0) == 0) {
+      a.resume = true;
+      a.resume_dir = s.substr(9);
+    } else if (s == "--estimate") {
+      a.estimate = true;
+    } else if (s == "--world") {
+      a.world = positive_ranks(s, value());
+    } else if (s == "--plan") {
+      a.plan = true;
+    } else if (s == "--json") {
+      a.plan_json = true;
+    } else if (s == "--ranks-per-node") {
+      a.ranks_per_node = positive_ranks(s, value());
+    } else if (s == "--link") {
+      a.link = value();
+      hp::SimulatedNetwork::parse(a.link);  // names a bad spec
+    } else if (s == "--device-tflops") {
+      std::string v = value();
+      size_t used = 0;
+      try {
+        a.device_tflops = std::stod(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      HP_CHECK(used == v.size() && a.device_tflops > 0 && std::isfinite(a.device_tflops), "hp-train: --device-tflops ",
+               v, ": expected a positive number (TFLOP/s of one device)");
+    } else if (s == "--memory-per-rank") {
+      a.memory_per_rank = parse_bytes(value(), "--memory-per-rank");
+    } else if (s == "--export-hf") {
+      a.export_ckpt = value();
+      a.export_out = value();
+    } else if (s == "--dtype") {
+      const std::string d = value();
+      static const std::vector<std::pair<const char*, at::ScalarType>> kDtypes = {
+          {"fp32", at::kFloat}, {"bf16", at::kBFloat16}, {"fp16", at::kHalf}};
+      for (const auto& [name, t] : kDtypes) {
+        if (d == name) a.export_dtype = t;
+      }
+      HP_CHECK(a.export_dtype.has_value(), "hp-train: --dtype ", d, ": expected fp32, bf16 or fp16");
+    } else if (s == "--max-shard-size") {
+      a.max_shard_bytes = parse_bytes(value(), "--max-shard-size");
+    } else if (s == "--list-keys") {
+      a.list_keys = true;
+    } else if (s == "--help" || s == "-h") {
+      a.help = true;
+    } else {
+      throw hp::Error("hp-train: unknown argument '" + s + "'\n" + kUsage);
+    }
+  }
+  const bool exporting = !a.export_ckpt.empty();
+  HP_CHECK(exporting || (!a.export_dtype && a.max_shard_bytes == 0),
+           "hp-train: --dtype and --max-shard-size only go with --export-hf");
+  HP_CHECK(!exporting || (a.config.empty() && a.overrides.empty() && !a.verify && !a.resume && !a.estimate),
+           "hp-train: --export-hf takes the model from the checkpoint: no --config, --set, --verify, --resume or "
+           "--estimate with it");
+  if (!a.help && !a.list_keys && !exporting) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
+  HP_CHECK(a.world == 0 || a.estimate || a.plan, "hp-train: --world only goes with --estimate or --plan");
+  HP_CHECK(a.plan || (!a.plan_json && a.ranks_per_node == 0 && a.link.empty() && a.device_tflops == 0 &&
+                      a.memory_per_rank == 0),
+           "hp-train: --json, --ranks-per-node, --link, --device-tflops and --memory-per-rank only go with --plan");
+  HP_CHECK(!(a.plan && (a.estimate || a.verify || a.resume || exporting)),
+           "hp-train: --plan only predicts: no --estimate, --verify, --resume or --export-hf with it");
+  HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
+  HP_CHECK(!(a.resume && a.estimate), "hp-train: --resume trains, --estimate only sizes: use one of them");
+  return a;
+}
+
+}  // namespace hp::train

@@ -1,0 +1,573 @@
+// The key table: every config key's type, help, setter and getter (the getter of
+// TrainConfig{} is the key's default), the model families' keys beside it, and the names of
+// each choice.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <map>
+
+#include "config_keys.h"
+
+namespace hp::train {
+
+template <>
+const std::vector<std::pair<DataType, const char*>>& enum_names<DataType>() {
+  static const std::vector<std::pair<DataType, const char*>> n = {
+      {DataType::kSynthetic, "synthetic"}, {DataType::kBinary, "binary"}, {DataType::kText, "text"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<TokenDtype, const char*>>& enum_names<TokenDtype>() {
+  static const std::vector<std::pair<TokenDtype, const char*>> n = {{TokenDtype::kUint16, "uint16"},
+                                                                     {TokenDtype::kUint32, "uint32"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<ShardStrategy, const char*>>& enum_names<ShardStrategy>() {
+  static const std::vector<std::pair<ShardStrategy, const char*>> n = {
+      {ShardStrategy::kOptimGradsParams, "optim_grads_params"}, {ShardStrategy::kOptimGrads, "optim_grads"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<Recompute, const char*>>& enum_names<Recompute>() {
+  static const std::vector<std::pair<Recompute, const char*>> n = {
+      {Recompute::kNone, "none"}, {Recompute::kFull, "full"}, {Recompute::kSelective, "selective"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<PipelineScheduleKind, const char*>>& enum_names<PipelineScheduleKind>() {
+  using P = PipelineScheduleKind;
+  static const std::vector<std::pair<P, const char*>> n = {{P::kAuto, "auto"},  {P::kGPipe, "gpipe"},
+                                                           {P::k1F1B, "1f1b"},  {P::kInterleaved, "interleaved"},
+                                                           {P::kZBH1, "zbh1"}, {P::kZBV, "zbv"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<LrDecay, const char*>>& enum_names<LrDecay>() {
+  static const std::vector<std::pair<LrDecay, const char*>> n = {
+      {LrDecay::kCosine, "cosine"}, {LrDecay::kLinear, "linear"}, {LrDecay::kConstant, "constant"}};
+  return n;
+}
+
+
+namespace internal {
+
+namespace {
+
+
+
+// The whole text as one number (std::stoll / std::stod), else an error naming `kind`.
+template <typename T>
+T parse_whole(const Value& v, T (*parse)(const std::string&, size_t*), const char* kind) {
+  size_t used = 0;
+  T x{};
+  try {
+    x = parse(v.text, &used);
+  } catch (const std::exception&) {
+    v.fail("expected ", kind);
+  }
+  if (used != v.text.size()) v.fail("expected ", kind);
+  return x;
+}
+
+int64_t as_int(const Value& v, int64_t min = INT64_MIN, int64_t max = INT64_MAX) {
+  const int64_t x = parse_whole<long long>(v, [](const std::string& t, size_t* n) { return std::stoll(t, n); },
+                                           "an integer");
+  if (x < min) v.fail("must be >= ", min);
+  if (x > max) v.fail("must be <= ", max);
+  return x;
+}
+
+// "[2, 1, 1]" or "2,1,1" (empty: none), each entry an integer in [min, max].
+std::vector<int64_t> as_int_list(const Value& v, int64_t min, int64_t max) {
+  std::string t = v.text;
+  if (!t.empty() && t.front() == '[') {
+    if (t.back() != ']') v.fail("expected a list like [2, 1, 1]");
+    t = t.substr(1, t.size() - 2);
+  }
+  std::vector<int64_t> out;
+  std::stringstream ss(t);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a == std::string::npos) v.fail("an empty entry in the list");
+    out.push_back(as_int(Value{v.key, item.substr(a, b - a + 1), v.origin}, min, max));
+  }
+  return out;
+}
+
+double as_double(const Value& v) {
+  const double x = parse_whole<double>(v, [](const std::string& t, size_t* n) { return std::stod(t, n); }, "a number");
+  if (!std::isfinite(x)) v.fail("expected a finite number");
+  return x;
+}
+
+bool as_bool(const Value& v) {
+  // 1 and 0 too: checkpoints written before the key table's getters saved bools that way.
+  if (v.text == "true" || v.text == "True" || v.text == "yes" || v.text == "on" || v.text == "1") return true;
+  if (v.text == "false" || v.text == "False" || v.text == "no" || v.text == "off" || v.text == "0") return false;
+  v.fail("expected true or false");
+}
+
+template <typename E>
+std::string choices_of() {
+  std::string all;
+  for (const auto& [e, name] : enum_names<E>()) all += (all.empty() ? "" : ", ") + std::string(name);
+  return all;
+}
+
+template <typename E>
+E as_enum(const Value& v) {
+  for (const auto& [e, name] : enum_names<E>()) {
+    if (v.text == name) return e;
+  }
+  v.fail("expected one of: ", choices_of<E>());
+}
+
+// The dtypes a config may name: the first name of each is the one written back.
+const std::vector<std::pair<const char*, at::ScalarType>>& dtype_names() {
+  static const std::vector<std::pair<const char*, at::ScalarType>> n = {
+      {"float32", at::kFloat}, {"fp32", at::kFloat},   {"bfloat16", at::kBFloat16},
+      {"bf16", at::kBFloat16}, {"float16", at::kHalf}, {"fp16", at::kHalf}};
+  return n;
+}
+
+at::ScalarType as_dtype(const Value& v) {
+  for (const auto& [name, t] : dtype_names()) {
+    if (v.text == name) return t;
+  }
+  v.fail("expected float32, bfloat16 or float16");
+}
+
+std::string dtype_text(at::ScalarType t) {
+  for (const auto& [name, d] : dtype_names()) {
+    if (d == t) return name;
+  }
+  return c10::toString(t);
+}
+
+// The shortest text that reads back as exactly `x`.
+std::string double_text(double x) {
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::ostringstream os;
+    os.precision(digits);
+    os << x;
+    if (std::strtod(os.str().c_str(), nullptr) == x) return os.str();
+  }
+  std::ostringstream os;
+  os.precision(17);
+  os << x;
+  return os.str();
+}
+
+std::string bool_text(bool b) { return b ? "true" : "false"; }
+
+std::string list_text(const std::vector<int64_t>& l) {
+  std::string out;
+  for (int64_t n : l) out += (out.empty() ? "" : ", ") + std::to_string(n);
+  return "[" + out + "]";
+}
+
+// Upper bounds that keep every product of sizes far from int64 overflow.
+constexpr int64_t kMaxModelInt = int64_t(1) << 31;
+constexpr int64_t kMaxRanks = int64_t(1) << 24;
+constexpr int64_t kMaxCount = int64_t(1) << 40;
+
+using Setter = std::function<void(TrainConfig&, const Value&)>;
+using Getter = std::function<std::string(const TrainConfig&)>;
+
+// A key of the table: `get` writes the value as text that `set` reads back; the default of
+// the key is get(TrainConfig{}) unless `derived` says how it follows from another key.
+struct Key {
+  std::string name, type, help;
+  Setter set;
+  Getter get;
+  std::string derived;
+};
+
+// Builders for the table's usual kinds. `at` gives the field of a config.
+template <typename At>
+Key int_key(const char* name, const char* help, At at, int64_t min, int64_t max) {
+  return {name, "int", help,
+          [at, min, max](TrainConfig& c, const Value& v) { at(c) = as_int(v, min, max); },
+          [at](const TrainConfig& c) { return std::to_string(at(const_cast<TrainConfig&>(c))); }, ""};
+}
+template <typename At>
+Key bool_key(const char* name, const char* help, At at) {
+  return {name, "bool", help, [at](TrainConfig& c, const Value& v) { at(c) = as_bool(v); },
+          [at](const TrainConfig& c) { return bool_text(at(const_cast<TrainConfig&>(c))); }, ""};
+}
+// A float checked by `check` (which raises through the Value).
+template <typename At, typename Check>
+Key float_key(const char* name, const char* help, At at, Check check) {
+  return {name, "float", help,
+          [at, check](TrainConfig& c, const Value& v) {
+            const double x = as_double(v);
+            check(v, x);
+            at(c) = x;
+          },
+          [at](const TrainConfig& c) { return double_text(at(const_cast<TrainConfig&>(c))); }, ""};
+}
+template <typename E, typename At>
+Key enum_key(const char* name, const char* help, At at) {
+  std::string type;
+  for (const auto& [e, n] : enum_names<E>()) type += (type.empty() ? "" : "|") + std::string(n);
+  return {name, type, help, [at](TrainConfig& c, const Value& v) { at(c) = as_enum<E>(v); },
+          [at](const TrainConfig& c) { return to_string(at(const_cast<TrainConfig&>(c))); }, ""};
+}
+template <typename At>
+Key path_key(const char* name, const char* help, At at) {
+  return {name, "path", help, [at](TrainConfig& c, const Value& v) { at(c) = v.text; },
+          [at](const TrainConfig& c) { return at(const_cast<TrainConfig&>(c)); }, ""};
+}
+template <typename At>
+Key dtype_key(const char* name, const char* help, At at) {
+  return {name, "dtype", help, [at](TrainConfig& c, const Value& v) { at(c) = as_dtype(v); },
+          [at](const TrainConfig& c) { return dtype_text(at(const_cast<TrainConfig&>(c))); }, ""};
+}
+Key derived(Key k, const char* how) {
+  k.derived = how;
+  return k;
+}
+
+#define HP_FIELD(expr) [](TrainConfig& c) -> auto& { return c.expr; }
+
+void positive(const Value& v, double x) {
+  if (x <= 0) v.fail("must be > 0");
+}
+void nonneg(const Value& v, double x) {
+  if (x < 0) v.fail("must be >= 0");
+}
+void beta(const Value& v, double x) {
+  if (x < 0 || x >= 1) v.fail("must be in [0, 1)");
+}
+
+const std::vector<Key>& keys() {
+  static const std::vector<Key> k = [] {
+    std::vector<Key> k;
+    // model.type and model.preset are applied first, then the family's fields override the
+    // preset (model_keys()).
+    k.push_back({"model.type", "family", "model family (hp-train --list-keys shows each one's keys)",
+                 [](TrainConfig& c, const Value& v) {
+                   std::string all;
+                   for (const models::ModelFamily* f : models::model_families()) {
+                     if (f->name() == v.text) {
+                       c.model = ModelSpec(v.text);
+                       return;
+                     }
+                     all += (all.empty() ? "" : ", ") + f->name();
+                   }
+                   v.fail("expected one of: ", all);
+                 },
+                 [](const TrainConfig& c) { return c.model.family().name(); }, ""});
+    k.push_back({"model.preset", "name", "base sizes the model's fields start from (each family's presets)",
+                 [](TrainConfig& c, const Value& v) {
+                   const std::vector<std::string> presets = c.model.family().presets();
+                   if (std::find(presets.begin(), presets.end(), v.text) == presets.end()) {
+                     std::string all;
+                     for (const auto& p : presets) all += (all.empty() ? "" : ", ") + p;
+                     v.fail("expected one of: ", all, " (the presets of model.type ", c.model.family().name(), ")");
+                   }
+                   c.model = ModelSpec(c.model.family().name(), v.text);
+                 },
+                 [](const TrainConfig& c) { return c.model.preset(); }, ""});
+
+    k.push_back(enum_key<DataType>("data.type", "synthetic corpus, a file of token ids, or UTF-8 text (byte tokens)",
+                                   HP_FIELD(data.type)));
+    k.push_back(path_key("data.path", "the binary or text file", HP_FIELD(data.path)));
+    k.push_back(enum_key<TokenDtype>("data.token_dtype", "token id width of a binary file", HP_FIELD(data.token_dtype)));
+    k.push_back(int_key("data.num_samples", "samples in the synthetic corpus", HP_FIELD(data.num_samples), 1, kMaxCount));
+    k.push_back(bool_key("data.shuffle", "a new sample order each epoch", HP_FIELD(data.shuffle)));
+
+    k.push_back(dtype_key("params_dtype", "dtype of the (sharded) parameters", HP_FIELD(params_dtype)));
+    k.push_back(derived(dtype_key("compute_dtype", "dtype of forward/backward (the all-gather)", HP_FIELD(compute_dtype)),
+                        "params_dtype"));
+    k.push_back(bool_key("accumulate_allreduce_grads_in_fp32",
+                         "reduce gradients in fp32; with low-precision params, fp32 main grads and master weights",
+                         HP_FIELD(accumulate_allreduce_grads_in_fp32)));
+    k.push_back(bool_key("apply_grad_on_fp32_main_grad",
+                         "reduced gradients accumulate into an fp32 main gradient per shard, which the optimizer steps "
+                         "with (needs accumulate_allreduce_grads_in_fp32; implied for low-precision params)",
+                         HP_FIELD(apply_grad_on_fp32_main_grad)));
+    k.push_back(int_key("data_parallel", "replicas (HSDP dp_replicate)", HP_FIELD(data_parallel), 1, kMaxRanks));
+    {
+      Key shard = int_key("data_parallel_shard", "ranks a replica is sharded over; -1 = the rest",
+                          HP_FIELD(data_parallel_shard), -1, kMaxRanks);
+      Setter inner = shard.set;
+      shard.set = [inner](TrainConfig& c, const Value& v) {
+        inner(c, v);
+        if (c.data_parallel_shard == 0) v.fail("must be >= 1 or -1");
+      };
+      k.push_back(shard);
+    }
+    {
+      Key strategy = enum_key<ShardStrategy>("data_parallel_shard_strategy",
+                                             "ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters until backward)",
+                                             HP_FIELD(data_parallel_shard_strategy));
+      Setter inner = strategy.set;
+      strategy.set = [inner](TrainConfig& c, const Value& v) {
+        if (v.text == "optim") v.fail("sharding only the optimizer state (ZeRO-1) is not supported yet");
+        inner(c, v);
+      };
+      k.push_back(strategy);
+    }
+    k.push_back(int_key("reshard_after_forward_group_size",
+                        "with optim_grads_params: after forward keep parameters sharded over groups of this many "
+                        "data_parallel_shard ranks, gathered within the group for backward; 0 = over all of them",
+                        HP_FIELD(reshard_after_forward_group_size), 0, kMaxRanks));
+    k.push_back(bool_key("comm_fusion", "one fused all-gather/reduce-scatter per block", HP_FIELD(comm_fusion)));
+    k.push_back(bool_key("wait_per_submodule",
+                         "in forward, wait for each of a block's parameters when its layer is called, not for the "
+                         "whole block at its start (needs comm_fusion false)",
+                         HP_FIELD(wait_per_submodule)));
+    k.push_back(enum_key<Recompute>("recompute",
+                                    "activation recomputation of every block: full recomputes its activations in "
+                                    "backward, selective keeps its matmul outputs and recomputes the rest",
+                                    HP_FIELD(recompute)));
+    k.push_back(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
+                        HP_FIELD(tensor_parallel), 1, kMaxRanks));
+    k.push_back(bool_key("sequence_parallel", "sequence parallel (needs tensor_parallel > 1)", HP_FIELD(sequence_parallel)));
+    k.push_back(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
+                        HP_FIELD(pipeline_parallel), 1, kMaxRanks));
+    k.push_back(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",
+                        HP_FIELD(pipeline_parallel_interleave_num), 1, kMaxRanks));
+    k.push_back(enum_key<PipelineScheduleKind>(
+        "pipeline_schedule",
+        "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1; zbh1 = zero bubble "
+        "(backward split into input and weight gradients); zbv = zero bubble with 2 stages per rank in a V "
+        "(pipeline_parallel_interleave_num 2)",
+        HP_FIELD(pipeline_schedule)));
+    k.push_back(derived({"pipeline_stage_layers", "list",
+                         "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); "
+                         "empty = even",
+                         [](TrainConfig& c, const Value& v) { c.pipeline_stage_layers = as_int_list(v, 1, kMaxModelInt); },
+                         [](const TrainConfig& c) { return list_text(c.pipeline_stage_layers); }, ""},
+                        "[] (even)"));
+    k.push_back(int_key("micro_batch_num", "micro-batches per step (pipeline micro-batches, or gradient accumulation)",
+                        HP_FIELD(micro_batch_num), 1, kMaxRanks));
+    k.push_back(int_key("global_batch_size", "samples per optimizer step, all ranks together",
+                        HP_FIELD(global_batch_size), 1, kMaxRanks));
+    k.push_back(int_key("seq_length", "tokens per sample", HP_FIELD(seq_length), 1, kMaxModelInt));
+    k.push_back(float_key("lr", "peak learning rate", HP_FIELD(lr), positive));
+    k.push_back(float_key("min_lr", "learning rate at the end of the decay", HP_FIELD(min_lr), nonneg));
+    k.push_back(int_key("lr_warmup_steps", "steps of linear warmup", HP_FIELD(lr_warmup_steps), 0, kMaxCount));
+    k.push_back(enum_key<LrDecay>("lr_decay_style", "decay from lr to min_lr after warmup", HP_FIELD(lr_decay_style)));
+    k.push_back(float_key("weight_decay", "AdamW decoupled weight decay (matrices only)", HP_FIELD(weight_decay), nonneg));
+    k.push_back(float_key("adam_beta1", "AdamW beta1", HP_FIELD(adam_beta1), beta));
+    k.push_back(float_key("adam_beta2", "AdamW beta2", HP_FIELD(adam_beta2), beta));
+    k.push_back(float_key("adam_eps", "AdamW epsilon", HP_FIELD(adam_eps), positive));
+    k.push_back(float_key("clip_grad", "global gradient-norm limit; 0 = no clipping", HP_FIELD(clip_grad), nonneg));
+    k.push_back(int_key("train_steps", "optimizer steps", HP_FIELD(train_steps), 1, kMaxCount));
+    k.push_back({"seed", "int", "initialization and data order",
+                 [](TrainConfig& c, const Value& v) { c.seed = static_cast<uint64_t>(as_int(v, 0)); },
+                 [](const TrainConfig& c) { return std::to_string(c.seed); }, ""});
+    k.push_back(int_key("log_interval", "steps between progress lines", HP_FIELD(log_interval), 1, kMaxCount));
+    k.push_back(path_key("output_dir", "metrics.jsonl and loss.svg go here; empty = none", HP_FIELD(output_dir)));
+    k.push_back(int_key("save_interval", "save a checkpoint every this many steps and after the last; 0 = never",
+                        HP_FIELD(save_interval), 0, kMaxModelInt));
+    k.push_back(derived(path_key("save_dir", "checkpoints go here (step_<k> folders and 'latest')", HP_FIELD(save_dir)),
+                        "output_dir/checkpoints"));
+    k.push_back(int_key("keep_last_n", "keep only the newest n checkpoints (older ones removed after a save); 0 = all",
+                        HP_FIELD(keep_last_n), 0, kMaxModelInt));
+    k.push_back(bool_key("async_save", "write checkpoints in the background (the state is copied first)",
+                         HP_FIELD(async_save)));
+    k.push_back(path_key("init_from_hf",
+                         "start from the weights of this Hugging Face model folder instead of the seed (a family "
+                         "with Hugging Face names: llama)",
+                         HP_FIELD(init_from_hf)));
+    return k;
+  }();
+  return k;
+}
+
+#undef HP_FIELD
+
+// A model field's key: "model." + the family key's name.
+const models::ModelKey* family_key(const models::ModelFamily& f, const std::string& key) {
+  if (key.rfind("model.", 0) != 0) return nullptr;
+  const std::string field = key.substr(6);
+  for (const models::ModelKey& k : f.keys()) {
+    if (k.name == field) return &k;
+  }
+  return nullptr;
+}
+
+void set_model_field(TrainConfig& c, const models::ModelKey& k, const Value& v) {
+  models::ModelValue x;
+  switch (k.kind) {
+    case models::ModelKey::Kind::kInt: {
+      const int64_t n = as_int(v, static_cast<int64_t>(k.min), kMaxModelInt);
+      if (k.above_min && static_cast<double>(n) <= k.min) v.fail("must be > ", static_cast<int64_t>(k.min));
+      x = n;
+      break;
+    }
+    case models::ModelKey::Kind::kFloat: {
+      const double d = as_double(v);
+      if (k.above_min ? d <= k.min : d < k.min) v.fail("must be ", k.above_min ? "> " : ">= ", k.min);
+      x = d;
+      break;
+    }
+    case models::ModelKey::Kind::kBool:
+      x = as_bool(v);
+      break;
+  }
+  k.set(c.model.args(), x);
+}
+
+std::string model_value_text(const models::ModelValue& v) {
+  if (const auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
+  if (const auto* d = std::get_if<double>(&v)) return double_text(*d);
+  return bool_text(std::get<bool>(v));
+}
+
+const char* kind_name(models::ModelKey::Kind k) {
+  switch (k) {
+    case models::ModelKey::Kind::kInt:
+      return "int";
+    case models::ModelKey::Kind::kFloat:
+      return "float";
+    case models::ModelKey::Kind::kBool:
+      return "bool";
+  }
+  return "?";
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+// Every key's name: the table's and each family's model fields.
+std::vector<std::string> all_key_names() {
+  std::vector<std::string> out;
+  for (const Key& k : keys()) out.push_back(k.name);
+  for (const models::ModelFamily* f : models::model_families()) {
+    for (const models::ModelKey& m : f->keys()) {
+      const std::string name = "model." + m.name;
+      if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+    }
+  }
+  return out;
+}
+
+// Raises for a key that neither the table nor any family declares, suggesting the nearest.
+void check_known(const Value& v) {
+  const std::string* best = nullptr;
+  size_t best_d = SIZE_MAX;
+  const std::vector<std::string> names = all_key_names();
+  for (const std::string& n : names) {
+    if (n == v.key) return;
+    size_t d = edit_distance(n, v.key);
+    if (d < best_d) best_d = d, best = &n;
+  }
+  std::ostringstream os;
+  os << v.origin << ": unknown config key '" << v.key << "'";
+  if (best && best_d <= std::max<size_t>(2, v.key.size() / 4)) os << " (did you mean '" << *best << "'?)";
+  os << "; hp-train --list-keys lists them all";
+  throw Error(os.str());
+}
+
+const Key* table_key(const std::string& name) {
+  for (const Key& k : keys()) {
+    if (k.name == name) return &k;
+  }
+  return nullptr;
+}
+
+// Applies a known key to `c` (whose model family is already chosen).
+void apply(TrainConfig& c, const Value& v) {
+  if (const Key* k = table_key(v.key)) return k->set(c, v);
+  if (const models::ModelKey* m = family_key(c.model.family(), v.key)) return set_model_field(c, *m, v);
+  std::string owners;
+  for (const models::ModelFamily* f : models::model_families()) {
+    if (family_key(*f, v.key)) owners += (owners.empty() ? "" : " or ") + f->name();
+  }
+  v.fail("a key of model.type ", owners, ", but model.type is ", c.model.family().name());
+}
+
+// Flattens YAML maps into dotted keys (model: {dim: 64} -> model.dim).
+}  // namespace internal
+
+using namespace internal;
+
+std::vector<KeyInfo> config_keys() {
+  const TrainConfig defaults;
+  std::vector<KeyInfo> out;
+  for (const Key& k : keys()) {
+    out.push_back({k.name, k.type, k.derived.empty() ? k.get(defaults) : k.derived, k.help});
+    if (k.name == "model.type") {  // the families registered now
+      out.back().type.clear();
+      for (const models::ModelFamily* f : models::model_families()) {
+        out.back().type += (out.back().type.empty() ? "" : "|") + f->name();
+      }
+    }
+    if (k.name != "model.preset") continue;
+    // The model's fields after the preset: each once, tagged with the families that have it
+    // unless all do, its default the preset's.
+    const auto families = models::model_families();
+    std::vector<std::string> done;
+    for (const models::ModelFamily* f : families) {
+      for (const models::ModelKey& m : f->keys()) {
+        if (std::find(done.begin(), done.end(), m.name) != done.end()) continue;
+        done.push_back(m.name);
+        std::vector<std::string> owners;
+        for (const models::ModelFamily* g : families) {
+          if (family_key(*g, "model." + m.name)) owners.push_back(g->name());
+        }
+        std::string help = m.help;
+        if (owners.size() < families.size()) {
+          std::string tag;
+          for (const auto& o : owners) tag += (tag.empty() ? "" : ", ") + o;
+          help += " [" + tag + "]";
+        }
+        out.push_back({"model." + m.name, kind_name(m.kind), "preset", help});
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainConfig& c) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Key& k : keys()) {
+    out.emplace_back(k.name, k.get(c));
+    if (k.name != "model.preset") continue;
+    for (const models::ModelKey& m : c.model.family().keys()) {
+      out.emplace_back("model." + m.name, model_value_text(m.get(c.model.args())));
+    }
+  }
+  return out;
+}
+
+ModelSpec model_from_settings(const std::vector<std::pair<std::string, std::string>>& settings,
+                              const std::string& source) {
+  std::vector<Value> values;
+  for (const auto& [k, v] : settings) {
+    if (k.rfind("model.", 0) == 0) values.push_back({k, v, source});
+  }
+  TrainConfig c;
+  for (const char* first : {"model.type", "model.preset"}) {
+    for (const Value& v : values) {
+      if (v.key == first) apply(c, v);
+    }
+  }
+  for (const Value& v : values) {
+    check_known(v);
+    if (v.key != "model.type" && v.key != "model.preset") apply(c, v);
+  }
+  return c.model;
+}
+
+}  // namespace hp::train

@@ -1,0 +1,93 @@
+// The memory of a config's layout per rank, from sizes alone (nothing allocated): the
+// figures, hp-train --estimate's report of them, and the check that a node can hold its ranks.
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "hp/core/error.h"
+#include "hp/core/memory.h"
+#include "hp/pp/schedule.h"
+#include "hp/train/plan.h"
+#include "hp/train/report.h"
+#include "hp/train/trainer.h"
+
+namespace hp::train {
+
+RankMemory estimate_rank_memory(const TrainConfig& c) {
+  RankMemory r;
+  // Under tensor parallelism fully_shard shards each tp rank's pieces. Under pipeline
+  // parallelism a rank holds its stages only: the fullest pp rank's share, with tensor
+  // parallelism dividing it as it divides the whole model.
+  r.rank_params = c.model->params_per_tp_rank(c.tensor_parallel);
+  if (c.pipeline_parallel > 1) {
+    r.stage_counts = stage_params(c);
+    const pp::Schedule sched = pipeline_schedule(c);
+    std::vector<int64_t> held(static_cast<size_t>(c.pipeline_parallel), 0);
+    for (size_t k = 0; k < r.stage_counts.size(); ++k) {
+      held[static_cast<size_t>(sched.rank_of(static_cast<int>(k)))] += r.stage_counts[k];
+    }
+    const int64_t fullest = *std::max_element(held.begin(), held.end());
+    r.rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(r.rank_params) /
+                                         static_cast<double>(c.model->num_params()));
+  }
+  r.estimate = estimate_memory(r.rank_params, c.model->largest_block_params_per_tp_rank(c.tensor_parallel),
+                               c.params_dtype, mixed_precision(c),
+                               {c.data_parallel, c.data_parallel_shard,
+                                // optim_grads keeps parameters gathered until backward: a group of 1
+                                c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads ? 1 : c.reshard_after_forward_group_size});
+  // Each rank builds the model without storage and materializes its shards one parameter at
+  // a time: its shards plus the largest parameter in fp32 (and its low-precision cast).
+  const double largest = 4.0 * static_cast<double>(c.model->largest_param());
+  r.construction = static_cast<double>(r.estimate.sharded_params) + largest * (c.params_dtype == at::kFloat ? 1 : 2);
+  return r;
+}
+
+std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
+  const MemoryEstimate& est = rm.estimate;
+  std::ostringstream os;
+  char line[256];
+  std::snprintf(line, sizeof line, "parameters: %lld (%.3g B); largest block %lld\n",
+                static_cast<long long>(c.model->num_params()), static_cast<double>(c.model->num_params()) / 1e9,
+                static_cast<long long>(c.model->largest_block_params()));
+  os << line;
+  if (c.tensor_parallel > 1) {
+    std::snprintf(line, sizeof line,
+                  "per tensor-parallel rank, before fully_shard: %lld parameters, largest block %lld (%s whole)\n",
+                  static_cast<long long>(c.model->params_per_tp_rank(c.tensor_parallel)),
+                  static_cast<long long>(c.model->largest_block_params_per_tp_rank(c.tensor_parallel)),
+                  c.model->whole_under_tp().c_str());
+    os << line;
+  }
+  if (!rm.stage_counts.empty()) {
+    os << "pipeline: " << rm.stage_counts.size() << " stages, parameters per stage (before tensor parallelism):";
+    for (int64_t n : rm.stage_counts) os << " " << n;
+    if (c.pipeline_schedule == PipelineScheduleKind::kZBV) {
+      os << "; rank r holds stages r and " << rm.stage_counts.size() - 1 << " - r\n";
+    } else {
+      os << "; a rank holds stages r, r + " << c.pipeline_parallel << ", ...\n";
+    }
+  }
+  os << "per rank, without activations: sharded params " << format_bytes(est.sharded_params) << ", grads "
+     << format_bytes(est.sharded_grads) << ", optimizer " << format_bytes(est.optimizer_state) << ", fp32 masters "
+     << format_bytes(est.fp32_masters) << ", backward peak " << format_bytes(est.backward_peak_extra)
+     << (est.post_forward_shares ? ", kept from forward to backward " + format_bytes(est.post_forward_shares) : "")
+     << "; total " << format_bytes(est.total()) << "\n";
+  os << "per rank while building the model: its shards plus one parameter in fp32 (the largest, "
+     << c.model->largest_param() << " elements): " << format_bytes(static_cast<int64_t>(std::min(rm.construction, 9e18)))
+     << "\n";
+  os << "activations: hp-train --plan measures them (and predicts the step time) for every layout";
+  return os.str();
+}
+
+void check_fits_node(const TrainConfig& c, const RankMemory& rm, int local_ranks) {
+  // Each rank builds the model without storage and materializes its shards one parameter at
+  // a time: the sharded state plus one fp32 parameter, then training's.
+  const double need = std::max(rm.construction, static_cast<double>(rm.estimate.total()));
+  const double avail = static_cast<double>(memory::available_bytes());
+  HP_CHECK(avail == 0 || need * local_ranks < avail, "the model (", c.model->num_params(), " parameters) needs about ",
+           format_bytes(static_cast<int64_t>(std::min(need, 9e18))), " per rank (", format_bytes(rm.estimate.total()),
+           " sharded, without activations), but this node has ", format_bytes(static_cast<int64_t>(avail)),
+           " available for ", local_ranks, " rank(s); see hp-train --estimate");
+}
+
+}  // namespace hp::train

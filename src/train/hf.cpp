@@ -1,0 +1,97 @@
+// Hugging Face interchange of the Trainer's model: weights in from a model folder, a
+// checkpoint's model out to one.
+#include <ATen/ATen.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "hp/ckpt/checkpoint.h"
+#include "hp/ckpt/consolidated.h"
+#include "hp/ckpt/safetensors.h"
+#include "hp/comm/agree.h"
+#include "hp/core/error.h"
+#include "hp/models/family.h"
+#include "trainer_impl.h"
+
+namespace hp::train {
+
+namespace internal {
+
+// The Hugging Face name of each parameter of the config's model, after checking the
+// folder's config.json against it.
+std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::string& dir) {
+  HP_CHECK(c.model->supports_hf(), "init_from_hf: model.type=", c.model.family().name(),
+           " is not supported yet (the family has no Hugging Face names)");
+  const std::string path = dir + "/config.json";
+  std::ifstream f(path);
+  HP_CHECK(f.good(), "init_from_hf: '", dir, "' has no config.json (not a Hugging Face model folder)");
+  std::stringstream text;
+  text << f.rdbuf();
+  c.model->check_hf_config(text.str(), path);
+  const auto names = c.model->hf_names();
+  return {names.begin(), names.end()};
+}
+
+const std::string& hf_source(const std::map<std::string, std::string>& sources, const std::string& name) {
+  auto it = sources.find(name);
+  HP_INTERNAL_ASSERT(it != sources.end(), "no Hugging Face name for the parameter ", name);
+  return it->second;
+}
+
+}  // namespace internal
+
+using internal::hf_source;
+using internal::hf_sources;
+
+
+void Trainer::load_hf(const std::string& dir) {
+  Impl& s = *impl_;
+  std::string error;
+  try {
+    const auto sources = hf_sources(s.c, dir);
+    std::vector<ckpt::Item> items;
+    size_t j = 0;
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const std::string& hf = hf_source(sources, s.names[i]);
+      items.push_back({s.names[i], s.params[i].detach(), s.specs[i], hf});
+      if (s.master && s.params[i].requires_grad()) {
+        items.push_back({s.names[i] + ".master", s.master->masters()[j++].detach(), s.specs[i], hf});
+      }
+    }
+    at::NoGradGuard ng;
+    ckpt::load_consolidated(items, dir);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // Each rank reads other bytes: a failure on one raises on all.
+  raise_if_any_failed(s.world, error, "loading '" + dir + "'");
+}
+
+void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const CommPtr& world,
+               ckpt::ExportOptions o) {
+  const auto values = ckpt::load({}, ckpt_dir);
+  std::vector<std::pair<std::string, std::string>> settings;
+  for (const auto& [k, v] : values) {
+    if (k.rfind("config.model.", 0) == 0) settings.emplace_back(k.substr(7), v);
+  }
+  HP_CHECK(!settings.empty(), "export of '", ckpt_dir, "': the checkpoint has no config.model.* settings (not saved by ",
+           "hp-train)");
+  const ModelSpec model = model_from_settings(settings, "export of '" + ckpt_dir + "'");
+  HP_CHECK(model->supports_hf(), "export of '", ckpt_dir, "': model.type=", model.family().name(),
+           " is not supported yet (the family has no Hugging Face names)");
+  model->validate();
+  const auto saved = ckpt::saved_tensors(ckpt_dir);
+  std::vector<std::pair<std::string, std::string>> tensors;
+  for (const auto& [ours, theirs] : model->hf_names()) {
+    auto it = saved.find(ours);
+    HP_CHECK(it != saved.end(), "export of '", ckpt_dir, "': the checkpoint lacks the parameter '", ours, "'");
+    // Written in the parameters' dtype unless asked otherwise (fp32 masters are the source
+    // where kept, so a bf16 run's export rounds once, from the masters).
+    if (!o.dtype) o.dtype = ckpt::dtype_from_string(it->second.dtype);
+    tensors.emplace_back(saved.count(ours + ".master") ? ours + ".master" : ours, theirs);
+  }
+  ckpt::export_consolidated(ckpt_dir, tensors, out_dir, world, o, {{"config.json", model->hf_config(*o.dtype)}});
+}
+
+
+}  // namespace hp::train

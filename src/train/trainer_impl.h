@@ -1,0 +1,104 @@
+// The trainer's private parts shared by its files: Trainer::Impl (the state of one rank's
+// run) and the helpers the Trainer and the ReferenceTrainer both use.
+//   trainer.cpp            the Trainer: building the layout, the step, the loop
+//   trainer_state.cpp      its checkpoints: save, background save, load
+//   hf.cpp                 Hugging Face import and export
+//   reference_trainer.cpp  the same training in one process (--verify)
+//   step_math.cpp          learning rate, gradient norm, clipping, the optimizer
+//   model_adapter.cpp      the config's model, stages and schedule
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <chrono>
+#include <exception>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hp/fsdp/master_weights.h"
+#include "hp/mesh/device_mesh.h"
+#include "hp/pp/pipeline.h"
+#include "hp/train/trainer.h"
+
+namespace hp::train {
+
+namespace internal {
+
+using Clock = std::chrono::steady_clock;
+
+// AdamW (multi-tensor, same results as libtorch's) with weight decay on matrices
+// (dim >= 2) and none on norm scales and vectors.
+std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const std::vector<at::Tensor>& params);
+// Raises TrainingDiverged for a loss or norm that is not finite.
+void check_finite(int64_t step, const char* what, double x);
+void set_lr(torch::optim::Optimizer& opt, double lr);
+// The mean next-token loss of a batch [B, seq + 1].
+at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked);
+// The Hugging Face name of each parameter of the config's model, after checking the
+// folder's config.json against it.
+std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::string& dir);
+const std::string& hf_source(const std::map<std::string, std::string>& sources, const std::string& name);
+
+}  // namespace internal
+
+struct Trainer::Impl {
+  TrainConfig c;
+  CommPtr world, dp, shards, tp, pp;
+  std::shared_ptr<DeviceMesh> mesh;
+  std::unique_ptr<TrainModel> model;  // without pipeline parallelism
+  // With it: this rank's stages (each a part of the model), run by `pipe`.
+  std::vector<std::unique_ptr<TrainModel>> stages;
+  std::unique_ptr<pp::Pipeline> pipe;
+  std::vector<FSDPHandle> handles;
+  std::shared_ptr<const TokenDataset> data;
+  std::unique_ptr<DataSharder> sharder;
+  int64_t dp_rank = 0;
+  std::vector<at::Tensor> params;
+  // Per params[i]: its name in the whole model and its box of the global tensor.
+  std::vector<std::string> names;
+  std::vector<ShardSpec> specs;
+  std::vector<torch::nn::Module*> roots;  // the model, or this rank's stages
+  // save_async: the thread writing the copied state, over its own communicator (split from
+  // the world when first needed, so its collectives never interleave with training's).
+  CommPtr ckpt_comm;
+  std::thread saver;
+  std::exception_ptr save_error;
+  // The sharded parameters that are shards of tensor-parallel pieces.
+  std::set<const c10::TensorImpl*> tp_pieces;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::unique_ptr<FP32MasterOptimizer> master;
+  int64_t steps = 0;
+
+  // Tied embeddings under pipeline parallelism: the first and the last stage each hold a copy
+  // of the embedding; their gradients are summed over `tie_group` (the pp ranks of the two
+  // stages with this rank's dp/tp coordinates) after each backward, and the last stage's copy
+  // is left out of the gradient norm (counted once).
+  std::vector<size_t> tied;       // indices into params of this rank's copies
+  std::vector<bool> norm_skip;    // per params[i]: the duplicate copy
+  CommPtr tie_group;
+  std::vector<at::Tensor> main_grads_of;  // per params[i]: its fp32 main gradient (with masters)
+
+  // The gradient the optimizer steps params[i] with (its main gradient with fp32 masters).
+  at::Tensor grad_of(size_t i) const { return master ? main_grads_of[i] : params[i].grad(); }
+
+  // The gradients to clip and step with; `split` (when given) says which are
+  // tensor-parallel pieces, `skip` which are the duplicate copy of a tied parameter.
+  std::vector<at::Tensor> grads(std::vector<bool>* split = nullptr, std::vector<bool>* skip = nullptr) const {
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].requires_grad()) continue;
+      at::Tensor g = grad_of(i);
+      if (!g.defined()) continue;
+      out.push_back(g);
+      if (split) split->push_back(tp_pieces.count(params[i].unsafeGetTensorImpl()) > 0);
+      if (skip) skip->push_back(!norm_skip.empty() && norm_skip[i]);
+    }
+    return out;
+  }
+};
+
+}  // namespace hp::train

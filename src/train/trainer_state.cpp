@@ -1,0 +1,182 @@
+// The Trainer's checkpoints: the whole training state saved, in the background, and loaded.
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+
+#include "hp/ckpt/checkpoint.h"
+#include "hp/core/error.h"
+#include "hp/optim/foreach_adamw.h"
+#include "trainer_impl.h"
+
+namespace hp::train {
+
+namespace {
+
+// The settings a checkpoint cannot be resumed under a change of: the model's.
+std::vector<std::pair<std::string, std::string>> fixed_settings(const TrainConfig& c) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [k, v] : resolved_settings(c)) {
+    if (k.rfind("model.", 0) == 0) out.emplace_back(k, v);
+  }
+  return out;
+}
+
+// The optimizer's AdamW state of `p`, created (zeros, step 0: what the first step would
+// create) when it has none yet.
+torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const at::Tensor& p) {
+  auto& states = opt.state();
+  auto key = optim::state_key(states, p);
+  auto it = states.find(key);
+  if (it == states.end()) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(0);
+    st->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+    st->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    it = states.emplace(key, std::move(st)).first;
+  }
+  return static_cast<torch::optim::AdamWParamState&>(*it->second);
+}
+
+}  // namespace
+
+// Every tensor of the training state as checkpoint items (see save()), the optimizer's
+// largest step count through `step`, and each parameter's own (AdamW skips a parameter
+// without a gradient, as an MoE expert no token reached: the counts can differ) through
+// `steps` when given.
+static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step,
+                                           std::map<std::string, int64_t>* steps = nullptr) {
+  std::vector<ckpt::Item> items;
+  torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
+  size_t j = 0;  // index into the masters: the parameters that require grad
+  *step = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    items.push_back({s.names[i], s.params[i].detach(), s.specs[i]});
+    if (!s.params[i].requires_grad()) continue;
+    at::Tensor stepped = s.params[i];
+    if (s.master) {
+      stepped = s.master->masters()[j++];
+      items.push_back({s.names[i] + ".master", stepped.detach(), s.specs[i]});
+    }
+    auto& st = adamw_state(opt, stepped);
+    *step = std::max<int64_t>(*step, st.step());
+    if (steps) (*steps)[s.names[i]] = st.step();
+    items.push_back({s.names[i] + ".exp_avg", st.exp_avg(), s.specs[i]});
+    items.push_back({s.names[i] + ".exp_avg_sq", st.exp_avg_sq(), s.specs[i]});
+  }
+  for (torch::nn::Module* root : s.roots) {
+    for (const auto& b : root->named_buffers()) {
+      std::vector<int64_t> shape = b.value().sizes().vec();
+      if (shape.empty()) shape = {1};
+      items.push_back({b.key(), b.value().view(shape), make_shard_spec(shape, {})});
+    }
+  }
+  return items;
+}
+
+// The small values of a checkpoint: the steps done, AdamW's step, the model settings.
+static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, int64_t opt_step,
+                                                       const std::map<std::string, int64_t>& steps) {
+  std::map<std::string, std::string> values = {{"steps", std::to_string(s.steps)},
+                                               {"optimizer_step", std::to_string(opt_step)}};
+  for (const auto& [name, n] : steps) values["optimizer_step." + name] = std::to_string(n);
+  // Which parameters hold a (zeroed) gradient between steps: libtorch 1.x's zero_grad() keeps
+  // one, and AdamW then steps the parameter even when it gets no gradient (an MoE expert no
+  // token reached), where one that never had a gradient is skipped. Restored on load.
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.master && s.params[i].requires_grad() && s.params[i].grad().defined()) values["grad_held." + s.names[i]] = "1";
+  }
+  for (const auto& [k, v] : fixed_settings(s.c)) values["config." + k] = v;
+  return values;
+}
+
+void Trainer::save(const std::string& dir) const {
+  Impl& s = *impl_;
+  HP_CHECK(!s.saver.joinable(), "Trainer::save while a save_async is running: call wait_for_save() first");
+  int64_t opt_step = 0;
+  std::map<std::string, int64_t> steps;
+  auto items = state_items(s, &opt_step, &steps);
+  std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
+  ckpt::save(items, dir, s.world, values);
+}
+
+void Trainer::wait_for_save() {
+  Impl& s = *impl_;
+  if (s.saver.joinable()) s.saver.join();
+  if (s.save_error) {
+    std::exception_ptr e = s.save_error;
+    s.save_error = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void Trainer::save_async(const std::string& dir, std::function<void()> then) {
+  Impl& s = *impl_;
+  wait_for_save();
+  if (!s.ckpt_comm) {
+    CommOptions o;
+    o.name = "checkpoint";
+    s.ckpt_comm = s.world->split(0, s.world->rank(), o);
+  }
+  int64_t opt_step = 0;
+  std::map<std::string, int64_t> steps;
+  auto items = state_items(s, &opt_step, &steps);
+  for (auto& it : items) it.local = it.local.clone();  // the state as it is now
+  std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
+  s.saver = std::thread([&s, items = std::move(items), values = std::move(values), dir, then = std::move(then)] {
+    try {
+      ckpt::save(items, dir, s.ckpt_comm, values);
+      if (then) then();
+    } catch (...) {
+      s.save_error = std::current_exception();
+    }
+  });
+}
+
+void Trainer::load(const std::string& dir) {
+  Impl& s = *impl_;
+  // The saved settings first (the metadata alone): a changed model is named by its key,
+  // not by the first tensor whose shape it changed.
+  const std::map<std::string, std::string> values = ckpt::load({}, dir);
+  // Compared as values (the saved text is parsed as the config's would be), not as text.
+  std::vector<std::pair<std::string, std::string>> saved;
+  for (const auto& [k, v] : values) {
+    if (k.rfind("config.model.", 0) == 0) saved.emplace_back(k.substr(7), v);
+  }
+  TrainConfig then;
+  then.model = model_from_settings(saved, "resume from " + dir + ": the checkpoint's config");
+  const auto theirs = fixed_settings(then);
+  for (const auto& [k, v] : fixed_settings(s.c)) {
+    auto it = values.find("config." + k);
+    auto parsed = std::find_if(theirs.begin(), theirs.end(), [&k = k](const auto& e) { return e.first == k; });
+    HP_CHECK(it != values.end() && parsed != theirs.end() && parsed->second == v, "resume from ", dir, ": ", k, "=",
+             it == values.end() ? std::string("(not saved)") : it->second, " in the checkpoint but ", k, "=", v,
+             " in this config (the model cannot change on resume)");
+  }
+  int64_t unused = 0;
+  auto items = state_items(s, &unused);
+  {
+    at::NoGradGuard ng;
+    ckpt::load(items, dir);
+  }
+  auto number = [&](const char* key) {
+    auto it = values.find(key);
+    HP_CHECK(it != values.end(), "resume from ", dir, ": the checkpoint has no '", key, "' (not written by hp-train)");
+    return std::stoll(it->second);
+  };
+  s.steps = number("steps");
+  const int64_t opt_step = number("optimizer_step");
+  torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
+  size_t j = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.params[i].requires_grad()) continue;
+    // Each parameter's own count (the largest for a checkpoint that has none per parameter).
+    auto it = values.find("optimizer_step." + s.names[i]);
+    const int64_t n = it == values.end() ? opt_step : std::stoll(it->second);
+    adamw_state(opt, s.master ? s.master->masters()[j++] : s.params[i]).step(n);
+    if (!s.master && values.count("grad_held." + s.names[i])) s.params[i].mutable_grad() = at::zeros_like(s.params[i]);
+  }
+}
+
+
+}  // namespace hp::train
