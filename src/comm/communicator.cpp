@@ -27,6 +27,7 @@ const char* to_string(CommOp op) {
     case CommOp::kRecv: return "recv";
     case CommOp::kBatchSendRecv: return "batch_send_recv";
     case CommOp::kBarrier: return "barrier";
+    case CommOp::kSplit: return "split";
     case CommOp::kNewGroup: return "new_group";
   }
   return "?";
@@ -367,12 +368,12 @@ class QueuedCommunicator final : public Communicator {
   }
 
   Work barrier(const CollectiveOptions& o) override {
-    return enqueue("barrier", o.timeout, 0, [t = transport()] { t->barrier(); });
+    return enqueue(CommOp::kBarrier, o.timeout, 0, [t = transport()] { t->barrier(); });
   }
 
   CommPtr split(int color, int key, const CommOptions& o) override {
     auto result = std::make_shared<std::unique_ptr<Transport>>();
-    enqueue("split", o.timeout, 0, [t = transport(), result, color, key] {
+    enqueue(CommOp::kSplit, o.timeout, 0, [t = transport(), result, color, key] {
       *result = t->split(color, key);
     }).wait();
     if (!*result) return nullptr;

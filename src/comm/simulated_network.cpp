@@ -99,8 +99,9 @@ double SimulatedNetwork::seconds(CommOp op, int64_t bytes, int n, const LinkMode
     case CommOp::kRecv:
     case CommOp::kBatchSendRecv:
       break;
+    case CommOp::kSplit:
     case CommOp::kNewGroup:
-      throw Error(detail::str_cat("simulated network: no model for the op '", to_string(op), "'"));
+      throw Error(detail::str_cat("simulated network: no model for the op '", hp::to_string(op), "'"));
   }
   if (n <= 1 && is_collective(op)) return 0;
   return link.alpha_us * 1e-6 + factor * static_cast<double>(bytes) / (link.gbytes_per_s * 1e9);

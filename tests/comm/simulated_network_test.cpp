@@ -48,7 +48,7 @@ TEST(SimulatedNetwork, ModelsEachCollectiveWithItsBusFactor) {
   EXPECT_DOUBLE_EQ(s(hp::CommOp::kBatchSendRecv, 2), 10e-6 + 4e-3);
   EXPECT_DOUBLE_EQ(s(hp::CommOp::kBarrier, 4), 10e-6);
   EXPECT_DOUBLE_EQ(s(hp::CommOp::kAllReduce, 1), 0);  // a group of one moves nothing
-  hp::test::expect_error([&] { s("gather", 2); }, {"no model for the op 'gather'"});
+  hp::test::expect_error([&] { s(hp::CommOp::kNewGroup, 2); }, {"no model for the op 'new_group'"});
 }
 
 namespace {

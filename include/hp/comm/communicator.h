@@ -31,22 +31,11 @@
 #include <string>
 #include <vector>
 
+#include "hp/comm/ops.h"
 #include "hp/comm/work.h"
 
 namespace hp {
 
-enum class ReduceOp { SUM, AVG, MAX, MIN };
-const char* to_string(ReduceOp op);
-
-// The ops of a Communicator; to_string gives the name errors, traces and Work::op() use.
-enum class CommOp {
-  kAllGather, kReduceScatter, kAllReduce, kBroadcast, kAllToAll, kSend, kRecv, kBatchSendRecv, kBarrier,
-  kNewGroup
-};
-const char* to_string(CommOp op);
-// Whether every rank of the communicator runs the op (not point-to-point, not new_group,
-// which only the listed ranks call).
-bool is_collective(CommOp op);
 
 // 0 ms means "the communicator's default timeout".
 using Timeout = std::chrono::milliseconds;

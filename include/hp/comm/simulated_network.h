@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "hp/comm/ops.h"
+
 namespace hp {
 
 struct LinkModel {
