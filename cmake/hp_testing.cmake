@@ -1,9 +1,13 @@
 # Test registration helpers.
 #
-# hp_add_test(NAME <name> SOURCES <files...> [RANKS <n>...] [LABELS <labels...>] [TIMEOUT <s>])
+# hp_add_test(NAME <name> SOURCES <files...> [RANKS <n>...] [LABELS <labels...>] [TIMEOUT <s>]
+#             [TIMING_RANKS <n>...])
 #   Builds one gtest binary. With RANKS, registers one ctest entry per rank count,
 #   named <name>.np<N>, run under mpirun (oversubscribed, allowed as root).
 #   Without RANKS, registers a plain single-process test.
+#   TIMING_RANKS: the binary's suites named *Timing (assertions on wall-clock or CPU time,
+#   which a loaded machine can fail) leave the entries above and run alone as
+#   <name>.timing.np<N>, labelled dist_timing (ctest -L dist_timing reruns them alone).
 
 # GoogleTest: the installed package (Debian's googletest), else its sources at
 # HP_GTEST_SOURCE_DIR (the GPU check carries a copy of /usr/src/googletest there).
@@ -30,9 +34,23 @@ target_precompile_headers(hp_test_main PUBLIC
   <gtest/gtest.h> <ATen/ATen.h>)
 
 function(hp_add_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;TIMING_RANKS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
+  endif()
+  set(filter "")
+  if(T_TIMING_RANKS)
+    set(filter "--gtest_filter=-*Timing.*")
+    if(HP_HAVE_MPI AND HP_MPIEXEC)
+      foreach(np IN LISTS T_TIMING_RANKS)
+        add_test(NAME ${T_NAME}.timing.np${np}
+          COMMAND ${HP_MPIEXEC} -np ${np} --oversubscribe --bind-to none
+                  $<TARGET_FILE:${T_NAME}> "--gtest_filter=*Timing.*")
+        set_tests_properties(${T_NAME}.timing.np${np} PROPERTIES
+          TIMEOUT ${T_TIMEOUT} LABELS dist_timing PROCESSORS ${np}
+          ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;HP_COMM_TIMEOUT_S=120")
+      endforeach()
+    endif()
   endif()
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE hp_test_main)
@@ -42,17 +60,17 @@ function(hp_add_test)
       if(HP_HAVE_MPI AND HP_MPIEXEC)
         add_test(NAME ${T_NAME}.np${np}
           COMMAND ${HP_MPIEXEC} -np ${np} --oversubscribe --bind-to none
-                  $<TARGET_FILE:${T_NAME}>)
+                  $<TARGET_FILE:${T_NAME}> ${filter})
         set_tests_properties(${T_NAME}.np${np} PROPERTIES
           TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}" PROCESSORS ${np}
           ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;HP_COMM_TIMEOUT_S=120")
       elseif(np EQUAL 1)
-        add_test(NAME ${T_NAME}.np1 COMMAND $<TARGET_FILE:${T_NAME}>)
+        add_test(NAME ${T_NAME}.np1 COMMAND $<TARGET_FILE:${T_NAME}> ${filter})
         set_tests_properties(${T_NAME}.np1 PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
       endif()
     endforeach()
   else()
-    add_test(NAME ${T_NAME} COMMAND $<TARGET_FILE:${T_NAME}>)
+    add_test(NAME ${T_NAME} COMMAND $<TARGET_FILE:${T_NAME}> ${filter})
     set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
   endif()
 endfunction()

@@ -387,7 +387,7 @@ TEST(Communicator, OpsCompleteInIssueOrder) {
   for (int i = 0; i < 20; ++i) EXPECT_EQ(ys[i][2].item<int64_t>(), int64_t(i) * n);
 }
 
-TEST(Communicator, CallerComputesWhileCollectiveIsInFlight) {
+TEST(CommunicatorTiming, CallerComputesWhileCollectiveIsInFlight) {
   auto w = world();
   if (w->size() == 1) GTEST_SKIP() << "a world of one completes at once";
   at::Tensor big = at::ones({32 << 20});  // 128 MiB of fp32
@@ -406,7 +406,7 @@ TEST(Communicator, CallerComputesWhileCollectiveIsInFlight) {
 // A rank whose collective waits for a late peer, while its training thread is not blocked
 // on it (it computes, or here sleeps), leaves the core: on a node with fewer cores than
 // threads a spinning wait would take it from the rank's own compute.
-TEST(Communicator, ACollectiveWaitingOnALatePeerLeavesTheCore) {
+TEST(CommunicatorTiming, ACollectiveWaitingOnALatePeerLeavesTheCore) {
   auto w = world();
   if (w->size() == 1 || w->backend() != "mpi") GTEST_SKIP() << "the mpi backend's wait";
   if (hp::local_world_size() > static_cast<int>(std::thread::hardware_concurrency())) {
@@ -437,7 +437,7 @@ TEST(Communicator, ACollectiveWaitingOnALatePeerLeavesTheCore) {
 // not blocked on it: the communicator's thread polls it between sleeps. (Once a thread
 // waits on it, the poll goes on without pause, as MPI's own wait would: comm_bench's
 // ping_pong shows that latency.)
-TEST(Communicator, AReceivePostedEarlyLeavesTheCore) {
+TEST(CommunicatorTiming, AReceivePostedEarlyLeavesTheCore) {
   auto w = world();
   if (w->size() == 1 || w->backend() != "mpi") GTEST_SKIP() << "the mpi backend's poll";
   constexpr auto kLate = std::chrono::milliseconds(400);
