@@ -9,7 +9,11 @@ Export: hp-train trains a tiny Llama, saves a checkpoint and exports it (over 2 
 MPIRUN is given, in several files); from_pretrained loads the folder and its logits agree
 with hyperparallel's on it. The bound: fp32 on both sides, 1e-5 of the logits' largest
 magnitude (the two differ only in rounding: rotary tables in float64 here, float32 there,
-and the order of the matmuls' sums). Prints 'N passed, N failed'.
+and the order of the matmuls' sums). The checkpoint the export started from (written over 2
+ranks when MPIRUN is given, so its tensors are split in chunks) is read by hp_checkpoint.py,
+a standard-library reader written from docs/ckpt.md alone: its checksums hold, and every
+exported tensor equals, byte for byte, exactly one tensor it reassembled.
+Prints 'N passed, N failed'.
 """
 import os
 import shutil
@@ -19,6 +23,8 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from hp_checkpoint import Checkpoint, read_safetensors
 
 HF_LOGITS, HP_TRAIN, WORK = sys.argv[1:4]
 MPIRUN = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
@@ -74,6 +80,8 @@ def export_case(name, tie):
     cmd = [HP_TRAIN, "--config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama_tiny.yaml")]
     for s in sets:
         cmd += ["--set", s]
+    if MPIRUN:
+        cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none"] + cmd
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     folder = os.path.join(WORK, "exported_" + name)
     shutil.rmtree(folder, ignore_errors=True)
@@ -92,6 +100,33 @@ def export_case(name, tie):
         print(f"FAIL export {name}: one file, expected several at 60KB each")
         results.append(False)
     compare("export " + name, theirs, ours(folder, tpath))
+    checkpoint_case(name, os.path.join(out, "checkpoints", "step_3"), folder)
+
+
+def checkpoint_case(name, ckpt_dir, exported):
+    """The checkpoint read by the independent reader against the export's tensors."""
+    ckpt = Checkpoint(ckpt_dir)
+    by_bytes = {}
+    split = 0
+    for t in ckpt.tensors:
+        dtype, shape, data = ckpt.tensor(t)
+        by_bytes.setdefault((dtype, tuple(shape), data), []).append(t)
+        split += len(ckpt.tensors[t]["chunks"]) > 1
+    matched, problems = 0, []
+    for f in sorted(x for x in os.listdir(exported) if x.endswith(".safetensors")):
+        header, raw, start = read_safetensors(os.path.join(exported, f))
+        for hf_name, e in header.items():
+            data = raw[start + e["data_offsets"][0]:start + e["data_offsets"][1]]
+            owners = by_bytes.get((e["dtype"], tuple(e["shape"]), data), [])
+            if len(owners) == 1:
+                matched += 1
+            else:
+                problems.append(f"{hf_name} equals {len(owners)} checkpoint tensors")
+    ok = not problems and matched > 0 and (split > 0 or not MPIRUN)
+    print(f"{'PASS' if ok else 'FAIL'} checkpoint {name}: {len(ckpt.tensors)} tensors ({split} split in chunks), "
+          f"{ckpt.blocks_checked} checksummed blocks, {matched} exported tensors each equal to one of them"
+          + (": " + "; ".join(problems[:4]) if problems else ""))
+    results.append(ok)
 
 
 os.makedirs(WORK, exist_ok=True)
