@@ -100,7 +100,9 @@ def export_case(name, tie):
         print(f"FAIL export {name}: one file, expected several at 60KB each")
         results.append(False)
     compare("export " + name, theirs, ours(folder, tpath))
-    checkpoint_case(name, os.path.join(out, "checkpoints", "step_3"), folder)
+    saves = os.path.join(out, "checkpoints")
+    with open(os.path.join(saves, "latest"), encoding="utf-8") as f:
+        checkpoint_case(name, os.path.join(saves, f.read().strip()), folder)
 
 
 def checkpoint_case(name, ckpt_dir, exported):

@@ -96,9 +96,10 @@ class Checkpoint:
         block = info["block"]
         with open(path, "rb") as f:
             for k, expected in enumerate(info["checksums"]):
-                got = block_hash(f.read(block))
-                if got != int(expected):
-                    raise CheckpointError(f"'{path}': block {k} (bytes {k * block}-) does not match its checksum")
+                data = f.read(block)
+                if block_hash(data) != int(expected):
+                    raise CheckpointError(f"'{path}': bytes {k * block}-{k * block + len(data)} do not match "
+                                          "their checksum")
                 self.blocks_checked += 1
         if len(info["checksums"]) != (size + block - 1) // block:
             raise CheckpointError(f"'{path}': {len(info['checksums'])} checksums for {size} bytes")
