@@ -2,7 +2,7 @@
 #include "comm_context.h"
 #include "group.h"
 #include "hp/core/error.h"
-#include "hp/fsdp/parameter_spec.h"
+#include "hp/mesh/parameter_spec.h"
 
 namespace hp {
 

@@ -14,8 +14,6 @@
 // Every dtype comes from the group's GroupDtypes (resolve_dtypes).
 #include "hp/fsdp/fully_shard.h"
 
-#include "hp/comm/agree.h"
-
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
@@ -27,11 +25,13 @@
 
 #include "buffers.h"
 #include "group.h"
+#include "hp/comm/agree.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
+#include "hp/core/weak_key_map.h"
 #include "hp/fsdp/shard_plan.h"
 #include "hp/hooks/call.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 #include "hp/runtime.h"
 
 namespace hp {
@@ -43,11 +43,13 @@ namespace {
 
 constexpr int64_t kFusedAlignBytes = 64;
 
+// Both keyed by address, each entry living as long as its handle (hp/core/weak_key_map.h;
+// the value is unused: they are sets). The handle of each module fully_shard was applied
+// to (a handle outliving its module, the address reused by a new module, is told apart by
+// the handle's owner_gone()), and the parameters already managed, by tensor.
 std::mutex g_mu;
-std::map<const torch::nn::Module*, std::weak_ptr<FSDPModule>> g_handles;
-// Parameters already managed, by tensor; the weak handle tells a live manager from one
-// whose module was destroyed (the address may be reused by a new parameter).
-std::map<const c10::TensorImpl*, std::weak_ptr<FSDPModule>> g_managed;
+WeakKeyMap<torch::nn::Module, std::weak_ptr<FSDPModule>, bool> g_handles;
+WeakKeyMap<c10::TensorImpl, std::weak_ptr<FSDPModule>, bool> g_managed;
 
 }  // namespace
 
@@ -62,9 +64,9 @@ void translate_unallocated(torch::nn::Module& failing, const std::exception& e) 
   std::vector<FSDPHandle> live;
   {
     std::lock_guard<std::mutex> g(g_mu);
-    for (auto& [mod, w] : g_handles) {
-      if (auto h = w.lock()) live.push_back(h);
-    }
+    g_handles.for_each_live([&](const torch::nn::Module*, auto& e) {
+      if (auto h = e.owner.lock()) live.push_back(h);
+    });
   }
   for (const auto& h : live) {
     detail::GroupState& s = detail::FsdpAccess::state(*h);
@@ -189,11 +191,10 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   std::call_once(translator_once, [] { register_error_translator(translate_unallocated); });
   {
     std::lock_guard<std::mutex> g(g_mu);
-    auto it = g_handles.find(&module);
     // A handle outliving its module (the address reused by a new module) does not count.
     bool applied = false;
-    if (it != g_handles.end()) {
-      if (auto h = it->second.lock()) applied = !h->state().owner_gone();
+    if (auto* e = g_handles.find(&module)) {
+      if (auto h = e->owner.lock()) applied = !h->state().owner_gone();
     }
     HP_CHECK(!applied, "fully_shard was already applied to module ", label, "; apply it once per module");
   }
@@ -254,8 +255,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     std::set<const c10::TensorImpl*> seen;
     for (const auto& item : module.named_parameters(/*recurse=*/true)) {
       const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
-      auto managed = g_managed.find(impl);
-      bool taken = managed != g_managed.end() && !managed->second.expired();
+      const bool taken = g_managed.find(impl) != nullptr;
       if (ignored.count(impl) || taken || !seen.insert(impl).second) continue;
       mine.emplace_back(item.key(), item.value());
     }
@@ -369,14 +369,13 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   s->watch_gradients();
   {
     std::lock_guard<std::mutex> g(g_mu);
-    for (const auto& p : s->params) g_managed[p.param.tensor().unsafeGetTensorImpl()] = handle;
+    for (const auto& p : s->params) g_managed.assign(p.param.tensor().unsafeGetTensorImpl(), handle, true);
     for (const auto& sub : module.modules(/*include_self=*/false)) {
-      auto it = g_handles.find(sub.get());
-      if (it != g_handles.end()) {
-        if (auto h = it->second.lock()) s->nested.push_back(&h->state());
+      if (auto* e = g_handles.find(sub.get())) {
+        if (auto h = e->owner.lock()) s->nested.push_back(&h->state());
       }
     }
-    g_handles[&module] = handle;
+    g_handles.assign(&module, handle, true);
   }
   if (o.wait_per_submodule) watch_submodules(handle);
   ForwardHooks hooks;
@@ -408,10 +407,10 @@ void materialize_deferred_buffers(torch::nn::Module& module) {
 
 FSDPHandle fsdp_handle(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> g(g_mu);
-  auto it = g_handles.find(&module);
-  if (it == g_handles.end()) return nullptr;
+  auto* e = g_handles.find(&module);
+  if (e == nullptr) return nullptr;
   // A handle outliving its module (the address reused by a new module) is not this one's.
-  auto h = it->second.lock();
+  auto h = e->owner.lock();
   return h && !detail::FsdpAccess::state(*h).owner_gone() ? h : nullptr;
 }
 

@@ -32,7 +32,7 @@
 #include "group.h"
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 
 namespace hp {
 

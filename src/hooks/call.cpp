@@ -1,10 +1,10 @@
 #include "hp/hooks/call.h"
 
-#include <map>
 #include <mutex>
 #include <vector>
 
 #include "hp/core/error.h"
+#include "hp/core/weak_key_map.h"
 
 namespace hp {
 namespace {
@@ -13,53 +13,31 @@ struct Entry {
   HookHandle handle;
   ForwardHooks hooks;
 };
+using Entries = std::vector<Entry>;
 
-// Hooks are keyed by the module's address; the weak owner tells a live module from a
-// dead one whose address was reused, so a new module never inherits stale hooks.
-struct Slot {
-  std::weak_ptr<torch::nn::Module> owner;
-  bool owned = false;  // false: the module is not held by a shared_ptr (no liveness check)
-  std::vector<Entry> entries;
-  bool expired() const { return owned && owner.expired(); }
+// The module a slot of hooks belongs to: a module not held by a shared_ptr has no weak
+// reference and never expires (no liveness check).
+struct ModuleRef {
+  std::weak_ptr<torch::nn::Module> module;
+  bool owned = false;
+  bool expired() const { return owned && module.expired(); }
 };
 
+// Hooks by module address; a dead module's hooks are never found (hp/core/weak_key_map.h),
+// so a new module at a reused address never inherits stale hooks.
 std::mutex g_mu;
-std::map<const torch::nn::Module*, Slot> g_hooks;
+WeakKeyMap<torch::nn::Module, ModuleRef, Entries> g_hooks;
 HookHandle g_next = 1;
 std::vector<ErrorTranslator> g_translators;
 thread_local std::vector<const torch::nn::Module*> t_in_call;
 thread_local detail::ForwardOverride* t_forward_override = nullptr;
 
-// Call with g_mu held. Returns the live slot of m, dropping a stale one.
-Slot* find_slot(const torch::nn::Module& m, std::vector<Entry>* graveyard) {
-  auto it = g_hooks.find(&m);
-  if (it == g_hooks.end()) return nullptr;
-  if (it->second.expired()) {
-    for (auto& e : it->second.entries) graveyard->push_back(std::move(e));
-    g_hooks.erase(it);
-    return nullptr;
-  }
-  return &it->second;
-}
-
-// Call with g_mu held: moves the hooks of every dead module to `graveyard`.
-void drop_expired(std::vector<Entry>* graveyard) {
-  for (auto it = g_hooks.begin(); it != g_hooks.end();) {
-    if (it->second.expired()) {
-      for (auto& e : it->second.entries) graveyard->push_back(std::move(e));
-      it = g_hooks.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
 std::vector<ForwardHooks> hooks_of(const torch::nn::Module& m) {
-  std::vector<Entry> graveyard;  // destroyed after the lock is released
+  std::vector<Entries> graveyard;  // destroyed after the lock is released
   std::vector<ForwardHooks> out;
   std::lock_guard<std::mutex> g(g_mu);
-  if (Slot* s = find_slot(m, &graveyard)) {
-    for (const auto& e : s->entries) out.push_back(e.hooks);
+  if (auto* slot = g_hooks.find(&m, &graveyard)) {
+    for (const auto& e : slot->value) out.push_back(e.hooks);
   }
   return out;
 }
@@ -67,43 +45,44 @@ std::vector<ForwardHooks> hooks_of(const torch::nn::Module& m) {
 }  // namespace
 
 HookHandle register_forward_hooks(torch::nn::Module& m, ForwardHooks hooks) {
-  std::vector<Entry> graveyard;
-  std::weak_ptr<torch::nn::Module> owner;
-  bool owned = false;
+  std::vector<Entries> graveyard;
+  ModuleRef owner;
   try {
-    owner = m.shared_from_this();
-    owned = true;
+    owner.module = m.shared_from_this();
+    owner.owned = true;
   } catch (const std::bad_weak_ptr&) {
   }
   std::lock_guard<std::mutex> g(g_mu);
   // Drop the hooks of every module that died since: what they hold (fully_shard's state,
   // with its parameter shards) is freed now, not when the address happens to be reused.
-  drop_expired(&graveyard);
-  Slot* s = find_slot(m, &graveyard);
-  if (s == nullptr) {
-    s = &g_hooks[&m];
-    s->owner = owner;
-    s->owned = owned;
-  }
+  g_hooks.prune(&graveyard);
+  auto* slot = g_hooks.find(&m, &graveyard);
+  if (slot == nullptr) slot = &g_hooks.assign(&m, std::move(owner), Entries{}, &graveyard);
   HookHandle h = g_next++;
-  s->entries.push_back(Entry{h, std::move(hooks)});
+  slot->value.push_back(Entry{h, std::move(hooks)});
   return h;
 }
 
 void remove_forward_hooks(HookHandle h) {
-  std::vector<Entry> graveyard;
+  std::vector<Entries> graveyard;
   std::lock_guard<std::mutex> g(g_mu);
-  for (auto it = g_hooks.begin(); it != g_hooks.end(); ++it) {
-    auto& v = it->second.entries;
-    for (auto e = v.begin(); e != v.end(); ++e) {
-      if (e->handle == h) {
-        graveyard.push_back(std::move(*e));
-        v.erase(e);
-        if (v.empty()) g_hooks.erase(it);
-        return;
-      }
-    }
-  }
+  bool found = false;
+  g_hooks.erase_if(
+      [&](const torch::nn::Module*, auto& slot) {
+        if (found) return false;
+        auto& v = slot.value;
+        for (auto e = v.begin(); e != v.end(); ++e) {
+          if (e->handle == h) {
+            found = true;
+            graveyard.push_back(Entries{});
+            graveyard.back().push_back(std::move(*e));
+            v.erase(e);
+            return v.empty();
+          }
+        }
+        return false;
+      },
+      &graveyard);
 }
 
 void register_error_translator(ErrorTranslator t) {
@@ -112,15 +91,15 @@ void register_error_translator(ErrorTranslator t) {
 }
 
 void purge_expired_forward_hooks() {
-  std::vector<Entry> graveyard;
+  std::vector<Entries> graveyard;
   std::lock_guard<std::mutex> g(g_mu);
-  drop_expired(&graveyard);
+  g_hooks.prune(&graveyard);
 }
 
 bool has_forward_hooks(const torch::nn::Module& m) {
-  std::vector<Entry> graveyard;
+  std::vector<Entries> graveyard;
   std::lock_guard<std::mutex> g(g_mu);
-  return find_slot(m, &graveyard) != nullptr;
+  return g_hooks.find(&m, &graveyard) != nullptr;
 }
 
 bool in_call(const torch::nn::Module& m) {

@@ -10,7 +10,7 @@
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 
 namespace hp::models {
 namespace {
@@ -208,7 +208,7 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.qk_rope_dim, config.rope_theta);
   at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;
-  for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
+  for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!output) return h;
   return hp::call(output, hp::call(norm, h));
 }

@@ -211,7 +211,7 @@ at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope_theta);
   at::Tensor h = slice.embedding ? hp::call(tok_emb, x) : x;
-  for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
+  for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!norm) return h;
   h = hp::call(norm, h);
   if (output) return hp::call(output, h);

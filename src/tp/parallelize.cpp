@@ -6,12 +6,12 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
-#include <map>
 #include <memory>
 #include <mutex>
 
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
+#include "hp/core/weak_key_map.h"
 #include "hp/hooks/call.h"
 
 namespace hp::tp {
@@ -44,16 +44,17 @@ bool match_module_name(const std::string& pattern, const std::string& name) {
 namespace {
 // Parameters whose gradient is already summed by a hook: a second hook would double it.
 std::mutex g_summed_mu;
-std::map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> g_summed;
+WeakKeyMap<c10::TensorImpl, c10::weak_intrusive_ptr<c10::TensorImpl>, bool> g_summed;
 }  // namespace
 
 void sum_gradient_over(const at::Tensor& param, const CommPtr& group, c10::optional<at::ScalarType> rd) {
   {
     std::lock_guard<std::mutex> g(g_summed_mu);
-    for (auto it = g_summed.begin(); it != g_summed.end();) it = it->second.expired() ? g_summed.erase(it) : std::next(it);
-    HP_CHECK(!g_summed.count(param.unsafeGetTensorImpl()), "tensor parallel: a parameter of shape ", param.sizes(),
-             " already has its gradient summed over a group (a module parallelized twice?)");
-    g_summed.emplace(param.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()));
+    g_summed.prune();
+    HP_CHECK(g_summed.find(param.unsafeGetTensorImpl()) == nullptr, "tensor parallel: a parameter of shape ",
+             param.sizes(), " already has its gradient summed over a group (a module parallelized twice?)");
+    g_summed.assign(param.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()),
+                    true);
   }
   if (group->size() == 1) return;
   at::Tensor p = param;

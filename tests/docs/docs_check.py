@@ -21,7 +21,7 @@ BUILT = [
     ("tensor parallelism", ["tensor parallel"], "tests/tp/tensor_parallel_test.cpp"),
     ("pipeline parallelism", ["pipeline parallel", "pipeline schedule"], "tests/pp/pipeline_test.cpp"),
     ("distributed checkpoints", ["distributed checkpoint"], "tests/ckpt/checkpoint_test.cpp"),
-    ("activation recomputation", ["recompute", "activation checkpointing"], "tests/hooks/checkpoint_test.cpp"),
+    ("activation recomputation", ["recompute", "activation checkpointing"], "tests/hooks/recompute_test.cpp"),
     ("the layout planner", ["planner", "--plan"], "tests/train/plan_test.cpp"),
     ("model families", ["model family", "model-family"], "tests/train/toy_family.h"),
 ]

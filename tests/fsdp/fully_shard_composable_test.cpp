@@ -13,7 +13,7 @@
 
 #include "fsdp_test_util.h"
 #include "hp/fsdp/fully_shard.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/runtime.h"
 
@@ -41,7 +41,7 @@ struct NetImpl : torch::nn::Module {
       if (!recompute) {
         h = hp::call(blk, h);
       } else {
-        h = hp::checkpoint_with(*recompute, blk, h);
+        h = hp::recompute_with(*recompute, blk, h);
       }
     }
     return hp::call(head, h);

@@ -19,7 +19,7 @@
 
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 #include "hp/models/family.h"
 #include "hp/tp/parallelize.h"
 
@@ -64,7 +64,7 @@ struct ToyImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = slice.embedding ? hp::call(tok_emb, x) : x;
-    for (auto& b : blocks) h = recompute ? hp::checkpoint_with(*recompute, b, h) : hp::call(b, h);
+    for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h) : hp::call(b, h);
     return output ? hp::call(output, h) : h;
   }
   models::PipelineSlice slice;

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
-#include "hp/fsdp/shard_spec.h"
+#include "hp/mesh/shard_spec.h"
 
 namespace hp::ckpt {
 

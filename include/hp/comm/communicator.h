@@ -36,7 +36,6 @@
 
 namespace hp {
 
-
 // 0 ms means "the communicator's default timeout".
 using Timeout = std::chrono::milliseconds;
 

@@ -29,7 +29,7 @@
 
 #include "hp/comm/communicator.h"
 #include "hp/fsdp/mixed_precision.h"
-#include "hp/fsdp/shard_spec.h"
+#include "hp/mesh/shard_spec.h"
 #include "hp/hooks/call.h"  // sharded modules run through hp::call
 #include "hp/mesh/device_mesh.h"
 
@@ -85,9 +85,9 @@ struct ShardedTensor {
   int64_t row_offset;           // first global dim-0 row of `local`
   // This rank's box of the parameter: dim 0 split over the shard mesh dim ("dp_shard", or
   // "world" without a mesh); a 0-d parameter counts as shape [1]. For a tensor-parallel
-  // piece (hp/fsdp/parameter_spec.h) the box is in the global tensor: the piece's box with
+  // piece (hp/mesh/parameter_spec.h) the box is in the global tensor: the piece's box with
   // its dim 0 split again (global_shape and row_offset above stay the piece's). Checkpoints
-  // reshard by intersecting such boxes (hp/fsdp/shard_spec.h).
+  // reshard by intersecting such boxes (hp/mesh/shard_spec.h).
   ShardSpec spec;
 };
 

@@ -1,7 +1,7 @@
 // The call boundary: hp::call(module, args...), the C++ counterpart of Python's
 // Module.__call__. libtorch's C++ modules have no forward hooks, so every capability that
 // must act around a module's forward (fully_shard's unshard/reshard, input and output
-// casts, later tensor parallel and activation checkpointing) registers hooks here, and
+// casts, later tensor parallel and activation recomputation) registers hooks here, and
 // models call their children through hp::call. Nothing else patches modules.
 //
 // Contract
@@ -78,7 +78,7 @@ class CallScope {
 };
 
 // A stand-in for the forward of modules called with one tensor argument, installed on the
-// calling thread for a while (activation checkpointing keeps or replays matmul outputs
+// calling thread for a while (recomputation keeps or replays matmul outputs
 // through it). `real` runs the module's own forward; hooks run around it as usual.
 class ForwardOverride {
  public:

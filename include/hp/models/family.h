@@ -30,7 +30,7 @@
 
 #include "hp/comm/communicator.h"
 #include "hp/core/error.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 #include "hp/models/llama.h"  // PipelineSlice
 
 namespace hp::models {

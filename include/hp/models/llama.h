@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 
 namespace hp::models {
 

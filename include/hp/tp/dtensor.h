@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
-#include "hp/fsdp/parameter_spec.h"
+#include "hp/mesh/parameter_spec.h"
 
 namespace hp::tp {
 
@@ -101,7 +101,7 @@ class DTensor {
   std::vector<int64_t> global_shape_;
 };
 
-// The boxes of split parameters (hp/fsdp/parameter_spec.h), also under hp::tp.
+// The boxes of split parameters (hp/mesh/parameter_spec.h), also under hp::tp.
 using hp::parameter_spec;
 using hp::set_parameter_spec;
 

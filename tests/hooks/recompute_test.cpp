@@ -1,4 +1,4 @@
-// hp::checkpoint against the same module run without it: gradients, the recomputation's
+// hp::recompute against the same module run without it: gradients, the recomputation's
 // flag, and the memory it saves (counted by the library's allocator).
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
-#include "hp/hooks/checkpoint.h"
+#include "hp/hooks/recompute.h"
 
 namespace {
 
@@ -38,7 +38,7 @@ Grads run(const c10::optional<hp::RecomputePolicy>& policy, Mlp& m, const at::Te
   for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
   at::Tensor x = x0.clone().requires_grad_(true), gate = g0.clone().requires_grad_(true);
   const int64_t before = hp::memory::current_bytes();
-  at::Tensor y = policy ? hp::checkpoint_with(*policy, m, x, gate) : hp::call(m, x, gate);
+  at::Tensor y = policy ? hp::recompute_with(*policy, m, x, gate) : hp::call(m, x, gate);
   Grads out;
   out.peak_after_forward = hp::memory::current_bytes() - before;
   y.pow(2).sum().backward();
@@ -50,7 +50,7 @@ Grads run(const c10::optional<hp::RecomputePolicy>& policy, Mlp& m, const at::Te
 
 }  // namespace
 
-TEST(Checkpoint, FullRecomputeGivesBitwiseGradientsAndHoldsLess) {
+TEST(Recompute, FullRecomputeGivesBitwiseGradientsAndHoldsLess) {
   hp::memory::install_counting_allocator();
   torch::manual_seed(1);
   Mlp m;
@@ -58,20 +58,20 @@ TEST(Checkpoint, FullRecomputeGivesBitwiseGradientsAndHoldsLess) {
   Grads plain = run(c10::nullopt, m, x, gate);
   EXPECT_EQ(m->recomputes, 0);
   Grads ckpt = run(hp::RecomputePolicy::kFull, m, x, gate);
-  EXPECT_EQ(m->forwards, 3) << "one forward without checkpointing, two with";
+  EXPECT_EQ(m->forwards, 3) << "one forward without recomputation, two with";
   EXPECT_EQ(m->recomputes, 1);
   EXPECT_FALSE(hp::in_recompute());
   for (size_t i = 0; i < plain.params.size(); ++i) EXPECT_TRUE(at::equal(plain.params[i], ckpt.params[i])) << i;
   EXPECT_TRUE(at::equal(plain.x, ckpt.x));
   EXPECT_TRUE(at::equal(plain.gate, ckpt.gate));
   // Kept from forward to backward: the plain run keeps every block's activations (several
-  // [64, 32] tensors per Linear); the checkpointed one only its output and its inputs.
+  // [64, 32] tensors per Linear); the recomputed one only its output and its inputs.
   const int64_t act = 64 * 32 * 4;
   EXPECT_GE(plain.peak_after_forward, 8 * act);
   EXPECT_LE(ckpt.peak_after_forward, 2 * act);
 }
 
-TEST(Checkpoint, KeepMatmulsRecomputesTheRestOnly) {
+TEST(Recompute, KeepMatmulsRecomputesTheRestOnly) {
   hp::memory::install_counting_allocator();
   torch::manual_seed(2);
   Mlp m;
@@ -93,12 +93,12 @@ TEST(Checkpoint, KeepMatmulsRecomputesTheRestOnly) {
   EXPECT_LT(sel.peak_after_forward, plain.peak_after_forward);
 }
 
-TEST(Checkpoint, WithoutGradModeItIsAPlainCall) {
+TEST(Recompute, WithoutGradModeItIsAPlainCall) {
   torch::manual_seed(3);
   Mlp m;
   at::Tensor x = at::randn({4, 32}), gate = at::rand({4, 32});
   at::NoGradGuard ng;
-  at::Tensor y = hp::checkpoint(m, x, gate);
+  at::Tensor y = hp::recompute(m, x, gate);
   EXPECT_FALSE(y.requires_grad());
   EXPECT_TRUE(at::equal(y, hp::call(m, x, gate)));
 }

@@ -1,7 +1,7 @@
-// Activation checkpointing: a custom autograd function whose forward runs the module
+// Activation recomputation: a custom autograd function whose forward runs the module
 // without autograd and whose backward recomputes it with autograd on and differentiates
-// the recomputation (see hp/hooks/checkpoint.h for the contract).
-#include "hp/hooks/checkpoint.h"
+// the recomputation (see hp/hooks/recompute.h for the contract).
+#include "hp/hooks/recompute.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -75,12 +75,12 @@ class MatmulKeeper : public detail::ForwardOverride {
       kept_.push_back(y);
       return y;
     }
-    HP_CHECK(next_ < kept_.size(), "hp::checkpoint: the recomputation called more Linear modules (",
+    HP_CHECK(next_ < kept_.size(), "hp::recompute: the recomputation called more Linear modules (",
              next_ + 1, ") than the first forward (", kept_.size(), "); the module's forward must be deterministic");
     at::Tensor y = kept_[next_];
     kept_[next_++] = at::Tensor();  // handed over: freed with the graph of the recomputation
     HP_CHECK(y.defined() && y.size(-1) == lin->weight.size(0),
-             "hp::checkpoint: a kept Linear output does not match its module in the recomputation");
+             "hp::recompute: a kept Linear output does not match its module in the recomputation");
     c10::optional<at::Tensor> bias;
     if (lin->bias.defined()) bias = lin->bias;
     return KeptLinear::apply(x, lin->weight, bias, KeptLinear::Kept{y})[0];
@@ -103,7 +103,7 @@ struct Run : torch::CustomClassHolder {
   std::unique_ptr<MatmulKeeper> keeper;
 };
 
-struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<torch::CustomClassHolder> holder,
                                                 at::TensorList args_in, at::TensorList params) {
@@ -175,7 +175,7 @@ bool in_recompute() { return t_recompute > 0; }
 
 namespace detail {
 
-at::Tensor checkpoint_impl(torch::nn::Module& m, RecomputeFn fn, const std::vector<at::Tensor>& args,
+at::Tensor recompute_impl(torch::nn::Module& m, RecomputeFn fn, const std::vector<at::Tensor>& args,
                            RecomputePolicy policy) {
   if (!at::GradMode::is_enabled()) return fn(args);  // nothing will be differentiated
   auto run = c10::make_intrusive<Run>();
@@ -187,7 +187,7 @@ at::Tensor checkpoint_impl(torch::nn::Module& m, RecomputeFn fn, const std::vect
     if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) run->params.push_back(p);
   }
   // TensorLists, so that autograd sees every argument and parameter as an input.
-  return CheckpointFunction::apply(c10::intrusive_ptr<torch::CustomClassHolder>(run), at::TensorList(args),
+  return RecomputeFunction::apply(c10::intrusive_ptr<torch::CustomClassHolder>(run), at::TensorList(args),
                                    at::TensorList(run->params))[0];
 }
 

@@ -1,4 +1,4 @@
-#include "hp/fsdp/shard_spec.h"
+#include "hp/mesh/shard_spec.h"
 
 #include <algorithm>
 #include <sstream>

@@ -1,13 +1,14 @@
-// Activation checkpointing at the call boundary: hp::checkpoint(module, tensors...) runs
-// hp::call(module, tensors...) without keeping the activations inside the module, and
-// recomputes them during backward.
+// Activation recomputation at the call boundary (what other libraries call activation
+// checkpointing; here "checkpoint" means only a distributed checkpoint, hp/ckpt/):
+// hp::recompute(module, tensors...) runs hp::call(module, tensors...) without keeping the
+// activations inside the module, and recomputes them during backward.
 //
 // Contract
 // - The forward runs once without autograd; only the tensor arguments are kept. When the
 //   backward reaches the output, the module's forward runs again (through hp::call, so its
 //   hooks run: fully_shard gathers the parameters) with autograd on, and the gradients of
 //   the arguments and of the module's parameters are computed from that recomputation.
-//   Gradients are bitwise those of the run without checkpointing (same ops, same order).
+//   Gradients are bitwise those of the run without recomputation (same ops, same order).
 // - The module's parameters receive their gradients through their ordinary accumulators
 //   in the backward that reached the output (their hooks, fully_shard's among them, fire
 //   there), not in a backward of their own.
@@ -42,13 +43,13 @@ enum class RecomputePolicy {
   kKeepMatmuls,   // keep the outputs of its Linear children, recompute the rest
 };
 
-// True while a checkpointed module's forward is being recomputed on this thread.
+// True while a recomputed module's forward is being recomputed on this thread.
 bool in_recompute();
 
 namespace detail {
 
 using RecomputeFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
-at::Tensor checkpoint_impl(torch::nn::Module& m, RecomputeFn fn, const std::vector<at::Tensor>& args,
+at::Tensor recompute_impl(torch::nn::Module& m, RecomputeFn fn, const std::vector<at::Tensor>& args,
                            RecomputePolicy policy);
 
 template <typename M, size_t... I>
@@ -61,19 +62,19 @@ at::Tensor call_with(M& m, const std::vector<at::Tensor>& a, std::index_sequence
 // hp::call(m, xs...) with the activations inside m recomputed in backward as `policy`
 // says. M is a ModuleHolder or a shared_ptr to a module, as for hp::call.
 template <typename M, typename... T>
-at::Tensor checkpoint_with(RecomputePolicy policy, M& m, const T&... xs) {
-  static_assert((std::is_same_v<std::decay_t<T>, at::Tensor> && ...), "hp::checkpoint takes tensor arguments");
+at::Tensor recompute_with(RecomputePolicy policy, M& m, const T&... xs) {
+  static_assert((std::is_same_v<std::decay_t<T>, at::Tensor> && ...), "hp::recompute takes tensor arguments");
   M holder = m;  // the recomputation may run after the caller's handle is gone
   detail::RecomputeFn fn = [holder](const std::vector<at::Tensor>& a) mutable {
     return detail::call_with(holder, a, std::index_sequence_for<T...>{});
   };
-  return detail::checkpoint_impl(*m.get(), std::move(fn), {xs...}, policy);
+  return detail::recompute_impl(*m.get(), std::move(fn), {xs...}, policy);
 }
 
 // hp::call(m, xs...) with every activation inside m recomputed in backward.
 template <typename M, typename... T>
-at::Tensor checkpoint(M& m, const T&... xs) {
-  return checkpoint_with(RecomputePolicy::kFull, m, xs...);
+at::Tensor recompute(M& m, const T&... xs) {
+  return recompute_with(RecomputePolicy::kFull, m, xs...);
 }
 
 }  // namespace hp

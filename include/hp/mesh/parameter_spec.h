@@ -9,7 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
-#include "hp/fsdp/shard_spec.h"
+#include "hp/mesh/shard_spec.h"
 
 namespace hp {
 

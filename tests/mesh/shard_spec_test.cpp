@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "hp/fsdp/shard_plan.h"
-#include "hp/fsdp/shard_spec.h"
+#include "hp/mesh/shard_spec.h"
 #include "test_util.h"
 
 using hp::DimSplit;
