@@ -1,5 +1,7 @@
 #include "hp/fsdp/memory_estimate.h"
 
+#include <algorithm>
+
 #include "hp/core/error.h"
 #include "rules.h"
 
@@ -45,6 +47,18 @@ std::string MemoryEstimate::to_string() const {
                          ", backward peak extra ", mb(backward_peak_extra),
                          post_forward_shares ? detail::str_cat(", kept from forward ", mb(post_forward_shares)) : "",
                          ", total ", mb(total()));
+}
+
+CollectiveCounts estimate_collectives(int64_t groups, int64_t rounds, bool reshard_after_forward,
+                                      int64_t dp_replicate) {
+  HP_CHECK(groups >= 0 && rounds >= 0 && dp_replicate >= 1, "estimate_collectives: groups=", groups,
+           ", rounds=", rounds, " and dp_replicate=", dp_replicate, " must be non-negative (dp_replicate positive)");
+  CollectiveCounts c;
+  const int64_t again = reshard_after_forward ? std::max<int64_t>(0, groups - detail::kGroupsKeptForBackward) : 0;
+  c.all_gathers = rounds * (groups + again);
+  c.reduce_scatters = rounds * groups;
+  c.all_reduces = dp_replicate > 1 ? c.reduce_scatters : 0;
+  return c;
 }
 
 }  // namespace hp

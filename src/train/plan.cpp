@@ -14,6 +14,7 @@
 
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
+#include "hp/fsdp/memory_estimate.h"
 #include "hp/pp/schedule.h"
 #include "hp/runtime.h"
 #include "hp/train/report.h"
@@ -448,24 +449,25 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         }
         if (p == 1) row.exposed_s += row.tp_comm_s;
         if (s > 1) {
-          // fully_shard: gathers per micro-batch (again for backward when it reshards after
-          // forward, except the root's and the last block's, kept for it), one reduce-scatter
-          // per micro-batch; a pipeline gathers and reduces once a step. One op per block and
-          // one for the root.
+          // fully_shard's collectives (fsdp's own count: once per micro-batch, or once a step
+          // where a pipeline keeps its stages' parameters), one per group: every block and the
+          // root. Each op moves the group's share of the rank's parameters.
           const auto mp = resolve_dtypes(mixed_precision(c), c.params_dtype);
           const double gather_bytes = rank_params * static_cast<double>(c10::elementSize(mp.all_gather));
           const double reduce_bytes = rank_params * static_cast<double>(c10::elementSize(mp.reduce));
-          const double rounds = p == 1 ? static_cast<double>(m) : 1.0;
-          const double ops = static_cast<double>(rank_layers + 1);
-          // (A pipeline keeps every stage's parameters through the step.)
-          const double again = c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads || p > 1 ? 0.0 : (ops - 2.0) / ops;
-          const double gathers = rounds * (1.0 + std::max(0.0, again));
+          const int64_t groups = rank_layers + 1;
+          const double ops = static_cast<double>(groups);
+          const CollectiveCounts n = estimate_collectives(
+              groups, p == 1 ? m : 1, c.data_parallel_shard_strategy != ShardStrategy::kOptimGrads && p == 1, r);
           const LinkModel shard_link = link_over({"dp_shard"});
-          const double gather = comm(CommOp::kAllGather, gather_bytes, s, shard_link, ops);
-          const double reduce = comm(CommOp::kReduceScatter, reduce_bytes, s, shard_link, ops) +
-                                comm(CommOp::kAllReduce, reduce_bytes / s, r, replicate_link, ops);
-          row.fsdp_comm_s = gathers * gather + rounds * reduce;
-          row.exposed_s += overlap ? (gather + reduce) / ops + std::max(0.0, row.fsdp_comm_s - row.compute_s)
+          const double gather = comm(CommOp::kAllGather, gather_bytes, s, shard_link, ops) / ops;
+          const double reduce = comm(CommOp::kReduceScatter, reduce_bytes, s, shard_link, ops) / ops;
+          const double across = comm(CommOp::kAllReduce, reduce_bytes / s, r, replicate_link, ops) / ops;
+          row.fsdp_comm_s = static_cast<double>(n.all_gathers) * gather + static_cast<double>(n.reduce_scatters) * reduce +
+                            static_cast<double>(n.all_reduces) * across;
+          // Overlapped, one group's collectives stay exposed (the first gather, the last
+          // reduction), and whatever exceeds the compute.
+          row.exposed_s += overlap ? gather + reduce + across + std::max(0.0, row.fsdp_comm_s - row.compute_s)
                                    : row.fsdp_comm_s;
         } else if (r > 1) {
           row.fsdp_comm_s = comm(CommOp::kAllReduce, rank_params * 4.0, r, replicate_link, 1) *

@@ -42,4 +42,20 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(int64_t params, int64_t largest_block_params, at::ScalarType param_dtype,
                                const MixedPrecisionPolicy& policy, const ParallelLayout& layout);
 
+// fully_shard's collectives in one optimizer step of one rank, from the layout alone (the
+// rules of src/fsdp/rules.h, which the runtime follows): counted per group, as one fused
+// collective each (comm_fusion; per-parameter collectives issue one per parameter of the
+// group instead, the same bytes).
+struct CollectiveCounts {
+  int64_t all_gathers = 0;      // forward gathers, and backward's gathers again
+  int64_t reduce_scatters = 0;  // one per group and round
+  int64_t all_reduces = 0;      // HSDP: one across replicas per reduce-scatter
+};
+// `groups`: fully_shard groups on the rank (blocks and the root); `rounds`: forward and
+// backward passes that gather and reduce in the step (micro-batches, or 1 where a pipeline
+// keeps its stages' parameters through the step); `reshard_after_forward`: whether backward
+// gathers again (all groups but the root and the last to finish forward).
+CollectiveCounts estimate_collectives(int64_t groups, int64_t rounds, bool reshard_after_forward,
+                                      int64_t dp_replicate);
+
 }  // namespace hp
