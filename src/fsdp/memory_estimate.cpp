@@ -58,6 +58,7 @@ CollectiveCounts estimate_collectives(int64_t groups, int64_t rounds, bool resha
   c.all_gathers = rounds * (groups + again);
   c.reduce_scatters = rounds * groups;
   c.all_reduces = dp_replicate > 1 ? c.reduce_scatters : 0;
+  c.flag_all_reduces = c.reduce_scatters + c.all_reduces;
   return c;
 }
 

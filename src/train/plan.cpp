@@ -352,8 +352,8 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / c.model->activations_per_token(c.seq_length).block;
         // Its compute: the matrix products divide by the degree; of the rest (norms, residual
         // adds, elementwise), the work on whole activations stays whole on every rank, in the
-        // activations' shares (before session 10 everything was divided, and tp layouts were
-        // predicted 18-33% fast).
+        // activations' shares (BENCHMARKS.md, "The planner after tensor parallel's compute
+        // share", has what dividing everything predicted).
         double tp_scale = 1;
         if (t > 1) {
           const double alone = prof.forward_layer / (prof.contended ? oversubscribed : 1.0);
@@ -463,8 +463,13 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           const double gather = comm(CommOp::kAllGather, gather_bytes, s, shard_link, ops) / ops;
           const double reduce = comm(CommOp::kReduceScatter, reduce_bytes, s, shard_link, ops) / ops;
           const double across = comm(CommOp::kAllReduce, reduce_bytes / s, r, replicate_link, ops) / ops;
-          row.fsdp_comm_s = static_cast<double>(n.all_gathers) * gather + static_cast<double>(n.reduce_scatters) * reduce +
-                            static_cast<double>(n.all_reduces) * across;
+          // Before each reduction, the flags of which parameters got a gradient (a few bytes,
+          // latency alone) over the same group.
+          const double shard_flags = SimulatedNetwork::seconds(CommOp::kAllReduce, 64, s, shard_link);
+          const double replicate_flags = SimulatedNetwork::seconds(CommOp::kAllReduce, 64, r, replicate_link);
+          row.fsdp_comm_s = static_cast<double>(n.all_gathers) * gather +
+                            static_cast<double>(n.reduce_scatters) * (reduce + shard_flags) +
+                            static_cast<double>(n.all_reduces) * (across + replicate_flags);
           // Overlapped, one group's collectives stay exposed (the first gather, the last
           // reduction), and whatever exceeds the compute.
           row.exposed_s += overlap ? gather + reduce + across + std::max(0.0, row.fsdp_comm_s - row.compute_s)

@@ -57,16 +57,19 @@ TEST(MemoryEstimate, OneShardAliasesAndBadLayouts) {
 // By hand: 9 groups (8 blocks and the root), 4 micro-batches, HSDP over 2 replicas.
 // Resharding after forward gathers 9 in forward and 7 again in backward (all but the root
 // and the last block) per micro-batch; each group reduces once per micro-batch and, across
-// replicas, all-reduces what it reduced.
+// replicas, all-reduces what it reduced; before each of those it agrees on which parameters
+// got a gradient (a flag all-reduce).
 TEST(MemoryEstimate, CollectivesOfAStep) {
   auto c = hp::estimate_collectives(9, 4, true, 2);
   EXPECT_EQ(c.all_gathers, 4 * (9 + 7));
   EXPECT_EQ(c.reduce_scatters, 4 * 9);
   EXPECT_EQ(c.all_reduces, 4 * 9);
+  EXPECT_EQ(c.flag_all_reduces, 2 * 4 * 9);  // before each reduce-scatter and each all-reduce
   c = hp::estimate_collectives(9, 1, false, 1);  // a pipeline's once-a-step, kept parameters
   EXPECT_EQ(c.all_gathers, 9);
   EXPECT_EQ(c.reduce_scatters, 9);
   EXPECT_EQ(c.all_reduces, 0);
+  EXPECT_EQ(c.flag_all_reduces, 9);
   EXPECT_EQ(hp::estimate_collectives(1, 2, true, 1).all_gathers, 2);  // a root alone: nothing again
   hp::test::expect_error([] { hp::estimate_collectives(3, 1, true, 0); }, {"dp_replicate=0"});
 }

@@ -82,8 +82,12 @@ TEST(DeepSeek, BalancingBiasMovesTowardUnderloadedExpertsWithoutGradient) {
   double mean = load.mean().item<double>();
   for (int e = 0; e < c.experts; ++e) {
     double l = load[e].item<double>(), b = moe->bias[e].item<double>();
-    if (l > mean) EXPECT_FLOAT_EQ(b, -0.01f) << e;
-    if (l < mean) EXPECT_FLOAT_EQ(b, 0.01f) << e;
+    if (l > mean) {
+      EXPECT_FLOAT_EQ(b, -0.01f) << e;
+    }
+    if (l < mean) {
+      EXPECT_FLOAT_EQ(b, 0.01f) << e;
+    }
   }
   EXPECT_EQ(moe->load.sum().item<double>(), 0.0);
 }
@@ -178,7 +182,9 @@ TEST(DeepSeek, RecomputedBlocksGiveBitwiseGradientsAndCountLoadOnce) {
     const at::Tensor& ga = item.value().grad();
     const at::Tensor& gb = pb[item.key()].grad();
     ASSERT_EQ(ga.defined(), gb.defined()) << item.key();
-    if (ga.defined()) EXPECT_TRUE(at::equal(ga, gb)) << item.key();
+    if (ga.defined()) {
+      EXPECT_TRUE(at::equal(ga, gb)) << item.key();
+    }
   }
   for (size_t i = 0; i < ckpt->blocks.size(); ++i) {
     if (!ckpt->blocks[i]->moe) continue;

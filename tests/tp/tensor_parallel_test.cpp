@@ -264,7 +264,9 @@ TEST(Styles, VocabParallelAndColwiseEmbedding) {
     }
     EXPECT_LE(rel(y, ref->forward(ids)), kBound);
     EXPECT_LE(rel(assemble(tp->weight.grad(), variant == 2 || variant == 3 ? 1 : 0, g), ref->weight.grad()), kBound);
-    if (eo.padding_idx()) EXPECT_EQ(ref->weight.grad()[*eo.padding_idx()].abs().sum().item<double>(), 0.0);
+    if (eo.padding_idx()) {
+      EXPECT_EQ(ref->weight.grad()[*eo.padding_idx()].abs().sum().item<double>(), 0.0);
+    }
   }
 }
 

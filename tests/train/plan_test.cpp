@@ -123,10 +123,12 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
     // Per micro-batch: the gathers of forward (3 ops: 2 blocks and the root), of backward
     // after resharding (the first block only: the root and the last block keep theirs for
     // it), and one reduce-scatter of the fp32 model (3 ops); each op of a whole number of
-    // bytes, bus 1/2.
+    // bytes, bus 1/2. Before each reduce-scatter, an all-reduce of the flags of which
+    // parameters got a gradient (64 bytes counted, bus 2 x 1/2).
     const double one = link(0.5, 3 * std::floor(4 * kModel / 3), 3);
-    EXPECT_NEAR(r.fsdp_comm_s, 4 * (1 + 1.0 / 3 + 1) * one, 1e-9);
-    EXPECT_NEAR(r.exposed_s, 4 * (1 + 1.0 / 3 + 1) * one + world_sums, 1e-9);
+    const double flags = 4 * 3 * link(1.0, 64);
+    EXPECT_NEAR(r.fsdp_comm_s, 4 * (1 + 1.0 / 3 + 1) * one + flags, 1e-9);
+    EXPECT_NEAR(r.exposed_s, 4 * (1 + 1.0 / 3 + 1) * one + flags + world_sums, 1e-9);
     EXPECT_NEAR(r.step_s, r.compute_s + r.exposed_s, 1e-12);
   }
   {

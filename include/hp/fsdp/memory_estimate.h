@@ -50,6 +50,9 @@ struct CollectiveCounts {
   int64_t all_gathers = 0;      // forward gathers, and backward's gathers again
   int64_t reduce_scatters = 0;  // one per group and round
   int64_t all_reduces = 0;      // HSDP: one across replicas per reduce-scatter
+  // Which parameters got a gradient (a flag per parameter, a few bytes): agreed over
+  // dp_shard before each reduce-scatter and over dp_replicate before each all-reduce.
+  int64_t flag_all_reduces = 0;
 };
 // `groups`: fully_shard groups on the rank (blocks and the root); `rounds`: forward and
 // backward passes that gather and reduce in the step (micro-batches, or 1 where a pipeline

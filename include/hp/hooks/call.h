@@ -1,7 +1,7 @@
 // The call boundary: hp::call(module, args...), the C++ counterpart of Python's
 // Module.__call__. libtorch's C++ modules have no forward hooks, so every capability that
 // must act around a module's forward (fully_shard's unshard/reshard, input and output
-// casts, later tensor parallel and activation recomputation) registers hooks here, and
+// casts, tensor parallelism's layer styles, activation recomputation) registers hooks here, and
 // models call their children through hp::call. Nothing else patches modules.
 //
 // Contract

@@ -1,6 +1,6 @@
 // Llama-style decoder: RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP,
-// optional tied embeddings. Blocks call their children through hp::call, so fully_shard
-// (and later tensor parallel) apply per block.
+// optional tied embeddings. Blocks call their children through hp::call, so fully_shard,
+// tensor parallelism and recomputation apply per block and per layer.
 //
 // Initialization is deterministic and layout-independent: init_weights(seed) draws each
 // parameter from a generator seeded by (seed, the parameter's name), so a parameter's

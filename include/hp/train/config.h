@@ -2,7 +2,7 @@
 //
 // Training keys follow the seed system's names where they apply (params_dtype,
 // data_parallel_shard, micro_batch_num, ...); the model and the data have their own
-// sections. Every key is declared once, in src/train/config.cpp's key table, with its type,
+// sections. Every key is declared once, in src/train/config_keys.cpp's key table, with its type,
 // help, setter and getter; the default of each key is the value of TrainConfig{} that the
 // getter reads (the member initializers below are the one source, `hp-train --list-keys`
 // prints them from the table, and resolved_settings() lists every key through it). A model
