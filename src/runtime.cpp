@@ -30,6 +30,19 @@ bool g_we_initialized_mpi = false;
 int g_local_size = 1;
 bool g_atexit_registered = false;
 
+enum class Backend { kMpi, kLocal, kNccl };
+
+// HP_BACKEND / InitOptions::backend, parsed once: auto is mpi under a launcher (when this
+// build has MPI), else local.
+Backend parse_backend(const std::string& name) {
+  if (name == "mpi") return Backend::kMpi;
+  if (name == "local") return Backend::kLocal;
+  if (name == "nccl") return Backend::kNccl;
+  HP_CHECK(name == "auto", "unknown backend '", name,
+           "' (HP_BACKEND / InitOptions::backend): expected auto, mpi, local or nccl");
+  return mpi_available() && detail::launched_by_mpi() ? Backend::kMpi : Backend::kLocal;
+}
+
 }  // namespace
 
 int usable_cores() {
@@ -49,9 +62,11 @@ int set_compute_threads(int n) {
 
 int local_world_size() { return g_local_size; }
 
-bool spare_core_per_rank() {
-  return usable_cores() >= std::max(1, g_local_size) * (at::get_num_threads() + 1);
+bool spare_core_per_rank(int cores, int ranks_per_node, int threads_per_rank) {
+  return cores >= std::max(1, ranks_per_node) * (threads_per_rank + 1);
 }
+
+bool spare_core_per_rank() { return spare_core_per_rank(usable_cores(), g_local_size, at::get_num_threads()); }
 
 void prefer_passive_openmp(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || argv == nullptr) return;
@@ -75,22 +90,19 @@ CommPtr init(const InitOptions& o) {
   std::lock_guard<std::mutex> g(g_mu);
   if (g_world) return g_world;
   env::check_all();  // a bad knob stops here, before any communicator or thread starts
-  std::string backend = o.backend.empty() ? env::get_string("HP_BACKEND") : o.backend;
-  HP_CHECK(backend == "auto" || backend == "mpi" || backend == "local" || backend == "nccl", "unknown backend '",
-           backend, "' (HP_BACKEND / InitOptions::backend): expected auto, mpi, local or nccl");
-  if (backend == "auto") backend = (mpi_available() && detail::launched_by_mpi()) ? "mpi" : "local";
+  const Backend backend = parse_backend(o.backend.empty() ? env::get_string("HP_BACKEND") : o.backend);
   InitOptions opts = o;
   if (opts.world.simulated_network.empty()) opts.world.simulated_network = env::get_string("HP_SIM_NET");
   if (!opts.world.simulated_network.empty()) SimulatedNetwork::parse(opts.world.simulated_network);  // names a bad spec
 
-  if (backend == "mpi") {
+  if (backend == Backend::kMpi) {
 #if HP_HAVE_MPI
     g_local_size = detail::init_mpi(&g_we_initialized_mpi);
     g_world = make_mpi_world_communicator(opts.world);
 #else
     HP_NOT_SUPPORTED("backend 'mpi': this build has no MPI");
 #endif
-  } else if (backend == "nccl") {
+  } else if (backend == Backend::kNccl) {
 #if HP_HAVE_NCCL
     g_world = detail::make_nccl_world(opts.world, &g_local_size, &g_we_initialized_mpi);
 #else

@@ -38,8 +38,11 @@ int usable_cores();
 int local_world_size();
 // Whether each rank on this node has a core beyond its compute threads, for its
 // communication thread: the cores this process may run on, shared by the node's ranks,
-// give each at least its compute threads + 1.
+// give each at least its compute threads + 1. The rule, for a node of `cores` running
+// `ranks_per_node` ranks of `threads_per_rank` compute threads each, is the second form
+// (fully_shard's overlap setting and the planner use it too).
 bool spare_core_per_rank();
+bool spare_core_per_rank(int cores, int ranks_per_node, int threads_per_rank);
 
 // Call first in main(argc, argv): when OMP_WAIT_POLICY is not set, sets it to "passive" and
 // re-executes the program (OpenMP reads it once, when it loads). With libtorch's OpenMP

@@ -410,7 +410,8 @@ void write_file(const std::string& path, const std::vector<std::pair<std::string
   bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(json.data(), 1, json.size(), f) == json.size();
   for (const auto& c : data) {
     if (!ok) break;
-    ok = std::fwrite(c.data_ptr(), 1, c.nbytes(), f) == c.nbytes();
+    // An empty tensor may have no storage (a null pointer, which fwrite must not get).
+    if (c.nbytes() > 0) ok = std::fwrite(c.data_ptr(), 1, c.nbytes(), f) == c.nbytes();
   }
   ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
   const std::string err = ok ? "" : os_error();

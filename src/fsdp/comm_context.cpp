@@ -40,7 +40,7 @@ bool fsdp_overlap_for(bool copies_without_cpu) {
 }  // namespace detail
 
 bool fsdp_overlap_auto(bool copies_without_cpu, int cores, int ranks_per_node, int threads_per_rank) {
-  return copies_without_cpu || cores >= std::max(1, ranks_per_node) * (threads_per_rank + 1);
+  return copies_without_cpu || spare_core_per_rank(cores, ranks_per_node, threads_per_rank);
 }
 
 void set_fsdp_overlap(bool on) { g_overlap.store(on ? 1 : 0); }

@@ -111,6 +111,12 @@ Action Action::parse(const std::string& token) {
   return a;
 }
 
+int Schedule::rank_of(int stage) const {
+  HP_CHECK(stage >= 0 && stage < stages, "pipeline schedule: stage ", stage, " is not in [0, ", stages,
+           ") (an action names a stage before the first or after the last)");
+  return placement.empty() ? stage % ranks : placement[static_cast<size_t>(stage)];
+}
+
 std::vector<int> Schedule::stages_of(int r) const {
   std::vector<int> out;
   for (int st = 0; st < stages; ++st) {

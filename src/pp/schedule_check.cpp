@@ -146,8 +146,10 @@ void replay_transfers(Schedule& s, bool fix) {
             }
           } else if (auto in = reads(a)) {
             // A remote input must have arrived (a local one, or none, needs nothing).
-            const int from = s.rank_of(peer_stage(*in));
-            const bool remote = peer_stage(*in) >= 0 && peer_stage(*in) < s.stages && from != r;
+            // (The first stage's forward and the last stage's backward read no stage: their
+            // peer is outside [0, stages), and has no rank.)
+            const int ps = peer_stage(*in);
+            const bool remote = ps >= 0 && ps < s.stages && s.rank_of(ps) != r;
             if (remote && received_somewhere.count(key_of(*in)) && !done.count(key_of(*in))) break;
           }
           ++at[r];

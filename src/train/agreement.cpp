@@ -20,7 +20,7 @@ std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<
   at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
   world->broadcast(len, 0).wait();
   at::Tensor bytes = at::zeros({len.item<int64_t>()}, at::kByte);
-  if (world->rank() == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  if (world->rank() == 0 && !text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
   world->broadcast(bytes, 0).wait();
   std::istringstream theirs(std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()));
   std::map<std::string, std::string> on0;

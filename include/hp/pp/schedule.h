@@ -71,9 +71,8 @@ struct Schedule {
 
   std::vector<int> placement;  // the rank of each stage; empty: the loop (stage % ranks)
 
-  int rank_of(int stage) const {
-    return placement.empty() ? stage % ranks : placement[static_cast<size_t>(stage)];
-  }
+  // Raises hp::Error for a stage outside [0, stages) (an action of a malformed schedule).
+  int rank_of(int stage) const;
   // The stages rank `r` holds, in increasing order.
   std::vector<int> stages_of(int r) const;
   std::string to_string() const;
