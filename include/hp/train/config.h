@@ -180,7 +180,7 @@ struct KeyInfo {
 // how it is derived, for a key whose default follows from another).
 std::vector<KeyInfo> config_keys();
 
-// The recompute policy of hooks/checkpoint.h for a Recompute choice (none: unset).
+// The recompute policy of hooks/recompute.h for a Recompute choice (none: unset).
 c10::optional<RecomputePolicy> recompute_policy(Recompute r);
 
 // The mesh of a validated config's layout, outermost first: pp, dp_replicate (when
