@@ -124,13 +124,33 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   return hp::call(wo, o);
 }
 
+ExpertsImpl::ExpertsImpl(int64_t first_expert, std::vector<SwiGLU> experts) : first(first_expert) {
+  for (size_t i = 0; i < experts.size(); ++i) {
+    list.push_back(register_module(std::to_string(first + static_cast<int64_t>(i)), experts[i]));
+  }
+}
+
+at::Tensor ExpertsImpl::forward(const at::Tensor& rows, const std::vector<int64_t>& counts) {
+  HP_CHECK(counts.size() == list.size(), "Experts: ", counts.size(), " row counts for ", list.size(), " experts");
+  // Every expert runs, on no rows too (a zero gradient): which experts get tokens differs
+  // between ranks and steps, but every rank's backward then produces the same gradients in
+  // the same order, so the reductions that follow line up across ranks (and one process
+  // decays an idle expert's weights as a grouped matmul over all experts would).
+  std::vector<at::Tensor> ys;
+  int64_t offset = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    ys.push_back(hp::call(list[i], rows.narrow(0, offset, counts[i])));
+    offset += counts[i];
+  }
+  return at::cat(ys);
+}
+
 MoEImpl::MoEImpl(const DeepSeekConfig& cfg) : c(cfg) {
   gate = register_module("gate", linear(c.dim, c.experts));
-  experts = register_module("experts", torch::nn::ModuleList());
-  for (int64_t e = 0; e < c.experts; ++e) {
-    expert_list.push_back(SwiGLU(c.dim, c.expert_hidden));
-    experts->push_back(expert_list.back());
-  }
+  std::vector<SwiGLU> all;
+  for (int64_t e = 0; e < c.experts; ++e) all.push_back(SwiGLU(c.dim, c.expert_hidden));
+  experts = register_module("experts", Experts(0, std::move(all)));
+  dispatcher = ep::local_dispatcher(c.experts);
   shared = register_module("shared", SwiGLU(c.dim, c.shared_experts * c.expert_hidden));
   bias = register_buffer("bias", at::zeros({c.experts}));
   load = register_buffer("load", at::zeros({c.experts}));
@@ -153,15 +173,28 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     at::NoGradGuard g;
     load += at::bincount(chosen.reshape({-1}), {}, c.experts).to(at::kFloat);
   }
-  for (int64_t e = 0; e < c.experts; ++e) {
-    at::Tensor hit = (chosen == e);                       // [tokens, k]
-    at::Tensor rows = hit.any(-1).nonzero().squeeze(-1);  // tokens routed to e
-    if (rows.numel() == 0) continue;
-    at::Tensor w = (weights * hit.to(weights.scalar_type())).sum(-1).index_select(0, rows);
-    at::Tensor y = hp::call(expert_list[e], flat.index_select(0, rows));
-    out = out.index_add(0, rows, y * w.unsqueeze(-1).to(y.scalar_type()));
-  }
+  ep::Dispatched d = dispatcher->dispatch(flat, chosen, weights);
+  out = out + dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
   return out.view(shape);
+}
+
+void expert_parallel(MoEImpl& moe, const CommPtr& ep) {
+  HP_CHECK(ep, "expert_parallel: no expert-parallel group");
+  const auto& all = moe.experts->list;
+  HP_CHECK(static_cast<int64_t>(all.size()) == moe.c.experts, "expert_parallel: the MoE holds ", all.size(),
+           " of its ", moe.c.experts, " experts (expert parallelism applies once, to a whole MoE)");
+  if (ep->size() == 1) return;
+  auto d = ep::all_to_all_dispatcher(ep, moe.c.experts);
+  const int64_t first = d->first_local_expert();
+  std::vector<SwiGLU> kept(all.begin() + first, all.begin() + first + d->local_experts());
+  moe.experts = moe.replace_module("experts", Experts(first, std::move(kept)));
+  moe.dispatcher = std::move(d);
+}
+
+void expert_parallel(DeepSeekImpl& model, const CommPtr& ep) {
+  for (auto& b : model.blocks) {
+    if (b->moe) expert_parallel(*b->moe, ep);
+  }
 }
 
 void MoEImpl::update_balancing_bias(double rate, const CommPtr& dp) {

@@ -2,10 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/custom_class.h>
 
 #include <utility>
 
+#include "../comm/group_capsule.h"
 #include "hp/core/error.h"
 
 namespace hp::tp {
@@ -122,11 +122,6 @@ at::Tensor redistribute_no_grad(const at::Tensor& x, const CommPtr& g, const Pla
 
 namespace {
 
-struct GroupCapsule : torch::CustomClassHolder {
-  explicit GroupCapsule(CommPtr c) : group(std::move(c)) {}
-  CommPtr group;
-};
-
 void save_placement(torch::autograd::AutogradContext* ctx, const std::string& key, const Placement& p) {
   ctx->saved_data[key + "_kind"] = static_cast<int64_t>(p.kind);
   ctx->saved_data[key + "_dim"] = p.dim;
@@ -145,7 +140,7 @@ struct RedistributeFunction : torch::autograd::Function<RedistributeFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const CommPtr& g,
                             const Placement& from, const Placement& to, const Placement& grad,
                             c10::optional<at::ScalarType> rd) {
-    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(g));
+    ctx->saved_data["group"] = detail::group_capsule(g);
     save_placement(ctx, "from", from);
     save_placement(ctx, "grad", grad);
     ctx->saved_data["reduce_dtype"] = rd ? static_cast<int64_t>(*rd) : int64_t{-1};
@@ -159,8 +154,7 @@ struct RedistributeFunction : torch::autograd::Function<RedistributeFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto capsule = ctx->saved_data["group"].toCapsule();
-    const CommPtr& g = static_cast<GroupCapsule*>(capsule.get())->group;
+    const CommPtr g = detail::group_of_capsule(ctx->saved_data["group"]);
     const Placement from = load_placement(ctx, "from");
     const Placement grad = load_placement(ctx, "grad");
     const int64_t rd_code = ctx->saved_data["reduce_dtype"].toInt();

@@ -19,6 +19,7 @@ BUILT = [
     ("Hugging Face interchange", ["hugging face"], "tests/ckpt/hf_interop.sh"),
     ("the simulated network", ["simulated network"], "tests/comm/simulated_network_test.cpp"),
     ("tensor parallelism", ["tensor parallel"], "tests/tp/tensor_parallel_test.cpp"),
+    ("expert parallelism", ["expert parallel"], "tests/ep/dispatch_test.cpp"),
     ("pipeline parallelism", ["pipeline parallel", "pipeline schedule"], "tests/pp/pipeline_test.cpp"),
     ("distributed checkpoints", ["distributed checkpoint"], "tests/ckpt/checkpoint_test.cpp"),
     ("activation recomputation", ["recompute", "activation checkpointing"], "tests/hooks/recompute_test.cpp"),

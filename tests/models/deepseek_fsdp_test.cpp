@@ -1,6 +1,6 @@
 // The DeepSeek-V3-style model under fully_shard trains like one process on the global
-// batch, balancing bias included. Each rank routes its own tokens, so a rank's experts
-// may get no gradient where another's do: reductions must still line up across ranks.
+// batch, balancing bias included. Each rank routes its own tokens, so an expert may get
+// tokens on one rank and none on another (a zero gradient there).
 // float64 and AdamW: the runs differ only by summation order, far below AdamW's eps at this
 // precision, so they agree within 1e-10 (a wrong reduction moves parameters by O(lr)).
 #include <gtest/gtest.h>
@@ -30,7 +30,7 @@ TEST(DeepSeekFsdp, MatchesSingleProcessTrainingWithBalancingBias) {
     return torch::nn::functional::cross_entropy(logits.reshape({-1, c.vocab}), y.reshape({-1}));
   };
   // Even ranks see varied tokens (every expert busy); odd ranks one repeated token, whose
-  // hidden states are all alike, so most experts get nothing (and no gradient) there.
+  // hidden states are all alike, so most experts get no tokens there.
   const int64_t B = 2 * n, T = 16, local = B / n;
   for (int step = 0; step < 4; ++step) {
     torch::manual_seed(300 + step);

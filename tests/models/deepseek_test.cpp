@@ -64,7 +64,7 @@ TEST(DeepSeek, MoEOutputMatchesAPerTokenLoop) {
     at::Tensor want = moe->shared->forward(flat[t].unsqueeze(0))[0];
     for (int64_t k = 0; k < c.experts_per_token; ++k) {
       int64_t e = chosen[t][k].item<int64_t>();
-      want = want + w[t][k] * moe->expert_list[e]->forward(flat[t].unsqueeze(0))[0];
+      want = want + w[t][k] * moe->experts->list[e]->forward(flat[t].unsqueeze(0))[0];
     }
     EXPECT_TRUE(at::allclose(got.reshape({-1, c.dim})[t], want, 1e-5, 1e-6)) << "token " << t;
   }

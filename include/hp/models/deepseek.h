@@ -7,13 +7,16 @@
 // plus a per-expert balancing bias (the bias only selects; weights are the chosen scores
 // normalized to sum 1); shared experts always run. The bias is a buffer updated from
 // expert load after each step (update_balancing_bias), never by gradient. The first
-// `dense_layers` layers use a dense SwiGLU instead of the MoE.
+// `dense_layers` layers use a dense SwiGLU instead of the MoE. The routed rows reach their
+// experts through a token dispatcher (hp/ep/dispatch.h): on this rank by default, over an
+// expert-parallel group after expert_parallel().
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "hp/comm/communicator.h"
+#include "hp/ep/dispatch.h"
 #include "hp/models/llama.h"
 
 namespace hp::models {
@@ -56,6 +59,18 @@ struct MLAImpl : torch::nn::Module {
 };
 TORCH_MODULE(MLA);
 
+// The routed experts held on this rank, each registered under its index in the whole model
+// (experts.<e>), so that names and checkpoints do not depend on the layout. forward runs
+// list[i] on the i-th block of counts[i] rows (a token dispatcher's expert-major rows);
+// an expert with no rows runs on an empty block and gets a zero gradient.
+struct ExpertsImpl : torch::nn::Module {
+  ExpertsImpl(int64_t first, std::vector<SwiGLU> experts);
+  at::Tensor forward(const at::Tensor& rows, const std::vector<int64_t>& counts);
+  int64_t first = 0;          // list[i] is expert first + i
+  std::vector<SwiGLU> list;
+};
+TORCH_MODULE(Experts);
+
 struct MoEImpl : torch::nn::Module {
   explicit MoEImpl(const DeepSeekConfig& c);
   at::Tensor forward(const at::Tensor& x);
@@ -68,8 +83,8 @@ struct MoEImpl : torch::nn::Module {
   void update_balancing_bias(double rate, const CommPtr& dp = nullptr);
   DeepSeekConfig c;
   torch::nn::Linear gate{nullptr};
-  torch::nn::ModuleList experts{nullptr};  // registers expert_list under experts.<e>
-  std::vector<SwiGLU> expert_list;
+  Experts experts{nullptr};  // all of them, or this rank's after expert_parallel
+  std::shared_ptr<ep::TokenDispatcher> dispatcher;  // every expert here unless expert_parallel
   SwiGLU shared{nullptr};
   at::Tensor bias;  // buffer [experts]
   at::Tensor load;  // buffer [experts]: tokens routed since the last bias update
@@ -109,5 +124,15 @@ struct DeepSeekImpl : torch::nn::Module {
   torch::nn::Linear output{nullptr};  // null on a stage without the head
 };
 TORCH_MODULE(DeepSeek);
+
+// Expert parallelism over `ep` (every rank of the group calls it): keeps only the experts
+// [r*E/ep, (r+1)*E/ep) of EP rank r (the others are dropped) and routes tokens through an
+// all-to-all dispatcher. Apply before fully_shard (the Experts module is a unit of its own,
+// sharded over the ranks holding the same experts) and before initialization or loading
+// (names stay the whole model's, so either fills the kept experts). Raises when the group
+// size does not divide the expert count, or when the MoE no longer holds all its experts
+// (applied twice). A group of one keeps everything (and the local dispatcher).
+void expert_parallel(MoEImpl& moe, const CommPtr& ep);
+void expert_parallel(DeepSeekImpl& model, const CommPtr& ep);
 
 }  // namespace hp::models

@@ -1,0 +1,97 @@
+// hp::ep: expert parallelism's token movement.
+//
+// A mixture-of-experts layer sends each token to the k experts its router chose. Under
+// expert parallelism (EP) the E experts are split over the EP group: rank r holds experts
+// [r*E/ep, (r+1)*E/ep), its "local experts". A TokenDispatcher moves the routed rows to the
+// ranks that hold their experts and brings the experts' outputs back:
+//
+//   dispatch(x [tokens, dim], expert_ids [tokens, k], weights [tokens, k])
+//     1. sorts the (token, slot) pairs by expert id, stably (ties keep token order): the
+//        rows leave in expert-major order, and their count per expert is known;
+//     2. exchanges the counts (an all-to-all of E/ep counts with each rank), then the rows
+//        (an all-to-all with uneven splits); the rows arrive rank-major (rank 0's rows for
+//        my experts, then rank 1's, ...), each rank's block expert-major;
+//     3. reorders them expert-major: local expert i's rows form one contiguous block of
+//        counts[i] rows, its rows from rank 0 first.
+//   combine(y, dispatched) -> [tokens, dim]: out[t] = sum_j weights[t, j] * y(t, j), where
+//     y(t, j) is the expert output for token t's j-th choice. The rows travel back by the
+//     reverse of dispatch (expert-major -> rank-major, the all-to-all with the splits
+//     swapped, the inverse of the sort); the weighted sum runs at the token's own rank in
+//     at least fp32, over j in order (deterministic).
+//
+// Both are differentiable: dispatch's backward is a combine of the gradient (without the
+// weights) and combine's backward is a dispatch; the weights get their gradient at the
+// token's rank. Experts that receive no rows and ranks that send or receive nothing work
+// both ways. A rank must call dispatch and combine as often, and in the same order, as
+// every other rank of its EP group (they are collectives).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+
+namespace hp::ep {
+
+// The stable sort of routed slots by expert: slot s = t*k + j is token t's j-th choice.
+struct ExpertSort {
+  at::Tensor order;   // int64 [tokens*k]: the slots in expert-major order
+  at::Tensor counts;  // int64 [experts]: slots per expert
+};
+// Raises naming the offending id when one is outside [0, experts).
+ExpertSort sort_by_expert(const at::Tensor& expert_ids, int64_t experts);
+
+// Rows received rank-major, `counts` [ep * local_experts] (rank-major: counts[r*L + i] rows
+// from rank r for local expert i), reordered expert-major: the source row of each position.
+// counts [2,3,1,4] with 2 local experts -> [0,1,5,2,3,4,6,7,8,9].
+at::Tensor expert_major_order(const at::Tensor& counts, int64_t local_experts);
+
+// What dispatch leaves for its combine: the permutations and the splits.
+struct DispatchContext {
+  int64_t tokens = 0, k = 0;
+  at::Tensor order;           // ExpertSort::order of this rank's slots
+  at::Tensor unsort;          // its inverse: sorted position of each slot
+  at::Tensor to_expert_major, to_rank_major;  // received rows: expert-major order and inverse
+  std::vector<int64_t> send_splits, recv_splits;  // rows to / from each EP rank
+  at::Tensor weights;         // [tokens, k], as given to dispatch
+};
+
+struct Dispatched {
+  at::Tensor rows;              // [sum(counts), dim]: local expert 0's rows, then 1's, ...
+  std::vector<int64_t> counts;  // rows per local expert
+  std::shared_ptr<const DispatchContext> context;
+};
+
+class TokenDispatcher {
+ public:
+  virtual ~TokenDispatcher() = default;
+  virtual Dispatched dispatch(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) = 0;
+  virtual at::Tensor combine(const at::Tensor& y, const Dispatched& d) = 0;
+  int64_t experts() const { return experts_; }
+  int64_t ep_size() const { return ep_size_; }
+  int64_t ep_rank() const { return ep_rank_; }
+  int64_t local_experts() const { return experts_ / ep_size_; }
+  int64_t first_local_expert() const { return ep_rank_ * local_experts(); }
+
+ protected:
+  TokenDispatcher(int64_t experts, int64_t ep_size, int64_t ep_rank);
+
+ private:
+  int64_t experts_, ep_size_, ep_rank_;
+};
+
+// Every expert on this rank (EP 1): the sort and its inverse, no communication.
+std::shared_ptr<TokenDispatcher> local_dispatcher(int64_t experts);
+// Experts split over `ep` (its size must divide `experts`; raises naming both): one row
+// per (token, chosen expert) pair crosses the all-to-all.
+std::shared_ptr<TokenDispatcher> all_to_all_dispatcher(const CommPtr& ep, int64_t experts);
+
+// Differentiable all-to-all of rows: send_splits[r] rows of `x` (in rank order) to rank r,
+// recv_splits[r] rows from it; the backward sends the gradient back the same way reversed.
+at::Tensor all_to_all_rows(const at::Tensor& x, const CommPtr& group, const std::vector<int64_t>& send_splits,
+                           const std::vector<int64_t>& recv_splits);
+
+}  // namespace hp::ep

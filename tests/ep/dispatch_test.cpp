@@ -1,0 +1,198 @@
+// Token dispatch over an expert-parallel group against the mixture of experts written out
+// token by token on the whole batch. Every rank draws every rank's tokens (each from its
+// own seed, so ranks differ: token counts, routing and values), runs its own through the
+// all-to-all dispatcher with its local experts, and compares outputs and gradients with
+// the token-by-token sum over all ranks' tokens computed locally. float64: the two differ
+// only in summation order (<= 1e-12).
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "hp/core/error.h"
+#include "hp/core/trace.h"
+#include "hp/ep/dispatch.h"
+#include "hp/runtime.h"
+
+namespace {
+
+constexpr int64_t kDim = 6, kExperts = 8, kTopK = 2;
+const auto kF64 = at::TensorOptions().dtype(at::kDouble);
+
+enum class Routing {
+  kRandom,        // each token picks 2 distinct experts at random
+  kFirstRankOnly, // only EP rank 0's experts are chosen: the other ranks receive nothing
+  kOneExpert,     // every token's first choice is the last expert
+};
+
+struct RankData {
+  at::Tensor x, ids, w, g;  // tokens, chosen experts, their weights, the output's gradient
+};
+
+// Rank q's tokens (3 + 2q of them; none for rank 1 when `empty_rank1`).
+RankData data_of(int q, int n, Routing routing, bool empty_rank1) {
+  at::manual_seed(1000 + q);
+  const int64_t T = (empty_rank1 && q == 1) ? 0 : 3 + 2 * q;
+  const int64_t local = kExperts / n;
+  RankData d;
+  d.x = at::randn({T, kDim}, kF64);
+  switch (routing) {
+    case Routing::kRandom:
+      d.ids = std::get<1>(at::rand({T, kExperts}, kF64).topk(kTopK, -1));
+      break;
+    case Routing::kFirstRankOnly:
+      d.ids = std::get<1>(at::rand({T, local}, kF64).topk(kTopK, -1));
+      break;
+    case Routing::kOneExpert: {
+      at::Tensor second = std::get<1>(at::rand({T, kExperts - 1}, kF64).topk(1, -1));
+      d.ids = at::cat({at::full({T, 1}, kExperts - 1, at::kLong), second}, 1);
+      break;
+    }
+  }
+  d.w = at::rand({T, kTopK}, kF64) + 0.1;
+  d.g = at::randn({T, kDim}, kF64);
+  return d;
+}
+
+std::vector<at::Tensor> expert_weights() {
+  at::manual_seed(77);
+  std::vector<at::Tensor> W;
+  for (int64_t e = 0; e < kExperts; ++e) W.push_back(at::randn({kDim, kDim}, kF64).requires_grad_(true));
+  return W;
+}
+
+at::Tensor naive_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w, const std::vector<at::Tensor>& W) {
+  if (x.size(0) == 0) return at::zeros({0, kDim}, kF64);
+  std::vector<at::Tensor> rows;
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    at::Tensor acc = at::zeros({kDim}, kF64);
+    for (int64_t j = 0; j < ids.size(1); ++j) acc = acc + w[t][j] * x[t].matmul(W[ids[t][j].item<int64_t>()]);
+    rows.push_back(acc);
+  }
+  return at::stack(rows);
+}
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 && b.numel() == 0) return 0;
+  return (a - b).abs().max().item<double>();
+}
+
+void check_against_token_by_token(Routing routing, bool empty_rank1) {
+  auto world = hp::world();
+  const int n = world->size(), r = world->rank();
+  auto disp = hp::ep::all_to_all_dispatcher(world, kExperts);
+  ASSERT_EQ(disp->first_local_expert(), r * kExperts / n);
+
+  // This rank: its tokens through the dispatcher and its local experts.
+  RankData mine = data_of(r, n, routing, empty_rank1);
+  at::Tensor x = mine.x.clone().requires_grad_(true), w = mine.w.clone().requires_grad_(true);
+  std::vector<at::Tensor> W = expert_weights();
+  hp::ep::Dispatched d = disp->dispatch(x, mine.ids, w);
+  ASSERT_EQ(static_cast<int64_t>(d.counts.size()), disp->local_experts());
+  std::vector<at::Tensor> ys;
+  int64_t off = 0;
+  for (int64_t i = 0; i < disp->local_experts(); ++i) {
+    if (d.counts[i] > 0) ys.push_back(d.rows.narrow(0, off, d.counts[i]).matmul(W[disp->first_local_expert() + i]));
+    off += d.counts[i];
+  }
+  at::Tensor out = disp->combine(ys.empty() ? d.rows : at::cat(ys), d);
+  (out * mine.g).sum().backward();
+
+  // The whole batch, token by token, here.
+  std::vector<at::Tensor> W_ref = expert_weights();
+  at::Tensor x_ref, w_ref, out_ref;
+  at::Tensor total = at::zeros({}, kF64);
+  for (int q = 0; q < n; ++q) {
+    RankData other = data_of(q, n, routing, empty_rank1);
+    at::Tensor xq = other.x.clone().requires_grad_(true), wq = other.w.clone().requires_grad_(true);
+    at::Tensor oq = naive_moe(xq, other.ids, wq, W_ref);
+    total = total + (oq * other.g).sum();
+    if (q == r) x_ref = xq, w_ref = wq, out_ref = oq;
+  }
+  total.backward();
+
+  EXPECT_LE(max_diff(out, out_ref), 1e-12);
+  if (x.size(0) > 0) {
+    EXPECT_LE(max_diff(x.grad(), x_ref.grad()), 1e-12);
+    EXPECT_LE(max_diff(w.grad(), w_ref.grad()), 1e-12);
+  }
+  for (int64_t i = 0; i < disp->local_experts(); ++i) {
+    const int64_t e = disp->first_local_expert() + i;
+    ASSERT_EQ(W[e].grad().defined(), W_ref[e].grad().defined()) << "expert " << e;
+    if (W[e].grad().defined()) {
+      EXPECT_LE(max_diff(W[e].grad(), W_ref[e].grad()), 1e-12) << "expert " << e;
+    }
+  }
+}
+
+TEST(AllToAllDispatcher, RandomRoutingMatchesTokenByToken) { check_against_token_by_token(Routing::kRandom, false); }
+
+TEST(AllToAllDispatcher, RanksThatReceiveNothing) { check_against_token_by_token(Routing::kFirstRankOnly, false); }
+
+TEST(AllToAllDispatcher, RankWithoutTokens) { check_against_token_by_token(Routing::kRandom, true); }
+
+TEST(AllToAllDispatcher, EveryTokenToOneExpert) { check_against_token_by_token(Routing::kOneExpert, true); }
+
+// Identity experts and weights 1/k: dispatch then combine gives back the tokens, and the
+// gradient back unchanged.
+TEST(AllToAllDispatcher, DispatchThenCombineIsTheIdentity) {
+  auto world = hp::world();
+  const int n = world->size(), r = world->rank();
+  auto disp = hp::ep::all_to_all_dispatcher(world, kExperts);
+  RankData mine = data_of(r, n, Routing::kRandom, true);
+  at::Tensor x = mine.x.clone().requires_grad_(true);
+  at::Tensor w = at::full(mine.ids.sizes(), 1.0 / kTopK, kF64);
+  hp::ep::Dispatched d = disp->dispatch(x, mine.ids, w);
+  at::Tensor out = disp->combine(d.rows, d);
+  EXPECT_EQ(max_diff(out, mine.x), 0.0);
+  (out * mine.g).sum().backward();
+  if (x.size(0) > 0) {
+    EXPECT_EQ(max_diff(x.grad(), mine.g), 0.0);
+  }
+}
+
+// Forward: one all-to-all of counts and one of rows to dispatch, one of rows to combine;
+// backward: one of rows each way. Nothing else.
+TEST(AllToAllDispatcher, CollectivesPerLayer) {
+  auto world = hp::world();
+  if (world->size() == 1) GTEST_SKIP() << "one rank";
+  auto disp = hp::ep::all_to_all_dispatcher(world, kExperts);
+  RankData mine = data_of(world->rank(), world->size(), Routing::kRandom, false);
+  at::Tensor x = mine.x.clone().requires_grad_(true);
+  auto count = [](const std::vector<hp::trace::Event>& events) {
+    int all_to_all = 0, other = 0;
+    for (const auto& e : events) {
+      if (e.cat != "comm") continue;
+      (e.name == "all_to_all" ? all_to_all : other) += 1;
+    }
+    return std::make_pair(all_to_all, other);
+  };
+  hp::trace::enable(::testing::TempDir() + "hp_ep_dispatch_trace");
+  hp::trace::clear();
+  hp::ep::Dispatched d = disp->dispatch(x, mine.ids, mine.w);
+  at::Tensor out = disp->combine(d.rows * 2, d);
+  auto forward = count(hp::trace::events());
+  hp::trace::clear();
+  (out * mine.g).sum().backward();
+  auto backward = count(hp::trace::events());
+  hp::trace::disable();
+  EXPECT_EQ(forward, std::make_pair(3, 0));
+  EXPECT_EQ(backward, std::make_pair(2, 0));
+}
+
+TEST(AllToAllDispatcher, ExpertsMustDivideOverTheGroup) {
+  auto world = hp::world();
+  if (world->size() == 1) GTEST_SKIP() << "any count divides over one rank";
+  try {
+    hp::ep::all_to_all_dispatcher(world, world->size() + 1);
+    FAIL() << "expected an error";
+  } catch (const hp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be split evenly over " + std::to_string(world->size())),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
