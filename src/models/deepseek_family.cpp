@@ -10,6 +10,14 @@ class DeepSeekModel : public detail::ModelOf<DeepSeek> {
  public:
   using ModelOf::ModelOf;
   void after_step(const CommPtr& dp) override { m_->update_balancing_bias(dp); }
+  void expert_parallel(const CommPtr& ep) override { models::expert_parallel(*m_, ep); }
+  std::vector<torch::nn::Module*> expert_modules() override {
+    std::vector<torch::nn::Module*> out;
+    for (auto& b : m_->blocks) {
+      if (b->moe) out.push_back(b->moe->experts.get());
+    }
+    return out;
+  }
 };
 
 class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
@@ -84,6 +92,7 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
   }
   void validate() const override { config.validate(); }
   void check_tensor_parallel(int64_t tp) const override { models::check_tensor_parallel(config, tp); }
+  int64_t routed_experts() const override { return config.layers > config.dense_layers ? config.experts : 0; }
 
   std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const override {
     DeepSeek m(config, slice);

@@ -4,6 +4,10 @@
 
 namespace hp::models {
 
+void Model::expert_parallel(const CommPtr& ep) {
+  throw Error("expert parallelism is not supported yet for this model family (it has no routed experts)");
+}
+
 namespace {
 
 struct Registry {

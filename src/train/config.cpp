@@ -235,6 +235,19 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(data_parallel_shard % reshard_after_forward_group_size == 0, s, ": reshard_after_forward_group_size=",
              reshard_after_forward_group_size, " does not divide data_parallel_shard=", data_parallel_shard);
   }
+  if (expert_parallel > 1) {
+    const int64_t ep = expert_parallel, experts = model->routed_experts();
+    HP_CHECK(experts > 0, s, ": expert_parallel=", ep, " needs a model with routed experts (model.type=",
+             model.family().name(), " has none)");
+    HP_CHECK(experts % ep == 0, s, ": expert_parallel=", ep, " does not divide the ", experts,
+             " routed experts (model.experts)");
+    HP_CHECK(data_parallel_shard % ep == 0, s, ": expert_parallel=", ep, " does not divide data_parallel_shard=",
+             data_parallel_shard, " (expert parallelism borrows data_parallel_shard ranks)");
+    HP_CHECK(tensor_parallel == 1, s, ": expert_parallel=", ep, " with tensor_parallel=", tensor_parallel,
+             " is not supported yet");
+    HP_CHECK(pipeline_parallel == 1, s, ": expert_parallel=", ep, " with pipeline_parallel=", pipeline_parallel,
+             " is not supported yet");
+  }
   HP_CHECK(!apply_grad_on_fp32_main_grad || accumulate_allreduce_grads_in_fp32, s,
            ": apply_grad_on_fp32_main_grad=true needs accumulate_allreduce_grads_in_fp32=true (an fp32 main gradient ",
            "of a gradient reduced in ", c10::toString(compute_dtype), " would keep only its precision)");
@@ -275,6 +288,22 @@ std::vector<MeshDim> layout_dims(const TrainConfig& c) {
   return dims;
 }
 
+std::vector<MeshDim> expert_layout_dims(const TrainConfig& c) {
+  HP_CHECK(c.data_parallel_shard > 0 && c.data_parallel_shard % c.expert_parallel == 0,
+           "expert_layout_dims: the config is not validated (data_parallel_shard=", c.data_parallel_shard,
+           ", expert_parallel=", c.expert_parallel, ")");
+  std::vector<MeshDim> dims;
+  for (const MeshDim& d : layout_dims(c)) {
+    if (d.name != "dp_shard") {
+      dims.push_back(d);
+      continue;
+    }
+    dims.push_back({"dp_shard", c.data_parallel_shard / c.expert_parallel});
+    dims.push_back({"ep", c.expert_parallel});
+  }
+  return dims;
+}
+
 MeshLayout layout_mesh(const TrainConfig& c) {
   HP_CHECK(c.data_parallel_shard > 0, "layout_mesh: the config is not validated (data_parallel_shard=",
            c.data_parallel_shard, ")");
@@ -300,6 +329,10 @@ std::string describe(const TrainConfig& c) {
      << (c.tensor_parallel > 1 ? detail::str_cat(" + TP, sequence_parallel ", c.sequence_parallel ? "on" : "off",
                                                  ", loss parallel)")
                                : std::string(")"))
+     << (c.expert_parallel > 1
+             ? detail::str_cat(", experts over expert_parallel ", c.expert_parallel, " x data_parallel_shard ",
+                               c.data_parallel_shard / c.expert_parallel)
+             : std::string())
      << ", " << to_string(c.data_parallel_shard_strategy)
      << (c.reshard_after_forward_group_size > 1
              ? detail::str_cat(" (resharded to groups of ", c.reshard_after_forward_group_size, " after forward)")

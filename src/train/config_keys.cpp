@@ -327,6 +327,10 @@ const std::vector<Key>& keys() {
     k.push_back(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
                         HP_FIELD(tensor_parallel), 1, kMaxRanks));
     k.push_back(bool_key("sequence_parallel", "sequence parallel (needs tensor_parallel > 1)", HP_FIELD(sequence_parallel)));
+    k.push_back(int_key("expert_parallel",
+                        "expert-parallel size: each MoE's routed experts split over this many consecutive "
+                        "data_parallel_shard ranks, which exchange tokens (must divide data_parallel_shard)",
+                        HP_FIELD(expert_parallel), 1, kMaxRanks));
     k.push_back(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
                         HP_FIELD(pipeline_parallel), 1, kMaxRanks));
     k.push_back(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",

@@ -30,6 +30,10 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.shards = s.mesh->group("dp_shard");
   s.tp = s.mesh->group("tp");
   s.pp = s.mesh->group("pp");
+  if (c.expert_parallel > 1) {
+    s.expert_mesh = std::make_shared<DeviceMesh>(s.world, expert_layout_dims(c));
+    s.ep = s.expert_mesh->group("ep");
+  }
   s.dp_rank = s.dp->rank();
 
   // Built without storage: each rank materializes only its shards (plus one parameter at a
@@ -40,6 +44,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       // piece's box of the global tensor.
       m.parallelize(s.tp, c.sequence_parallel, mixed_precision(c).reduce_dtype);
     }
+    if (s.ep) m.expert_parallel(s.ep);
     FullyShardOptions o;
     o.param_init = models::parameter_initializer(m.root(), c.seed);
     o.mesh = s.mesh;
@@ -53,6 +58,17 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     // stage reads the embedding's weight without the embedding's call (safe today only
     // because the schedule gathers each stage's root before its micro-batches).
     block_o.wait_per_submodule = c.wait_per_submodule;
+    if (s.ep) {
+      // Each MoE's experts: a unit of their own over the ranks holding the same experts. An
+      // expert's gradient already sums every EP rank's tokens (they came through the
+      // all-to-all), so it is divided by the whole data degree, not by that group's size.
+      FullyShardOptions expert_o = o;
+      expert_o.mesh = s.expert_mesh;
+      for (torch::nn::Module* e : m.expert_modules()) {
+        s.handles.push_back(fully_shard(*e, expert_o));
+        s.handles.back()->set_gradient_divide_factor(static_cast<double>(c.dp_size()));
+      }
+    }
     for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, block_o));
     s.handles.push_back(fully_shard(m.root(), o));
     materialize_deferred_buffers(m.root());
@@ -252,6 +268,8 @@ int64_t Trainer::steps_done() const { return impl_->steps; }
 std::vector<at::Tensor> Trainer::sharded_params() const { return impl_->params; }
 std::vector<at::Tensor> Trainer::sharded_grads() const { return impl_->grads(); }
 const std::vector<FSDPHandle>& Trainer::handles() const { return impl_->handles; }
+const std::vector<std::string>& Trainer::parameter_names() const { return impl_->names; }
+const std::vector<ShardSpec>& Trainer::parameter_specs() const { return impl_->specs; }
 const CommPtr& Trainer::shard_group() const { return impl_->shards; }
 const CommPtr& Trainer::tp_group() const { return impl_->tp; }
 const CommPtr& Trainer::pp_group() const { return impl_->pp; }

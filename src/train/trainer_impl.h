@@ -49,6 +49,9 @@ struct Trainer::Impl {
   TrainConfig c;
   CommPtr world, dp, shards, tp, pp;
   std::shared_ptr<DeviceMesh> mesh;
+  // With expert_parallel > 1: the experts' mesh (expert_layout_dims) and its ep group.
+  std::shared_ptr<DeviceMesh> expert_mesh;
+  CommPtr ep;
   std::unique_ptr<TrainModel> model;  // without pipeline parallelism
   // With it: this rank's stages (each a part of the model), run by `pipe`.
   std::vector<std::unique_ptr<TrainModel>> stages;

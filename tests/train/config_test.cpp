@@ -132,6 +132,13 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"data:\n  path: x.bin\n", {}, 4, {"data.path='x.bin'", "binary or text"}},
       {"data:\n  type: text\n  path: a.txt\nmodel:\n  vocab: 100\n", {}, 4, {"data.type=text", "model.vocab=100"}},
       {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
+      // expert parallelism: experts to split, ranks to split them over, layouts not built
+      {"expert_parallel: 3\n", {}, 4, {"expert_parallel=3", "does not divide the 8 routed experts"}},
+      {"expert_parallel: 8\n", {}, 4, {"expert_parallel=8", "data_parallel_shard=4"}},
+      {"model:\n  type: llama\nexpert_parallel: 2\n", {}, 4, {"expert_parallel=2", "model.type=llama has none"}},
+      {"expert_parallel: 0\n", {}, 4, {"expert_parallel=0"}},
+      {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4, {"expert_parallel=2", "tensor_parallel=2", "not supported yet"}},
+      {"expert_parallel: 2\npipeline_parallel: 2\n", {}, 4, {"expert_parallel=2", "pipeline_parallel=2", "not supported yet"}},
       {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},
       // layouts the model cannot be split into
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 4\n", {}, 4, {"= 8 stages", "more stages than layers"}},
@@ -166,6 +173,28 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       EXPECT_NE(err.find(want), std::string::npos) << "error for\n" << k.yaml << "is: " << err << "\nmissing: " << want;
     }
   }
+}
+
+// The experts' mesh splits dp_shard with ep inner (docs/ep.md's picture): 8 ranks,
+// expert_parallel 4 -> EP groups {0..3} {4..7}, experts sharded over {r, r+4}; with
+// expert_parallel 2 -> EP groups {0,1} {2,3}..., experts over {0,2,4,6} {1,3,5,7}.
+TEST(TrainConfig, ExpertMeshPutsExpertParallelInside) {
+  ht::TrainConfig c = ht::parse_config("expert_parallel: 4\nglobal_batch_size: 16\n", {}, "test.yaml");
+  c.validate(8);
+  hp::MeshLayout m(ht::expert_layout_dims(c), 8);
+  EXPECT_EQ(m.group_ranks(5, {"ep"}), (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(m.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 5}));
+  c.expert_parallel = 2;
+  hp::MeshLayout m2(ht::expert_layout_dims(c), 8);
+  EXPECT_EQ(m2.group_ranks(5, {"ep"}), (std::vector<int>{4, 5}));
+  EXPECT_EQ(m2.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 3, 5, 7}));
+  // The rest of the mesh as the trainer's: HSDP's replicas outside.
+  ht::TrainConfig h = ht::parse_config("expert_parallel: 2\ndata_parallel: 2\nglobal_batch_size: 16\n", {}, "test.yaml");
+  h.validate(8);
+  hp::MeshLayout m3(ht::expert_layout_dims(h), 8);
+  EXPECT_EQ(m3.group_ranks(5, {"ep"}), (std::vector<int>{4, 5}));
+  EXPECT_EQ(m3.group_ranks(5, {"dp_shard"}), (std::vector<int>{5, 7}));
+  EXPECT_EQ(m3.group_ranks(5, {"dp_replicate"}), (std::vector<int>{1, 5}));
 }
 
 TEST(TrainConfig, PipelineStageLayersList) {

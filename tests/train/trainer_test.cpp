@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -220,6 +221,21 @@ at::Tensor tp_whole(const at::Tensor& piece, const at::Tensor& param, const hp::
   return full;
 }
 
+// Every step's loss and grad norm of `t` and of hp-train --verify's reference trainer
+// against the naive run's.
+void expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const Naive& naive, const std::string& label) {
+  ht::ReferenceTrainer ref(c);
+  for (int64_t s = 0; s < c.train_steps; ++s) {
+    ht::StepStats st = t.step(), rs = ref.step();
+    EXPECT_NEAR(st.loss, naive.losses[s], 1e-10 * naive.losses[s]) << label << " step " << s + 1;
+    EXPECT_NEAR(rs.loss, naive.losses[s], 1e-10 * naive.losses[s]) << "reference trainer, step " << s + 1;
+    EXPECT_NEAR(st.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << label << " step " << s + 1;
+    EXPECT_NEAR(rs.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << "reference trainer, step " << s + 1;
+    EXPECT_GT(naive.norms[s], c.clip_grad) << "clipping was not exercised";
+  }
+  EXPECT_LT(naive.losses.back(), naive.losses.front());
+}
+
 void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
                           ht::PipelineScheduleKind schedule = ht::PipelineScheduleKind::kAuto, const std::vector<int64_t>& stage_layers = {},
                           bool tie = false, bool per_submodule = false) {
@@ -238,16 +254,7 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
   ASSERT_EQ(static_cast<int64_t>(naive.losses.size()), c.train_steps);
 
   ht::Trainer t(c, w);
-  ht::ReferenceTrainer ref(c);  // hp-train --verify's reference, checked here too
-  for (int64_t s = 0; s < c.train_steps; ++s) {
-    ht::StepStats st = t.step(), rs = ref.step();
-    EXPECT_NEAR(st.loss, naive.losses[s], 1e-10 * naive.losses[s]) << type << " step " << s + 1;
-    EXPECT_NEAR(rs.loss, naive.losses[s], 1e-10 * naive.losses[s]) << "reference trainer, step " << s + 1;
-    EXPECT_NEAR(st.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << "step " << s + 1;
-    EXPECT_NEAR(rs.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << "reference trainer, step " << s + 1;
-    EXPECT_GT(naive.norms[s], c.clip_grad) << "clipping was not exercised";
-  }
-  EXPECT_LT(naive.losses.back(), naive.losses.front());
+  expect_steps_match(t, c, naive, type);
   // Under pipeline parallelism the losses and norms of every step (the norm over every
   // parameter of every stage) are the check here; pp_test compares its parameters.
   if (pp > 1) return;
@@ -442,10 +449,8 @@ TEST(TrainDist, ResumeIsBitwise) {
     expect_resume_bitwise(tied, "tied_pp");
   }
   expect_resume_bitwise(bf, "bf16_async", /*async=*/true);
-  // Many experts, one per token, few tokens: most experts get no token in a step. AdamW skips
-  // an expert that never had a gradient and steps one whose gradient was zeroed (libtorch
-  // 1.x's zero_grad), so the step counts differ per parameter and whether a gradient is held
-  // matters: both are saved and restored.
+  // Many experts, one per token, few tokens: most experts get no token in a step (a zero
+  // gradient), and the balancing bias moves for all of them.
   ht::TrainConfig sparse = small_config("deepseek", w->size(), tp);
   sparse.model.config<hp::models::DeepSeekConfig>().experts = 64;
   sparse.model.config<hp::models::DeepSeekConfig>().experts_per_token = 1;
@@ -562,6 +567,118 @@ TEST(TrainDist, ResumeUnderAnotherLayoutContinues) {
   for (int s = 3; s < 6; ++s) {
     const double got = r.step().loss;
     EXPECT_NEAR(got, straight[s], 1e-5 * straight[s]) << "step " << s + 1;
+  }
+}
+
+// Expert parallelism through the trainer: DeepSeek tiny with its 8 experts over 2 and over 4
+// data_parallel_shard ranks (with HSDP too), against the naive one-process run: every step's
+// loss and grad norm, and every parameter a rank holds, by its name and box, at 1e-10.
+TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
+  auto w = hp::world();
+  if (w->size() == 1) GTEST_SKIP() << "one rank holds every expert";
+  struct Layout {
+    int64_t data_parallel, ep;
+  };
+  std::vector<Layout> layouts = {{1, 2}};
+  if (w->size() == 4) layouts = {{1, 4}, {1, 2}, {2, 2}};
+  for (const Layout& l : layouts) {
+    ht::TrainConfig c = small_config("deepseek", w->size());
+    c.data_parallel = l.data_parallel;
+    c.data_parallel_shard = -1;
+    c.expert_parallel = l.ep;
+    c.validate(w->size());
+    c.params_dtype = c.compute_dtype = at::kDouble;
+    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " ep " + std::to_string(l.ep);
+    Naive naive = naive_run(c);
+    ht::Trainer t(c, w);
+    expect_steps_match(t, c, naive, label);
+    auto want = naive.model->root().named_parameters();
+    const auto params = t.sharded_params();
+    int64_t experts_held = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const std::string& name = t.parameter_names()[i];
+      const hp::ShardSpec& box = t.parameter_specs()[i];
+      ASSERT_TRUE(want.contains(name)) << name;
+      at::Tensor rows = want[name].detach().reshape(box.global_shape);
+      for (size_t d = 0; d < box.offsets.size(); ++d) rows = rows.narrow(static_cast<int64_t>(d), box.offsets[d], box.lengths[d]);
+      if (rows.numel() == 0) continue;
+      const double rel = ((params[i].reshape(box.lengths) - rows).abs().max() / rows.abs().max()).item<double>();
+      EXPECT_LE(rel, 1e-10) << label << ": " << name;
+      if (name.find(".moe.experts.") != std::string::npos) experts_held += rows.numel();
+    }
+    // The experts' elements over the ranks: each once per data_parallel replica.
+    at::Tensor held = at::tensor({experts_held}, at::kLong);
+    w->all_reduce(held).wait();
+    int64_t experts_total = 0;
+    for (const auto& p : want) {
+      if (p.key().find(".moe.experts.") != std::string::npos) experts_total += p.value().numel();
+    }
+    EXPECT_EQ(held.item<int64_t>(), l.data_parallel * experts_total) << label;
+  }
+}
+
+// The whole parameters of a trainer without replicas (data_parallel 1), by name: each rank
+// places its boxes, the sum over the world fills every element once (exact: the other
+// ranks add zeros).
+std::map<std::string, at::Tensor> whole_params(const ht::Trainer& t, const ht::TrainConfig& c, const hp::CommPtr& w) {
+  std::map<std::string, at::Tensor> out;
+  auto model = ht::make_model(c);
+  const auto params = t.sharded_params();
+  for (const auto& item : model->root().named_parameters()) {  // the same order on every rank
+    at::Tensor full = at::zeros(item.value().sizes(), item.value().options());
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (t.parameter_names()[i] != item.key()) continue;
+      const hp::ShardSpec& box = t.parameter_specs()[i];
+      at::Tensor dst = full.view(box.global_shape);
+      for (size_t d = 0; d < box.offsets.size(); ++d) dst = dst.narrow(static_cast<int64_t>(d), box.offsets[d], box.lengths[d]);
+      dst.copy_(params[i].detach().reshape(box.lengths));
+    }
+    w->all_reduce(full).wait();
+    out[item.key()] = full;
+  }
+  return out;
+}
+
+// A checkpoint saved with the experts over 4 (or 2) ranks resumes bitwise at the same
+// layout; loaded under another expert layout (EP 2, none) every parameter is bitwise the
+// saved one, and training continues within fp32 rounding (another reduction order).
+TEST(TrainDist, ExpertParallelCheckpointsReshard) {
+  auto w = hp::world();
+  if (w->size() == 1 || w->size() == 3) GTEST_SKIP() << "needs an even world";
+  ht::TrainConfig c = small_config("deepseek", w->size());
+  c.data_parallel = 1;
+  c.data_parallel_shard = -1;
+  c.expert_parallel = w->size() >= 4 ? 4 : 2;
+  c.validate(w->size());
+  expect_resume_bitwise(c, "ep" + std::to_string(c.expert_parallel));
+  const std::string dir = ::testing::TempDir() + "hp_resume_ep_reshard_" + std::to_string(w->size());
+  c.train_steps = 6;
+  std::vector<double> straight;
+  std::map<std::string, at::Tensor> saved;
+  {
+    ht::Trainer t(c, w);
+    for (int s = 0; s < 6; ++s) {
+      straight.push_back(t.step().loss);
+      if (s == 2) {
+        t.save(dir);
+        saved = whole_params(t, c, w);
+      }
+    }
+  }
+  for (int64_t ep : {int64_t{2}, int64_t{1}}) {
+    if (ep == c.expert_parallel) continue;
+    ht::TrainConfig b = c;
+    b.expert_parallel = ep;
+    b.validate(w->size());
+    ht::Trainer r(b, w);
+    r.load(dir);
+    for (const auto& [name, full] : whole_params(r, b, w)) {
+      EXPECT_TRUE(at::equal(full, saved.at(name))) << "expert_parallel " << ep << ": " << name;
+    }
+    for (int s = 3; s < 6; ++s) {
+      const double got = r.step().loss;
+      EXPECT_NEAR(got, straight[s], 1e-5 * straight[s]) << "expert_parallel " << ep << " step " << s + 1;
+    }
   }
 }
 

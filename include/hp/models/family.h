@@ -57,6 +57,13 @@ class Model {
   // After each optimizer step (DeepSeek: the balancing bias from the load summed over `dp`;
   // null `dp`: this process only).
   virtual void after_step(const CommPtr& dp) {}
+  // Expert parallelism over `ep` (before fully_shard, after tensor parallelism): keeps this
+  // rank's routed experts and sends tokens to the ranks holding the others (hp/ep). Raises
+  // "not supported yet" for a family without routed experts.
+  virtual void expert_parallel(const CommPtr& ep);
+  // The modules holding routed experts (each a fully_shard unit of its own, sharded over the
+  // ranks holding the same experts); none for a model without them.
+  virtual std::vector<torch::nn::Module*> expert_modules() { return {}; }
 };
 
 // Forward FLOPs of one sequence position: per block (its matmuls and attention's two
@@ -123,6 +130,8 @@ class ModelArgs {
   virtual void validate() const = 0;
   // Raises hp::Error naming the field when the model cannot be split over `tp` ranks.
   virtual void check_tensor_parallel(int64_t tp) const = 0;
+  // Routed experts per MoE block (0: no mixture of experts, so no expert parallelism).
+  virtual int64_t routed_experts() const { return 0; }
   // Names (in the whole model) of parameters that a pipeline's first and last stage each
   // hold a copy of, to be summed after backward (Llama's tied embedding).
   virtual std::vector<std::string> tied_parameters() const { return {}; }

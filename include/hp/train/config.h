@@ -113,6 +113,9 @@ struct TrainConfig {
   Recompute recompute = Recompute::kNone;
   int64_t tensor_parallel = 1;
   bool sequence_parallel = false;
+  // Expert parallelism: each MoE's routed experts split over this many consecutive
+  // data_parallel_shard ranks (which then exchange tokens); must divide it.
+  int64_t expert_parallel = 1;
   int64_t pipeline_parallel = 1;
   int64_t pipeline_parallel_interleave_num = 1;
   // auto: 1f1b, or interleaved with interleave_num > 1; validate() resolves it.
@@ -189,6 +192,10 @@ c10::optional<RecomputePolicy> recompute_policy(Recompute r);
 // groups' links by it.
 std::vector<MeshDim> layout_dims(const TrainConfig& c);
 MeshLayout layout_mesh(const TrainConfig& c);
+// The experts' mesh: the same ranks with dp_shard split into (dp_shard / expert_parallel,
+// ep), ep inner: an EP group is expert_parallel consecutive dp_shard ranks, and each expert
+// is sharded over dp_shard / expert_parallel of them (those holding the same experts).
+std::vector<MeshDim> expert_layout_dims(const TrainConfig& c);
 
 // fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
 // (and fp32 main gradients for low-precision parameters) with

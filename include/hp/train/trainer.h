@@ -120,7 +120,11 @@ class Trainer {
   // This rank's sharded parameters and what the optimizer steps them with.
   std::vector<at::Tensor> sharded_params() const;
   std::vector<at::Tensor> sharded_grads() const;
-  // fully_shard's handles: each block's, then the root's.
+  // Per sharded_params()[i]: its name in the whole model and its box of the global tensor.
+  const std::vector<std::string>& parameter_names() const;
+  const std::vector<ShardSpec>& parameter_specs() const;
+  // fully_shard's handles: with expert_parallel, each MoE's experts' first; each block's,
+  // then the root's.
   const std::vector<FSDPHandle>& handles() const;
   // The ranks one replica's parameters are sharded over (dp_shard).
   const CommPtr& shard_group() const;
