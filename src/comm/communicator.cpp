@@ -298,7 +298,8 @@ class QueuedCommunicator final : public Communicator {
     for (int64_t d = 1; d < in.dim(); ++d) row *= in.size(d);
     std::vector<int64_t> out_counts, in_counts;
     const int n = size();
-    if (o.input_split_sizes.empty() && o.output_split_sizes.empty()) {
+    const bool equal_splits = o.input_split_sizes.empty() && o.output_split_sizes.empty();
+    if (equal_splits) {
       HP_CHECK(in.size(0) % n == 0 && out.size(0) % n == 0, where(op),
                "equal splits need dim 0 divisible by the group size ", n, ", got input ",
                in.size(0), " and output ", out.size(0), " (pass split sizes for uneven splits)");
@@ -315,8 +316,8 @@ class QueuedCommunicator final : public Communicator {
         out_counts.push_back(o.output_split_sizes[i] * row);
       }
     }
-    return enqueue(op, o.timeout, in.nbytes(), [t = transport(), out, in, out_counts, in_counts] {
-      t->all_to_all(out, in, out_counts, in_counts);
+    return enqueue(op, o.timeout, in.nbytes(), [t = transport(), out, in, out_counts, in_counts, equal_splits] {
+      t->all_to_all(out, in, out_counts, in_counts, equal_splits);
     });
   }
 

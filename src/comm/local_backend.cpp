@@ -28,7 +28,7 @@ class LocalTransport final : public Transport {
   void all_reduce(const at::Tensor&, ReduceOp) override {}
   void broadcast(const at::Tensor&, int) override {}
   void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>&,
-                  const std::vector<int64_t>&) override {
+                  const std::vector<int64_t>&, bool) override {
     copy_bytes(out, in);
   }
   void send(const at::Tensor&, int, int) override {

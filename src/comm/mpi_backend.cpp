@@ -338,13 +338,13 @@ class MpiTransport final : public Transport {
 
   void all_to_all(const at::Tensor& out, const at::Tensor& in,
                   const std::vector<int64_t>& out_counts,
-                  const std::vector<int64_t>& in_counts) override {
+                  const std::vector<int64_t>& in_counts, bool equal_splits) override {
     await_peers();
     MPI_Datatype t = mpi_type(in.scalar_type());
-    bool equal = std::all_of(in_counts.begin(), in_counts.end(),
-                             [&](int64_t c) { return c == in_counts[0]; }) &&
-                 out_counts == in_counts;
-    if (equal) {
+    // MPI_Alltoall only when every rank takes this branch (the caller's equal splits):
+    // counts that happen to be even on this rank alone would pair its MPI_Alltoall with the
+    // others' MPI_Alltoallv and hang.
+    if (equal_splits) {
       if (in_counts[0] == 0) return;
       int c = as_count(in_counts[0]);
       mpi_check(MPI_Alltoall(in.data_ptr(), c, t, out.data_ptr(), c, t, comm_), "MPI_Alltoall");

@@ -167,7 +167,7 @@ class NcclTransport final : public Transport {
                "ncclBroadcast", comm_);
   }
   void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_counts,
-                  const std::vector<int64_t>& in_counts) override {
+                  const std::vector<int64_t>& in_counts, bool /*equal_splits: send/recv pairs either way*/) override {
     const ncclDataType_t t = nccl_type(in.scalar_type());
     const int64_t es = static_cast<int64_t>(in.element_size());
     auto* src = static_cast<char*>(in.data_ptr());

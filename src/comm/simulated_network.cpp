@@ -144,9 +144,9 @@ class SimulatedTransport final : public Transport {
     inner_->broadcast(t, root);
   }
   void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_counts,
-                  const std::vector<int64_t>& in_counts) override {
+                  const std::vector<int64_t>& in_counts, bool equal_splits) override {
     model(CommOp::kAllToAll, static_cast<int64_t>(in.nbytes()));
-    inner_->all_to_all(out, in, out_counts, in_counts);
+    inner_->all_to_all(out, in, out_counts, in_counts, equal_splits);
   }
   void send(const at::Tensor& t, int dst, int tag) override {
     model(CommOp::kSend, static_cast<int64_t>(t.nbytes()));

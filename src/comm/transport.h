@@ -39,10 +39,13 @@ class Transport {
   virtual void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) = 0;
   virtual void all_reduce(const at::Tensor& t, ReduceOp op) = 0;
   virtual void broadcast(const at::Tensor& t, int root) = 0;
-  // Counts in elements, one per rank.
+  // Counts in elements, one per rank. `equal_splits`: the caller gave no split sizes, so
+  // every rank of the group sends the same count to every rank (a property all ranks share;
+  // uneven split sizes that happen to be equal on one rank are not, and a backend must not
+  // pick a different collective there than on the others).
   virtual void all_to_all(const at::Tensor& out, const at::Tensor& in,
                           const std::vector<int64_t>& out_counts,
-                          const std::vector<int64_t>& in_counts) = 0;
+                          const std::vector<int64_t>& in_counts, bool equal_splits) = 0;
   virtual void send(const at::Tensor& t, int dst, int tag) = 0;
   virtual void recv(const at::Tensor& t, int src, int tag) = 0;
   // Ops already validated (distinct (peer, tag, kind), sorted by (tag, kind, peer)).

@@ -245,6 +245,28 @@ TEST(Communicator, AllToAllUnevenSplits) {
   }
 }
 
+// Split sizes that are even on rank 0 and uneven on the others: every rank must still run
+// the same collective (an MPI_Alltoall on rank 0 against MPI_Alltoallv elsewhere hung).
+TEST(Communicator, AllToAllSplitsEvenOnOneRankOnly) {
+  auto w = world();
+  const int n = w->size(), r = w->rank();
+  // 2 rows from every rank to every other; rank b keeps 2 + b of its own.
+  auto rows = [](int a, int b) -> int64_t { return a == b ? 2 + a : 2; };
+  hp::AllToAllOptions o;
+  std::vector<at::Tensor> blocks, want;
+  for (int j = 0; j < n; ++j) {
+    o.input_split_sizes.push_back(rows(r, j));
+    o.output_split_sizes.push_back(rows(j, r));
+    blocks.push_back(pattern(r * 10 + j, rows(r, j) * 3, 0, at::kFloat));
+    want.push_back(pattern(j * 10 + r, rows(j, r) * 3, 0, at::kFloat));
+  }
+  at::Tensor in = at::cat(blocks).view({-1, 3});
+  at::Tensor expect = at::cat(want).view({-1, 3});
+  at::Tensor out = at::empty_like(expect);
+  w->all_to_all(out, in, o).wait();
+  expect_same(out, expect, label("all_to_all even on rank 0 only", at::kFloat, in.numel()));
+}
+
 TEST(Communicator, SendRecvRing) {
   auto w = world();
   const int n = w->size(), r = w->rank();
