@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <numeric>
 #include <utility>
 
@@ -54,6 +55,44 @@ std::vector<int64_t> block_sums(const at::Tensor& counts, int64_t blocks) {
   return std::vector<int64_t>(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + blocks);
 }
 
+void check_dispatch_inputs(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) {
+  HP_CHECK(x.dim() == 2, "ep dispatch: tokens must be [tokens, dim], got shape ", x.sizes());
+  HP_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0), "ep dispatch: expert ids must be [tokens=",
+           x.size(0), ", k], got shape ", expert_ids.sizes());
+  HP_CHECK(weights.sizes() == expert_ids.sizes(), "ep dispatch: weights of shape ", weights.sizes(),
+           " do not match the expert ids' ", expert_ids.sizes());
+}
+
+// Bytes of `rows_per_rank` rows of `row_bytes` each to the ranks other than `self`.
+int64_t bytes_to_others(const std::vector<int64_t>& rows_per_rank, int64_t row_bytes, int64_t self) {
+  int64_t rows = 0;
+  for (size_t r = 0; r < rows_per_rank.size(); ++r) rows += static_cast<int64_t>(r) == self ? 0 : rows_per_rank[r];
+  return rows * row_bytes;
+}
+
+// Bytes of one dim-0 slice of `t` (however many rows it has).
+int64_t row_bytes(const at::Tensor& t) {
+  int64_t n = static_cast<int64_t>(t.element_size());
+  for (int64_t d = 1; d < t.dim(); ++d) n *= t.size(d);
+  return n;
+}
+
+// The exchanged per-rank counts: `mine` [n * per] (per entries for each rank) sent, the
+// others' for this rank received.
+at::Tensor exchange_counts(const at::Tensor& mine, const CommPtr& g) {
+  at::Tensor theirs = at::empty_like(mine);
+  g->all_to_all(theirs, mine.contiguous()).wait();
+  return theirs;
+}
+
+struct SortingContext : DispatchContext {
+  int64_t tokens = 0, k = 0;
+  at::Tensor unsort;                          // sorted position of each slot
+  at::Tensor to_expert_major, to_rank_major;  // received rows: expert-major order and inverse
+  std::vector<int64_t> send_splits, recv_splits;  // rows to / from each EP rank
+  at::Tensor weights;                         // [tokens, k], as given to dispatch
+};
+
 // Sorting by expert, one all-to-all each way when there is an EP group (none: EP 1).
 class SortingDispatcher : public TokenDispatcher {
  public:
@@ -61,17 +100,12 @@ class SortingDispatcher : public TokenDispatcher {
       : TokenDispatcher(experts, ep ? ep->size() : 1, ep ? ep->rank() : 0), ep_(std::move(ep)) {}
 
   Dispatched dispatch(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) override {
-    HP_CHECK(x.dim() == 2, "ep dispatch: tokens must be [tokens, dim], got shape ", x.sizes());
-    HP_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0), "ep dispatch: expert ids must be [tokens=",
-             x.size(0), ", k], got shape ", expert_ids.sizes());
-    HP_CHECK(weights.sizes() == expert_ids.sizes(), "ep dispatch: weights of shape ", weights.sizes(),
-             " do not match the expert ids' ", expert_ids.sizes());
-    auto c = std::make_shared<DispatchContext>();
+    check_dispatch_inputs(x, expert_ids, weights);
+    auto c = std::make_shared<SortingContext>();
     c->tokens = x.size(0);
     c->k = expert_ids.size(1);
     c->weights = weights;
     ExpertSort s = sort_by_expert(expert_ids, experts());
-    c->order = s.order;
     c->unsort = inverse_permutation(s.order);
     at::Tensor rows = x.index_select(0, s.order.div(c->k, "floor"));
     Dispatched d;
@@ -83,10 +117,11 @@ class SortingDispatcher : public TokenDispatcher {
       return d;
     }
     const int64_t n = ep_size(), L = local_experts();
-    at::Tensor recv_counts = at::empty_like(s.counts);
-    ep_->all_to_all(recv_counts, s.counts.contiguous()).wait();  // L counts with each rank
+    at::Tensor recv_counts = exchange_counts(s.counts, ep_);  // L counts with each rank
     c->send_splits = block_sums(s.counts, n);
     c->recv_splits = block_sums(recv_counts, n);
+    d.dispatch_bytes = bytes_to_others(c->send_splits, row_bytes(rows), ep_rank()) + (n - 1) * L * 8;
+    d.combine_bytes = bytes_to_others(c->recv_splits, row_bytes(rows), ep_rank());
     rows = all_to_all_rows(rows, ep_, c->send_splits, c->recv_splits);
     c->to_expert_major = expert_major_order(recv_counts, L);
     c->to_rank_major = inverse_permutation(c->to_expert_major);
@@ -96,8 +131,9 @@ class SortingDispatcher : public TokenDispatcher {
   }
 
   at::Tensor combine(const at::Tensor& y, const Dispatched& d) override {
-    HP_CHECK(d.context, "ep combine: no dispatch context (combine needs the Dispatched that dispatch returned)");
-    const DispatchContext& c = *d.context;
+    const auto* cp = dynamic_cast<const SortingContext*>(d.context.get());
+    HP_CHECK(cp, "ep combine: not the Dispatched of this dispatcher's dispatch");
+    const SortingContext& c = *cp;
     HP_CHECK(y.dim() == 2 && y.size(0) == d.rows.size(0), "ep combine: expert outputs must be [", d.rows.size(0),
              ", dim] (one row per dispatched row), got shape ", y.sizes());
     at::Tensor back = y;
@@ -105,6 +141,95 @@ class SortingDispatcher : public TokenDispatcher {
     at::Tensor slots = back.index_select(0, c.unsort).view({c.tokens, c.k, y.size(1)});
     const at::ScalarType ct = at::promote_types(y.scalar_type(), at::kFloat);
     return (slots.to(ct) * c.weights.to(ct).unsqueeze(-1)).sum(1).to(y.scalar_type());
+  }
+
+ private:
+  CommPtr ep_;
+};
+
+struct DedupContext : DispatchContext {
+  int64_t tokens = 0, k = 0, received = 0;
+  at::Tensor send_token, send_slot;  // per sent row: its token, and its place among the token's copies
+  std::vector<int64_t> send_splits, recv_splits;  // tokens to / from each EP rank
+  at::Tensor fanned;                 // received (token, slot) pairs of local experts, expert-major
+  at::Tensor slot_weights;           // [received, k]: the weights that came with them (0: not here)
+  int64_t copies = 0;                // the most copies of a token: min(k, ranks)
+};
+
+// One copy of a token per destination rank; the destination fans it out to its experts and
+// sends back one weighted partial sum per token.
+class DedupDispatcher : public TokenDispatcher {
+ public:
+  DedupDispatcher(CommPtr ep, int64_t experts)
+      : TokenDispatcher(experts, ep->size(), ep->rank()), ep_(std::move(ep)) {}
+
+  Dispatched dispatch(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) override {
+    check_dispatch_inputs(x, expert_ids, weights);
+    sort_by_expert(expert_ids, experts());  // the range check
+    const int64_t n = ep_size(), L = local_experts(), N = x.size(0), k = expert_ids.size(1);
+    auto c = std::make_shared<DedupContext>();
+    c->tokens = N;
+    c->k = k;
+    c->copies = std::min(k, n);
+    at::Tensor dest = expert_ids.div(L, "floor");                                          // [N, k]
+    at::Tensor to_rank = at::zeros({N, n}, at::kBool).scatter_(1, dest, true);             // [N, n]
+    // Rank-major: rank 0's tokens in token order, then rank 1's, ...
+    at::Tensor sends = to_rank.t().nonzero();                                              // [S, 2]: (rank, token)
+    at::Tensor send_rank = sends.select(1, 0), send_token = sends.select(1, 1);
+    c->send_token = send_token;
+    // The place of each copy among its token's copies (rank order), for the sum at the end.
+    c->send_slot = (to_rank.cumsum(1) - 1).index({send_token, send_rank});
+    at::Tensor per_rank = to_rank.sum(0).to(at::kLong);
+    c->send_splits = block_sums(per_rank, n);
+    c->recv_splits = block_sums(exchange_counts(per_rank, ep_), n);
+    // Beside each copy: its slots' expert ids local to the destination (-1: another rank's)
+    // and their weights (0 there).
+    at::Tensor here = dest.index_select(0, send_token) == send_rank.unsqueeze(1);       // [S, k]
+    at::Tensor local_ids = (expert_ids.index_select(0, send_token) - send_rank.unsqueeze(1) * L).masked_fill(~here, -1);
+    at::Tensor w = weights.index_select(0, send_token) * here.to(weights.scalar_type());
+    at::Tensor rows = x.index_select(0, send_token);
+    Dispatched d;
+    d.dispatch_bytes = bytes_to_others(c->send_splits, row_bytes(rows) + row_bytes(local_ids) + row_bytes(w), ep_rank()) +
+                       (n - 1) * 8;
+    at::Tensor got_rows = all_to_all_rows(rows, ep_, c->send_splits, c->recv_splits);
+    at::Tensor got_ids = exchange(local_ids, ep_, c->send_splits, c->recv_splits);
+    c->slot_weights = all_to_all_rows(w, ep_, c->send_splits, c->recv_splits);
+    c->received = got_rows.size(0);
+    d.combine_bytes = bytes_to_others(c->recv_splits, row_bytes(got_rows), ep_rank());
+    // Fan out: the received (token, slot) pairs of local experts, sorted by expert (those of
+    // other ranks, -1, keyed past the last expert and dropped).
+    at::Tensor slots = got_ids.reshape({-1});
+    at::Tensor key = slots.masked_fill(slots < 0, L);
+    at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+    at::Tensor counts = at::bincount(key, {}, L + 1).to(at::kLong);
+    const int64_t valid = slots.numel() - counts[L].item<int64_t>();
+    c->fanned = order.narrow(0, 0, valid);
+    d.rows = got_rows.index_select(0, c->fanned.div(k, "floor"));
+    d.counts = block_sums(counts.narrow(0, 0, L).contiguous(), L);
+    d.context = c;
+    return d;
+  }
+
+  at::Tensor combine(const at::Tensor& y, const Dispatched& d) override {
+    const auto* cp = dynamic_cast<const DedupContext*>(d.context.get());
+    HP_CHECK(cp, "ep combine: not the Dispatched of this dispatcher's dispatch");
+    const DedupContext& c = *cp;
+    HP_CHECK(y.dim() == 2 && y.size(0) == d.rows.size(0), "ep combine: expert outputs must be [", d.rows.size(0),
+             ", dim] (one row per dispatched row), got shape ", y.sizes());
+    const int64_t dim = y.size(1);
+    const at::ScalarType ct = at::promote_types(y.scalar_type(), at::kFloat);
+    // Weighed here, summed per received token over its slots in order (deterministic).
+    at::Tensor w = c.slot_weights.reshape({-1}).index_select(0, c.fanned).to(ct);
+    at::Tensor dense = at::zeros({c.received * c.k, dim}, y.options().dtype(ct))
+                           .index_copy(0, c.fanned, y.to(ct) * w.unsqueeze(-1));
+    at::Tensor partial = dense.view({c.received, c.k, dim}).sum(1).to(y.scalar_type());
+    at::Tensor back = all_to_all_rows(partial, ep_, c.recv_splits, c.send_splits).to(ct);
+    // Each token's partial sums (one per rank holding some of its experts), in rank order.
+    c10::List<c10::optional<at::Tensor>> at_copy;
+    at_copy.push_back(c.send_token);
+    at_copy.push_back(c.send_slot);
+    at::Tensor per_token = at::zeros({c.tokens, c.copies, dim}, back.options()).index_put(at_copy, back);
+    return per_token.sum(1).to(y.scalar_type());
   }
 
  private:
@@ -154,6 +279,22 @@ std::shared_ptr<TokenDispatcher> local_dispatcher(int64_t experts) {
 std::shared_ptr<TokenDispatcher> all_to_all_dispatcher(const CommPtr& ep, int64_t experts) {
   HP_CHECK(ep, "ep: all_to_all_dispatcher needs an expert-parallel group");
   return std::make_shared<SortingDispatcher>(ep, experts);
+}
+
+std::shared_ptr<TokenDispatcher> dedup_all_to_all_dispatcher(const CommPtr& ep, int64_t experts) {
+  HP_CHECK(ep, "ep: dedup_all_to_all_dispatcher needs an expert-parallel group");
+  return std::make_shared<DedupDispatcher>(ep, experts);
+}
+
+std::shared_ptr<TokenDispatcher> make_dispatcher(DispatcherKind kind, const CommPtr& ep, int64_t experts) {
+  if (!ep || ep->size() == 1) return local_dispatcher(experts);
+  switch (kind) {
+    case DispatcherKind::kAllToAll:
+      return all_to_all_dispatcher(ep, experts);
+    case DispatcherKind::kDedup:
+      return dedup_all_to_all_dispatcher(ep, experts);
+  }
+  throw Error("ep: unknown dispatcher kind");
 }
 
 at::Tensor all_to_all_rows(const at::Tensor& x, const CommPtr& group, const std::vector<int64_t>& send_splits,

@@ -178,22 +178,22 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   return out.view(shape);
 }
 
-void expert_parallel(MoEImpl& moe, const CommPtr& ep) {
+void expert_parallel(MoEImpl& moe, const CommPtr& ep, ep::DispatcherKind kind) {
   HP_CHECK(ep, "expert_parallel: no expert-parallel group");
   const auto& all = moe.experts->list;
   HP_CHECK(static_cast<int64_t>(all.size()) == moe.c.experts, "expert_parallel: the MoE holds ", all.size(),
            " of its ", moe.c.experts, " experts (expert parallelism applies once, to a whole MoE)");
   if (ep->size() == 1) return;
-  auto d = ep::all_to_all_dispatcher(ep, moe.c.experts);
+  auto d = ep::make_dispatcher(kind, ep, moe.c.experts);
   const int64_t first = d->first_local_expert();
   std::vector<SwiGLU> kept(all.begin() + first, all.begin() + first + d->local_experts());
   moe.experts = moe.replace_module("experts", Experts(first, std::move(kept)));
   moe.dispatcher = std::move(d);
 }
 
-void expert_parallel(DeepSeekImpl& model, const CommPtr& ep) {
+void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind kind) {
   for (auto& b : model.blocks) {
-    if (b->moe) expert_parallel(*b->moe, ep);
+    if (b->moe) expert_parallel(*b->moe, ep, kind);
   }
 }
 

@@ -10,7 +10,7 @@ class DeepSeekModel : public detail::ModelOf<DeepSeek> {
  public:
   using ModelOf::ModelOf;
   void after_step(const CommPtr& dp) override { m_->update_balancing_bias(dp); }
-  void expert_parallel(const CommPtr& ep) override { models::expert_parallel(*m_, ep); }
+  void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) override { models::expert_parallel(*m_, ep, kind); }
   std::vector<torch::nn::Module*> expert_modules() override {
     std::vector<torch::nn::Module*> out;
     for (auto& b : m_->blocks) {

@@ -4,7 +4,7 @@
 
 namespace hp::models {
 
-void Model::expert_parallel(const CommPtr& ep) {
+void Model::expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) {
   throw Error("expert parallelism is not supported yet for this model family (it has no routed experts)");
 }
 

@@ -235,6 +235,8 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(data_parallel_shard % reshard_after_forward_group_size == 0, s, ": reshard_after_forward_group_size=",
              reshard_after_forward_group_size, " does not divide data_parallel_shard=", data_parallel_shard);
   }
+  HP_CHECK(moe_dispatcher == ep::DispatcherKind::kAllToAll || expert_parallel > 1, s, ": moe_dispatcher=",
+           to_string(moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", expert_parallel, ")");
   if (expert_parallel > 1) {
     const int64_t ep = expert_parallel, experts = model->routed_experts();
     HP_CHECK(experts > 0, s, ": expert_parallel=", ep, " needs a model with routed experts (model.type=",
@@ -331,7 +333,7 @@ std::string describe(const TrainConfig& c) {
                                : std::string(")"))
      << (c.expert_parallel > 1
              ? detail::str_cat(", experts over expert_parallel ", c.expert_parallel, " x data_parallel_shard ",
-                               c.data_parallel_shard / c.expert_parallel)
+                               c.data_parallel_shard / c.expert_parallel, " (", to_string(c.moe_dispatcher), " dispatch)")
              : std::string())
      << ", " << to_string(c.data_parallel_shard_strategy)
      << (c.reshard_after_forward_group_size > 1

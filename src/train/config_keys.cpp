@@ -44,6 +44,12 @@ const std::vector<std::pair<PipelineScheduleKind, const char*>>& enum_names<Pipe
   return n;
 }
 template <>
+const std::vector<std::pair<ep::DispatcherKind, const char*>>& enum_names<ep::DispatcherKind>() {
+  static const std::vector<std::pair<ep::DispatcherKind, const char*>> n = {{ep::DispatcherKind::kAllToAll, "all_to_all"},
+                                                                           {ep::DispatcherKind::kDedup, "dedup"}};
+  return n;
+}
+template <>
 const std::vector<std::pair<LrDecay, const char*>>& enum_names<LrDecay>() {
   static const std::vector<std::pair<LrDecay, const char*>> n = {
       {LrDecay::kCosine, "cosine"}, {LrDecay::kLinear, "linear"}, {LrDecay::kConstant, "constant"}};
@@ -331,6 +337,11 @@ const std::vector<Key>& keys() {
                         "expert-parallel size: each MoE's routed experts split over this many consecutive "
                         "data_parallel_shard ranks, which exchange tokens (must divide data_parallel_shard)",
                         HP_FIELD(expert_parallel), 1, kMaxRanks));
+    k.push_back(enum_key<ep::DispatcherKind>(
+        "moe_dispatcher",
+        "with expert_parallel > 1: all_to_all sends a row per (token, chosen expert), dedup one copy of a token per "
+        "rank holding any of its experts (fewer bytes, two small all-to-alls more; the same results)",
+        HP_FIELD(moe_dispatcher)));
     k.push_back(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
                         HP_FIELD(pipeline_parallel), 1, kMaxRanks));
     k.push_back(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",

@@ -44,7 +44,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       // piece's box of the global tensor.
       m.parallelize(s.tp, c.sequence_parallel, mixed_precision(c).reduce_dtype);
     }
-    if (s.ep) m.expert_parallel(s.ep);
+    if (s.ep) m.expert_parallel(s.ep, c.moe_dispatcher);
     FullyShardOptions o;
     o.param_init = models::parameter_initializer(m.root(), c.seed);
     o.mesh = s.mesh;

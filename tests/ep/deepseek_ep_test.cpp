@@ -79,14 +79,16 @@ void expect_same_bias(hp::models::DeepSeek& m, hp::models::DeepSeek& ref) {
 
 // EP over every rank, no sharding: dense parameters replicated (their gradient averaged
 // over the ranks by hand here), each expert on one rank (its gradient divided by the rank
-// count, nothing else).
-TEST(DeepSeekEp, ExpertsOverEveryRankMatchOneProcess) {
+// count, nothing else). Both dispatchers.
+class DeepSeekEpDispatch : public ::testing::TestWithParam<hp::ep::DispatcherKind> {};
+
+TEST_P(DeepSeekEpDispatch, ExpertsOverEveryRankMatchOneProcess) {
   auto w = hp::world();
   const int n = w->size(), r = w->rank();
   const auto c = config();
   auto ref = reference_model(c);
   hp::models::DeepSeek m(c);
-  hp::models::expert_parallel(*m, w);
+  hp::models::expert_parallel(*m, w, GetParam());
   m->init_weights(5);
   m->to(at::kDouble);
   for (size_t i = 0; i < m->blocks.size(); ++i) {
@@ -127,6 +129,12 @@ TEST(DeepSeekEp, ExpertsOverEveryRankMatchOneProcess) {
   }
   EXPECT_EQ(held.item<int64_t>(), n * (total - experts) + experts);
 }
+
+INSTANTIATE_TEST_SUITE_P(Ep, DeepSeekEpDispatch,
+                         ::testing::Values(hp::ep::DispatcherKind::kAllToAll, hp::ep::DispatcherKind::kDedup),
+                         [](const ::testing::TestParamInfo<hp::ep::DispatcherKind>& i) {
+                           return std::string(i.param == hp::ep::DispatcherKind::kDedup ? "Dedup" : "AllToAll");
+                         });
 
 // EP 2 x dp_shard (n/2) under fully_shard: the Experts module of each MoE is sharded over
 // the ranks holding the same experts with the gradient divided by n; the blocks and the

@@ -1,5 +1,6 @@
-// Token dispatch over an expert-parallel group against the mixture of experts written out
-// token by token on the whole batch. Every rank draws every rank's tokens (each from its
+// Token dispatch over an expert-parallel group (the plain all-to-all dispatcher and the
+// de-duplicating one) against the mixture of experts written out token by token on the
+// whole batch. Every rank draws every rank's tokens (each from its
 // own seed, so ranks differ: token counts, routing and values), runs its own through the
 // all-to-all dispatcher with its local experts, and compares outputs and gradients with
 // the token-by-token sum over all ranks' tokens computed locally. float64: the two differ
@@ -8,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -74,15 +76,24 @@ at::Tensor naive_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   return at::stack(rows);
 }
 
+enum class Kind { kPlain, kDedup };
+
+std::shared_ptr<hp::ep::TokenDispatcher> make(Kind kind, const hp::CommPtr& group) {
+  return kind == Kind::kPlain ? hp::ep::all_to_all_dispatcher(group, kExperts)
+                              : hp::ep::dedup_all_to_all_dispatcher(group, kExperts);
+}
+
+class Dispatchers : public ::testing::TestWithParam<Kind> {};
+
 double max_diff(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 && b.numel() == 0) return 0;
   return (a - b).abs().max().item<double>();
 }
 
-void check_against_token_by_token(Routing routing, bool empty_rank1) {
+void check_against_token_by_token(Kind kind, Routing routing, bool empty_rank1) {
   auto world = hp::world();
   const int n = world->size(), r = world->rank();
-  auto disp = hp::ep::all_to_all_dispatcher(world, kExperts);
+  auto disp = make(kind, world);
   ASSERT_EQ(disp->first_local_expert(), r * kExperts / n);
 
   // This rank: its tokens through the dispatcher and its local experts.
@@ -127,20 +138,20 @@ void check_against_token_by_token(Routing routing, bool empty_rank1) {
   }
 }
 
-TEST(AllToAllDispatcher, RandomRoutingMatchesTokenByToken) { check_against_token_by_token(Routing::kRandom, false); }
+TEST_P(Dispatchers, RandomRoutingMatchesTokenByToken) { check_against_token_by_token(GetParam(), Routing::kRandom, false); }
 
-TEST(AllToAllDispatcher, RanksThatReceiveNothing) { check_against_token_by_token(Routing::kFirstRankOnly, false); }
+TEST_P(Dispatchers, RanksThatReceiveNothing) { check_against_token_by_token(GetParam(), Routing::kFirstRankOnly, false); }
 
-TEST(AllToAllDispatcher, RankWithoutTokens) { check_against_token_by_token(Routing::kRandom, true); }
+TEST_P(Dispatchers, RankWithoutTokens) { check_against_token_by_token(GetParam(), Routing::kRandom, true); }
 
-TEST(AllToAllDispatcher, EveryTokenToOneExpert) { check_against_token_by_token(Routing::kOneExpert, true); }
+TEST_P(Dispatchers, EveryTokenToOneExpert) { check_against_token_by_token(GetParam(), Routing::kOneExpert, true); }
 
 // Identity experts and weights 1/k: dispatch then combine gives back the tokens, and the
 // gradient back unchanged.
-TEST(AllToAllDispatcher, DispatchThenCombineIsTheIdentity) {
+TEST_P(Dispatchers, DispatchThenCombineIsTheIdentity) {
   auto world = hp::world();
   const int n = world->size(), r = world->rank();
-  auto disp = hp::ep::all_to_all_dispatcher(world, kExperts);
+  auto disp = make(GetParam(), world);
   RankData mine = data_of(r, n, Routing::kRandom, true);
   at::Tensor x = mine.x.clone().requires_grad_(true);
   at::Tensor w = at::full(mine.ids.sizes(), 1.0 / kTopK, kF64);
@@ -153,14 +164,15 @@ TEST(AllToAllDispatcher, DispatchThenCombineIsTheIdentity) {
   }
 }
 
-// Forward: one all-to-all of counts and one of rows to dispatch, one of rows to combine;
-// backward: one of rows each way. Nothing else.
-TEST(AllToAllDispatcher, CollectivesPerLayer) {
+// Plain: forward one all-to-all of counts and one of rows to dispatch, one of rows to
+// combine; backward one of rows each way. De-duplicating: two more in forward (the copies'
+// expert ids and weights) and one more in backward (the weights' gradient). Nothing else.
+TEST_P(Dispatchers, CollectivesPerLayer) {
   auto world = hp::world();
   if (world->size() == 1) GTEST_SKIP() << "one rank";
-  auto disp = hp::ep::all_to_all_dispatcher(world, kExperts);
+  auto disp = make(GetParam(), world);
   RankData mine = data_of(world->rank(), world->size(), Routing::kRandom, false);
-  at::Tensor x = mine.x.clone().requires_grad_(true);
+  at::Tensor x = mine.x.clone().requires_grad_(true), w = mine.w.clone().requires_grad_(true);
   auto count = [](const std::vector<hp::trace::Event>& events) {
     int all_to_all = 0, other = 0;
     for (const auto& e : events) {
@@ -171,16 +183,55 @@ TEST(AllToAllDispatcher, CollectivesPerLayer) {
   };
   hp::trace::enable(::testing::TempDir() + "hp_ep_dispatch_trace");
   hp::trace::clear();
-  hp::ep::Dispatched d = disp->dispatch(x, mine.ids, mine.w);
+  hp::ep::Dispatched d = disp->dispatch(x, mine.ids, w);
   at::Tensor out = disp->combine(d.rows * 2, d);
   auto forward = count(hp::trace::events());
   hp::trace::clear();
   (out * mine.g).sum().backward();
   auto backward = count(hp::trace::events());
   hp::trace::disable();
-  EXPECT_EQ(forward, std::make_pair(3, 0));
-  EXPECT_EQ(backward, std::make_pair(2, 0));
+  const bool dedup = GetParam() == Kind::kDedup;
+  EXPECT_EQ(forward, std::make_pair(dedup ? 5 : 3, 0));
+  EXPECT_EQ(backward, std::make_pair(dedup ? 3 : 2, 0));
 }
+
+// The bytes each dispatcher says it sends to other ranks, against a count by hand: plain,
+// a float64 row of kDim per (token, chosen expert) held elsewhere plus the counts; de-
+// duplicating, per (token, other rank holding one of its experts) a row, k int64 ids and k
+// float64 weights, plus the counts. Combine sends back a row per row received from others.
+TEST_P(Dispatchers, BytesSentMatchACountByHand) {
+  auto world = hp::world();
+  const int n = world->size(), r = world->rank();
+  const int64_t L = kExperts / n;
+  auto disp = make(GetParam(), world);
+  RankData mine = data_of(r, n, Routing::kRandom, false);
+  hp::ep::Dispatched d = disp->dispatch(mine.x, mine.ids, mine.w);
+  int64_t rows = 0, copies = 0;
+  for (int64_t t = 0; t < mine.ids.size(0); ++t) {
+    std::set<int64_t> ranks;
+    for (int64_t j = 0; j < kTopK; ++j) {
+      const int64_t owner = mine.ids[t][j].item<int64_t>() / L;
+      if (owner != r) ++rows, ranks.insert(owner);
+    }
+    copies += static_cast<int64_t>(ranks.size());
+  }
+  if (GetParam() == Kind::kPlain) {
+    EXPECT_EQ(d.dispatch_bytes, rows * kDim * 8 + (n - 1) * L * 8);
+  } else {
+    EXPECT_EQ(d.dispatch_bytes, copies * (kDim * 8 + kTopK * 16) + (n - 1) * 8);
+  }
+  // What comes back is what the others sent here, one row each.
+  at::Tensor received = at::tensor({GetParam() == Kind::kPlain ? rows : copies}, at::kLong);
+  at::Tensor back = at::tensor({d.combine_bytes / (kDim * 8)}, at::kLong);
+  world->all_reduce(received).wait();
+  world->all_reduce(back).wait();
+  EXPECT_EQ(back.item<int64_t>(), received.item<int64_t>());
+}
+
+INSTANTIATE_TEST_SUITE_P(Ep, Dispatchers, ::testing::Values(Kind::kPlain, Kind::kDedup),
+                         [](const ::testing::TestParamInfo<Kind>& i) {
+                           return std::string(i.param == Kind::kPlain ? "Plain" : "Dedup");
+                         });
 
 TEST(AllToAllDispatcher, ExpertsMustDivideOverTheGroup) {
   auto world = hp::world();

@@ -137,6 +137,8 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"expert_parallel: 8\n", {}, 4, {"expert_parallel=8", "data_parallel_shard=4"}},
       {"model:\n  type: llama\nexpert_parallel: 2\n", {}, 4, {"expert_parallel=2", "model.type=llama has none"}},
       {"expert_parallel: 0\n", {}, 4, {"expert_parallel=0"}},
+      {"moe_dispatcher: dedup\n", {}, 4, {"moe_dispatcher=dedup", "expert_parallel > 1"}},
+      {"moe_dispatcher: fast\n", {}, 4, {"moe_dispatcher=fast", "all_to_all, dedup"}},
       {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4, {"expert_parallel=2", "tensor_parallel=2", "not supported yet"}},
       {"expert_parallel: 2\npipeline_parallel: 2\n", {}, 4, {"expert_parallel=2", "pipeline_parallel=2", "not supported yet"}},
       {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},
@@ -369,6 +371,7 @@ TEST(TrainConfig, EnumChoicesRoundTrip) {
   check("recompute", ht::enum_names<ht::Recompute>());
   check("pipeline_schedule", ht::enum_names<ht::PipelineScheduleKind>());
   check("lr_decay_style", ht::enum_names<ht::LrDecay>());
+  check("moe_dispatcher", ht::enum_names<hp::ep::DispatcherKind>());
   EXPECT_EQ(ht::parse_config("pipeline_schedule: zbv\n").pipeline_schedule, ht::PipelineScheduleKind::kZBV);
   EXPECT_EQ(ht::parse_config("recompute: selective\n").recompute, ht::Recompute::kSelective);
 }

@@ -571,24 +571,28 @@ TEST(TrainDist, ResumeUnderAnotherLayoutContinues) {
 }
 
 // Expert parallelism through the trainer: DeepSeek tiny with its 8 experts over 2 and over 4
-// data_parallel_shard ranks (with HSDP too), against the naive one-process run: every step's
+// data_parallel_shard ranks (with HSDP too; both dispatchers), against the naive one-process run: every step's
 // loss and grad norm, and every parameter a rank holds, by its name and box, at 1e-10.
 TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
   auto w = hp::world();
   if (w->size() == 1) GTEST_SKIP() << "one rank holds every expert";
+  using K = hp::ep::DispatcherKind;
   struct Layout {
     int64_t data_parallel, ep;
+    K dispatcher;
   };
-  std::vector<Layout> layouts = {{1, 2}};
-  if (w->size() == 4) layouts = {{1, 4}, {1, 2}, {2, 2}};
+  std::vector<Layout> layouts = {{1, 2, K::kAllToAll}, {1, 2, K::kDedup}};
+  if (w->size() == 4) layouts = {{1, 4, K::kAllToAll}, {1, 4, K::kDedup}, {1, 2, K::kAllToAll}, {2, 2, K::kDedup}};
   for (const Layout& l : layouts) {
     ht::TrainConfig c = small_config("deepseek", w->size());
     c.data_parallel = l.data_parallel;
     c.data_parallel_shard = -1;
     c.expert_parallel = l.ep;
+    c.moe_dispatcher = l.dispatcher;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
-    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " ep " + std::to_string(l.ep);
+    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " ep " + std::to_string(l.ep) +
+                              " " + ht::to_string(l.dispatcher);
     Naive naive = naive_run(c);
     ht::Trainer t(c, w);
     expect_steps_match(t, c, naive, label);

@@ -23,7 +23,8 @@
 // weights) and combine's backward is a dispatch; the weights get their gradient at the
 // token's rank. Experts that receive no rows and ranks that send or receive nothing work
 // both ways. A rank must call dispatch and combine as often, and in the same order, as
-// every other rank of its EP group (they are collectives).
+// every other rank of its EP group (they are collectives), with tokens and weights that
+// require a gradient on every rank or on none (the backward's collectives follow them).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,19 +50,17 @@ ExpertSort sort_by_expert(const at::Tensor& expert_ids, int64_t experts);
 // counts [2,3,1,4] with 2 local experts -> [0,1,5,2,3,4,6,7,8,9].
 at::Tensor expert_major_order(const at::Tensor& counts, int64_t local_experts);
 
-// What dispatch leaves for its combine: the permutations and the splits.
+// What dispatch leaves for its combine (each implementation's permutations and splits).
 struct DispatchContext {
-  int64_t tokens = 0, k = 0;
-  at::Tensor order;           // ExpertSort::order of this rank's slots
-  at::Tensor unsort;          // its inverse: sorted position of each slot
-  at::Tensor to_expert_major, to_rank_major;  // received rows: expert-major order and inverse
-  std::vector<int64_t> send_splits, recv_splits;  // rows to / from each EP rank
-  at::Tensor weights;         // [tokens, k], as given to dispatch
+  virtual ~DispatchContext() = default;
 };
 
 struct Dispatched {
   at::Tensor rows;              // [sum(counts), dim]: local expert 0's rows, then 1's, ...
   std::vector<int64_t> counts;  // rows per local expert
+  // Bytes this rank sends to the other ranks of the group: dispatch's (rows, counts and,
+  // for the de-duplicating dispatcher, the routing) and combine's (the outputs going back).
+  int64_t dispatch_bytes = 0, combine_bytes = 0;
   std::shared_ptr<const DispatchContext> context;
 };
 
@@ -88,6 +87,21 @@ std::shared_ptr<TokenDispatcher> local_dispatcher(int64_t experts);
 // Experts split over `ep` (its size must divide `experts`; raises naming both): one row
 // per (token, chosen expert) pair crosses the all-to-all.
 std::shared_ptr<TokenDispatcher> all_to_all_dispatcher(const CommPtr& ep, int64_t experts);
+// The same placement, one copy of a token per destination rank (however many of its
+// experts that rank holds), with its local expert ids and weights beside it; the
+// destination fans it out to its experts, weighs their outputs and sends back one partial
+// sum per token, which the token's rank adds up in rank order. Fewer bytes when a token's
+// experts share ranks (top-8 of 256 over 64 ranks: about 7.6 ranks per token instead of 8
+// rows; over 8 ranks about 5.3), two small all-to-alls more per dispatch (ids, weights).
+std::shared_ptr<TokenDispatcher> dedup_all_to_all_dispatcher(const CommPtr& ep, int64_t experts);
+
+// Which dispatcher moves the tokens of an expert-parallel group.
+enum class DispatcherKind {
+  kAllToAll,  // all_to_all_dispatcher
+  kDedup,     // dedup_all_to_all_dispatcher
+};
+// The dispatcher of `kind` over `ep`; a group of one (or none): local_dispatcher.
+std::shared_ptr<TokenDispatcher> make_dispatcher(DispatcherKind kind, const CommPtr& ep, int64_t experts);
 
 // Differentiable all-to-all of rows: send_splits[r] rows of `x` (in rank order) to rank r,
 // recv_splits[r] rows from it; the backward sends the gradient back the same way reversed.

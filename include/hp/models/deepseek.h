@@ -131,8 +131,9 @@ TORCH_MODULE(DeepSeek);
 // sharded over the ranks holding the same experts) and before initialization or loading
 // (names stay the whole model's, so either fills the kept experts). Raises when the group
 // size does not divide the expert count, or when the MoE no longer holds all its experts
-// (applied twice). A group of one keeps everything (and the local dispatcher).
-void expert_parallel(MoEImpl& moe, const CommPtr& ep);
-void expert_parallel(DeepSeekImpl& model, const CommPtr& ep);
+// (applied twice). A group of one keeps everything (and the local dispatcher). `kind`
+// picks the dispatcher (plain all-to-all or de-duplicating; the same results).
+void expert_parallel(MoEImpl& moe, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
+void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
 
 }  // namespace hp::models

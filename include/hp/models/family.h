@@ -30,6 +30,7 @@
 
 #include "hp/comm/communicator.h"
 #include "hp/core/error.h"
+#include "hp/ep/dispatch.h"
 #include "hp/hooks/recompute.h"
 #include "hp/models/llama.h"  // PipelineSlice
 
@@ -60,7 +61,7 @@ class Model {
   // Expert parallelism over `ep` (before fully_shard, after tensor parallelism): keeps this
   // rank's routed experts and sends tokens to the ranks holding the others (hp/ep). Raises
   // "not supported yet" for a family without routed experts.
-  virtual void expert_parallel(const CommPtr& ep);
+  virtual void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind);
   // The modules holding routed experts (each a fully_shard unit of its own, sharded over the
   // ranks holding the same experts); none for a model without them.
   virtual std::vector<torch::nn::Module*> expert_modules() { return {}; }

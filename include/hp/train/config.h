@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "hp/ep/dispatch.h"
 #include "hp/fsdp/mixed_precision.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/models/family.h"
@@ -116,6 +117,8 @@ struct TrainConfig {
   // Expert parallelism: each MoE's routed experts split over this many consecutive
   // data_parallel_shard ranks (which then exchange tokens); must divide it.
   int64_t expert_parallel = 1;
+  // How tokens reach their experts' ranks: one row per (token, expert) or one copy per rank.
+  ep::DispatcherKind moe_dispatcher = ep::DispatcherKind::kAllToAll;
   int64_t pipeline_parallel = 1;
   int64_t pipeline_parallel_interleave_num = 1;
   // auto: 1f1b, or interleaved with interleave_num > 1; validate() resolves it.
