@@ -247,8 +247,6 @@ void TrainConfig::validate(int world_size) {
              data_parallel_shard, " (expert parallelism borrows data_parallel_shard ranks)");
     HP_CHECK(tensor_parallel == 1, s, ": expert_parallel=", ep, " with tensor_parallel=", tensor_parallel,
              " is not supported yet");
-    HP_CHECK(pipeline_parallel == 1, s, ": expert_parallel=", ep, " with pipeline_parallel=", pipeline_parallel,
-             " is not supported yet");
   }
   HP_CHECK(!apply_grad_on_fp32_main_grad || accumulate_allreduce_grads_in_fp32, s,
            ": apply_grad_on_fp32_main_grad=true needs accumulate_allreduce_grads_in_fp32=true (an fp32 main gradient ",

@@ -580,19 +580,26 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
   struct Layout {
     int64_t data_parallel, ep;
     K dispatcher;
+    ht::Recompute recompute = ht::Recompute::kNone;
   };
-  std::vector<Layout> layouts = {{1, 2, K::kAllToAll}, {1, 2, K::kDedup}};
-  if (w->size() == 4) layouts = {{1, 4, K::kAllToAll}, {1, 4, K::kDedup}, {1, 2, K::kAllToAll}, {2, 2, K::kDedup}};
+  // Under recompute the blocks' forward (and so the dispatch) runs again in backward; the
+  // balancing load is counted once.
+  std::vector<Layout> layouts = {{1, 2, K::kAllToAll}, {1, 2, K::kDedup}, {1, 2, K::kDedup, ht::Recompute::kFull}};
+  if (w->size() == 4) {
+    layouts = {{1, 4, K::kAllToAll}, {1, 4, K::kDedup}, {1, 2, K::kAllToAll}, {2, 2, K::kDedup},
+               {1, 4, K::kAllToAll, ht::Recompute::kFull}};
+  }
   for (const Layout& l : layouts) {
     ht::TrainConfig c = small_config("deepseek", w->size());
     c.data_parallel = l.data_parallel;
     c.data_parallel_shard = -1;
     c.expert_parallel = l.ep;
     c.moe_dispatcher = l.dispatcher;
+    c.recompute = l.recompute;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
     const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " ep " + std::to_string(l.ep) +
-                              " " + ht::to_string(l.dispatcher);
+                              " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute);
     Naive naive = naive_run(c);
     ht::Trainer t(c, w);
     expect_steps_match(t, c, naive, label);
@@ -641,6 +648,26 @@ std::map<std::string, at::Tensor> whole_params(const ht::Trainer& t, const ht::T
     out[item.key()] = full;
   }
   return out;
+}
+
+// Experts over 2 ranks inside each of 2 pipeline ranks (4 ranks): every schedule's steps
+// against the naive one-process run (losses and norms at 1e-10; the parameters are
+// pp_test's and the test above's).
+TEST(TrainDist, ExpertParallelInsidePipelineStages) {
+  auto w = hp::world();
+  if (w->size() != 4) GTEST_SKIP() << "EP 2 x PP 2 needs 4 ranks";
+  using S = ht::PipelineScheduleKind;
+  for (S schedule : {S::k1F1B, S::kGPipe, S::kZBH1, S::kInterleaved, S::kZBV}) {
+    const int64_t v = schedule == S::kInterleaved || schedule == S::kZBV ? 2 : 1;
+    ht::TrainConfig c = small_config("deepseek", w->size(), 1, 2, v);
+    c.expert_parallel = 2;
+    c.pipeline_schedule = schedule;
+    c.validate(w->size());
+    c.params_dtype = c.compute_dtype = at::kDouble;
+    Naive naive = naive_run(c);
+    ht::Trainer t(c, w);
+    expect_steps_match(t, c, naive, "ep 2 x pp 2 " + ht::to_string(schedule));
+  }
 }
 
 // A checkpoint saved with the experts over 4 (or 2) ranks resumes bitwise at the same
