@@ -339,8 +339,9 @@ TEST(FullyShardOverlap, RanksAtDifferentSpeedsIssueCollectivesInOneOrder) {
     torch::nn::Module& ref_module = root ? static_cast<torch::nn::Module&>(*ref) : *ref->blocks[i];
     auto params = sharded.handles[i]->parameters();
     auto sd = sharded.handles[i]->state_dict();
+    const auto ref_params = ref_module.named_parameters();  // find() points into it
     for (size_t j = 0; j < sd.size(); ++j) {
-      const at::Tensor* want = ref_module.named_parameters().find(sd[j].name);
+      const at::Tensor* want = ref_params.find(sd[j].name);
       ASSERT_NE(want, nullptr) << sd[j].name;
       // A parameter no rank produced a gradient for keeps none, as in one process.
       ASSERT_EQ(params[j].grad().defined(), want->grad().defined()) << sd[j].name;
