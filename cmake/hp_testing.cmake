@@ -33,11 +33,17 @@ target_include_directories(hp_test_main PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJE
 target_precompile_headers(hp_test_main PUBLIC
   <gtest/gtest.h> <ATen/ATen.h>)
 
+# A sanitized build runs several times slower: scripts/sanitize.sh sets this factor, which
+# scales every test's TIMEOUT and its communicators' HP_COMM_TIMEOUT_S.
+set(HP_TEST_TIMEOUT_SCALE 1 CACHE STRING "factor on each test's time limit and communicator timeout")
+
 function(hp_add_test)
   cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;TIMING_RANKS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
+  math(EXPR T_TIMEOUT "${T_TIMEOUT} * ${HP_TEST_TIMEOUT_SCALE}")
+  math(EXPR comm_timeout "120 * ${HP_TEST_TIMEOUT_SCALE}")
   set(filter "")
   if(T_TIMING_RANKS)
     set(filter "--gtest_filter=-*Timing.*")
@@ -48,7 +54,7 @@ function(hp_add_test)
                   $<TARGET_FILE:${T_NAME}> "--gtest_filter=*Timing.*")
         set_tests_properties(${T_NAME}.timing.np${np} PROPERTIES
           TIMEOUT ${T_TIMEOUT} LABELS dist_timing PROCESSORS ${np}
-          ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;HP_COMM_TIMEOUT_S=120")
+          ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;HP_COMM_TIMEOUT_S=${comm_timeout}")
       endforeach()
     endif()
   endif()
@@ -63,7 +69,7 @@ function(hp_add_test)
                   $<TARGET_FILE:${T_NAME}> ${filter})
         set_tests_properties(${T_NAME}.np${np} PROPERTIES
           TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}" PROCESSORS ${np}
-          ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;HP_COMM_TIMEOUT_S=120")
+          ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;HP_COMM_TIMEOUT_S=${comm_timeout}")
       elseif(np EQUAL 1)
         add_test(NAME ${T_NAME}.np1 COMMAND $<TARGET_FILE:${T_NAME}> ${filter})
         set_tests_properties(${T_NAME}.np1 PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")

@@ -19,6 +19,9 @@ if [ ! -f build-sanitize/build.ninja ]; then
   cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHP_BUILD_BENCH=OFF \
     -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
 fi
+# Time limits scaled for the sanitizers' slowdown (about 3-10x; more with several ranks per
+# core): ctest's TIMEOUT of each entry and its communicators' timeout (HP_TEST_TIMEOUT_SCALE).
+cmake -S . -B build-sanitize -DHP_TEST_TIMEOUT_SCALE="${HP_SANITIZE_TIMEOUT_SCALE:-8}" > /dev/null
 cmake --build build-sanitize -j "${HP_BUILD_JOBS:-2}"
 
 supp="$PWD/scripts/sanitize"
@@ -32,7 +35,8 @@ export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 # have no module name to match; kept loaded, their frames are named.
 export OMPI_MCA_mca_base_component_disable_dlclose=1 PMIX_MCA_mca_base_component_disable_dlclose=1
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
-# Sanitized runs are slower: the communicator's timeouts get room.
+# Sanitized runs are slower: the communicator's timeouts get room (ctest entries set their
+# own, scaled above).
 export HP_COMM_TIMEOUT_S="${HP_COMM_TIMEOUT_S:-300}"
 
 cd build-sanitize
