@@ -85,6 +85,16 @@ at::Tensor exchange_counts(const at::Tensor& mine, const CommPtr& g) {
   return theirs;
 }
 
+// The context of `d` as this dispatcher's, after checking the expert outputs `y` match it.
+template <typename Context>
+const Context& combine_context(const at::Tensor& y, const Dispatched& d) {
+  const auto* c = dynamic_cast<const Context*>(d.context.get());
+  HP_CHECK(c, "ep combine: not the Dispatched of this dispatcher's dispatch");
+  HP_CHECK(y.dim() == 2 && y.size(0) == d.rows.size(0), "ep combine: expert outputs must be [", d.rows.size(0),
+           ", dim] (one row per dispatched row), got shape ", y.sizes());
+  return *c;
+}
+
 struct SortingContext : DispatchContext {
   int64_t tokens = 0, k = 0;
   at::Tensor unsort;                          // sorted position of each slot
@@ -131,11 +141,7 @@ class SortingDispatcher : public TokenDispatcher {
   }
 
   at::Tensor combine(const at::Tensor& y, const Dispatched& d) override {
-    const auto* cp = dynamic_cast<const SortingContext*>(d.context.get());
-    HP_CHECK(cp, "ep combine: not the Dispatched of this dispatcher's dispatch");
-    const SortingContext& c = *cp;
-    HP_CHECK(y.dim() == 2 && y.size(0) == d.rows.size(0), "ep combine: expert outputs must be [", d.rows.size(0),
-             ", dim] (one row per dispatched row), got shape ", y.sizes());
+    const SortingContext& c = combine_context<SortingContext>(y, d);
     at::Tensor back = y;
     if (ep_) back = all_to_all_rows(y.index_select(0, c.to_rank_major), ep_, c.recv_splits, c.send_splits);
     at::Tensor slots = back.index_select(0, c.unsort).view({c.tokens, c.k, y.size(1)});
@@ -211,11 +217,7 @@ class DedupDispatcher : public TokenDispatcher {
   }
 
   at::Tensor combine(const at::Tensor& y, const Dispatched& d) override {
-    const auto* cp = dynamic_cast<const DedupContext*>(d.context.get());
-    HP_CHECK(cp, "ep combine: not the Dispatched of this dispatcher's dispatch");
-    const DedupContext& c = *cp;
-    HP_CHECK(y.dim() == 2 && y.size(0) == d.rows.size(0), "ep combine: expert outputs must be [", d.rows.size(0),
-             ", dim] (one row per dispatched row), got shape ", y.sizes());
+    const DedupContext& c = combine_context<DedupContext>(y, d);
     const int64_t dim = y.size(1);
     const at::ScalarType ct = at::promote_types(y.scalar_type(), at::kFloat);
     // Weighed here, summed per received token over its slots in order (deterministic).
