@@ -29,9 +29,18 @@ MemoryEstimate estimate_memory(int64_t params, int64_t block, at::ScalarType par
   // current block's gradients in the gradient dtype, two reduce-scatter inputs in the
   // reduce dtype. With one shard and an unchanged dtype parameters alias their shards.
   const bool aliased = detail::params_alias_shards(N, d);
+  const int64_t reductions =
+      N == 1 ? 0 : static_cast<int64_t>(detail::kReductionsInFlight) * block * bytes(d.reduce);
+  if (layout.unsharded_through_step) {
+    // A pipeline keeps every stage of the rank whole through the step (UNSHARD before its
+    // first micro-batch, REDUCE_GRAD after its last), gradients accumulating unsharded (a
+    // block's fresh gradient beside them before it is added).
+    m.backward_peak_extra = (aliased ? 0 : params * bytes(d.compute)) + params * bytes(d.unsharded_accumulate) +
+                            block * bytes(d.grad) + reductions;
+    return m;
+  }
   m.backward_peak_extra = (aliased ? 0 : detail::kUnshardedBlocksHeld * block * bytes(d.compute)) +
-                          block * bytes(d.grad) +
-                          (N == 1 ? 0 : static_cast<int64_t>(detail::kReductionsInFlight) * block * bytes(d.reduce));
+                          block * bytes(d.grad) + reductions;
   const int64_t k = layout.reshard_after_forward_group_size;
   HP_CHECK(k >= 0, "estimate_memory: reshard_after_forward_group_size=", k, " must be >= 0");
   HP_CHECK(k == 0 || N % k == 0, "estimate_memory: reshard_after_forward_group_size=", k,

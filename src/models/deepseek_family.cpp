@@ -93,6 +93,26 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
   void validate() const override { config.validate(); }
   void check_tensor_parallel(int64_t tp) const override { models::check_tensor_parallel(config, tp); }
   int64_t routed_experts() const override { return config.layers > config.dense_layers ? config.experts : 0; }
+  int64_t stage_expert_params(const PipelineSlice& sl) const override {
+    const int64_t end = check_slice(sl, config.layers);
+    const int64_t moe = std::max<int64_t>(0, end - std::max(sl.first_layer, config.dense_layers));
+    return moe * block_expert_params();
+  }
+  // Each routed expert a SwiGLU without biases: three dim x expert_hidden matrices.
+  int64_t block_expert_params() const override {
+    return routed_experts() * 3 * config.dim * config.expert_hidden;
+  }
+  int64_t experts_per_token() const override { return routed_experts() > 0 ? config.experts_per_token : 0; }
+  int64_t largest_block_params_outside_experts() const override {
+    // kinds() lists the MoE kind last, when the model has one.
+    const auto k = kinds();
+    int64_t out = 0;
+    for (size_t i = 0; i < k.size(); ++i) {
+      const bool moe = i + 1 == k.size() && routed_experts() > 0;
+      out = std::max(out, k[i].total - (moe ? block_expert_params() : 0));
+    }
+    return out;
+  }
 
   std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const override {
     DeepSeek m(config, slice);

@@ -15,26 +15,59 @@ namespace hp::train {
 
 RankMemory estimate_rank_memory(const TrainConfig& c) {
   RankMemory r;
+  const int64_t ep = c.expert_parallel;
   // Under tensor parallelism fully_shard shards each tp rank's pieces. Under pipeline
   // parallelism a rank holds its stages only: the fullest pp rank's share, with tensor
-  // parallelism dividing it as it divides the whole model.
+  // parallelism dividing it as it divides the whole model. (Expert parallelism needs
+  // tensor_parallel 1, so its experts are counted whole before it divides them.)
   r.rank_params = c.model->params_per_tp_rank(c.tensor_parallel);
+  int64_t experts = ep > 1 ? c.model->stage_expert_params(models::PipelineSlice{}) : 0;
   if (c.pipeline_parallel > 1) {
     r.stage_counts = stage_params(c);
     const pp::Schedule sched = pipeline_schedule(c);
-    std::vector<int64_t> held(static_cast<size_t>(c.pipeline_parallel), 0);
+    const auto slices = models::split_layers(c.model->layers(), static_cast<int>(r.stage_counts.size()),
+                                             c.pipeline_stage_layers);
+    std::vector<int64_t> held(static_cast<size_t>(c.pipeline_parallel), 0), held_experts(held.size(), 0);
     for (size_t k = 0; k < r.stage_counts.size(); ++k) {
-      held[static_cast<size_t>(sched.rank_of(static_cast<int>(k)))] += r.stage_counts[k];
+      const auto q = static_cast<size_t>(sched.rank_of(static_cast<int>(k)));
+      held[q] += r.stage_counts[k];
+      if (ep > 1) held_experts[q] += c.model->stage_expert_params(slices[k]);
     }
-    const int64_t fullest = *std::max_element(held.begin(), held.end());
-    r.rank_params = static_cast<int64_t>(static_cast<double>(fullest) * static_cast<double>(r.rank_params) /
+    const size_t fullest = static_cast<size_t>(std::max_element(held.begin(), held.end()) - held.begin());
+    r.rank_params = static_cast<int64_t>(static_cast<double>(held[fullest]) * static_cast<double>(r.rank_params) /
                                          static_cast<double>(c.model->num_params()));
+    experts = held_experts[fullest];
   }
-  r.estimate = estimate_memory(r.rank_params, c.model->largest_block_params_per_tp_rank(c.tensor_parallel),
-                               c.params_dtype, mixed_precision(c),
-                               {c.data_parallel, c.data_parallel_shard,
-                                // optim_grads keeps parameters gathered until backward: a group of 1
-                                c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads ? 1 : c.reshard_after_forward_group_size});
+  const auto mp = mixed_precision(c);
+  // optim_grads keeps parameters gathered until backward: a group of 1.
+  const int64_t group =
+      c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads ? 1 : c.reshard_after_forward_group_size;
+  const bool pipeline = c.pipeline_parallel > 1;  // its stages stay whole through the step
+  if (ep == 1) {
+    r.estimate = estimate_memory(r.rank_params, c.model->largest_block_params_per_tp_rank(c.tensor_parallel),
+                                 c.params_dtype, mp, {c.data_parallel, c.data_parallel_shard, group, pipeline});
+  } else {
+    // Two kinds of fully_shard unit: the rest of the model over dp_shard, and each MoE's
+    // experts (1/ep of them) over the dp_shard / ep ranks holding the same ones. A block's
+    // forward runs its experts inside it, so backward holds one of each at its peak.
+    const int64_t dense = r.rank_params - experts;
+    r.expert_params = experts / ep;
+    r.rank_params = dense + r.expert_params;
+    const MemoryEstimate d =
+        estimate_memory(dense, std::min(dense, c.model->largest_block_params_outside_experts()), c.params_dtype, mp,
+                        {c.data_parallel, c.data_parallel_shard, group, pipeline});
+    const MemoryEstimate e =
+        estimate_memory(r.expert_params, std::min(r.expert_params, c.model->block_expert_params() / ep), c.params_dtype,
+                        mp, {c.data_parallel, c.data_parallel_shard / ep, group, pipeline});
+    r.estimate = d;
+    r.estimate.params += e.params;
+    r.estimate.sharded_params += e.sharded_params;
+    r.estimate.sharded_grads += e.sharded_grads;
+    r.estimate.optimizer_state += e.optimizer_state;
+    r.estimate.fp32_masters += e.fp32_masters;
+    r.estimate.backward_peak_extra += e.backward_peak_extra;
+    r.estimate.post_forward_shares += e.post_forward_shares;
+  }
   // Each rank builds the model without storage and materializes its shards one parameter at
   // a time: its shards plus the largest parameter in fp32 (and its low-precision cast).
   const double largest = 4.0 * static_cast<double>(c.model->largest_param());
@@ -66,6 +99,16 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
     } else {
       os << "; a rank holds stages r, r + " << c.pipeline_parallel << ", ...\n";
     }
+  }
+  if (c.expert_parallel > 1) {
+    os << "expert parallel " << c.expert_parallel << ": a rank holds " << rm.expert_params
+       << " routed-expert parameters before fully_shard (1/" << c.expert_parallel << " of its stages'), sharded over "
+       << c.data_parallel_shard / c.expert_parallel << " ranks, and " << rm.rank_params - rm.expert_params
+       << " others, sharded over " << c.data_parallel_shard << "\n";
+  }
+  if (c.pipeline_parallel > 1) {
+    os << "pipeline: a rank's stages stay gathered (with their unsharded gradients) from their first micro-batch to "
+          "their last: " << rm.rank_params << " parameters\n";
   }
   os << "per rank, without activations: sharded params " << format_bytes(est.sharded_params) << ", grads "
      << format_bytes(est.sharded_grads) << ", optimizer " << format_bytes(est.optimizer_state) << ", fp32 masters "

@@ -157,6 +157,11 @@ double measure_matmul(const TrainConfig& c, int64_t tokens) {
   return 2.0 * static_cast<double>(M * K * N) / std::max(median(t), 1e-9);
 }
 
+// A device's optimizer step per parameter, assumed (as its utilization is): AdamW on fp32
+// masters reads the parameter, its gradient and two moments and writes three of them back,
+// 28 bytes, at 2 TB/s of memory bandwidth. This machine's CPU would say nothing about it.
+constexpr double kDeviceOptimizerSecondsPerParam = 28.0 / 2e12;
+
 std::string fmt(const char* f, double x) {
   char buf[64];
   std::snprintf(buf, sizeof buf, f, x);
@@ -186,7 +191,7 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
       int64_t deep = std::max<int64_t>(2, L);
       while (deep > 2 && copies * need(with_layers(c, deep)) > static_cast<double>(budget_bytes)) deep /= 2;
       const TrainConfig two = with_layers(c, std::max<int64_t>(2, deep));
-      p.optimizer_per_param = time_optimizer(c.params_dtype);
+      p.optimizer_per_param = device_tflops > 0 ? kDeviceOptimizerSecondsPerParam : time_optimizer(c.params_dtype);
       if (device_tflops <= 0 && copies * need(two) <= static_cast<double>(budget_bytes)) {
         p.activations_first = measure_activations(with_layers(c, 1), samples);
         p.activations_layer =
@@ -220,7 +225,8 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
         p.activations_first = p.activations_layer + tokens * (elem + 8.0) * a.head +
                               (recompute > 0 ? tokens * elem * a.block : 0);
         p.source = device_tflops > 0
-                       ? "FLOPs at half of " + fmt("%g", device_tflops) + " TFLOP/s (assumed utilization 0.5)"
+                       ? "FLOPs at half of " + fmt("%g", device_tflops) +
+                             " TFLOP/s (assumed utilization 0.5), the optimizer at 28 bytes per parameter over 2 TB/s"
                        : "FLOPs at this machine's " + fmt("%.3g", rate / 1e9) + " GFLOP/s matmul (" +
                              std::to_string(threads) + " thread(s); the model is too large to time here)";
       }
@@ -255,8 +261,9 @@ SimulatedNetwork measured_local_link() {
 
 std::string PlanRow::layout() const {
   std::string s = "dp_replicate=" + std::to_string(config.data_parallel) + " dp_shard=" +
-                  std::to_string(config.data_parallel_shard) + " tp=" + std::to_string(config.tensor_parallel) +
-                  " pp=" + std::to_string(config.pipeline_parallel);
+                  std::to_string(config.data_parallel_shard);
+  if (config.model->routed_experts() > 0) s += " ep=" + std::to_string(config.expert_parallel);
+  s += " tp=" + std::to_string(config.tensor_parallel) + " pp=" + std::to_string(config.pipeline_parallel);
   if (config.pipeline_parallel > 1) {
     s += " (" + to_string(config.pipeline_schedule);
     if (config.pipeline_parallel_interleave_num > 1) s += " x" + std::to_string(config.pipeline_parallel_interleave_num);
@@ -288,7 +295,14 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     return ops * SimulatedNetwork::seconds(op, static_cast<int64_t>(bytes / ops), n, link);
   };
 
-  std::vector<PlanRow> rows;
+  // Every layout: pp x dp_replicate x dp_shard x tp = N, and for a model with routed
+  // experts every expert_parallel dividing both dp_shard and the experts (tensor_parallel 1:
+  // expert parallelism beside tensor parallelism is not supported yet).
+  struct Layout {
+    int p, t, r, s, e;
+  };
+  const int64_t experts = base.model->routed_experts();
+  std::vector<Layout> layouts;
   for (int p = 1; p <= N; ++p) {
     if (N % p) continue;
     for (int t = 1; t <= N / p; ++t) {
@@ -296,203 +310,278 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       for (int r = 1; r <= N / p / t; ++r) {
         if ((N / p / t) % r) continue;
         const int s = N / p / t / r;
-        PlanRow row;
-        TrainConfig& c = row.config;
-        c = base;
-        c.data_parallel = r;
-        c.data_parallel_shard = s;
-        c.tensor_parallel = t;
-        c.pipeline_parallel = p;
-        if (t == 1) c.sequence_parallel = false;
-        if (p != base.pipeline_parallel) c.pipeline_stage_layers.clear();
-        if (p == 1) {
-          c.pipeline_parallel_interleave_num = 1;
-          c.pipeline_schedule = PipelineScheduleKind::kAuto;
+        for (int e = 1; e <= s; ++e) {
+          if (s % e == 0 && (e == 1 || (t == 1 && experts > 0 && experts % e == 0))) layouts.push_back({p, t, r, s, e});
         }
-        row.threads = o.device ? 0 : threads;
-        row.overlap = overlap;
-        try {
-          c.validate(N);
-          row.memory = estimate_rank_memory(c);
-        } catch (const std::exception& e) {
-          row.reason = e.what();
-          const std::string src = base.source + ": ";
-          if (row.reason.rfind(src, 0) == 0) row.reason = row.reason.substr(src.size());
-          rows.push_back(row);
-          continue;
-        }
-        const double need = std::max(row.memory.construction, static_cast<double>(row.memory.estimate.total()));
-        if (memory > 0 && need > static_cast<double>(memory)) {
-          row.reason = "needs " + format_bytes(static_cast<int64_t>(std::min(need, 9e18))) +
-                       " per rank without activations; " + format_bytes(memory) + " available";
-          rows.push_back(row);
-          continue;
-        }
-        row.feasible = true;
-        const MeshLayout mesh = layout_mesh(c);
-        // Rank 0's group over `dims` (every group of a dim has the same shape).
-        auto link_over = [&](const std::vector<std::string>& dims) { return link_of(mesh.group_ranks(0, dims)); };
-        const LinkModel replicate_link = r > 1 ? link_over({"dp_replicate"}) : net.intra;
-
-        const int64_t m = c.micro_batch_num, L = c.model->layers();
-        // Timed with the node's other ranks running beside (sharing caches and memory
-        // bandwidth, and the cores when they outnumber them), when ranks share this node.
-        const ComputeProfile prof = compute(c.micro_batch_size(), threads, o.device ? 1 : per_node);
-        // Oversubscription slows every rank, unless the profile was timed under it.
-        const double slower = prof.contended ? 1.0 : oversubscribed;
-        row.compute_source = prof.source;
-        const double rank_params = static_cast<double>(row.memory.rank_params);
-        const double optimizer = prof.optimizer_per_param * rank_params / static_cast<double>(s);
-        const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
-        const double dim = static_cast<double>(c.model->dim());
-        const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) * dim * act_elem;
-        // Activations a rank keeps under tensor parallelism: the head's logits split; of a
-        // block, the inputs of the norms (without sequence parallel) and of the column-parallel
-        // products (gathered whole) on every rank, the rest split (shares from the shapes).
-        const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / c.model->activations_per_token(c.seq_length).block;
-        // Its compute: the matrix products divide by the degree; of the rest (norms, residual
-        // adds, elementwise), the work on whole activations stays whole on every rank, in the
-        // activations' shares (BENCHMARKS.md, "The planner after tensor parallel's compute
-        // share", has what dividing everything predicted).
-        double tp_scale = 1;
-        if (t > 1) {
-          const double alone = prof.forward_layer / (prof.contended ? oversubscribed : 1.0);
-          const double mm = prof.matmul_forward_layer > 0 && alone > 0 ? std::min(1.0, prof.matmul_forward_layer / alone) : 1.0;
-          tp_scale = mm / t + (1.0 - mm) * (whole + (1.0 - whole) / t);
-        }
-        // Tensor parallelism, per block and direction of one micro-batch: 2 all-gathers and 2
-        // reduce-scatters of the activations with sequence parallel, else 2 all-reduces.
-        const LinkModel tp_link = link_over({"tp"});
-        const double tp_block = t == 1 ? 0
-                                : c.sequence_parallel
-                                    ? comm(CommOp::kAllGather, 2 * act_bytes, t, tp_link, 2) +
-                                          comm(CommOp::kReduceScatter, 2 * act_bytes, t, tp_link, 2)
-                                    : comm(CommOp::kAllReduce, 2 * act_bytes, t, tp_link, 2);
-        const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t);
-        const double act_head = (prof.activations_first - prof.activations_layer) / t;
-        int64_t rank_layers = L;
-        if (p == 1) {
-          const double fb = prof.forward_first + prof.backward_first +
-                            static_cast<double>(L - 1) * (prof.forward_layer + prof.backward_layer);
-          row.compute_s = static_cast<double>(m) * fb * tp_scale + optimizer;
-          // One micro-batch at a time: its backward frees what its forward kept.
-          row.activations = act_head + static_cast<double>(L) * act_layer;
-          // Blocks, and the embedding and head (one more of each direction).
-          row.tp_comm_s = static_cast<double>(m) * 2.0 * tp_block * static_cast<double>(L + 1);
-          row.compute_s *= slower;
-        } else {
-          const int v = static_cast<int>(c.pipeline_parallel_interleave_num), S = p * v;
-          const auto slices = models::split_layers(L, S, c.pipeline_stage_layers);
-          const pp::Schedule sched = pipeline_schedule(c);
-          // Each stage's costs: its blocks, and on the last stage the embedding, head and loss
-          // (the first block's extra); tensor parallel's transfers of its blocks beside.
-          std::vector<double> f(static_cast<size_t>(S)), b(static_cast<size_t>(S)), tpc(static_cast<size_t>(S));
-          std::vector<int64_t> layers_of_rank(static_cast<size_t>(p), 0);
-          for (int k = 0; k < S; ++k) {
-            const auto& sl = slices[static_cast<size_t>(k)];
-            const int64_t n = (sl.end_layer < 0 ? L : sl.end_layer) - sl.first_layer;
-            layers_of_rank[static_cast<size_t>(sched.rank_of(k))] += n;
-            const double extra = k == S - 1 ? 1 : 0;
-            const auto K = static_cast<size_t>(k);
-            f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) * tp_scale;
-            b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) * tp_scale;
-            tpc[K] = tp_block * static_cast<double>(n + extra);
-          }
-          rank_layers = *std::max_element(layers_of_rank.begin(), layers_of_rank.end());
-          // Each stage's output (and its gradient back) crosses to the next stage's rank.
-          // The first hop, stage 0's rank to stage 1's (as a stage's send to the next).
-          std::vector<int> first_hop = mesh.group_ranks(0, {"pp"});
-          first_hop.resize(std::min<size_t>(first_hop.size(), 2));
-          const double hop = SimulatedNetwork::seconds(CommOp::kSend, static_cast<int64_t>(act_bytes), 2,
-                                                       link_of(first_hop));
-          // On oversubscribed cores a rank waiting in the bubble leaves its core to the others:
-          // the step is the schedule's with a core each, or the node's work over its cores,
-          // whichever is longer.
-          const double free = slower / oversubscribed;  // scales the profile to a core each
-          auto makespan = [&](bool with_comm) {
-            pp::Costs all;
-            for (size_t k = 0; k < f.size(); ++k) {
-              const double extra = with_comm ? tpc[k] + hop : 0;
-              pp::Costs one;
-              one.forward = f[k] * free + extra;
-              one.backward = b[k] * free + extra;
-              one.backward_input = b[k] * free / 2 + extra;
-              one.backward_weight = b[k] * free / 2;
-              all.per_stage.push_back(one);
-            }
-            return pp::simulate(sched, all);
-          };
-          const pp::SimResult alone = makespan(false);
-          const pp::SimResult with_comm = makespan(true);
-          double bubble = 0, busy = 0;
-          for (double b : alone.bubble) bubble += b / static_cast<double>(alone.bubble.size());
-          for (double b : alone.busy) busy += b / static_cast<double>(alone.busy.size());
-          row.bubble = bubble;
-          row.compute_s = std::max(alone.makespan, busy * oversubscribed) + optimizer * slower;
-          // Per rank: its largest stage's activations times the micro-batches it holds at
-          // once; the largest over the ranks.
-          std::vector<double> stage_act(static_cast<size_t>(p), 0.0);
-          for (int k = 0; k < S; ++k) {
-            const auto& sl = slices[static_cast<size_t>(k)];
-            const int64_t n = (sl.end_layer < 0 ? L : sl.end_layer) - sl.first_layer;
-            const double extra = k == S - 1 ? 1 : 0;
-            double& a = stage_act[static_cast<size_t>(sched.rank_of(k))];
-            a = std::max(a, static_cast<double>(n) * act_layer + extra * act_head);
-          }
-          for (int q = 0; q < p; ++q) {
-            row.activations = std::max(row.activations, stage_act[static_cast<size_t>(q)] *
-                                                            static_cast<double>(alone.peak_in_flight[static_cast<size_t>(q)]));
-          }
-          row.tp_comm_s = 2.0 * tp_block * static_cast<double>(m) * static_cast<double>(rank_layers + 1);
-          row.pp_comm_s = 2.0 * hop * static_cast<double>(m);
-          row.exposed_s += with_comm.makespan - alone.makespan;
-        }
-        if (p == 1) row.exposed_s += row.tp_comm_s;
-        if (s > 1) {
-          // fully_shard's collectives (fsdp's own count: once per micro-batch, or once a step
-          // where a pipeline keeps its stages' parameters), one per group: every block and the
-          // root. Each op moves the group's share of the rank's parameters.
-          const auto mp = resolve_dtypes(mixed_precision(c), c.params_dtype);
-          const double gather_bytes = rank_params * static_cast<double>(c10::elementSize(mp.all_gather));
-          const double reduce_bytes = rank_params * static_cast<double>(c10::elementSize(mp.reduce));
-          const int64_t groups = rank_layers + 1;
-          const double ops = static_cast<double>(groups);
-          const CollectiveCounts n = estimate_collectives(
-              groups, p == 1 ? m : 1, c.data_parallel_shard_strategy != ShardStrategy::kOptimGrads && p == 1, r);
-          const LinkModel shard_link = link_over({"dp_shard"});
-          const double gather = comm(CommOp::kAllGather, gather_bytes, s, shard_link, ops) / ops;
-          const double reduce = comm(CommOp::kReduceScatter, reduce_bytes, s, shard_link, ops) / ops;
-          const double across = comm(CommOp::kAllReduce, reduce_bytes / s, r, replicate_link, ops) / ops;
-          // Before each reduction, the flags of which parameters got a gradient (a few bytes,
-          // latency alone) over the same group.
-          const double shard_flags = SimulatedNetwork::seconds(CommOp::kAllReduce, 64, s, shard_link);
-          const double replicate_flags = SimulatedNetwork::seconds(CommOp::kAllReduce, 64, r, replicate_link);
-          row.fsdp_comm_s = static_cast<double>(n.all_gathers) * gather +
-                            static_cast<double>(n.reduce_scatters) * (reduce + shard_flags) +
-                            static_cast<double>(n.all_reduces) * (across + replicate_flags);
-          // Overlapped, one group's collectives stay exposed (the first gather, the last
-          // reduction), and whatever exceeds the compute.
-          row.exposed_s += overlap ? gather + reduce + across + std::max(0.0, row.fsdp_comm_s - row.compute_s)
-                                   : row.fsdp_comm_s;
-        } else if (r > 1) {
-          row.fsdp_comm_s = comm(CommOp::kAllReduce, rank_params * 4.0, r, replicate_link, 1) *
-                            (p == 1 ? static_cast<double>(m) : 1.0);
-          row.exposed_s += row.fsdp_comm_s;
-        }
-        // The gradient norm, the loss and the step time: three small all-reduces over the world.
-        row.exposed_s += 3 * SimulatedNetwork::seconds(CommOp::kAllReduce, 16, N, N > per_node ? net.inter : net.intra);
-        row.step_s = row.compute_s + row.exposed_s;
-        const double state = static_cast<double>(row.memory.estimate.total());
-        if (memory > 0 && state + row.activations > static_cast<double>(memory)) {
-          row.feasible = false;
-          row.reason = "needs " + format_bytes(static_cast<int64_t>(std::min(state + row.activations, 9e18))) +
-                       " per rank (" + format_bytes(static_cast<int64_t>(state)) + " state, " +
-                       format_bytes(static_cast<int64_t>(std::min(row.activations, 9e18))) + " activations); " +
-                       format_bytes(memory) + " available";
-        }
-        rows.push_back(row);
       }
     }
+  }
+
+  std::vector<PlanRow> rows;
+  for (const Layout& lay : layouts) {
+    const int p = lay.p, t = lay.t, r = lay.r, s = lay.s, e = lay.e;
+    PlanRow row;
+    TrainConfig& c = row.config;
+    c = base;
+    c.data_parallel = r;
+    c.data_parallel_shard = s;
+    c.tensor_parallel = t;
+    c.pipeline_parallel = p;
+    c.expert_parallel = e;
+    if (e == 1) c.moe_dispatcher = ep::DispatcherKind::kAllToAll;
+    if (t == 1) c.sequence_parallel = false;
+    if (p != base.pipeline_parallel) c.pipeline_stage_layers.clear();
+    if (p == 1) {
+      c.pipeline_parallel_interleave_num = 1;
+      c.pipeline_schedule = PipelineScheduleKind::kAuto;
+    }
+    row.threads = o.device ? 0 : threads;
+    row.overlap = overlap;
+    try {
+      c.validate(N);
+      row.memory = estimate_rank_memory(c);
+    } catch (const std::exception& e) {
+      row.reason = e.what();
+      const std::string src = base.source + ": ";
+      if (row.reason.rfind(src, 0) == 0) row.reason = row.reason.substr(src.size());
+      rows.push_back(row);
+      continue;
+    }
+    const double need = std::max(row.memory.construction, static_cast<double>(row.memory.estimate.total()));
+    if (memory > 0 && need > static_cast<double>(memory)) {
+      row.reason = "needs " + format_bytes(static_cast<int64_t>(std::min(need, 9e18))) +
+                   " per rank without activations; " + format_bytes(memory) + " available";
+      rows.push_back(row);
+      continue;
+    }
+    row.feasible = true;
+    const MeshLayout mesh = layout_mesh(c);
+    // Rank 0's group over `dims` (every group of a dim has the same shape).
+    auto link_over = [&](const std::vector<std::string>& dims) { return link_of(mesh.group_ranks(0, dims)); };
+    const LinkModel replicate_link = r > 1 ? link_over({"dp_replicate"}) : net.intra;
+
+    const int64_t m = c.micro_batch_num, L = c.model->layers();
+    // Timed with the node's other ranks running beside (sharing caches and memory
+    // bandwidth, and the cores when they outnumber them), when ranks share this node.
+    const ComputeProfile prof = compute(c.micro_batch_size(), threads, o.device ? 1 : per_node);
+    // Oversubscription slows every rank, unless the profile was timed under it.
+    const double slower = prof.contended ? 1.0 : oversubscribed;
+    row.compute_source = prof.source;
+    const double rank_params = static_cast<double>(row.memory.rank_params);
+    // The rank's shards: the experts' over dp_shard / ep, the rest over dp_shard.
+    const double optimizer = prof.optimizer_per_param *
+                             (rank_params + static_cast<double>(row.memory.expert_params) * (e - 1)) /
+                             static_cast<double>(s);
+    const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
+    const double dim = static_cast<double>(c.model->dim());
+    const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) * dim * act_elem;
+    // Activations a rank keeps under tensor parallelism: the head's logits split; of a
+    // block, the inputs of the norms (without sequence parallel) and of the column-parallel
+    // products (gathered whole) on every rank, the rest split (shares from the shapes).
+    const double whole = t == 1 ? 0.0 : (c.sequence_parallel ? 2.0 : 4.0) * dim / c.model->activations_per_token(c.seq_length).block;
+    // Its compute: the matrix products divide by the degree; of the rest (norms, residual
+    // adds, elementwise), the work on whole activations stays whole on every rank, in the
+    // activations' shares (BENCHMARKS.md, "The planner after tensor parallel's compute
+    // share", has what dividing everything predicted).
+    double tp_scale = 1;
+    if (t > 1) {
+      const double alone = prof.forward_layer / (prof.contended ? oversubscribed : 1.0);
+      const double mm = prof.matmul_forward_layer > 0 && alone > 0 ? std::min(1.0, prof.matmul_forward_layer / alone) : 1.0;
+      tp_scale = mm / t + (1.0 - mm) * (whole + (1.0 - whole) / t);
+    }
+    // Tensor parallelism, per block and direction of one micro-batch: 2 all-gathers and 2
+    // reduce-scatters of the activations with sequence parallel, else 2 all-reduces.
+    const LinkModel tp_link = link_over({"tp"});
+    const double tp_block = t == 1 ? 0
+                            : c.sequence_parallel
+                                ? comm(CommOp::kAllGather, 2 * act_bytes, t, tp_link, 2) +
+                                      comm(CommOp::kReduceScatter, 2 * act_bytes, t, tp_link, 2)
+                                : comm(CommOp::kAllReduce, 2 * act_bytes, t, tp_link, 2);
+    // Expert parallelism, per MoE block and micro-batch: the dispatcher's all-to-alls over
+    // the EP group (src/ep/dispatch.cpp), on the critical path. Forward exchanges the
+    // per-expert counts, dispatches and combines; backward runs them reversed, after the
+    // forward's again under recompute. all_to_all sends a row per (token, chosen expert);
+    // dedup one per (token, destination rank), with its k local ids (int64) and weights
+    // (fp32) beside, where a token's k experts, drawn uniformly without replacement, reach
+    // D = ep (1 - C(E - E/ep, k) / C(E, k)) distinct ranks in expectation. Routing is
+    // taken as balanced: every rank gets its share of the rows.
+    double ep_forward = 0, ep_backward = 0;
+    if (e > 1) {
+      const LinkModel ep_link = link_of(MeshLayout(expert_layout_dims(c), N).group_ranks(0, {"ep"}));
+      const double tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
+      const double k = static_cast<double>(c.model->experts_per_token()), E = static_cast<double>(experts);
+      auto a2a = [&](double bytes) { return SimulatedNetwork::seconds(CommOp::kAllToAll, static_cast<int64_t>(bytes), e, ep_link); };
+      const double counts = a2a(8.0 * E);
+      const double row = dim * act_elem;
+      if (c.moe_dispatcher == ep::DispatcherKind::kDedup) {
+        double miss = 1;  // a rank holds none of the token's k experts
+        for (int i = 0; i < static_cast<int>(k); ++i) miss *= std::max(0.0, E - E / e - i) / (E - i);
+        const double copies = tokens * e * (1.0 - miss);
+        ep_forward = counts + a2a(copies * row) + a2a(copies * k * 8.0) + a2a(copies * k * 4.0) + a2a(copies * row);
+        ep_backward = 2 * a2a(copies * row) + a2a(copies * k * 4.0);
+      } else {
+        ep_forward = counts + 2 * a2a(tokens * k * row);
+        ep_backward = 2 * a2a(tokens * k * row);
+      }
+      if (c.recompute != Recompute::kNone) ep_backward += ep_forward;
+    }
+    // MoE blocks of a pipeline slice.
+    auto moe_blocks = [&](const models::PipelineSlice& sl) {
+      const int64_t per = c.model->block_expert_params();
+      return per > 0 ? c.model->stage_expert_params(sl) / per : 0;
+    };
+    const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t);
+    const double act_head = (prof.activations_first - prof.activations_layer) / t;
+    int64_t rank_layers = L, rank_moe = moe_blocks(models::PipelineSlice{});
+    if (p == 1) {
+      const double fb = prof.forward_first + prof.backward_first +
+                        static_cast<double>(L - 1) * (prof.forward_layer + prof.backward_layer);
+      row.compute_s = static_cast<double>(m) * fb * tp_scale + optimizer;
+      // One micro-batch at a time: its backward frees what its forward kept.
+      row.activations = act_head + static_cast<double>(L) * act_layer;
+      // Blocks, and the embedding and head (one more of each direction).
+      row.tp_comm_s = static_cast<double>(m) * 2.0 * tp_block * static_cast<double>(L + 1);
+      row.ep_comm_s = static_cast<double>(m) * (ep_forward + ep_backward) *
+                      static_cast<double>(moe_blocks(models::PipelineSlice{}));
+      row.compute_s *= slower;
+    } else {
+      const int v = static_cast<int>(c.pipeline_parallel_interleave_num), S = p * v;
+      const auto slices = models::split_layers(L, S, c.pipeline_stage_layers);
+      const pp::Schedule sched = pipeline_schedule(c);
+      // Each stage's costs: its blocks, and on the last stage the embedding, head and loss
+      // (the first block's extra); tensor parallel's transfers of its blocks beside.
+      std::vector<double> f(static_cast<size_t>(S)), b(static_cast<size_t>(S)), tpc(static_cast<size_t>(S));
+      std::vector<double> epf(static_cast<size_t>(S)), epb(static_cast<size_t>(S));
+      std::vector<int64_t> layers_of_rank(static_cast<size_t>(p), 0), moe_of_rank(static_cast<size_t>(p), 0);
+      for (int k = 0; k < S; ++k) {
+        const auto& sl = slices[static_cast<size_t>(k)];
+        const int64_t n = (sl.end_layer < 0 ? L : sl.end_layer) - sl.first_layer;
+        layers_of_rank[static_cast<size_t>(sched.rank_of(k))] += n;
+        const double extra = k == S - 1 ? 1 : 0;
+        const auto K = static_cast<size_t>(k);
+        f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) * tp_scale;
+        b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) * tp_scale;
+        tpc[K] = tp_block * static_cast<double>(n + extra);
+        const int64_t moe = moe_blocks(sl);
+        moe_of_rank[static_cast<size_t>(sched.rank_of(k))] += moe;
+        epf[K] = ep_forward * static_cast<double>(moe);
+        epb[K] = ep_backward * static_cast<double>(moe);
+      }
+      rank_layers = *std::max_element(layers_of_rank.begin(), layers_of_rank.end());
+      rank_moe = *std::max_element(moe_of_rank.begin(), moe_of_rank.end());
+      // Each stage's output (and its gradient back) crosses to the next stage's rank.
+      // The first hop, stage 0's rank to stage 1's (as a stage's send to the next).
+      std::vector<int> first_hop = mesh.group_ranks(0, {"pp"});
+      first_hop.resize(std::min<size_t>(first_hop.size(), 2));
+      const double hop = SimulatedNetwork::seconds(CommOp::kSend, static_cast<int64_t>(act_bytes), 2,
+                                                   link_of(first_hop));
+      // On oversubscribed cores a rank waiting in the bubble leaves its core to the others:
+      // the step is the schedule's with a core each, or the node's work over its cores,
+      // whichever is longer.
+      const double free = slower / oversubscribed;  // scales the profile to a core each
+      auto makespan = [&](bool with_comm) {
+        pp::Costs all;
+        for (size_t k = 0; k < f.size(); ++k) {
+          const double extra = with_comm ? tpc[k] + hop : 0;
+          // The experts' all-to-alls belong to the input's gradient (the weights' own
+          // gradients need none).
+          const double ep_f = with_comm ? epf[k] : 0, ep_b = with_comm ? epb[k] : 0;
+          pp::Costs one;
+          one.forward = f[k] * free + extra + ep_f;
+          one.backward = b[k] * free + extra + ep_b;
+          one.backward_input = b[k] * free / 2 + extra + ep_b;
+          one.backward_weight = b[k] * free / 2;
+          all.per_stage.push_back(one);
+        }
+        return pp::simulate(sched, all);
+      };
+      const pp::SimResult alone = makespan(false);
+      const pp::SimResult with_comm = makespan(true);
+      double bubble = 0, busy = 0;
+      for (double b : alone.bubble) bubble += b / static_cast<double>(alone.bubble.size());
+      for (double b : alone.busy) busy += b / static_cast<double>(alone.busy.size());
+      row.bubble = bubble;
+      row.compute_s = std::max(alone.makespan, busy * oversubscribed) + optimizer * slower;
+      // Per rank: its largest stage's activations times the micro-batches it holds at
+      // once; the largest over the ranks.
+      std::vector<double> stage_act(static_cast<size_t>(p), 0.0);
+      for (int k = 0; k < S; ++k) {
+        const auto& sl = slices[static_cast<size_t>(k)];
+        const int64_t n = (sl.end_layer < 0 ? L : sl.end_layer) - sl.first_layer;
+        const double extra = k == S - 1 ? 1 : 0;
+        double& a = stage_act[static_cast<size_t>(sched.rank_of(k))];
+        a = std::max(a, static_cast<double>(n) * act_layer + extra * act_head);
+      }
+      for (int q = 0; q < p; ++q) {
+        row.activations = std::max(row.activations, stage_act[static_cast<size_t>(q)] *
+                                                        static_cast<double>(alone.peak_in_flight[static_cast<size_t>(q)]));
+      }
+      row.tp_comm_s = 2.0 * tp_block * static_cast<double>(m) * static_cast<double>(rank_layers + 1);
+      row.pp_comm_s = 2.0 * hop * static_cast<double>(m);
+      row.ep_comm_s = (ep_forward + ep_backward) * static_cast<double>(m) * static_cast<double>(rank_moe);
+      row.exposed_s += with_comm.makespan - alone.makespan;
+    }
+    if (p == 1) row.exposed_s += row.tp_comm_s + row.ep_comm_s;
+    if (s > 1) {
+      // fully_shard's collectives (fsdp's own count: once per micro-batch, or once a step
+      // where a pipeline keeps its stages' parameters), one per group: every block and the
+      // root, and with expert parallelism each MoE's experts over the dp_shard / ep ranks
+      // holding them. Each op moves the group's share of the rank's parameters.
+      const auto mp = resolve_dtypes(mixed_precision(c), c.params_dtype);
+      const bool reshard = c.data_parallel_shard_strategy != ShardStrategy::kOptimGrads && p == 1;
+      const int64_t rounds = p == 1 ? m : 1;
+      // One kind of unit: `n` groups of `params` in all over `shards` ranks; the time of
+      // one group's gather, reduce-scatter and all-reduce across replicas, and of all.
+      struct Units {
+        double gather = 0, reduce = 0, across = 0, all = 0;
+      };
+      auto units = [&](double params, int64_t n, int shards, const LinkModel& link) {
+        Units u;
+        if (n <= 0 || shards <= 1) return u;
+        const double ops = static_cast<double>(n);
+        u.gather = comm(CommOp::kAllGather, params * static_cast<double>(c10::elementSize(mp.all_gather)), shards,
+                        link, ops) / ops;
+        const double reduce_bytes = params * static_cast<double>(c10::elementSize(mp.reduce));
+        u.reduce = comm(CommOp::kReduceScatter, reduce_bytes, shards, link, ops) / ops;
+        u.across = comm(CommOp::kAllReduce, reduce_bytes / shards, r, replicate_link, ops) / ops;
+        // Before each reduction, the flags of which parameters got a gradient (a few
+        // bytes, latency alone) over the same group.
+        const double shard_flags = SimulatedNetwork::seconds(CommOp::kAllReduce, 64, shards, link);
+        const double replicate_flags = SimulatedNetwork::seconds(CommOp::kAllReduce, 64, r, replicate_link);
+        const CollectiveCounts k = estimate_collectives(n, rounds, reshard, r);
+        u.all = static_cast<double>(k.all_gathers) * u.gather +
+                static_cast<double>(k.reduce_scatters) * (u.reduce + shard_flags) +
+                static_cast<double>(k.all_reduces) * (u.across + replicate_flags);
+        return u;
+      };
+      const double rank_experts = static_cast<double>(row.memory.expert_params);
+      const Units dense = units(rank_params - rank_experts, rank_layers + 1, s, link_over({"dp_shard"}));
+      const Units expert =
+          e > 1 ? units(rank_experts, rank_moe, s / e,
+                        link_of(MeshLayout(expert_layout_dims(c), N).group_ranks(0, {"dp_shard"})))
+                : Units{};
+      row.fsdp_comm_s = dense.all + expert.all;
+      // Overlapped, one group's collectives stay exposed (the first gather, the last
+      // reduction), and whatever exceeds the compute.
+      const double one = dense.gather + dense.reduce + dense.across + expert.gather + expert.reduce + expert.across;
+      row.exposed_s += overlap ? one + std::max(0.0, row.fsdp_comm_s - row.compute_s) : row.fsdp_comm_s;
+    } else if (r > 1) {
+      row.fsdp_comm_s = comm(CommOp::kAllReduce, rank_params * 4.0, r, replicate_link, 1) *
+                        (p == 1 ? static_cast<double>(m) : 1.0);
+      row.exposed_s += row.fsdp_comm_s;
+    }
+    // The gradient norm, the loss and the step time: three small all-reduces over the world.
+    row.exposed_s += 3 * SimulatedNetwork::seconds(CommOp::kAllReduce, 16, N, N > per_node ? net.inter : net.intra);
+    row.step_s = row.compute_s + row.exposed_s;
+    const double state = static_cast<double>(row.memory.estimate.total());
+    if (memory > 0 && state + row.activations > static_cast<double>(memory)) {
+      row.feasible = false;
+      row.reason = "needs " + format_bytes(static_cast<int64_t>(std::min(state + row.activations, 9e18))) +
+                   " per rank (" + format_bytes(static_cast<int64_t>(state)) + " state, " +
+                   format_bytes(static_cast<int64_t>(std::min(row.activations, 9e18))) + " activations); " +
+                   format_bytes(memory) + " available";
+    }
+    rows.push_back(row);
   }
   std::stable_sort(rows.begin(), rows.end(), [](const PlanRow& a, const PlanRow& b) {
     if (a.feasible != b.feasible) return a.feasible;
@@ -511,17 +600,18 @@ std::string format_plan(const std::vector<PlanRow>& rows) {
         << "; compute " << r.compute_source << "; mem/rank: the sharded state and activations (activ.)\n";
     break;
   }
-  std::snprintf(line, sizeof line, "%-4s %-44s %10s %10s %9s %9s %9s %9s %9s %7s %10s\n", "#", "layout", "mem/rank",
-                "activ.", "compute", "fsdp", "tp", "pp", "exposed", "bubble", "step");
+  std::snprintf(line, sizeof line, "%-4s %-50s %10s %10s %9s %9s %9s %9s %9s %9s %7s %10s\n", "#", "layout",
+                "mem/rank", "activ.", "compute", "fsdp", "tp", "pp", "ep", "exposed", "bubble", "step");
   out << line;
   int k = 0;
   for (const PlanRow& r : rows) {
     if (!r.feasible) continue;
     const auto total = static_cast<int64_t>(static_cast<double>(r.memory.estimate.total()) + r.activations);
-    std::snprintf(line, sizeof line, "%-4d %-44s %10s %10s %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %6.1f%% %8.1fms\n",
-                  ++k, r.layout().c_str(), format_bytes(total).c_str(),
-                  format_bytes(static_cast<int64_t>(r.activations)).c_str(), r.compute_s * 1e3,
-                  r.fsdp_comm_s * 1e3, r.tp_comm_s * 1e3, r.pp_comm_s * 1e3, r.exposed_s * 1e3, r.bubble * 100,
+    std::snprintf(line, sizeof line,
+                  "%-4d %-50s %10s %10s %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %6.1f%% %8.1fms\n", ++k,
+                  r.layout().c_str(), format_bytes(total).c_str(),
+                  format_bytes(static_cast<int64_t>(r.activations)).c_str(), r.compute_s * 1e3, r.fsdp_comm_s * 1e3,
+                  r.tp_comm_s * 1e3, r.pp_comm_s * 1e3, r.ep_comm_s * 1e3, r.exposed_s * 1e3, r.bubble * 100,
                   r.step_s * 1e3);
     out << line;
   }
@@ -539,12 +629,13 @@ std::string plan_json(const std::vector<PlanRow>& rows) {
   std::ostringstream out;
   for (const PlanRow& r : rows) {
     out << "{\"dp_replicate\":" << r.config.data_parallel << ",\"dp_shard\":" << r.config.data_parallel_shard
-        << ",\"tp\":" << r.config.tensor_parallel << ",\"pp\":" << r.config.pipeline_parallel
+        << ",\"ep\":" << r.config.expert_parallel << ",\"tp\":" << r.config.tensor_parallel
+        << ",\"pp\":" << r.config.pipeline_parallel
         << ",\"feasible\":" << (r.feasible ? "true" : "false");
     if (r.feasible) {
       out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"activation_bytes\":" << r.activations
           << ",\"compute_s\":" << r.compute_s
-          << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s
+          << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s << ",\"ep_comm_s\":" << r.ep_comm_s
           << ",\"exposed_s\":" << r.exposed_s << ",\"bubble\":" << r.bubble << ",\"step_s\":" << r.step_s
           << ",\"threads\":" << r.threads << ",\"overlap\":" << (r.overlap ? "true" : "false");
     } else {

@@ -32,6 +32,22 @@ TEST(MemoryEstimate, ReshardToGroupsKeepsTheGroupsShares) {
                          {"reshard_after_forward_group_size=3", "dp_shard=4"});
 }
 
+// Under a pipeline a rank's stages stay whole from their first micro-batch to their last,
+// their gradients accumulating unsharded: the whole 1000 in the compute dtype (bf16) and in
+// the accumulation dtype (the fp32 reduction's), beside one block's fresh bf16 gradient and
+// two fp32 reduce-scatter inputs of a block.
+TEST(MemoryEstimate, APipelineKeepsItsStagesWholeThroughTheStep) {
+  hp::MixedPrecisionPolicy p;
+  p.param_dtype = at::kBFloat16;
+  p.reduce_dtype = at::kFloat;
+  hp::ParallelLayout l{1, 4, 0, /*unsharded_through_step=*/true};
+  auto m = estimate_memory(1000, 100, at::kFloat, p, l);
+  EXPECT_EQ(m.backward_peak_extra, 1000 * 2 + 1000 * 4 + 100 * 2 + 2 * 100 * 4);
+  EXPECT_EQ(m.post_forward_shares, 0);
+  EXPECT_EQ(m.sharded_params, 250 * 4);  // the sharded state as without a pipeline
+  EXPECT_EQ(m.optimizer_state, 2 * 250 * 4);
+}
+
 TEST(MemoryEstimate, Bf16ShardsWithMainGradsAndMasters) {
   hp::MixedPrecisionPolicy p;
   p.reduce_dtype = at::kFloat;

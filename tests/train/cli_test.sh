@@ -74,6 +74,22 @@ grep -q 'data_parallel 8 x data_parallel_shard 128' "$work/out" || fail "--estim
   > "$work/out" 2>&1 || fail "--estimate with tensor_parallel failed: $(cat "$work/out")"
 grep -q 'data_parallel 8 x data_parallel_shard 16 x tensor_parallel 8' "$work/out" || fail "--estimate: tp layout not resolved: $(cat "$work/out")"
 grep -q 'per tensor-parallel rank, before fully_shard: ' "$work/out" || fail "--estimate: no per-tp-rank count"
+# Expert parallelism in the estimate: a rank's share of the routed experts, and the rest.
+"$bin" --config "$src/configs/deepseek_v3_plan.yaml" --estimate --world 2048 --set expert_parallel=64 \
+  > "$work/out" 2>&1 || fail "--estimate with expert_parallel failed: $(cat "$work/out")"
+grep -q 'expert parallel 64: a rank holds 704643072 routed-expert parameters' "$work/out" ||
+  fail "--estimate: no expert-parallel share: $(cat "$work/out")"
+# The report's layout on 2048 GPUs of 80 GB with an H800-like link is feasible (ranked, with
+# a step time); pure fully_shard must gather a whole MoE layer and does not fit.
+plan_v3=("$bin" --config "$src/configs/deepseek_v3_plan.yaml" --plan --world 2048 --link 2:160,5:50:8
+  --device-tflops 989 --memory-per-rank 80e9)
+"${plan_v3[@]}" > "$work/out" 2>&1 || fail "--plan of DeepSeek-V3 failed: $(cat "$work/out")"
+for l in 'dp_replicate=1 dp_shard=128 ep=64 tp=1 pp=16' 'dp_replicate=2 dp_shard=64 ep=64 tp=1 pp=16'; do
+  grep -Eq "^[0-9]+ +$l \(1f1b\) " "$work/out" || fail "--plan: $l not feasible: $(cat "$work/out")"
+done
+"${plan_v3[@]}" --set micro_batch_num=8 > "$work/out" 2>&1 || fail "--plan of DeepSeek-V3 failed: $(cat "$work/out")"
+grep -q 'dp_replicate=1 dp_shard=2048 ep=1 tp=1 pp=1: needs .* per rank without activations' "$work/out" ||
+  fail "--plan: pure fully_shard of DeepSeek-V3 not refused for memory: $(cat "$work/out")"
 "$bin" --config "$work/v3.yaml" --set data_parallel=1 --set global_batch_size=8 > "$work/out" 2>&1 &&
   fail "a 671B model was not refused"
 grep -q 'needs about .* per rank' "$work/out" || fail "no memory error: $(cat "$work/out")"
@@ -209,7 +225,7 @@ grep -q -- "--json, --ranks-per-node, --link, --device-tflops and --memory-per-r
   > "$work/out" 2>&1 || fail "--plan of deepseek_v3 failed: $(cat "$work/out")"
 grep -q 'one device, fully_shard overlap on; compute FLOPs at half of 989 TFLOP/s' "$work/out" || fail "--plan: device line: $(cat "$work/out")"
 grep -q '^1 ' "$work/out" || fail "--plan: no feasible layout for deepseek_v3 on 256 devices: $(cat "$work/out")"
-grep -q 'dp_shard=256 tp=1 pp=1: needs .* per rank without activations; 131.3 GiB available' "$work/out" ||
+grep -q 'dp_shard=256 ep=1 tp=1 pp=1: needs .* per rank without activations; 131.3 GiB available' "$work/out" ||
   fail "--plan: memory reason missing: $(cat "$work/out")"
 
 # OpenMP's idle threads sleep unless the user chose otherwise (hp::prefer_passive_openmp).

@@ -250,6 +250,9 @@ TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
   EXPECT_NEAR(p.forward_layer, layer, 1e-18);
   EXPECT_NEAR(p.forward_first, layer + 2 * 256 * 64 * tokens / rate, 1e-18);
   EXPECT_NEAR(p.backward_layer, 2 * layer, 1e-18);
+  // The optimizer: 28 bytes per parameter (fp32 parameter, gradient and moments read, three
+  // written) at an assumed 2 TB/s, not this machine's CPU.
+  EXPECT_DOUBLE_EQ(p.optimizer_per_param, 28 / 2e12);
   // Activations from the shapes, per position of a block: norms' inputs and outputs, q and
   // the attention output and o's input (6 x 64), k and v (2 x 2 heads x 16), the MLP's four
   // products (4 x 192), the probabilities over 64 positions of 4 heads; fp32. The head: the
@@ -284,4 +287,138 @@ TEST(Plan, APipelineOnOversubscribedCoresTakesAtLeastTheNodesWork) {
   const auto rows = ht::plan_layouts(tiny(), o, FakeCompute{});
   const auto& r = find(rows, 1, 1, 1, 2);
   EXPECT_NEAR(r.compute_s, 4 * 0.042 + 2 * 1e-9 * (kBlock + 256 * 64 + 64), 1e-12);
+}
+
+namespace {
+
+// DeepSeek tiny (dim 64, 3 blocks: 1 dense, then 2 MoE of 8 routed experts, top-2, each a
+// SwiGLU of hidden 32), sequences of 64, a global batch of 16 in 4 micro-batches, fp32.
+ht::TrainConfig deepseek_tiny(const std::string& more = "") {
+  return ht::parse_config("model:\n  type: deepseek\nglobal_batch_size: 16\nmicro_batch_num: 4\n"
+                          "seq_length: 64\noutput_dir: ''\n" + more,
+                          {}, "plan.yaml");
+}
+// By hand: a MoE block's routed experts, 8 x 3 matrices of 64 x 32.
+constexpr double kExperts = 8 * 3 * 64 * 32;  // 49152
+
+const ht::PlanRow& find_ep(const std::vector<ht::PlanRow>& rows, int64_t r, int64_t s, int64_t e, int64_t t,
+                           int64_t p) {
+  for (const auto& row : rows) {
+    const auto& c = row.config;
+    if (c.data_parallel == r && c.data_parallel_shard == s && c.expert_parallel == e && c.tensor_parallel == t &&
+        c.pipeline_parallel == p) {
+      return row;
+    }
+  }
+  throw std::runtime_error("no such layout");
+}
+
+}  // namespace
+
+// With routed experts every expert_parallel dividing dp_shard and the expert count is a
+// layout of its own (tensor_parallel 1 only: beside tensor parallelism it is not supported
+// yet), shown in the layout's name.
+TEST(Plan, ExpertParallelDegreesAreLayoutsOfTheirOwn) {
+  const auto rows = ht::plan_layouts(deepseek_tiny(), options(4, 4), FakeCompute{});
+  // The 10 (r, s, t, p) of 4 ranks with ep 1, and with t = 1: s = 2 (p r = 2: 2 ways) ep 2,
+  // s = 4 ep 2 and ep 4.
+  ASSERT_EQ(rows.size(), 14u);
+  std::set<std::vector<int64_t>> seen;
+  for (const auto& row : rows) {
+    const auto& c = row.config;
+    seen.insert({c.data_parallel, c.data_parallel_shard, c.expert_parallel, c.tensor_parallel, c.pipeline_parallel});
+    if (c.expert_parallel > 1) {
+      EXPECT_EQ(c.tensor_parallel, 1);
+      EXPECT_EQ(c.data_parallel_shard % c.expert_parallel, 0);
+    }
+  }
+  EXPECT_EQ(seen.size(), 14u);
+  EXPECT_EQ(find_ep(rows, 1, 4, 4, 1, 1).layout(), "dp_replicate=1 dp_shard=4 ep=4 tp=1 pp=1");
+  // A model without experts names no ep.
+  EXPECT_EQ(find(ht::plan_layouts(tiny(), options(2, 2), FakeCompute{}), 1, 2, 1, 1).layout(),
+            "dp_replicate=1 dp_shard=2 tp=1 pp=1");
+}
+
+// Expert parallelism 4 over dp_shard 4: a rank keeps 2 of each MoE's 8 experts, whole (the
+// experts' fully_shard group is 4 / 4 = 1 rank), the rest sharded over 4; per MoE block and
+// micro-batch the all-to-alls of the dispatcher, all on the critical path.
+TEST(Plan, ExpertParallelMemoryAndAllToAllsAsWorkedOutByHand) {
+  const ht::TrainConfig base = deepseek_tiny();
+  const double model = static_cast<double>(base.model->num_params());
+  const auto rows = ht::plan_layouts(base, options(4, 4), FakeCompute{});
+  const auto& r = find_ep(rows, 1, 4, 4, 1, 1);
+  ASSERT_TRUE(r.feasible) << r.reason;
+  const double dense = model - 2 * kExperts, held = 2 * kExperts / 4;
+  EXPECT_EQ(r.memory.expert_params, static_cast<int64_t>(held));
+  EXPECT_EQ(r.memory.rank_params, static_cast<int64_t>(dense + held));
+  // fp32 parameters, gradients and two moments: the rest's shard (a quarter, rounded up)
+  // and the whole 2 experts x 2 blocks.
+  const double shard = std::ceil(dense / 4) + held;
+  EXPECT_EQ(r.memory.estimate.sharded_params, static_cast<int64_t>(4 * shard));
+  EXPECT_EQ(r.memory.estimate.optimizer_state, static_cast<int64_t>(2 * 4 * shard));
+  // The optimizer steps the rank's shards: a quarter of the rest and its experts.
+  EXPECT_NEAR(r.compute_s, 4 * (0.030 + 2 * 0.012) + 1e-9 * (dense / 4 + held), 1e-12);
+
+  // A micro-batch of 16 / (4 x 4) = 1 sequence: 64 tokens, each sent to 2 experts as a row
+  // of 64 fp32. Forward: the counts (8 int64) and 2 token all-to-alls, backward 2 more; bus
+  // 3/4; 2 MoE blocks; 4 micro-batches.
+  const double rows_bytes = 64 * 2 * 64 * 4;
+  const double forward = link(0.75, 8 * 8) + 2 * link(0.75, rows_bytes), backward = 2 * link(0.75, rows_bytes);
+  EXPECT_NEAR(r.ep_comm_s, 4 * 2 * (forward + backward), 1e-9);
+  // fully_shard's own over the other parameters alone: 4 groups (3 blocks and the root) of
+  // the rest, per micro-batch 4 + 2 gathers and 4 reduce-scatters with their flags.
+  const double gather = link(0.75, std::floor(4 * dense / 4));
+  const double flags = link(2 * 0.75, 64);
+  EXPECT_NEAR(r.fsdp_comm_s, 4 * (6 * gather + 4 * (gather + flags)), 1e-9);
+  const double world_sums = 3 * link(2 * 0.75, 16);
+  EXPECT_NEAR(r.exposed_s, r.ep_comm_s + r.fsdp_comm_s + world_sums, 1e-9);  // 4 cores, 4 ranks: overlap off
+
+  // Expert parallelism 2 over the same 4: a rank keeps 4 experts of each MoE, sharded over
+  // the 2 ranks holding them (2 MoE groups, per micro-batch 2 gathers and 2 reductions).
+  const auto& r2 = find_ep(rows, 1, 4, 2, 1, 1);
+  ASSERT_TRUE(r2.feasible) << r2.reason;
+  const double held2 = 2 * kExperts / 2;
+  EXPECT_EQ(r2.memory.expert_params, static_cast<int64_t>(held2));
+  EXPECT_EQ(r2.memory.estimate.sharded_params, static_cast<int64_t>(4 * (std::ceil(dense / 4) + held2 / 2)));
+  const double eg = link(0.5, std::floor(4 * held2 / 2));
+  const double eflags = link(2 * 0.5, 64);
+  EXPECT_NEAR(r2.fsdp_comm_s, 4 * (6 * gather + 4 * (gather + flags)) + 4 * (2 * eg + 2 * (eg + eflags)), 1e-9);
+  const double forward2 = link(0.5, 8 * 8) + 2 * link(0.5, rows_bytes), backward2 = 2 * link(0.5, rows_bytes);
+  EXPECT_NEAR(r2.ep_comm_s, 4 * 2 * (forward2 + backward2), 1e-9);
+}
+
+// The de-duplicating dispatcher sends a token once per rank holding some of its experts:
+// with 8 experts over 4 ranks and top-2, a rank misses both of a token's experts with
+// probability (6/8)(5/7), so a token reaches 4 (1 - 30/56) ranks; beside each copy its 2
+// local ids (int64) and weights (fp32). Forward: counts, rows, ids, weights, and the
+// partial sums back; backward: the two row exchanges reversed and the weights' gradients.
+// Recompute runs forward's again in backward.
+TEST(Plan, DedupDispatcherAndRecomputeInTheAllToAllCount) {
+  const auto rows =
+      ht::plan_layouts(deepseek_tiny("expert_parallel: 4\ndata_parallel_shard: 4\nmoe_dispatcher: dedup\n"
+                                     "recompute: full\n"),
+                       options(4, 4), FakeCompute{});
+  const auto& r = find_ep(rows, 1, 4, 4, 1, 1);
+  ASSERT_TRUE(r.feasible) << r.reason;
+  EXPECT_EQ(r.config.moe_dispatcher, hp::ep::DispatcherKind::kDedup);
+  const double copies = 64 * 4 * (1 - 30.0 / 56);
+  const double row = 64 * 4;
+  auto a2a = [](double bytes) { return link(0.75, std::floor(bytes)); };
+  const double forward = a2a(8 * 8) + a2a(copies * row) + a2a(copies * 2 * 8) + a2a(copies * 2 * 4) + a2a(copies * row);
+  const double backward = 2 * a2a(copies * row) + a2a(copies * 2 * 4) + forward;
+  EXPECT_NEAR(r.ep_comm_s, 4 * 2 * (forward + backward), 1e-9);
+  // ep 1 layouts keep the plain dispatcher (dedup needs expert_parallel > 1).
+  EXPECT_EQ(find_ep(rows, 1, 4, 1, 1, 1).config.moe_dispatcher, hp::ep::DispatcherKind::kAllToAll);
+}
+
+// Under a pipeline a rank's stages stay gathered from their first micro-batch to their
+// last, their gradients accumulating unsharded: the stage's parameters in fp32, twice, one
+// block's fresh gradient and two reduce-scatter inputs of a block, instead of two blocks.
+TEST(Plan, APipelineRankHoldsItsStagesWhole) {
+  const auto rows = ht::plan_layouts(tiny(), options(4, 4), FakeCompute{});
+  const auto& r = find(rows, 1, 2, 1, 2);
+  ASSERT_TRUE(r.feasible) << r.reason;
+  const double stage1 = kBlock + 256 * 64 + 64;
+  EXPECT_EQ(r.memory.rank_params, static_cast<int64_t>(stage1));
+  EXPECT_EQ(r.memory.estimate.backward_peak_extra, static_cast<int64_t>(stage1 * 4 * 2 + kBlock * 4 + 2 * kBlock * 4));
 }

@@ -19,6 +19,9 @@ struct ParallelLayout {
   // FullyShardOptions' field; 0: not set. 1 is also what reshard_after_forward = false
   // amounts to: every module kept whole from forward to backward.
   int64_t reshard_after_forward_group_size = 0;
+  // A pipeline's stages (hp::pp::Pipeline): each is gathered before its first micro-batch
+  // and kept whole, its gradients accumulating unsharded, until its last; then reduced once.
+  bool unsharded_through_step = false;
 };
 
 struct MemoryEstimate {
@@ -28,6 +31,8 @@ struct MemoryEstimate {
   int64_t optimizer_state = 0;  // AdamW: two moments, fp32 with masters, else the parameters' dtype
   int64_t fp32_masters = 0;     // FP32MasterOptimizer, for low-precision shards with main grads
   int64_t backward_peak_extra = 0;
+  // Under a pipeline (unsharded_through_step): all of it whole in the compute dtype, and its
+  // unsharded gradients, instead of two blocks.
   // With a reshard group size k: every module's share kept from forward to backward
   // (1/k of the model in the all-gather dtype), all of it held when backward starts.
   int64_t post_forward_shares = 0;

@@ -133,6 +133,15 @@ class ModelArgs {
   virtual void check_tensor_parallel(int64_t tp) const = 0;
   // Routed experts per MoE block (0: no mixture of experts, so no expert parallelism).
   virtual int64_t routed_experts() const { return 0; }
+  // What expert parallelism divides and moves (0 for a model without routed experts): the
+  // parameters of a slice's routed experts, those of one MoE block's, and the routed experts
+  // each token uses.
+  virtual int64_t stage_expert_params(const PipelineSlice& slice) const { return 0; }
+  virtual int64_t block_expert_params() const { return 0; }
+  virtual int64_t experts_per_token() const { return 0; }
+  // The largest block's parameters outside its routed experts (a dense block's, or a MoE
+  // block's attention, router and shared experts): fully_shard's unit beside the experts'.
+  virtual int64_t largest_block_params_outside_experts() const { return largest_block_params(); }
   // Names (in the whole model) of parameters that a pipeline's first and last stage each
   // hold a copy of, to be summed after backward (Llama's tied embedding).
   virtual std::vector<std::string> tied_parameters() const { return {}; }

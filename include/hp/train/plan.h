@@ -2,7 +2,8 @@
 // memory and a predicted step time, ranked.
 //
 // A layout is data_parallel x data_parallel_shard x tensor_parallel x pipeline_parallel = N
-// (the config's other settings kept). Each is validated as a run would be (the reason shown
+// with, for a model with routed experts, an expert_parallel dividing data_parallel_shard and
+// the experts (tensor_parallel 1) (the config's other settings kept). Each is validated as a run would be (the reason shown
 // when it is not), sized with estimate_rank_memory(), and timed by a model:
 //
 //   compute   each rank's forward and backward of its micro-batches, from a ComputeProfile
@@ -20,13 +21,16 @@
 //             reduce-scatters (once per step under a pipeline), HSDP's all-reduce over
 //             replicas, tensor parallelism's 4 per block and direction (all-gather and
 //             reduce-scatter with sequence parallel, all-reduce without), the pipeline's
-//             activation transfers.
-//   exposed   tensor and pipeline transfers always; fully_shard's all of it without
+//             activation transfers; expert parallelism's all-to-alls per MoE block (the
+//             dispatcher's, forward and backward, again under recompute) over the EP group,
+//             and the experts' fully_shard collectives over dp_shard / ep.
+//   exposed   tensor, pipeline and expert transfers always; fully_shard's all of it without
 //             overlap, else one block's gather and reduce-scatter plus what exceeds compute.
 //             Overlap follows HP_FSDP_OVERLAP=auto: on with a GPU (a given device), or when
 //             every rank has a core to spare for its communication thread.
 //
-// Memory: the sharded state (estimate_rank_memory) plus the activations a rank holds at
+// Memory: the sharded state (estimate_rank_memory; a pipeline's stages counted whole, as it
+// keeps them gathered through the step) plus the activations a rank holds at
 // its peak: one micro-batch's (the profile's, divided by tensor_parallel) without a
 // pipeline; with one, its stages' times the most micro-batches the schedule keeps in
 // flight on a rank (hp::pp::simulate).
@@ -49,6 +53,9 @@ struct RankMemory {
   MemoryEstimate estimate;
   std::vector<int64_t> stage_counts;
   int64_t rank_params = 0;   // parameters a rank holds before fully_shard
+  // Of them, its routed experts (with expert_parallel > 1; 0 otherwise), sharded over the
+  // dp_shard / expert_parallel ranks holding the same experts, the rest over dp_shard.
+  int64_t expert_params = 0;
   double construction = 0;   // bytes while building the model: its shards + one fp32 parameter
 };
 RankMemory estimate_rank_memory(const TrainConfig& c);
@@ -111,10 +118,12 @@ struct PlanRow {
   double activations = 0;  // bytes per rank at the peak (see above)
   int threads = 1;  // compute threads per rank (0: a device per rank)
   bool overlap = false;
-  double compute_s = 0, fsdp_comm_s = 0, tp_comm_s = 0, pp_comm_s = 0, exposed_s = 0, bubble = 0;
+  double compute_s = 0, fsdp_comm_s = 0, tp_comm_s = 0, pp_comm_s = 0, ep_comm_s = 0, exposed_s = 0, bubble = 0;
   double step_s = 0;
   std::string compute_source;  // ComputeProfile::source
-  std::string layout() const;  // "dp_replicate=1 dp_shard=2 tp=1 pp=1"
+  // "dp_replicate=1 dp_shard=2 tp=1 pp=1", with " ep=E" after dp_shard for a model with
+  // routed experts.
+  std::string layout() const;
 };
 
 // Every layout of `base` over o.world ranks: the feasible ones fastest first, then the others.
