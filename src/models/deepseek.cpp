@@ -202,6 +202,7 @@ void MoEImpl::update_balancing_bias(double rate, const CommPtr& dp) {
   if (dp) dp->all_reduce(load).wait();
   at::Tensor mean = load.mean();
   bias += rate * at::sign(mean - load);
+  last_load = load.clone();
   load.zero_();
 }
 

@@ -11,6 +11,16 @@ class DeepSeekModel : public detail::ModelOf<DeepSeek> {
   using ModelOf::ModelOf;
   void after_step(const CommPtr& dp) override { m_->update_balancing_bias(dp); }
   void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) override { models::expert_parallel(*m_, ep, kind); }
+  std::vector<std::pair<int64_t, at::Tensor>> expert_load() const override {
+    std::vector<std::pair<int64_t, at::Tensor>> out;
+    for (size_t i = 0; i < m_->blocks.size(); ++i) {
+      const auto& moe = m_->blocks[i]->moe;
+      if (moe && moe->last_load.defined()) {
+        out.emplace_back(m_->slice.first_layer + static_cast<int64_t>(i), moe->last_load);
+      }
+    }
+    return out;
+  }
   std::vector<torch::nn::Module*> expert_modules() override {
     std::vector<torch::nn::Module*> out;
     for (auto& b : m_->blocks) {

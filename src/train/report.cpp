@@ -70,6 +70,12 @@ std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s,
   os << step << " | loss " << fmt("%.4f", s.loss) << " | lr " << fmt("%.2e", s.lr) << " | grad norm "
      << fmt("%.3f", s.grad_norm) << " | " << format_rate(s.tokens_per_s) << " tok/s | peak "
      << format_bytes(s.peak_bytes) << " | ETA " << format_duration(eta_s);
+  if (!s.expert_load.empty()) {
+    // The most imbalanced MoE block: its busiest expert's tokens over the mean.
+    double worst = 0;
+    for (const auto& e : s.expert_load) worst = std::max(worst, e.max / e.mean);
+    os << " | experts max/mean " << fmt("%.2f", worst);
+  }
   if (!std::isnan(ref_loss)) os << " | ref diff " << fmt("%.1e", std::fabs(s.loss - ref_loss));
   return os.str();
 }
@@ -108,6 +114,15 @@ void MetricsLog::step(const StepStats& s, double ref_loss) {
      << ",\"grad_norm\":" << json_number(s.grad_norm) << ",\"step_time_s\":" << json_number(s.step_time_s)
      << ",\"tokens_per_s\":" << json_number(s.tokens_per_s) << ",\"peak_bytes\":" << s.peak_bytes;
   if (!std::isnan(ref_loss)) f_ << ",\"reference_loss\":" << json_number(ref_loss);
+  if (!s.expert_load.empty()) {
+    f_ << ",\"expert_load\":[";
+    for (size_t i = 0; i < s.expert_load.size(); ++i) {
+      const auto& e = s.expert_load[i];
+      f_ << (i ? "," : "") << "{\"layer\":" << e.layer << ",\"tokens_max\":" << json_number(e.max)
+         << ",\"tokens_mean\":" << json_number(e.mean) << "}";
+    }
+    f_ << "]";
+  }
   f_ << "}\n";
   check(("step " + std::to_string(s.step)).c_str());
 }

@@ -107,6 +107,19 @@ diff=$(sed -n 's/^verify: largest |loss - single-process loss| over 6 steps: \([
 python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "verify difference $diff >= 1e-5"
 [ "$(grep -c '"step":' "$out/metrics.jsonl")" = 6 ] || fail "metrics.jsonl should have 6 step lines"
 grep -q '"summary":{"steps":6' "$out/metrics.jsonl" || fail "metrics.jsonl has no summary"
+# The experts' load of each MoE block (layers 1 and 2): every token of the global batch
+# picks 2 of 8 experts, so 16 x 64 x 2 / 8 = 256 tokens per expert on average.
+grep -q '^step 6/6 | .* | experts max/mean [0-9.]*' "$work/out" || fail "no expert load in the progress line: $(cat "$work/out")"
+python3 - "$out/metrics.jsonl" <<'PY' || fail "metrics.jsonl: wrong expert load: $(cat "$out/metrics.jsonl")"
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
+assert len(steps) == 6
+for s in steps:
+    load = s["expert_load"]
+    assert [e["layer"] for e in load] == [1, 2], load
+    for e in load:
+        assert e["tokens_mean"] == 256 and 256 <= e["tokens_max"] <= 16 * 64, e
+PY
 grep -q '<polyline' "$out/loss.svg" || fail "loss.svg has no curve"
 [ ! -e "$out/metrics.jsonl.partial" ] && [ ! -e "$out/loss.svg.partial" ] || fail "temporary files left behind"
 

@@ -223,10 +223,13 @@ at::Tensor tp_whole(const at::Tensor& piece, const at::Tensor& param, const hp::
 
 // Every step's loss and grad norm of `t` and of hp-train --verify's reference trainer
 // against the naive run's.
-void expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const Naive& naive, const std::string& label) {
+// Returns the trainer's last step.
+ht::StepStats expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const Naive& naive, const std::string& label) {
   ht::ReferenceTrainer ref(c);
+  ht::StepStats last;
   for (int64_t s = 0; s < c.train_steps; ++s) {
     ht::StepStats st = t.step(), rs = ref.step();
+    last = st;
     EXPECT_NEAR(st.loss, naive.losses[s], 1e-10 * naive.losses[s]) << label << " step " << s + 1;
     EXPECT_NEAR(rs.loss, naive.losses[s], 1e-10 * naive.losses[s]) << "reference trainer, step " << s + 1;
     EXPECT_NEAR(st.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << label << " step " << s + 1;
@@ -234,6 +237,24 @@ void expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const Naive& n
     EXPECT_GT(naive.norms[s], c.clip_grad) << "clipping was not exercised";
   }
   EXPECT_LT(naive.losses.back(), naive.losses.front());
+  return last;
+}
+
+// A step's tokens per expert of each MoE block against the one-process run's last step
+// (exact: counts), and the mean by hand: every token of the global batch picks k experts.
+void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const Naive& naive,
+                        const std::string& label) {
+  const auto& d = c.model.config<hp::models::DeepSeekConfig>();
+  const auto want = naive.model->expert_load();
+  ASSERT_EQ(st.expert_load.size(), want.size()) << label;
+  ASSERT_EQ(want.size(), static_cast<size_t>(d.layers - d.dense_layers)) << label;
+  const double mean = static_cast<double>(c.global_batch_size * c.seq_length * d.experts_per_token) /
+                      static_cast<double>(d.experts);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(st.expert_load[i].layer, want[i].first) << label;
+    EXPECT_EQ(st.expert_load[i].max, want[i].second.max().item<double>()) << label << ": layer " << want[i].first;
+    EXPECT_EQ(st.expert_load[i].mean, mean) << label << ": layer " << want[i].first;
+  }
 }
 
 void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
@@ -602,7 +623,7 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
                               " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute);
     Naive naive = naive_run(c);
     ht::Trainer t(c, w);
-    expect_steps_match(t, c, naive, label);
+    expect_expert_load(expect_steps_match(t, c, naive, label), c, naive, label);
     auto want = naive.model->root().named_parameters();
     const auto params = t.sharded_params();
     int64_t experts_held = 0;
@@ -666,7 +687,9 @@ TEST(TrainDist, ExpertParallelInsidePipelineStages) {
     c.params_dtype = c.compute_dtype = at::kDouble;
     Naive naive = naive_run(c);
     ht::Trainer t(c, w);
-    expect_steps_match(t, c, naive, "ep 2 x pp 2 " + ht::to_string(schedule));
+    const std::string label = "ep 2 x pp 2 " + ht::to_string(schedule);
+    // Each pipeline rank knows its stages' blocks' load; the step reports all of them.
+    expect_expert_load(expect_steps_match(t, c, naive, label), c, naive, label);
   }
 }
 

@@ -88,6 +88,9 @@ struct MoEImpl : torch::nn::Module {
   SwiGLU shared{nullptr};
   at::Tensor bias;  // buffer [experts]
   at::Tensor load;  // buffer [experts]: tokens routed since the last bias update
+  // The load of the last update_balancing_bias (summed over `dp`), for metrics; undefined
+  // before the first.
+  at::Tensor last_load;
 };
 TORCH_MODULE(MoE);
 

@@ -65,6 +65,11 @@ class Model {
   // The modules holding routed experts (each a fully_shard unit of its own, sharded over the
   // ranks holding the same experts); none for a model without them.
   virtual std::vector<torch::nn::Module*> expert_modules() { return {}; }
+  // Tokens each routed expert of each MoE block (of this model part) got in the last step,
+  // summed over the data-parallel ranks, as after_step's balancing saw them: (layer index in
+  // the whole model, [experts]). Empty before the first after_step, and for a model without
+  // routed experts.
+  virtual std::vector<std::pair<int64_t, at::Tensor>> expert_load() const { return {}; }
 };
 
 // Forward FLOPs of one sequence position: per block (its matmuls and attention's two

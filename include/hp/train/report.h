@@ -16,7 +16,8 @@ std::string format_duration(double seconds);  // "1:05", "1:02:03"
 std::string format_rate(double per_second);   // "12.3k"
 
 // "step  12/50 | loss 3.2145 | lr 2.10e-03 | grad norm 0.873 | 12.3k tok/s | peak 45.2 MiB
-//  | ETA 0:32", plus " | ref diff 1.2e-05" when `ref_loss` is given (not NaN).
+//  | ETA 0:32", plus " | experts max/mean 1.42" (the most imbalanced MoE block) for a model
+// with routed experts and " | ref diff 1.2e-05" when `ref_loss` is given (not NaN).
 std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss);
 
 // --verify: each step's loss against the single-process reference's.
@@ -34,7 +35,8 @@ struct LossComparison {
 // "done: 6 steps in 0:03 | loss 5.5588 -> 5.1116 | 19.3k tok/s | peak 20.1 MiB per rank"
 std::string summary_line(const TrainSummary& s);
 
-// One JSON object per line: every step's figures, then a summary object.
+// One JSON object per line: every step's figures (with "expert_load": [{"layer",
+// "tokens_max", "tokens_mean"}, ...] for a model with routed experts), then a summary object.
 // metrics.jsonl, written as `path`.partial and flushed at every step (so a crash leaves
 // the steps so far there), then renamed to `path` by finish(): a reader never sees a
 // half-written file under the final name. Every write is checked; a failure (a full disk)

@@ -64,6 +64,14 @@ struct StepStats {
   double step_time_s = 0;     // slowest rank
   double tokens_per_s = 0;    // global batch tokens / step_time_s
   int64_t peak_bytes = 0;     // largest tensor-memory peak over ranks
+  // Per MoE block (a model with routed experts): the tokens its busiest routed expert got
+  // this step and the mean over its experts, summed over the data-parallel ranks (the load
+  // the balancing bias steers by). max / mean is the imbalance: 1 when perfectly even.
+  struct ExpertLoad {
+    int64_t layer = 0;
+    double max = 0, mean = 0;
+  };
+  std::vector<ExpertLoad> expert_load;
 };
 
 // A model hp-train can train: any family's, behind one interface (hp/models/family.h).
