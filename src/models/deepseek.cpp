@@ -1,6 +1,7 @@
 #include "hp/models/deepseek.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/activation.h>
 
 #include <algorithm>
@@ -17,6 +18,24 @@ namespace {
 torch::nn::Linear linear(int64_t in, int64_t out) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
+
+// out unchanged in forward; in backward, besides out's gradient, `scale` as the gradient of
+// the scalar `loss`: a loss computed inside the model joins the training loss's backward
+// without changing the value the trainer reports.
+struct AddLossGradient : torch::autograd::Function<AddLossGradient> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out, const at::Tensor& loss,
+                            double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dtype"] = loss.scalar_type();
+    return out.view_as(out);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const double scale = ctx->saved_data["scale"].toDouble();
+    at::Tensor g = at::full({}, scale, grads[0].options().dtype(ctx->saved_data["dtype"].toScalarType()));
+    return {grads[0], g, at::Tensor()};
+  }
+};
 }  // namespace
 
 int64_t DeepSeekConfig::largest_block_params() const {
@@ -56,6 +75,8 @@ int64_t DeepSeekConfig::largest_param() const {
 }
 
 void DeepSeekConfig::validate() const {
+  HP_CHECK(aux_loss_coeff >= 0 && std::isfinite(aux_loss_coeff), "deepseek config: aux_loss_coeff=", aux_loss_coeff,
+           " must be a finite number >= 0");
   HP_CHECK(dense_layers >= 0 && dense_layers <= layers, "deepseek config: dense_layers=", dense_layers,
            " must be in [0, layers=", layers, "]");
   HP_CHECK(experts_per_token >= 1 && experts_per_token <= experts, "deepseek config: experts_per_token=",
@@ -157,17 +178,29 @@ MoEImpl::MoEImpl(const DeepSeekConfig& cfg) : c(cfg) {
 }
 
 std::pair<at::Tensor, at::Tensor> MoEImpl::route(const at::Tensor& x) const {
-  at::Tensor scores = upcast(hp::call(const_cast<torch::nn::Linear&>(gate), x)).sigmoid();
+  return route_scores(upcast(hp::call(const_cast<torch::nn::Linear&>(gate), x)).sigmoid());
+}
+
+std::pair<at::Tensor, at::Tensor> MoEImpl::route_scores(const at::Tensor& scores) const {
   // The bias steers which experts are chosen, not how much they weigh.
   at::Tensor chosen = std::get<1>((scores.detach() + bias).topk(c.experts_per_token, -1));
   at::Tensor w = scores.gather(-1, chosen);
   return {chosen, w / w.sum(-1, /*keepdim=*/true)};
 }
 
+at::Tensor MoEImpl::balance_loss(const at::Tensor& scores, const at::Tensor& chosen, int64_t B, int64_t T) const {
+  const int64_t E = c.experts, k = chosen.size(1);
+  at::Tensor share = (scores / scores.sum(-1, /*keepdim=*/true)).view({B, T, E}).mean(1);  // P [B, E]
+  at::Tensor picked = at::zeros({B * T, E}, scores.options()).scatter_(1, chosen, 1.0).view({B, T, E}).sum(1);
+  at::Tensor f = picked * (static_cast<double>(E) / static_cast<double>(k * T));
+  return c.aux_loss_coeff * (f * share).sum(-1).mean();
+}
+
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const auto shape = x.sizes().vec();
   at::Tensor flat = x.reshape({-1, c.dim});
-  auto [chosen, weights] = route(flat);
+  at::Tensor scores = upcast(hp::call(gate, flat)).sigmoid();
+  auto [chosen, weights] = route_scores(scores);
   at::Tensor out = hp::call(shared, flat);
   if (!hp::in_recompute()) {  // counted once per token, not again when recomputed in backward
     at::NoGradGuard g;
@@ -175,6 +208,10 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   }
   ep::Dispatched d = dispatcher->dispatch(flat, chosen, weights);
   out = out + dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
+  if (c.aux_loss_coeff > 0 && at::GradMode::is_enabled()) {
+    HP_CHECK(shape.size() == 3, "MoE: the balance loss needs sequences [batch, time, dim], got shape ", x.sizes());
+    out = AddLossGradient::apply(out, balance_loss(scores, chosen, shape[0], shape[1]), loss_scale);
+  }
   return out.view(shape);
 }
 

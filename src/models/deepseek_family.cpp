@@ -10,6 +10,11 @@ class DeepSeekModel : public detail::ModelOf<DeepSeek> {
  public:
   using ModelOf::ModelOf;
   void after_step(const CommPtr& dp) override { m_->update_balancing_bias(dp); }
+  void set_loss_scale(double scale) override {
+    for (auto& b : m_->blocks) {
+      if (b->moe) b->moe->loss_scale = scale;
+    }
+  }
   void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) override { models::expert_parallel(*m_, ep, kind); }
   std::vector<std::pair<int64_t, at::Tensor>> expert_load() const override {
     std::vector<std::pair<int64_t, at::Tensor>> out;
@@ -183,6 +188,8 @@ class DeepSeekFamily : public ModelFamily {
         int_key<D>("shared_experts", &D::shared_experts, 0, "always-on experts"),
         int_key<D>("expert_hidden", &D::expert_hidden, 1, "expert hidden size"),
         float_key<D>("bias_update_rate", &D::bias_update_rate, 0, false, "balancing-bias step per update"),
+        float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
+                     "weight of the sequence-wise balance loss (0: none; not with tensor_parallel > 1 yet)"),
     };
     return k;
   }

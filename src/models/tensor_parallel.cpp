@@ -25,6 +25,10 @@ void check_tensor_parallel(const DeepSeekConfig& c, int64_t tp) {
            c.dense_hidden, " is not divisible by it");
   HP_CHECK(c.layers == c.dense_layers || c.expert_hidden % tp == 0, "tensor_parallel=", tp, ": expert_hidden=",
            c.expert_hidden, " is not divisible by it");
+  // Every tensor-parallel rank computes the whole balance loss, and the router's and the
+  // input's gradients are summed over them: it would count tp times.
+  HP_CHECK(c.aux_loss_coeff == 0 || c.layers == c.dense_layers, "tensor_parallel=", tp, " with aux_loss_coeff=",
+           c.aux_loss_coeff, ": the balance loss under tensor parallelism is not supported yet");
 }
 
 namespace {

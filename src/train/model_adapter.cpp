@@ -23,6 +23,9 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred, cons
   std::unique_ptr<memory::DeferredAllocation> scope;
   if (deferred) scope = std::make_unique<memory::DeferredAllocation>();
   std::unique_ptr<TrainModel> out = c.model->build(slice, recompute_policy(c.recompute));
+  // Each micro-batch's loss is divided by their number before backward (the trainers'
+  // and the pipeline's rule).
+  out->set_loss_scale(1.0 / static_cast<double>(c.micro_batch_num));
   if (!deferred) out->init_weights(c.seed);
   cast_params(out->root(), c.params_dtype);
   return out;

@@ -193,3 +193,52 @@ TEST(DeepSeek, RecomputedBlocksGiveBitwiseGradientsAndCountLoadOnce) {
     EXPECT_TRUE(at::equal(ckpt->blocks[i]->moe->load, plain->blocks[i]->moe->load)) << "block " << i;
   }
 }
+
+// The sequence-wise balance loss (DeepSeek-V3 eq. 17-20) against a loop written here, and
+// its gradient: the MoE's output is unchanged, and the router gets loss_scale x the loss's
+// gradient on top of the output's (float64).
+TEST(DeepSeek, BalanceLossIsTheSequenceWiseFormulaScaledIntoBackward) {
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  c.aux_loss_coeff = 0.3;
+  const int64_t B = 2, T = 5, E = c.experts, k = c.experts_per_token;
+  at::manual_seed(11);
+  hp::models::MoE moe(c);
+  moe->to(at::kDouble);
+  moe->loss_scale = 0.25;
+  const at::Tensor x = at::randn({B, T, c.dim}, at::kDouble);
+  auto gate_grad = [&](double coeff) {
+    moe->c.aux_loss_coeff = coeff;
+    moe->zero_grad();
+    at::Tensor out = moe->forward(x);
+    out.sum().backward();
+    return std::make_pair(out.detach(), moe->gate->weight.grad().clone());
+  };
+  const auto [out0, g0] = gate_grad(0);
+  const auto [out1, g1] = gate_grad(0.3);
+  EXPECT_TRUE(at::equal(out0, out1)) << "the balance loss changed the output";
+
+  // By hand: per sequence, f_e = E / (k T) x (tokens choosing e), P_e = the mean over its
+  // tokens of e's score over the sum of all scores; 0.3 x sum_e f_e P_e, averaged over B.
+  moe->zero_grad();
+  at::Tensor scores = moe->gate->forward(x.reshape({-1, c.dim})).sigmoid();
+  const at::Tensor chosen = moe->route_scores(scores.detach()).first;
+  at::Tensor want = at::zeros({}, at::kDouble);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t e = 0; e < E; ++e) {
+      double picked = 0;
+      at::Tensor share = at::zeros({}, at::kDouble);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < k; ++j) picked += chosen[b * T + t][j].item<int64_t>() == e ? 1 : 0;
+        share = share + scores[b * T + t][e] / scores[b * T + t].sum() / static_cast<double>(T);
+      }
+      want = want + static_cast<double>(E) / static_cast<double>(k * T) * picked * share;
+    }
+  }
+  want = 0.3 * want / static_cast<double>(B);
+  const at::Tensor got = moe->balance_loss(scores, chosen, B, T);
+  EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-14);
+  want.backward();
+  const at::Tensor by_hand = moe->gate->weight.grad();
+  EXPECT_GT(by_hand.abs().max().item<double>(), 0);
+  EXPECT_LE((g1 - g0 - 0.25 * by_hand).abs().max().item<double>(), 1e-12 * g1.abs().max().item<double>());
+}

@@ -140,6 +140,10 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"moe_dispatcher: dedup\n", {}, 4, {"moe_dispatcher=dedup", "expert_parallel > 1"}},
       {"moe_dispatcher: fast\n", {}, 4, {"moe_dispatcher=fast", "all_to_all, dedup"}},
       {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4, {"expert_parallel=2", "tensor_parallel=2", "not supported yet"}},
+      // the balance loss: a weight >= 0, not under tensor parallelism yet
+      {"model:\n  aux_loss_coeff: -0.1\n", {}, 4, {"model.aux_loss_coeff", "-0.1"}},
+      {"model:\n  aux_loss_coeff: 0.01\ntensor_parallel: 2\n", {}, 4,
+       {"tensor_parallel=2", "aux_loss_coeff=0.01", "not supported yet"}},
       {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},
       // layouts the model cannot be split into
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 4\n", {}, 4, {"= 8 stages", "more stages than layers"}},

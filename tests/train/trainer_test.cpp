@@ -602,13 +602,15 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     int64_t data_parallel, ep;
     K dispatcher;
     ht::Recompute recompute = ht::Recompute::kNone;
+    double aux_loss_coeff = 0;  // the sequence-wise balance loss
   };
   // Under recompute the blocks' forward (and so the dispatch) runs again in backward; the
   // balancing load is counted once.
-  std::vector<Layout> layouts = {{1, 2, K::kAllToAll}, {1, 2, K::kDedup}, {1, 2, K::kDedup, ht::Recompute::kFull}};
+  std::vector<Layout> layouts = {{1, 2, K::kAllToAll}, {1, 2, K::kDedup}, {1, 2, K::kDedup, ht::Recompute::kFull},
+                                 {1, 2, K::kAllToAll, ht::Recompute::kNone, 0.05}};
   if (w->size() == 4) {
     layouts = {{1, 4, K::kAllToAll}, {1, 4, K::kDedup}, {1, 2, K::kAllToAll}, {2, 2, K::kDedup},
-               {1, 4, K::kAllToAll, ht::Recompute::kFull}};
+               {1, 4, K::kAllToAll, ht::Recompute::kFull}, {2, 2, K::kDedup, ht::Recompute::kFull, 0.05}};
   }
   for (const Layout& l : layouts) {
     ht::TrainConfig c = small_config("deepseek", w->size());
@@ -617,10 +619,12 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     c.expert_parallel = l.ep;
     c.moe_dispatcher = l.dispatcher;
     c.recompute = l.recompute;
+    c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = l.aux_loss_coeff;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
     const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " ep " + std::to_string(l.ep) +
-                              " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute);
+                              " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute) +
+                              " aux " + std::to_string(l.aux_loss_coeff);
     Naive naive = naive_run(c);
     ht::Trainer t(c, w);
     expect_expert_load(expect_steps_match(t, c, naive, label), c, naive, label);
@@ -683,6 +687,8 @@ TEST(TrainDist, ExpertParallelInsidePipelineStages) {
     ht::TrainConfig c = small_config("deepseek", w->size(), 1, 2, v);
     c.expert_parallel = 2;
     c.pipeline_schedule = schedule;
+    // The balance loss under the split backward (input, then weights).
+    if (schedule == S::kZBH1) c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = 0.05;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
     Naive naive = naive_run(c);

@@ -38,6 +38,8 @@ struct DeepSeekConfig {
   int64_t shared_experts = 1;
   int64_t expert_hidden = 32;
   double bias_update_rate = 1e-3;
+  // Weight of the sequence-wise balance loss (DeepSeek-V3 eq. 17-20; 0: none, as trained).
+  double aux_loss_coeff = 0;
   int64_t max_seq = 256;
   double rope_theta = 10000.0;
   double norm_eps = 1e-6;
@@ -76,6 +78,13 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   // Chosen experts [tokens, k] and their weights [tokens, k] for x [tokens, dim].
   std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x) const;
+  // The same from the gate's scores [tokens, experts] (sigmoid, fp32).
+  std::pair<at::Tensor, at::Tensor> route_scores(const at::Tensor& scores) const;
+  // The sequence-wise balance loss of sequences [B, T] from their scores [B*T, experts] and
+  // chosen experts [B*T, k]: the mean over sequences of aux_loss_coeff x sum_e f_e P_e, with
+  // f_e = experts / (k T) x the tokens choosing e and P_e the mean over the sequence of e's
+  // score normalized over all experts.
+  at::Tensor balance_loss(const at::Tensor& scores, const at::Tensor& chosen, int64_t B, int64_t T) const;
   // bias[e] += rate * sign(mean load - load[e]) from the tokens routed since the last
   // call (call after the optimizer step). With `dp`, the load is summed over the
   // data-parallel ranks first, so every replica (and a one-process run on the global
@@ -91,6 +100,9 @@ struct MoEImpl : torch::nn::Module {
   // The load of the last update_balancing_bias (summed over `dp`), for metrics; undefined
   // before the first.
   at::Tensor last_load;
+  // What each micro-batch's loss is multiplied by before backward (Model::set_loss_scale):
+  // the balance loss's gradient is scaled alike.
+  double loss_scale = 1;
 };
 TORCH_MODULE(MoE);
 

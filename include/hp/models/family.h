@@ -58,6 +58,9 @@ class Model {
   // After each optimizer step (DeepSeek: the balancing bias from the load summed over `dp`;
   // null `dp`: this process only).
   virtual void after_step(const CommPtr& dp) {}
+  // What each micro-batch's loss is multiplied by before backward (1 / micro-batches): a
+  // loss the model adds inside (DeepSeek's balance loss) gets its gradient scaled alike.
+  virtual void set_loss_scale(double scale) {}
   // Expert parallelism over `ep` (before fully_shard, after tensor parallelism): keeps this
   // rank's routed experts and sends tokens to the ranks holding the others (hp/ep). Raises
   // "not supported yet" for a family without routed experts.
