@@ -37,6 +37,16 @@ target_precompile_headers(hp_test_main PUBLIC
 # scales every test's TIMEOUT and its communicators' HP_COMM_TIMEOUT_S.
 set(HP_TEST_TIMEOUT_SCALE 1 CACHE STRING "factor on each test's time limit and communicator timeout")
 
+# An entry added with add_test (a script, or a fixed rank count): its TIMEOUT and its
+# environment's HP_COMM_TIMEOUT_S, both times HP_TEST_TIMEOUT_SCALE, and the other
+# properties given after them.
+function(hp_script_test_limits name timeout comm_timeout)
+  math(EXPR t "${timeout} * ${HP_TEST_TIMEOUT_SCALE}")
+  math(EXPR ct "${comm_timeout} * ${HP_TEST_TIMEOUT_SCALE}")
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${t}
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;HP_COMM_TIMEOUT_S=${ct}" ${ARGN})
+endfunction()
+
 function(hp_add_test)
   cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;TIMING_RANKS" ${ARGN})
   if(NOT T_TIMEOUT)
