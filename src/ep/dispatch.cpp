@@ -101,6 +101,7 @@ struct SortingContext : DispatchContext {
   at::Tensor to_expert_major, to_rank_major;  // received rows: expert-major order and inverse
   std::vector<int64_t> send_splits, recv_splits;  // rows to / from each EP rank
   at::Tensor weights;                         // [tokens, k], as given to dispatch
+  int64_t routed = 0;                         // slots sent (not dropped)
 };
 
 // Sorting by expert, one all-to-all each way when there is an EP group (none: EP 1).
@@ -117,7 +118,9 @@ class SortingDispatcher : public TokenDispatcher {
     c->weights = weights;
     ExpertSort s = sort_by_expert(expert_ids, experts());
     c->unsort = inverse_permutation(s.order);
-    at::Tensor rows = x.index_select(0, s.order.div(c->k, "floor"));
+    // The dropped slots (last in the order) are not sent.
+    c->routed = s.counts.sum().item<int64_t>();
+    at::Tensor rows = x.index_select(0, s.order.narrow(0, 0, c->routed).div(c->k, "floor"));
     Dispatched d;
     d.context = c;
     if (!ep_) {
@@ -144,6 +147,9 @@ class SortingDispatcher : public TokenDispatcher {
     const SortingContext& c = combine_context<SortingContext>(y, d);
     at::Tensor back = y;
     if (ep_) back = all_to_all_rows(y.index_select(0, c.to_rank_major), ep_, c.recv_splits, c.send_splits);
+    // The dropped slots' rows: zeros, after the routed ones (where the sort put them).
+    const int64_t dropped = c.tokens * c.k - c.routed;
+    if (dropped > 0) back = at::cat({back, at::zeros({dropped, y.size(1)}, back.options())});
     at::Tensor slots = back.index_select(0, c.unsort).view({c.tokens, c.k, y.size(1)});
     const at::ScalarType ct = at::promote_types(y.scalar_type(), at::kFloat);
     return (slots.to(ct) * c.weights.to(ct).unsqueeze(-1)).sum(1).to(y.scalar_type());
@@ -177,8 +183,10 @@ class DedupDispatcher : public TokenDispatcher {
     c->tokens = N;
     c->k = k;
     c->copies = std::min(k, n);
-    at::Tensor dest = expert_ids.div(L, "floor");                                          // [N, k]
-    at::Tensor to_rank = at::zeros({N, n}, at::kBool).scatter_(1, dest, true);             // [N, n]
+    at::Tensor dest = expert_ids.div(L, "floor");                                          // [N, k]; -1: dropped
+    // A dropped slot marks an extra column, cut off: it sends to no rank.
+    at::Tensor to_rank =
+        at::zeros({N, n + 1}, at::kBool).scatter_(1, dest.masked_fill(dest < 0, n), true).narrow(1, 0, n);
     // Rank-major: rank 0's tokens in token order, then rank 1's, ...
     at::Tensor sends = to_rank.t().nonzero();                                              // [S, 2]: (rank, token)
     at::Tensor send_rank = sends.select(1, 0), send_token = sends.select(1, 1);
@@ -252,11 +260,14 @@ ExpertSort sort_by_expert(const at::Tensor& expert_ids, int64_t experts) {
   at::Tensor flat = expert_ids.reshape({-1});
   if (flat.numel() > 0) {
     const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
-    HP_CHECK(lo >= 0 && hi < experts, "ep: expert id ", lo < 0 ? lo : hi, " is outside [0, ", experts, ")");
+    HP_CHECK(lo >= -1 && hi < experts, "ep: expert id ", lo < -1 ? lo : hi, " is outside [0, ", experts,
+             ") (and not -1, a dropped slot)");
   }
+  // A dropped slot sorts as expert `experts`: after all of them.
+  at::Tensor key = flat.masked_fill(flat < 0, experts);
   ExpertSort s;
-  s.order = std::get<1>(at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  s.counts = at::bincount(flat, {}, experts).to(at::kLong);
+  s.order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  s.counts = at::bincount(key, {}, experts + 1).narrow(0, 0, experts).to(at::kLong).contiguous();
   return s;
 }
 

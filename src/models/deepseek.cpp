@@ -77,6 +77,8 @@ int64_t DeepSeekConfig::largest_param() const {
 void DeepSeekConfig::validate() const {
   HP_CHECK(aux_loss_coeff >= 0 && std::isfinite(aux_loss_coeff), "deepseek config: aux_loss_coeff=", aux_loss_coeff,
            " must be a finite number >= 0");
+  HP_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor), "deepseek config: capacity_factor=",
+           capacity_factor, " must be a finite number >= 0 (0: no limit)");
   HP_CHECK(dense_layers >= 0 && dense_layers <= layers, "deepseek config: dense_layers=", dense_layers,
            " must be in [0, layers=", layers, "]");
   HP_CHECK(experts_per_token >= 1 && experts_per_token <= experts, "deepseek config: experts_per_token=",
@@ -196,6 +198,28 @@ at::Tensor MoEImpl::balance_loss(const at::Tensor& scores, const at::Tensor& cho
   return c.aux_loss_coeff * (f * share).sum(-1).mean();
 }
 
+at::Tensor MoEImpl::capacity_keep(const at::Tensor& chosen_scores, const at::Tensor& chosen) const {
+  const int64_t N = chosen.size(0), k = chosen.size(1), E = c.experts;
+  const auto cap = static_cast<int64_t>(
+      std::ceil(c.capacity_factor * static_cast<double>(N * k) / static_cast<double>(E)));
+  at::Tensor flat = chosen.reshape({-1});
+  at::Tensor positions = at::arange(N * k, chosen.options());
+  // The slots in priority order, then grouped by expert (a stable sort keeps the priority
+  // within each expert); a slot's rank within its expert's group decides.
+  at::Tensor by_priority =
+      c.drop_policy == DropPolicy::kProbs
+          ? std::get<1>(at::sort(chosen_scores.detach().reshape({-1}), /*stable=*/true, /*dim=*/0, /*descending=*/true))
+          : positions;
+  at::Tensor grouped =
+      by_priority.index_select(0, std::get<1>(at::sort(flat.index_select(0, by_priority), /*stable=*/true, 0, false)));
+  at::Tensor counts = at::bincount(flat, {}, E).to(at::kLong);
+  at::Tensor starts = counts.cumsum(0) - counts;
+  at::Tensor rank = positions - starts.index_select(0, flat.index_select(0, grouped));
+  c10::List<c10::optional<at::Tensor>> at_slots;
+  at_slots.push_back(grouped);
+  return at::zeros({N * k}, chosen.options().dtype(at::kBool)).index_put(at_slots, rank < cap).view({N, k});
+}
+
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const auto shape = x.sizes().vec();
   at::Tensor flat = x.reshape({-1, c.dim});
@@ -206,7 +230,20 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     at::NoGradGuard g;
     load += at::bincount(chosen.reshape({-1}), {}, c.experts).to(at::kFloat);
   }
-  ep::Dispatched d = dispatcher->dispatch(flat, chosen, weights);
+  // A capacity limit drops slots before they are sent (id -1, weight 0).
+  at::Tensor ids = chosen, w = weights;
+  if (c.capacity_factor > 0) {
+    at::Tensor keep = capacity_keep(scores.gather(-1, chosen), chosen);
+    ids = chosen.masked_fill(~keep, -1);
+    w = weights.masked_fill(~keep, 0);
+    if (!hp::in_recompute()) {
+      // Made here, not in the constructor: a model built without storage materializes its
+      // buffers alone (and a per-step count has no place in a checkpoint).
+      if (!dropped.defined()) dropped = at::zeros({}, at::kDouble);
+      dropped += (~keep).sum().to(at::kDouble);
+    }
+  }
+  ep::Dispatched d = dispatcher->dispatch(flat, ids, w);
   out = out + dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
   if (c.aux_loss_coeff > 0 && at::GradMode::is_enabled()) {
     HP_CHECK(shape.size() == 3, "MoE: the balance loss needs sequences [batch, time, dim], got shape ", x.sizes());
@@ -236,11 +273,20 @@ void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind 
 
 void MoEImpl::update_balancing_bias(double rate, const CommPtr& dp) {
   at::NoGradGuard g;
-  if (dp) dp->all_reduce(load).wait();
+  if (!dropped.defined()) dropped = at::zeros({}, at::kDouble);
+  if (dp) {
+    // The load and the dropped slots in one all-reduce.
+    at::Tensor both = at::cat({load.to(at::kDouble), dropped.reshape({1})});
+    dp->all_reduce(both).wait();
+    load.copy_(both.narrow(0, 0, c.experts));
+    dropped.copy_(both[c.experts]);
+  }
   at::Tensor mean = load.mean();
   bias += rate * at::sign(mean - load);
   last_load = load.clone();
+  last_dropped = dropped.item<double>();
   load.zero_();
+  dropped.zero_();
 }
 
 DeepSeekBlockImpl::DeepSeekBlockImpl(const DeepSeekConfig& c, bool is_dense) {

@@ -16,12 +16,12 @@ class DeepSeekModel : public detail::ModelOf<DeepSeek> {
     }
   }
   void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) override { models::expert_parallel(*m_, ep, kind); }
-  std::vector<std::pair<int64_t, at::Tensor>> expert_load() const override {
-    std::vector<std::pair<int64_t, at::Tensor>> out;
+  std::vector<ExpertLoad> expert_load() const override {
+    std::vector<ExpertLoad> out;
     for (size_t i = 0; i < m_->blocks.size(); ++i) {
       const auto& moe = m_->blocks[i]->moe;
       if (moe && moe->last_load.defined()) {
-        out.emplace_back(m_->slice.first_layer + static_cast<int64_t>(i), moe->last_load);
+        out.push_back({m_->slice.first_layer + static_cast<int64_t>(i), moe->last_load, moe->last_dropped});
       }
     }
     return out;
@@ -190,6 +190,10 @@ class DeepSeekFamily : public ModelFamily {
         float_key<D>("bias_update_rate", &D::bias_update_rate, 0, false, "balancing-bias step per update"),
         float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
                      "weight of the sequence-wise balance loss (0: none; not with tensor_parallel > 1 yet)"),
+        float_key<D>("capacity_factor", &D::capacity_factor, 0, false,
+                     "each expert takes at most this x its even share of a rank's routed slots (0: no limit)"),
+        choice_key<D>("drop_policy", &D::drop_policy, {"probs", "position"},
+                      "over capacity, keep an expert's highest-scored slots (probs) or its first tokens (position)"),
     };
     return k;
   }

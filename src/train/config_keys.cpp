@@ -425,11 +425,22 @@ void set_model_field(TrainConfig& c, const models::ModelKey& k, const Value& v) 
     case models::ModelKey::Kind::kBool:
       x = as_bool(v);
       break;
+    case models::ModelKey::Kind::kChoice: {
+      const auto it = std::find(k.choices.begin(), k.choices.end(), v.text);
+      if (it == k.choices.end()) {
+        std::string all;
+        for (const auto& name : k.choices) all += (all.empty() ? "" : ", ") + name;
+        v.fail("expected one of: ", all);
+      }
+      x = static_cast<int64_t>(it - k.choices.begin());
+      break;
+    }
   }
   k.set(c.model.args(), x);
 }
 
-std::string model_value_text(const models::ModelValue& v) {
+std::string model_value_text(const models::ModelKey& k, const models::ModelValue& v) {
+  if (k.kind == models::ModelKey::Kind::kChoice) return k.choices.at(static_cast<size_t>(std::get<int64_t>(v)));
   if (const auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
   if (const auto* d = std::get_if<double>(&v)) return double_text(*d);
   return bool_text(std::get<bool>(v));
@@ -443,6 +454,8 @@ const char* kind_name(models::ModelKey::Kind k) {
       return "float";
     case models::ModelKey::Kind::kBool:
       return "bool";
+    case models::ModelKey::Kind::kChoice:
+      return "choice";
   }
   return "?";
 }
@@ -547,7 +560,12 @@ std::vector<KeyInfo> config_keys() {
           for (const auto& o : owners) tag += (tag.empty() ? "" : ", ") + o;
           help += " [" + tag + "]";
         }
-        out.push_back({"model." + m.name, kind_name(m.kind), "preset", help});
+        std::string type = kind_name(m.kind);
+        if (m.kind == models::ModelKey::Kind::kChoice) {
+          type.clear();
+          for (const auto& name : m.choices) type += (type.empty() ? "" : "|") + name;
+        }
+        out.push_back({"model." + m.name, type, "preset", help});
       }
     }
   }
@@ -560,7 +578,7 @@ std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainCo
     out.emplace_back(k.name, k.get(c));
     if (k.name != "model.preset") continue;
     for (const models::ModelKey& m : c.model.family().keys()) {
-      out.emplace_back("model." + m.name, model_value_text(m.get(c.model.args())));
+      out.emplace_back("model." + m.name, model_value_text(m, m.get(c.model.args())));
     }
   }
   return out;

@@ -72,9 +72,13 @@ std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s,
      << format_bytes(s.peak_bytes) << " | ETA " << format_duration(eta_s);
   if (!s.expert_load.empty()) {
     // The most imbalanced MoE block: its busiest expert's tokens over the mean.
-    double worst = 0;
-    for (const auto& e : s.expert_load) worst = std::max(worst, e.max / e.mean);
+    double worst = 0, dropped = 0;
+    for (const auto& e : s.expert_load) {
+      worst = std::max(worst, e.max / e.mean);
+      dropped = std::max(dropped, e.dropped);
+    }
     os << " | experts max/mean " << fmt("%.2f", worst);
+    if (dropped > 0) os << " dropped " << fmt("%.1f", 100 * dropped) << "%";
   }
   if (!std::isnan(ref_loss)) os << " | ref diff " << fmt("%.1e", std::fabs(s.loss - ref_loss));
   return os.str();
@@ -119,7 +123,7 @@ void MetricsLog::step(const StepStats& s, double ref_loss) {
     for (size_t i = 0; i < s.expert_load.size(); ++i) {
       const auto& e = s.expert_load[i];
       f_ << (i ? "," : "") << "{\"layer\":" << e.layer << ",\"tokens_max\":" << json_number(e.max)
-         << ",\"tokens_mean\":" << json_number(e.mean) << "}";
+         << ",\"tokens_mean\":" << json_number(e.mean) << ",\"dropped_fraction\":" << json_number(e.dropped) << "}";
     }
     f_ << "]";
   }

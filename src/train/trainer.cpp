@@ -228,14 +228,16 @@ StepStats Trainer::step() {
   // The slowest rank's time, the largest peak and, per MoE block, its experts' load (known
   // on the ranks holding the block, 0 elsewhere): one MAX over the world.
   const int64_t L = c.model->routed_experts() > 0 ? c.model->layers() : 0;
-  std::vector<double> figures(static_cast<size_t>(2 + 2 * L), 0.0);
+  std::vector<double> figures(static_cast<size_t>(2 + 3 * L), 0.0);
   figures[0] = secs;
   figures[1] = static_cast<double>(memory::peak_bytes());
   auto add_load = [&](const TrainModel& m) {
-    for (const auto& [layer, tokens] : m.expert_load()) {
-      HP_INTERNAL_ASSERT(layer >= 0 && layer < L, "expert load of layer ", layer, " in a model of ", L);
-      figures[static_cast<size_t>(2 + 2 * layer)] = tokens.max().item<double>();
-      figures[static_cast<size_t>(3 + 2 * layer)] = tokens.mean().item<double>();
+    for (const models::ExpertLoad& e : m.expert_load()) {
+      HP_INTERNAL_ASSERT(e.layer >= 0 && e.layer < L, "expert load of layer ", e.layer, " in a model of ", L);
+      const auto at = static_cast<size_t>(2 + 3 * e.layer);
+      figures[at] = e.tokens.max().item<double>();
+      figures[at + 1] = e.tokens.mean().item<double>();
+      figures[at + 2] = e.dropped / std::max(1.0, e.tokens.sum().item<double>());
     }
   };
   if (s.model) add_load(*s.model);
@@ -243,8 +245,8 @@ StepStats Trainer::step() {
   at::Tensor worst = at::tensor(figures, at::kDouble);
   s.world->all_reduce(worst, {ReduceOp::MAX}).wait();
   for (int64_t l = 0; l < L; ++l) {
-    const double mean = worst[3 + 2 * l].item<double>();
-    if (mean > 0) st.expert_load.push_back({l, worst[2 + 2 * l].item<double>(), mean});
+    const double mean = worst[3 + 3 * l].item<double>();
+    if (mean > 0) st.expert_load.push_back({l, worst[2 + 3 * l].item<double>(), mean, worst[4 + 3 * l].item<double>()});
   }
   st.loss = loss.item<double>();
   check_finite(st.step, "loss", st.loss);

@@ -27,6 +27,7 @@ enum class Routing {
   kRandom,        // each token picks 2 distinct experts at random
   kFirstRankOnly, // only EP rank 0's experts are chosen: the other ranks receive nothing
   kOneExpert,     // every token's first choice is the last expert
+  kDropped,       // random, with every third slot and all of the first token's dropped (-1)
 };
 
 struct RankData {
@@ -43,6 +44,11 @@ RankData data_of(int q, int n, Routing routing, bool empty_rank1) {
   switch (routing) {
     case Routing::kRandom:
       d.ids = std::get<1>(at::rand({T, kExperts}, kF64).topk(kTopK, -1));
+      break;
+    case Routing::kDropped:
+      d.ids = std::get<1>(at::rand({T, kExperts}, kF64).topk(kTopK, -1));
+      d.ids.view({-1}).index_fill_(0, at::arange(0, T * kTopK, 3, at::kLong), -1);
+      if (T > 0) d.ids[0].fill_(-1);
       break;
     case Routing::kFirstRankOnly:
       d.ids = std::get<1>(at::rand({T, local}, kF64).topk(kTopK, -1));
@@ -70,7 +76,10 @@ at::Tensor naive_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   std::vector<at::Tensor> rows;
   for (int64_t t = 0; t < x.size(0); ++t) {
     at::Tensor acc = at::zeros({kDim}, kF64);
-    for (int64_t j = 0; j < ids.size(1); ++j) acc = acc + w[t][j] * x[t].matmul(W[ids[t][j].item<int64_t>()]);
+    for (int64_t j = 0; j < ids.size(1); ++j) {
+      const int64_t e = ids[t][j].item<int64_t>();  // -1: dropped, adds nothing
+      if (e >= 0) acc = acc + w[t][j] * x[t].matmul(W[e]);
+    }
     rows.push_back(acc);
   }
   return at::stack(rows);
@@ -143,6 +152,10 @@ TEST_P(Dispatchers, RandomRoutingMatchesTokenByToken) { check_against_token_by_t
 TEST_P(Dispatchers, RanksThatReceiveNothing) { check_against_token_by_token(GetParam(), Routing::kFirstRankOnly, false); }
 
 TEST_P(Dispatchers, RankWithoutTokens) { check_against_token_by_token(GetParam(), Routing::kRandom, true); }
+
+TEST_P(Dispatchers, DroppedSlotsAreNotSentAndAddNothing) {
+  check_against_token_by_token(GetParam(), Routing::kDropped, false);
+}
 
 TEST_P(Dispatchers, EveryTokenToOneExpert) { check_against_token_by_token(GetParam(), Routing::kOneExpert, true); }
 

@@ -53,6 +53,15 @@ TEST(SortByExpert, RejectsIdsOutsideTheExperts) {
   } catch (const hp::Error& e) {
     EXPECT_NE(std::string(e.what()).find("expert id 5 is outside [0, 4)"), std::string::npos) << e.what();
   }
+  EXPECT_THROW(hp::ep::sort_by_expert(longs({0, -2}).view({1, 2}), 4), hp::Error);
+}
+
+// Dropped slots (-1) go last and count for no expert.
+TEST(SortByExpert, DroppedSlotsLastAndUncounted) {
+  // Slots: 0:1 1:-1 2:0 3:-1 4:1 5:0.
+  hp::ep::ExpertSort s = hp::ep::sort_by_expert(longs({1, -1, 0, -1, 1, 0}).view({3, 2}), 3);
+  EXPECT_EQ(vec(s.order), (std::vector<int64_t>{2, 5, 0, 4, 1, 3}));
+  EXPECT_EQ(vec(s.counts), (std::vector<int64_t>{2, 2, 0}));
 }
 
 TEST(TokenDispatcher, RejectsExpertsNotDividingTheGroup) {
@@ -60,24 +69,32 @@ TEST(TokenDispatcher, RejectsExpertsNotDividingTheGroup) {
 }
 
 // Expert e multiplies by its own matrix W[e]; out[t] = sum_j w[t, j] * x[t] @ W[ids[t, j]],
-// written token by token.
+// written token by token (a dropped slot, id -1, adds nothing).
 at::Tensor naive_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w, const std::vector<at::Tensor>& W) {
   std::vector<at::Tensor> rows;
   for (int64_t t = 0; t < x.size(0); ++t) {
     at::Tensor acc = at::zeros({W[0].size(1)}, x.options());
-    for (int64_t j = 0; j < ids.size(1); ++j) acc = acc + w[t][j] * x[t].matmul(W[ids[t][j].item<int64_t>()]);
+    for (int64_t j = 0; j < ids.size(1); ++j) {
+      const int64_t e = ids[t][j].item<int64_t>();
+      if (e >= 0) acc = acc + w[t][j] * x[t].matmul(W[e]);
+    }
     rows.push_back(acc);
   }
   return at::stack(rows);
 }
 
-TEST(LocalDispatcher, MatchesTokenByTokenExpertsForwardAndBackward) {
+void check_local_dispatcher(bool drop) {
   at::manual_seed(3);
   const int64_t T = 9, D = 5, E = 4, k = 2;
   auto opts = at::TensorOptions().dtype(at::kDouble);
   at::Tensor x = at::randn({T, D}, opts).requires_grad_(true);
   // Distinct choices per token; expert 3 never chosen (it must get no rows, no gradient).
   at::Tensor ids = std::get<1>(at::rand({T, 3}, opts).topk(k, -1));
+  if (drop) {
+    // Every third slot dropped, and both of token 0's (it gets nothing from the experts).
+    ids.view({-1}).index_fill_(0, at::arange(0, T * k, 3, at::kLong), -1);
+    ids[0].fill_(-1);
+  }
   at::Tensor w = at::rand({T, k}, opts).requires_grad_(true);
   std::vector<at::Tensor> W;
   for (int64_t e = 0; e < E; ++e) W.push_back(at::randn({D, D}, opts).requires_grad_(true));
@@ -86,6 +103,7 @@ TEST(LocalDispatcher, MatchesTokenByTokenExpertsForwardAndBackward) {
   auto disp = hp::ep::local_dispatcher(E);
   hp::ep::Dispatched d = disp->dispatch(x, ids, w);
   ASSERT_EQ(d.counts.size(), 4u);
+  EXPECT_EQ(d.rows.size(0), (ids >= 0).sum().item<int64_t>()) << "a dropped slot was sent";
   EXPECT_EQ(d.counts[3], 0);
   std::vector<at::Tensor> ys;
   int64_t off = 0;
@@ -110,5 +128,8 @@ TEST(LocalDispatcher, MatchesTokenByTokenExpertsForwardAndBackward) {
   for (int64_t e = 0; e < 3; ++e) EXPECT_LE((grads[2 + e] - W[e].grad()).abs().max().item<double>(), 1e-12) << e;
   EXPECT_FALSE(grads[5].defined());
 }
+
+TEST(LocalDispatcher, MatchesTokenByTokenExpertsForwardAndBackward) { check_local_dispatcher(false); }
+TEST(LocalDispatcher, DroppedSlotsAreNotSentAndAddNothing) { check_local_dispatcher(true); }
 
 }  // namespace

@@ -242,3 +242,56 @@ TEST(DeepSeek, BalanceLossIsTheSequenceWiseFormulaScaledIntoBackward) {
   EXPECT_GT(by_hand.abs().max().item<double>(), 0);
   EXPECT_LE((g1 - g0 - 0.25 * by_hand).abs().max().item<double>(), 1e-12 * g1.abs().max().item<double>());
 }
+
+// A capacity limit keeps at most ceil(factor x tokens x k / experts) of each expert's slots:
+// the highest router scores (probs; ties by token order) or the first tokens (position),
+// against a loop here; the MoE's output then sums the kept slots alone, weights as routed.
+TEST(DeepSeek, CapacityKeepsEachExpertsBestSlotsAndDropsTheRest) {
+  for (auto policy : {hp::models::DropPolicy::kProbs, hp::models::DropPolicy::kPosition}) {
+    DeepSeekConfig c = DeepSeekConfig::tiny();
+    c.capacity_factor = 0.75;
+    c.drop_policy = policy;
+    at::manual_seed(5);
+    hp::models::MoE moe(c);
+    moe->to(at::kDouble);
+    {
+      at::NoGradGuard g;  // crowd experts 0 and 1 so that they overflow
+      moe->bias.copy_(at::tensor({0.6, 0.5, 0., 0., 0., 0., 0., 0.}, at::kDouble));
+    }
+    const int64_t B = 2, T = 6, N = B * T, k = c.experts_per_token, E = c.experts;
+    const at::Tensor x = at::randn({B, T, c.dim}, at::kDouble);
+    const at::Tensor flat = x.reshape({-1, c.dim});
+    const at::Tensor scores = moe->gate->forward(flat).sigmoid();
+    auto [chosen, w] = moe->route_scores(scores);
+    const at::Tensor keep = moe->capacity_keep(scores.gather(-1, chosen), chosen);
+    const int64_t cap = static_cast<int64_t>(std::ceil(0.75 * N * k / E));  // 3
+    int64_t dropped = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      std::vector<std::pair<double, int64_t>> slots;  // (priority, slot), best first
+      for (int64_t s = 0; s < N * k; ++s) {
+        const int64_t t = s / k, j = s % k;
+        if (chosen[t][j].item<int64_t>() != e) continue;
+        const double p = policy == hp::models::DropPolicy::kProbs ? -scores[t][e].item<double>() : 0.0;
+        slots.push_back({p, s});
+      }
+      std::stable_sort(slots.begin(), slots.end());
+      for (size_t i = 0; i < slots.size(); ++i) {
+        const int64_t s = slots[i].second;
+        EXPECT_EQ(keep[s / k][s % k].item<bool>(), static_cast<int64_t>(i) < cap) << "expert " << e << " slot " << s;
+      }
+      dropped += std::max<int64_t>(0, static_cast<int64_t>(slots.size()) - cap);
+    }
+    EXPECT_GT(dropped, 0) << "nothing overflowed: the test does not exercise the limit";
+
+    at::Tensor got = moe->forward(x).reshape({-1, c.dim});
+    for (int64_t t = 0; t < N; ++t) {
+      at::Tensor want = moe->shared->forward(flat[t].unsqueeze(0))[0];
+      for (int64_t j = 0; j < k; ++j) {
+        if (!keep[t][j].item<bool>()) continue;
+        want = want + w[t][j] * moe->experts->list[chosen[t][j].item<int64_t>()]->forward(flat[t].unsqueeze(0))[0];
+      }
+      EXPECT_LE((got[t] - want).abs().max().item<double>(), 1e-12) << "token " << t;
+    }
+    EXPECT_EQ(moe->dropped.item<double>(), static_cast<double>(dropped));
+  }
+}

@@ -142,6 +142,9 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4, {"expert_parallel=2", "tensor_parallel=2", "not supported yet"}},
       // the balance loss: a weight >= 0, not under tensor parallelism yet
       {"model:\n  aux_loss_coeff: -0.1\n", {}, 4, {"model.aux_loss_coeff", "-0.1"}},
+      // a capacity: a factor >= 0 (0: none), a policy by name
+      {"model:\n  capacity_factor: -1\n", {}, 4, {"model.capacity_factor=-1", "must be >= 0"}},
+      {"model:\n  drop_policy: random\n", {}, 4, {"model.drop_policy=random", "expected one of: probs, position"}},
       {"model:\n  aux_loss_coeff: 0.01\ntensor_parallel: 2\n", {}, 4,
        {"tensor_parallel=2", "aux_loss_coeff=0.01", "not supported yet"}},
       {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},

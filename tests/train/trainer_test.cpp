@@ -251,9 +251,12 @@ void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const
   const double mean = static_cast<double>(c.global_batch_size * c.seq_length * d.experts_per_token) /
                       static_cast<double>(d.experts);
   for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_EQ(st.expert_load[i].layer, want[i].first) << label;
-    EXPECT_EQ(st.expert_load[i].max, want[i].second.max().item<double>()) << label << ": layer " << want[i].first;
-    EXPECT_EQ(st.expert_load[i].mean, mean) << label << ": layer " << want[i].first;
+    EXPECT_EQ(st.expert_load[i].layer, want[i].layer) << label;
+    EXPECT_EQ(st.expert_load[i].max, want[i].tokens.max().item<double>()) << label << ": layer " << want[i].layer;
+    EXPECT_EQ(st.expert_load[i].mean, mean) << label << ": layer " << want[i].layer;
+    const double dropped = want[i].dropped / want[i].tokens.sum().item<double>();
+    EXPECT_EQ(st.expert_load[i].dropped, dropped) << label << ": layer " << want[i].layer;
+    if (d.capacity_factor == 0) EXPECT_EQ(dropped, 0) << label << ": nothing is dropped without a capacity";
   }
 }
 
@@ -673,6 +676,72 @@ std::map<std::string, at::Tensor> whole_params(const ht::Trainer& t, const ht::T
     out[item.key()] = full;
   }
   return out;
+}
+
+// On one rank the capacity's per-rank micro-batch is the global one: the trainer (built
+// without storage, then sharded) against the one-process run, both policies, every layer's
+// dropped fraction included (float64).
+TEST(TrainDist, CapacityOnOneRankMatchesOneProcess) {
+  auto w = hp::world();
+  if (w->size() != 1) GTEST_SKIP() << "one rank's tokens are the global batch only on one rank";
+  for (auto policy : {hp::models::DropPolicy::kProbs, hp::models::DropPolicy::kPosition}) {
+    ht::TrainConfig c = small_config("deepseek", 1);
+    auto& d = c.model.config<hp::models::DeepSeekConfig>();
+    d.capacity_factor = 0.6;
+    d.drop_policy = policy;
+    c.validate(1);
+    c.params_dtype = c.compute_dtype = at::kDouble;
+    const std::string label = policy == hp::models::DropPolicy::kProbs ? "capacity, probs" : "capacity, position";
+    Naive naive = naive_run(c);
+    ht::Trainer t(c, w);
+    const ht::StepStats last = expect_steps_match(t, c, naive, label);
+    expect_expert_load(last, c, naive, label);
+    for (const auto& e : last.expert_load) EXPECT_GT(e.dropped, 0) << label << ": layer " << e.layer;
+  }
+}
+
+// A capacity limit drops slots per rank, from the rank's own tokens, before they are sent:
+// a layout-dependent rule, so no one process on the global batch can stand in. Expert
+// parallelism must not change it: EP over every rank trains as the same data-parallel
+// layout without EP (each rank holding every expert), both policies, in float64; both
+// report the same dropped fraction, above 0.
+TEST(TrainDist, CapacityDropsTheSameSlotsWithAndWithoutExpertParallelism) {
+  auto w = hp::world();
+  if (w->size() == 1 || w->size() == 3) GTEST_SKIP() << "needs an even world";
+  for (auto policy : {hp::models::DropPolicy::kProbs, hp::models::DropPolicy::kPosition}) {
+    std::vector<std::vector<ht::StepStats>> runs;
+    std::vector<std::map<std::string, at::Tensor>> params;
+    for (int64_t ep : {int64_t{1}, static_cast<int64_t>(w->size())}) {
+      ht::TrainConfig c = small_config("deepseek", w->size());
+      c.data_parallel = 1;
+      c.data_parallel_shard = -1;
+      c.expert_parallel = ep;
+      auto& d = c.model.config<hp::models::DeepSeekConfig>();
+      d.capacity_factor = 0.6;
+      d.drop_policy = policy;
+      c.validate(w->size());
+      c.params_dtype = c.compute_dtype = at::kDouble;
+      ht::Trainer t(c, w);
+      runs.emplace_back();
+      for (int64_t s = 0; s < c.train_steps; ++s) runs.back().push_back(t.step());
+      params.push_back(whole_params(t, c, w));
+    }
+    const std::string label = std::string("capacity 0.6, ") + (policy == hp::models::DropPolicy::kProbs ? "probs" : "position");
+    for (size_t s = 0; s < runs[0].size(); ++s) {
+      EXPECT_NEAR(runs[1][s].loss, runs[0][s].loss, 1e-10 * runs[0][s].loss) << label << " step " << s + 1;
+      EXPECT_NEAR(runs[1][s].grad_norm, runs[0][s].grad_norm, 1e-10 * runs[0][s].grad_norm) << label;
+      ASSERT_EQ(runs[1][s].expert_load.size(), runs[0][s].expert_load.size());
+      for (size_t i = 0; i < runs[0][s].expert_load.size(); ++i) {
+        EXPECT_GT(runs[0][s].expert_load[i].dropped, 0) << label << ": nothing dropped";
+        EXPECT_EQ(runs[1][s].expert_load[i].dropped, runs[0][s].expert_load[i].dropped) << label;
+      }
+    }
+    ASSERT_EQ(params[0].size(), params[1].size());
+    for (const auto& [name, want] : params[0]) {
+      const double scale = std::max(1e-30, want.abs().max().item<double>());
+      EXPECT_LE((params[1].at(name) - want).abs().max().item<double>() / scale, 1e-10) << label << ": " << name;
+    }
+  }
 }
 
 // Experts over 2 ranks inside each of 2 pipeline ranks (4 ranks): every schedule's steps

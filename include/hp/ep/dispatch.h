@@ -19,6 +19,9 @@
 //     swapped, the inverse of the sort); the weighted sum runs at the token's own rank in
 //     at least fp32, over j in order (deterministic).
 //
+// An expert id of -1 marks a dropped slot (a capacity limit's): it is not sent, and adds
+// nothing to its token's output.
+//
 // Both are differentiable: dispatch's backward is a combine of the gradient (without the
 // weights) and combine's backward is a dispatch; the weights get their gradient at the
 // token's rank. Experts that receive no rows and ranks that send or receive nothing work
@@ -38,11 +41,12 @@
 namespace hp::ep {
 
 // The stable sort of routed slots by expert: slot s = t*k + j is token t's j-th choice.
+// Dropped slots (id -1) come last, after every expert's, and are counted nowhere.
 struct ExpertSort {
-  at::Tensor order;   // int64 [tokens*k]: the slots in expert-major order
+  at::Tensor order;   // int64 [tokens*k]: the slots in expert-major order, the dropped last
   at::Tensor counts;  // int64 [experts]: slots per expert
 };
-// Raises naming the offending id when one is outside [0, experts).
+// Raises naming the offending id when one is outside [0, experts) and not -1.
 ExpertSort sort_by_expert(const at::Tensor& expert_ids, int64_t experts);
 
 // Rows received rank-major, `counts` [ep * local_experts] (rank-major: counts[r*L + i] rows

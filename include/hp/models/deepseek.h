@@ -21,6 +21,10 @@
 
 namespace hp::models {
 
+// Which of an expert's routed slots a capacity limit keeps: the highest router scores, or
+// the first tokens in order.
+enum class DropPolicy { kProbs, kPosition };
+
 struct DeepSeekConfig {
   int64_t vocab = 256;
   int64_t dim = 64;
@@ -40,6 +44,12 @@ struct DeepSeekConfig {
   double bias_update_rate = 1e-3;
   // Weight of the sequence-wise balance loss (DeepSeek-V3 eq. 17-20; 0: none, as trained).
   double aux_loss_coeff = 0;
+  // > 0: each expert takes at most ceil(capacity_factor x tokens x k / experts) of a
+  // micro-batch's routed slots from each rank's tokens (before they are sent), the rest are
+  // dropped by drop_policy (a token keeps its other experts and the shared ones; weights are
+  // not renormalized). 0: no limit, nothing dropped (as DeepSeek-V3 trains).
+  double capacity_factor = 0;
+  DropPolicy drop_policy = DropPolicy::kProbs;
   int64_t max_seq = 256;
   double rope_theta = 10000.0;
   double norm_eps = 1e-6;
@@ -85,6 +95,10 @@ struct MoEImpl : torch::nn::Module {
   // f_e = experts / (k T) x the tokens choosing e and P_e the mean over the sequence of e's
   // score normalized over all experts.
   at::Tensor balance_loss(const at::Tensor& scores, const at::Tensor& chosen, int64_t B, int64_t T) const;
+  // With capacity_factor > 0: which slots of chosen [tokens, k] each expert keeps ([tokens,
+  // k] bool), ranked by drop_policy (their router scores [tokens, k] for kProbs, ties by
+  // token order).
+  at::Tensor capacity_keep(const at::Tensor& chosen_scores, const at::Tensor& chosen) const;
   // bias[e] += rate * sign(mean load - load[e]) from the tokens routed since the last
   // call (call after the optimizer step). With `dp`, the load is summed over the
   // data-parallel ranks first, so every replica (and a one-process run on the global
@@ -100,6 +114,10 @@ struct MoEImpl : torch::nn::Module {
   // The load of the last update_balancing_bias (summed over `dp`), for metrics; undefined
   // before the first.
   at::Tensor last_load;
+  // Slots a capacity limit dropped since the last bias update (a double scalar; undefined
+  // until the first), and the last update's sum over `dp`.
+  at::Tensor dropped;
+  double last_dropped = 0;
   // What each micro-batch's loss is multiplied by before backward (Model::set_loss_scale):
   // the balance loss's gradient is scaled alike.
   double loss_scale = 1;

@@ -38,6 +38,14 @@ namespace hp::models {
 
 class ModelFamily;
 
+// One MoE block's routing in the last step (Model::expert_load), summed over the
+// data-parallel ranks.
+struct ExpertLoad {
+  int64_t layer = 0;   // in the whole model
+  at::Tensor tokens;   // [experts]: the slots the router gave each expert
+  double dropped = 0;  // of all of them, the slots a capacity limit dropped
+};
+
 // A built model (one pipeline stage's part of it, or the whole).
 class Model {
  public:
@@ -68,11 +76,10 @@ class Model {
   // The modules holding routed experts (each a fully_shard unit of its own, sharded over the
   // ranks holding the same experts); none for a model without them.
   virtual std::vector<torch::nn::Module*> expert_modules() { return {}; }
-  // Tokens each routed expert of each MoE block (of this model part) got in the last step,
-  // summed over the data-parallel ranks, as after_step's balancing saw them: (layer index in
-  // the whole model, [experts]). Empty before the first after_step, and for a model without
-  // routed experts.
-  virtual std::vector<std::pair<int64_t, at::Tensor>> expert_load() const { return {}; }
+  // Each MoE block's (of this model part) routing in the last step, as after_step's
+  // balancing saw it. Empty before the first after_step, and for a model without routed
+  // experts.
+  virtual std::vector<ExpertLoad> expert_load() const { return {}; }
 };
 
 // Forward FLOPs of one sequence position: per block (its matmuls and attention's two
@@ -91,7 +98,7 @@ using ModelValue = std::variant<int64_t, double, bool>;
 
 // One field of a family's config that hp-train's model.<name> key sets.
 struct ModelKey {
-  enum class Kind { kInt, kFloat, kBool };
+  enum class Kind { kInt, kFloat, kBool, kChoice };
   std::string name;  // without "model."
   Kind kind = Kind::kInt;
   // Int and float: the smallest value accepted; above_min: the value must be greater.
@@ -100,6 +107,7 @@ struct ModelKey {
   std::string help;
   std::function<void(class ModelArgs&, const ModelValue&)> set;
   std::function<ModelValue(const class ModelArgs&)> get;
+  std::vector<std::string> choices;  // kChoice: the names accepted; the value is the index
 };
 
 // One configured model of a family: sizes and arithmetic from the config alone (nothing
@@ -221,6 +229,15 @@ ModelKey float_key(const char* name, double Config::*f, double min, bool above_m
   return {name, ModelKey::Kind::kFloat, min, above_min, help,
           [f](ModelArgs& a, const ModelValue& v) { config_of<Config>(a).*f = std::get<double>(v); },
           [f](const ModelArgs& a) { return ModelValue(config_of<Config>(a).*f); }};
+}
+// A field of enum type E whose values are 0, 1, ... named by `choices` in that order.
+template <typename Config, typename E>
+ModelKey choice_key(const char* name, E Config::*f, std::vector<std::string> choices, const char* help) {
+  ModelKey k{name, ModelKey::Kind::kChoice, 0, false, help,
+             [f](ModelArgs& a, const ModelValue& v) { config_of<Config>(a).*f = static_cast<E>(std::get<int64_t>(v)); },
+             [f](const ModelArgs& a) { return ModelValue(static_cast<int64_t>(config_of<Config>(a).*f)); }};
+  k.choices = std::move(choices);
+  return k;
 }
 template <typename Config>
 ModelKey bool_key(const char* name, bool Config::*f, const char* help) {

@@ -70,6 +70,7 @@ struct StepStats {
   struct ExpertLoad {
     int64_t layer = 0;
     double max = 0, mean = 0;
+    double dropped = 0;  // the fraction of its routed slots a capacity limit dropped
   };
   std::vector<ExpertLoad> expert_load;
 };
