@@ -63,6 +63,15 @@ void check_dispatch_inputs(const at::Tensor& x, const at::Tensor& expert_ids, co
            " do not match the expert ids' ", expert_ids.sizes());
 }
 
+// int64 ids in [0, experts), or -1 (a dropped slot); raises naming the offending one.
+void check_expert_ids(const at::Tensor& expert_ids, int64_t experts) {
+  HP_CHECK(expert_ids.scalar_type() == at::kLong, "ep: expert ids must be int64, got ", expert_ids.scalar_type());
+  if (expert_ids.numel() == 0) return;
+  const int64_t lo = expert_ids.min().item<int64_t>(), hi = expert_ids.max().item<int64_t>();
+  HP_CHECK(lo >= -1 && hi < experts, "ep: expert id ", lo < -1 ? lo : hi, " is outside [0, ", experts,
+           ") (and not -1, a dropped slot)");
+}
+
 // Bytes of `rows_per_rank` rows of `row_bytes` each to the ranks other than `self`.
 int64_t bytes_to_others(const std::vector<int64_t>& rows_per_rank, int64_t row_bytes, int64_t self) {
   int64_t rows = 0;
@@ -177,7 +186,7 @@ class DedupDispatcher : public TokenDispatcher {
 
   Dispatched dispatch(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) override {
     check_dispatch_inputs(x, expert_ids, weights);
-    sort_by_expert(expert_ids, experts());  // the range check
+    check_expert_ids(expert_ids, experts());
     const int64_t n = ep_size(), L = local_experts(), N = x.size(0), k = expert_ids.size(1);
     auto c = std::make_shared<DedupContext>();
     c->tokens = N;
@@ -256,13 +265,8 @@ TokenDispatcher::TokenDispatcher(int64_t experts, int64_t ep_size, int64_t ep_ra
 }
 
 ExpertSort sort_by_expert(const at::Tensor& expert_ids, int64_t experts) {
-  HP_CHECK(expert_ids.scalar_type() == at::kLong, "ep: expert ids must be int64, got ", expert_ids.scalar_type());
+  check_expert_ids(expert_ids, experts);
   at::Tensor flat = expert_ids.reshape({-1});
-  if (flat.numel() > 0) {
-    const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
-    HP_CHECK(lo >= -1 && hi < experts, "ep: expert id ", lo < -1 ? lo : hi, " is outside [0, ", experts,
-             ") (and not -1, a dropped slot)");
-  }
   // A dropped slot sorts as expert `experts`: after all of them.
   at::Tensor key = flat.masked_fill(flat < 0, experts);
   ExpertSort s;
