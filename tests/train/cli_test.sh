@@ -20,6 +20,10 @@ run_np() {  # run_np N args...: under mpirun when there is one, else N must be 1
 "$bin" --list-keys > "$work/keys" || fail "--list-keys exited $?"
 grep -q '^params_dtype ' "$work/keys" || fail "--list-keys lacks params_dtype"
 grep -q '^model.kv_lora_rank ' "$work/keys" || fail "--list-keys lacks model.kv_lora_rank"
+grep -q '^model.drop_policy  *probs|position ' "$work/keys" || fail "--list-keys: model.drop_policy's choices: $(grep drop_policy "$work/keys")"
+"$bin" --config "$src/configs/deepseek_tiny.yaml" --set model.drop_policy=random --estimate > "$work/out" 2>&1 &&
+  fail "drop_policy=random was accepted"
+grep -q "model.drop_policy=random: expected one of: probs, position" "$work/out" || fail "drop_policy error: $(cat "$work/out")"
 
 "$bin" --bogus > "$work/out" 2>&1 && fail "an unknown argument was accepted"
 grep -q "unknown argument '--bogus'" "$work/out" || fail "unknown argument not named: $(cat "$work/out")"
