@@ -1,6 +1,7 @@
 // comm_bench: bus bandwidth of hp::Communicator against the same raw MPI calls.
 //
-// For each op (all_gather, reduce_scatter, all_reduce), dtype (fp32, bf16) and size, the
+// For each op (all_gather, reduce_scatter, all_reduce, all_to_all), dtype (fp32, bf16;
+// all_to_all fp32 only) and size, the
 // hp op and the raw MPI call run interleaved in rounds, so both see the same machine
 // state. Times are the slowest rank's, the median over rounds. Bandwidths follow the
 // nccl-tests formulas: algbw = bytes / time; busbw = algbw * 2(n-1)/n for all_reduce and
@@ -8,11 +9,17 @@
 // output, reduce_scatter input, all_reduce buffer). Raw MPI has no bf16 type: bf16 rows
 // compare with the fp32 raw call moving the same number of bytes.
 //
+// all_to_all runs with uneven splits (as expert parallelism's token exchange does): rank r
+// sends u x (1 + (r + 2q) % 3) elements to rank q, u = bytes / (8 n) fp32 elements, against
+// MPI_Alltoallv on the same counts; bytes is rank 0's send buffer, busbw bytes / time x
+// (n-1)/n.
+//
 // Then ping_pong (fp32): rank 0 sends to rank 1 and waits for it to send the same bytes
 // back, against MPI_Send / MPI_Recv; the time is one round trip (the latency a pipeline's
 // receive waits), busbw the bytes both ways over it.
 //
-//   mpirun -np 2 build/comm_bench [--min 4096] [--max 67108864] [--rounds 5] [--json out.json]
+//   mpirun -np 2 build/comm_bench [--min 4096] [--max 67108864] [--rounds 5] [--op NAME]
+//                                 [--json out.json]
 #include <ATen/ATen.h>
 #include <mpi.h>
 
@@ -73,7 +80,7 @@ struct Row {
 int main(int argc, char** argv) {
   int64_t min_bytes = 4096, max_bytes = 64 << 20;
   int rounds = 5;
-  std::string json;
+  std::string json, only;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -87,6 +94,7 @@ int main(int argc, char** argv) {
     else if (a == "--max") max_bytes = std::stoll(next());
     else if (a == "--rounds") rounds = std::stoi(next());
     else if (a == "--json") json = next();
+    else if (a == "--op") only = next();
     else {
       std::fprintf(stderr, "comm_bench: unknown argument '%s'\n", a.c_str());
       return 2;
@@ -104,8 +112,10 @@ int main(int argc, char** argv) {
     std::printf("%-15s %-5s %10s %11s %11s %11s %11s %8s\n", "op", "dtype", "bytes", "hp_us",
                 "raw_us", "hp_busbw", "raw_busbw", "hp/raw");
   }
-  for (const char* op : {"all_gather", "reduce_scatter", "all_reduce"}) {
+  for (const char* op : {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}) {
+    if (!only.empty() && only != op) continue;
     for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+      if (std::string(op) == "all_to_all" && dt != at::kFloat) continue;  // raw MPI has no bf16
       for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
         const int64_t es = c10::elementSize(dt);
         const int64_t numel = std::max<int64_t>(n, bytes / es / n * n);
@@ -118,7 +128,38 @@ int main(int argc, char** argv) {
         at::Tensor fsmall = at::randn({fnumel / n});  // touched, like the hp buffers
         std::function<void()> hp_fn, raw_fn;
         double factor;
-        if (opname == "all_gather") {
+        // all_to_all's uneven splits (elements to / from each rank) and MPI's displacements.
+        hp::AllToAllOptions split;
+        std::vector<int> send_counts(n), recv_counts(n), send_displs(n), recv_displs(n);
+        int64_t sent = 0, received = 0;
+        if (opname == "all_to_all") {
+          const int64_t u = std::max<int64_t>(1, bytes / 8 / n);
+          for (int q = 0; q < n; ++q) {
+            split.input_split_sizes.push_back(u * (1 + (r + 2 * q) % 3));
+            split.output_split_sizes.push_back(u * (1 + (q + 2 * r) % 3));
+            send_displs[q] = static_cast<int>(sent);
+            recv_displs[q] = static_cast<int>(received);
+            send_counts[q] = static_cast<int>(split.input_split_sizes.back());
+            recv_counts[q] = static_cast<int>(split.output_split_sizes.back());
+            sent += split.input_split_sizes.back();
+            received += split.output_split_sizes.back();
+          }
+        }
+        at::Tensor a2a_in = at::randn({sent}), a2a_out = at::empty({received});
+        at::Tensor raw_in = at::randn({sent}), raw_out = at::empty({received});
+        int64_t row_bytes = real_bytes;
+        if (opname == "all_to_all") {
+          factor = double(n - 1) / n;
+          // Rank 0's send buffer (the same on every rank: the table's size).
+          int64_t rank0 = 0;
+          for (int q = 0; q < n; ++q) rank0 += std::max<int64_t>(1, bytes / 8 / n) * (1 + (2 * q) % 3);
+          row_bytes = rank0 * 4;
+          hp_fn = [&] { world->all_to_all(a2a_out, a2a_in, split).wait(); };
+          raw_fn = [&] {
+            MPI_Alltoallv(raw_in.data_ptr(), send_counts.data(), send_displs.data(), MPI_FLOAT, raw_out.data_ptr(),
+                          recv_counts.data(), recv_displs.data(), MPI_FLOAT, MPI_COMM_WORLD);
+          };
+        } else if (opname == "all_gather") {
           factor = double(n - 1) / n;
           small.copy_(big.narrow(0, 0, numel / n));
           hp_fn = [&] { world->all_gather(big, small).wait(); };
@@ -145,12 +186,12 @@ int main(int argc, char** argv) {
           };
         }
         auto [hp_s, raw_s] = time_interleaved(hp_fn, raw_fn, rounds);
-        Row row{opname, dt == at::kFloat ? "fp32" : "bf16", real_bytes, hp_s, raw_s, 0, 0};
-        row.hp_busbw = real_bytes / row.hp_s * factor / 1e9;
-        row.raw_busbw = real_bytes / row.raw_s * factor / 1e9;
+        Row row{opname, dt == at::kFloat ? "fp32" : "bf16", row_bytes, hp_s, raw_s, 0, 0};
+        row.hp_busbw = row_bytes / row.hp_s * factor / 1e9;
+        row.raw_busbw = row_bytes / row.raw_s * factor / 1e9;
         if (r == 0) {
           std::printf("%-15s %-5s %10lld %11.1f %11.1f %9.2f GB/s %7.2f GB/s %7.2fx\n", op,
-                      row.dtype.c_str(), static_cast<long long>(real_bytes), row.hp_s * 1e6,
+                      row.dtype.c_str(), static_cast<long long>(row_bytes), row.hp_s * 1e6,
                       row.raw_s * 1e6, row.hp_busbw, row.raw_busbw, row.raw_s / row.hp_s);
           std::fflush(stdout);
         }
@@ -159,7 +200,7 @@ int main(int argc, char** argv) {
     }
   }
   // Round trips between ranks 0 and 1 (the others wait at the timing's barriers).
-  for (int64_t bytes = min_bytes; bytes <= max_bytes && n >= 2; bytes *= 4) {
+  for (int64_t bytes = min_bytes; bytes <= max_bytes && n >= 2 && (only.empty() || only == "ping_pong"); bytes *= 4) {
     const int64_t numel = std::max<int64_t>(1, bytes / 4), real_bytes = numel * 4;
     at::Tensor x = at::randn({numel});
     std::function<void()> hp_fn = [&] {
