@@ -234,10 +234,10 @@ StepStats Trainer::step() {
   auto add_load = [&](const TrainModel& m) {
     for (const models::ExpertLoad& e : m.expert_load()) {
       HP_INTERNAL_ASSERT(e.layer >= 0 && e.layer < L, "expert load of layer ", e.layer, " in a model of ", L);
-      const auto at = static_cast<size_t>(2 + 3 * e.layer);
-      figures[at] = e.tokens.max().item<double>();
-      figures[at + 1] = e.tokens.mean().item<double>();
-      figures[at + 2] = e.dropped / std::max(1.0, e.tokens.sum().item<double>());
+      const auto first = static_cast<size_t>(2 + 3 * e.layer);
+      figures[first] = e.tokens.max().item<double>();
+      figures[first + 1] = e.tokens.mean().item<double>();
+      figures[first + 2] = e.dropped / std::max(1.0, e.tokens.sum().item<double>());
     }
   };
   if (s.model) add_load(*s.model);
