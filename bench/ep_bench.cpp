@@ -11,11 +11,14 @@
 //   mpirun -np N build/ep_bench time    forward + backward of one MoE layer (16 experts,
 //                                       top-4, dim 256, fp32) per rank: every expert on
 //                                       every rank (no communication, the baseline), EP N
-//                                       plain, EP N de-duplicated; steps interleaved,
+//                                       plain, EP N de-duplicated, and every expert under
+//                                       fully_shard over the N ranks (gathered in forward
+//                                       and again in backward, gradients reduce-scattered:
+//                                       the layout without EP); steps interleaved,
 //                                       median step time, the experts' parameter bytes and
 //                                       the step's tensor-memory peak above what was
 //                                       allocated before it, per rank (no gradient
-//                                       reduction in any variant: the layer alone)
+//                                       reduction but fully_shard's own)
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -27,6 +30,7 @@
 #include "bench_util.h"
 #include "hp/core/memory.h"
 #include "hp/ep/dispatch.h"
+#include "hp/fsdp/fully_shard.h"
 #include "hp/hooks/call.h"
 #include "hp/models/deepseek.h"
 #include "hp/runtime.h"
@@ -111,21 +115,24 @@ void time_mode(int steps) {
   c.expert_hidden = 128;
   c.shared_experts = 1;
   const int64_t tokens = 1024;
-  const char* names[3] = {"replicated", "ep plain", "ep dedup"};
+  constexpr int kVariants = 4;
+  const char* names[kVariants] = {"replicated", "ep plain", "ep dedup", "fully_shard"};
   std::vector<hp::models::MoE> layers;
-  for (int v = 0; v < 3; ++v) {
+  hp::FSDPHandle sharded;  // the fully_shard variant's experts
+  for (int v = 0; v < kVariants; ++v) {
     hp::models::MoE m(c);
-    if (v > 0) {
+    if (v == 1 || v == 2) {
       hp::models::expert_parallel(*m, w, v == 1 ? hp::ep::DispatcherKind::kAllToAll : hp::ep::DispatcherKind::kDedup);
     }
+    if (v == 3) sharded = hp::fully_shard(*m->experts);
     layers.push_back(m);
   }
-  std::vector<std::vector<double>> times(3);
-  std::vector<int64_t> peak(3, 0);
+  std::vector<std::vector<double>> times(kVariants);
+  std::vector<int64_t> peak(kVariants, 0);
   for (int s = 0; s < steps + 1; ++s) {
     at::manual_seed(1000 * s + r);
     at::Tensor x = at::randn({tokens, c.dim});
-    for (int v = 0; v < 3; ++v) {
+    for (int v = 0; v < kVariants; ++v) {
       at::Tensor xi = x.clone().requires_grad_(true);
       w->barrier().wait();
       hp::memory::reset_peak();
@@ -137,6 +144,9 @@ void time_mode(int steps) {
       if (s > 0) times[v].push_back(dt.item<double>());  // the first step warms up
       peak[v] = std::max(peak[v], hp::memory::peak_bytes() - base);
       for (auto& p : layers[v]->parameters()) p.mutable_grad() = at::Tensor();
+      if (v == 3) {
+        for (auto& p : sharded->parameters()) p.mutable_grad() = at::Tensor();
+      }
     }
   }
   if (r == 0) {
@@ -146,10 +156,13 @@ void time_mode(int steps) {
                 static_cast<long long>(c.dim), static_cast<long long>(c.expert_hidden), static_cast<long long>(tokens), n,
                 steps);
     const double base = hp::bench::median(times[0]);
-    for (int v = 0; v < 3; ++v) {
+    for (int v = 0; v < kVariants; ++v) {
       const double t = hp::bench::median(times[v]);
       int64_t expert_bytes = 0;
-      for (const auto& p : layers[v]->experts->parameters()) expert_bytes += static_cast<int64_t>(p.nbytes());
+      // Held between steps: fully_shard's shards, else the experts' parameters.
+      for (const auto& p : v == 3 ? sharded->parameters() : layers[v]->experts->parameters()) {
+        expert_bytes += static_cast<int64_t>(p.nbytes());
+      }
       std::printf("%-11s %8.2f ms  x%.3f of replicated   expert params %.2f MiB, step peak above them %.2f MiB "
                   "(rank 0)\n",
                   names[v], 1e3 * t, t / base, static_cast<double>(expert_bytes) / (1 << 20),
