@@ -356,6 +356,9 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     }
     row.feasible = true;
     const MeshLayout mesh = layout_mesh(c);
+    // The experts' mesh, with expert parallelism (its ep and dp_shard groups' links).
+    const c10::optional<MeshLayout> expert_mesh =
+        e > 1 ? c10::make_optional(MeshLayout(expert_layout_dims(c), N)) : c10::nullopt;
     // Rank 0's group over `dims` (every group of a dim has the same shape).
     auto link_over = [&](const std::vector<std::string>& dims) { return link_of(mesh.group_ranks(0, dims)); };
     const LinkModel replicate_link = r > 1 ? link_over({"dp_replicate"}) : net.intra;
@@ -407,7 +410,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     // taken as balanced: every rank gets its share of the rows.
     double ep_forward = 0, ep_backward = 0;
     if (e > 1) {
-      const LinkModel ep_link = link_of(MeshLayout(expert_layout_dims(c), N).group_ranks(0, {"ep"}));
+      const LinkModel ep_link = link_of(expert_mesh->group_ranks(0, {"ep"}));
       const double tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
       const double k = static_cast<double>(c.model->experts_per_token()), E = static_cast<double>(experts);
       auto a2a = [&](double bytes) { return SimulatedNetwork::seconds(CommOp::kAllToAll, static_cast<int64_t>(bytes), e, ep_link); };
@@ -557,9 +560,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       const double rank_experts = static_cast<double>(row.memory.expert_params);
       const Units dense = units(rank_params - rank_experts, rank_layers + 1, s, link_over({"dp_shard"}));
       const Units expert =
-          e > 1 ? units(rank_experts, rank_moe, s / e,
-                        link_of(MeshLayout(expert_layout_dims(c), N).group_ranks(0, {"dp_shard"})))
-                : Units{};
+          e > 1 ? units(rank_experts, rank_moe, s / e, link_of(expert_mesh->group_ranks(0, {"dp_shard"}))) : Units{};
       row.fsdp_comm_s = dense.all + expert.all;
       // Overlapped, one group's collectives stay exposed (the first gather, the last
       // reduction), and whatever exceeds the compute.

@@ -244,14 +244,14 @@ StepStats Trainer::step() {
   for (auto& m : s.stages) add_load(*m);
   at::Tensor worst = at::tensor(figures, at::kDouble);
   s.world->all_reduce(worst, {ReduceOp::MAX}).wait();
+  const double* w = worst.data_ptr<double>();
   for (int64_t l = 0; l < L; ++l) {
-    const double mean = worst[3 + 3 * l].item<double>();
-    if (mean > 0) st.expert_load.push_back({l, worst[2 + 3 * l].item<double>(), mean, worst[4 + 3 * l].item<double>()});
+    if (w[3 + 3 * l] > 0) st.expert_load.push_back({l, w[2 + 3 * l], w[3 + 3 * l], w[4 + 3 * l]});
   }
   st.loss = loss.item<double>();
   check_finite(st.step, "loss", st.loss);
-  st.step_time_s = worst[0].item<double>();
-  st.peak_bytes = static_cast<int64_t>(worst[1].item<double>());
+  st.step_time_s = w[0];
+  st.peak_bytes = static_cast<int64_t>(w[1]);
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
   ++s.steps;
   return st;
