@@ -278,7 +278,7 @@ int main(int argc, char** argv) {
       std::string from = args.export_ckpt;
       if (std::filesystem::exists(from + "/latest")) from = hp::train::CheckpointManager::resolve(from);
       hp::train::export_hf(from, args.export_out, world, o);
-      if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (Hugging Face Llama)" << std::endl;
+      if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (a Hugging Face model folder)" << std::endl;
       return 0;
     }
     return args.plan ? plan(args, world) : run(args, world);

@@ -70,7 +70,8 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
       HP_CHECK(meta["tensors"].contains(source), what, ": tensor '", source, "' is not in the checkpoint");
       HP_CHECK(!name.empty() && seen.insert(name).second, what, ": the output name '", name, "' is empty or repeated");
       const json& t = meta["tensors"][source];
-      Planned p{source, name, o.dtype.value_or(dtype_from_string(t["dtype"].get<std::string>())),
+      const at::ScalarType saved = dtype_from_string(t["dtype"].get<std::string>());
+      Planned p{source, name, o.keep_dtype.count(source) ? saved : o.dtype.value_or(saved),
                 t["shape"].get<std::vector<int64_t>>(), 0};
       p.bytes = static_cast<int64_t>(c10::elementSize(p.dtype));
       for (int64_t d : p.shape) p.bytes *= d;

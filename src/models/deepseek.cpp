@@ -83,6 +83,18 @@ void DeepSeekConfig::validate() const {
            " must be in [0, layers=", layers, "]");
   HP_CHECK(experts_per_token >= 1 && experts_per_token <= experts, "deepseek config: experts_per_token=",
            experts_per_token, " must be in [1, experts=", experts, "]");
+  HP_CHECK(expert_groups >= 1 && experts % expert_groups == 0, "deepseek config: expert_groups=", expert_groups,
+           " must divide experts=", experts);
+  HP_CHECK(expert_groups == 1 || experts / expert_groups >= 2, "deepseek config: expert_groups=", expert_groups,
+           " leaves ", experts / std::max<int64_t>(expert_groups, 1),
+           " expert per group (a group is ranked by its two best scores: at least 2 each)");
+  HP_CHECK(groups_per_token >= 1 && groups_per_token <= expert_groups, "deepseek config: groups_per_token=",
+           groups_per_token, " must be in [1, expert_groups=", expert_groups, "]");
+  HP_CHECK(experts_per_token <= groups_per_token * (experts / expert_groups), "deepseek config: experts_per_token=",
+           experts_per_token, " is more than the ", groups_per_token * (experts / expert_groups),
+           " experts of groups_per_token=", groups_per_token, " groups");
+  HP_CHECK(routed_scale > 0 && std::isfinite(routed_scale), "deepseek config: routed_scale=", routed_scale,
+           " must be a finite number > 0");
   HP_CHECK(qk_rope_dim % 2 == 0, "deepseek config: qk_rope_dim=", qk_rope_dim, " must be even");
   HP_CHECK(count_params<double>(*this) < 4e18, "deepseek config: ", count_params<double>(*this),
            " parameters is too many to count");
@@ -108,17 +120,23 @@ DeepSeekConfig DeepSeekConfig::deepseek_v3() {
   c.experts_per_token = 8;
   c.shared_experts = 1;
   c.expert_hidden = 2048;
+  c.expert_groups = 8;
+  c.groups_per_token = 4;
+  c.routed_scale = 2.5;
   c.max_seq = 4096;
   return c;
 }
 
 MLAImpl::MLAImpl(const DeepSeekConfig& cfg) : c(cfg) {
   const int64_t qk = c.qk_nope_dim + c.qk_rope_dim;
+  // The latents' norms keep DeepSeek-V3's epsilon whatever norm_eps is, as its code and
+  // Hugging Face's do.
+  constexpr double kLatentNormEps = 1e-6;
   wq_a = register_module("wq_a", linear(c.dim, c.q_lora_rank));
-  q_norm = register_module("q_norm", RMSNorm(c.q_lora_rank, c.norm_eps));
+  q_norm = register_module("q_norm", RMSNorm(c.q_lora_rank, kLatentNormEps));
   wq_b = register_module("wq_b", linear(c.q_lora_rank, c.heads * qk));
   wkv_a = register_module("wkv_a", linear(c.dim, c.kv_lora_rank + c.qk_rope_dim));
-  kv_norm = register_module("kv_norm", RMSNorm(c.kv_lora_rank, c.norm_eps));
+  kv_norm = register_module("kv_norm", RMSNorm(c.kv_lora_rank, kLatentNormEps));
   wkv_b = register_module("wkv_b", linear(c.kv_lora_rank, c.heads * (c.qk_nope_dim + c.v_head_dim)));
   wo = register_module("wo", linear(c.heads * c.v_head_dim, c.dim));
 }
@@ -185,9 +203,20 @@ std::pair<at::Tensor, at::Tensor> MoEImpl::route(const at::Tensor& x) const {
 
 std::pair<at::Tensor, at::Tensor> MoEImpl::route_scores(const at::Tensor& scores) const {
   // The bias steers which experts are chosen, not how much they weigh.
-  at::Tensor chosen = std::get<1>((scores.detach() + bias).topk(c.experts_per_token, -1));
+  at::Tensor choice = scores.detach() + bias;
+  if (c.groups_per_token < c.expert_groups) {
+    // Each group ranked by its two best choice scores; the others' experts are out.
+    const int64_t G = c.expert_groups;
+    at::Tensor grouped = choice.view({-1, G, c.experts / G});
+    at::Tensor group_score = std::get<0>(grouped.topk(2, -1)).sum(-1);
+    at::Tensor best = std::get<1>(group_score.topk(c.groups_per_token, -1));
+    at::Tensor allowed = at::zeros_like(group_score, group_score.options().dtype(at::kBool)).scatter_(1, best, true);
+    choice = grouped.masked_fill(~allowed.unsqueeze(-1), -std::numeric_limits<double>::infinity()).view({-1, c.experts});
+  }
+  at::Tensor chosen = std::get<1>(choice.topk(c.experts_per_token, -1));
   at::Tensor w = scores.gather(-1, chosen);
-  return {chosen, w / w.sum(-1, /*keepdim=*/true)};
+  w = w / w.sum(-1, /*keepdim=*/true);
+  return {chosen, c.routed_scale == 1.0 ? w : w * c.routed_scale};
 }
 
 at::Tensor MoEImpl::balance_loss(const at::Tensor& scores, const at::Tensor& chosen, int64_t B, int64_t T) const {

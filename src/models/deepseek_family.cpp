@@ -135,6 +135,13 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     return std::make_unique<DeepSeekModel>(m);
   }
 
+  bool supports_hf() const override { return true; }
+  std::vector<std::pair<std::string, std::string>> hf_names() const override { return models::hf_names(config); }
+  std::string hf_config(at::ScalarType dtype) const override { return models::hf_config(config, dtype); }
+  void check_hf_config(const std::string& text, const std::string& path) const override {
+    models::check_hf_config(config, text, path);
+  }
+
  private:
   // Per kind of block (dense, MoE): its parameters, and those kept whole under tensor
   // parallelism: the norms, MLA's down-projections and their norms, the MoE router.
@@ -166,6 +173,10 @@ class DeepSeekFamily : public ModelFamily {
     HP_CHECK(name == "deepseek_v3", "model preset '", name, "' is not one of deepseek's: tiny, deepseek_v3");
     return std::make_unique<DeepSeekArgs>(*this, DeepSeekConfig::deepseek_v3());
   }
+  std::string hf_model_type() const override { return "deepseek_v3"; }
+  std::unique_ptr<ModelArgs> from_hf_config(const std::string& text, const std::string& path) const override {
+    return std::make_unique<DeepSeekArgs>(*this, deepseek_config_from_hf(text, path));
+  }
   const std::vector<ModelKey>& keys() const override {
     using D = DeepSeekConfig;
     static const std::vector<ModelKey> k = {
@@ -187,6 +198,10 @@ class DeepSeekFamily : public ModelFamily {
         int_key<D>("experts_per_token", &D::experts_per_token, 1, "routed experts each token uses"),
         int_key<D>("shared_experts", &D::shared_experts, 0, "always-on experts"),
         int_key<D>("expert_hidden", &D::expert_hidden, 1, "expert hidden size"),
+        int_key<D>("expert_groups", &D::expert_groups, 1, "groups of consecutive experts for group-limited routing"),
+        int_key<D>("groups_per_token", &D::groups_per_token, 1,
+                   "groups a token's experts come from (its best by their two top scores; = expert_groups: no limit)"),
+        float_key<D>("routed_scale", &D::routed_scale, 0, true, "routing weights' factor after normalizing"),
         float_key<D>("bias_update_rate", &D::bias_update_rate, 0, false, "balancing-bias step per update"),
         float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
                      "weight of the sequence-wise balance loss (0: none; not with tensor_parallel > 1 yet)"),

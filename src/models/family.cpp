@@ -2,6 +2,8 @@
 
 #include <mutex>
 
+#include "hf_json.h"
+
 namespace hp::models {
 
 void Model::expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) {
@@ -46,7 +48,7 @@ const ModelFamily& model_family(const std::string& name) {
     if (f->name() == name) return *f;
     all += (all.empty() ? "" : ", ") + f->name();
   }
-  throw Error(detail::str_cat("no model family named '", name, "' (registered: ", all, ")"));
+  throw Error(hp::detail::str_cat("no model family named '", name, "' (registered: ", all, ")"));
 }
 
 std::vector<const ModelFamily*> model_families() {
@@ -67,12 +69,30 @@ const ModelFamily& default_model_family() { return *model_families().front(); }
 
 namespace {
 [[noreturn]] void no_hf(const ModelArgs& a) {
-  throw Error(detail::str_cat("Hugging Face interchange is not supported yet for model family ", a.family().name()));
+  throw Error(hp::detail::str_cat("Hugging Face interchange is not supported yet for model family ", a.family().name()));
 }
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> ModelArgs::hf_names() const { no_hf(*this); }
+std::unique_ptr<ModelArgs> ModelFamily::from_hf_config(const std::string&, const std::string&) const {
+  throw Error(hp::detail::str_cat("Hugging Face interchange is not supported yet for model family ", name()));
+}
 std::string ModelArgs::hf_config(at::ScalarType) const { no_hf(*this); }
 void ModelArgs::check_hf_config(const std::string&, const std::string&) const { no_hf(*this); }
+
+std::unique_ptr<ModelArgs> model_from_hf_config(const std::string& text, const std::string& path) {
+  const detail::HfJson j(text, path);
+  HP_CHECK(j.has("model_type") && j.json()["model_type"].is_string(), "'", path,
+           "': no model_type string (not a Hugging Face model's config.json)");
+  const std::string type = j.json()["model_type"].get<std::string>();
+  std::string known;
+  for (const ModelFamily* f : model_families()) {
+    const std::string t = f->hf_model_type();
+    if (t.empty()) continue;
+    if (t == type) return f->from_hf_config(text, path);
+    known += (known.empty() ? "" : ", ") + t;
+  }
+  throw Error(hp::detail::str_cat("'", path, "': model_type '", type, "' is not supported yet (read: ", known, ")"));
+}
 
 }  // namespace hp::models

@@ -5,8 +5,6 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <limits>
 #include <map>
@@ -18,6 +16,7 @@
 #include "hp/hooks/call.h"
 #include "hp/pp/pipeline.h"
 #include "hp/tp/parallelize.h"
+#include "hf_json.h"
 
 namespace hp::models {
 
@@ -328,10 +327,6 @@ std::vector<std::pair<std::string, std::string>> hf_names(const LlamaConfig& c) 
 }
 
 std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
-  const char* torch_dtype = dtype == at::kBFloat16 ? "bfloat16"
-                            : dtype == at::kHalf   ? "float16"
-                            : dtype == at::kDouble ? "float64"
-                                                   : "float32";
   nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
                       {"model_type", "llama"},
                       {"vocab_size", c.vocab},
@@ -349,57 +344,30 @@ std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
                       {"attention_bias", false},
                       {"mlp_bias", false},
                       {"tie_word_embeddings", c.tie_embeddings},
-                      {"torch_dtype", torch_dtype}};
+                      {"torch_dtype", detail::hf_dtype_name(dtype)}};
   return j.dump(2) + "\n";
 }
 
 LlamaConfig llama_config_from_hf(const std::string& text, const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    HP_CHECK(false, "'", path, "' is not valid JSON: ", e.what());
-  }
-  HP_CHECK(j.is_object(), "'", path, "' is not a JSON object");
-  auto integer = [&](const char* key, const c10::optional<int64_t>& fallback = c10::nullopt) -> int64_t {
-    if (!j.contains(key) && fallback) return *fallback;
-    HP_CHECK(j.contains(key) && j[key].is_number_integer(), "'", path, "': ", key,
-             j.contains(key) ? " is not an integer (" + j[key].dump() + ")" : std::string(" is missing"));
-    return j[key].get<int64_t>();
-  };
-  auto real = [&](const char* key, double fallback) -> double {
-    if (!j.contains(key)) return fallback;
-    HP_CHECK(j[key].is_number(), "'", path, "': ", key, " is not a number (", j[key].dump(), ")");
-    return j[key].get<double>();
-  };
-  if (j.contains("model_type")) {
-    HP_CHECK(j["model_type"] == "llama", "'", path, "': model_type ", j["model_type"].dump(),
-             " is not llama (not supported yet)");
-  }
-  HP_CHECK(!j.contains("hidden_act") || j["hidden_act"] == "silu", "'", path, "': hidden_act ",
-           j.value("hidden_act", nlohmann::json()).dump(), " is not supported yet (the model uses silu)");
-  for (const char* key : {"attention_bias", "mlp_bias"}) {
-    HP_CHECK(!j.contains(key) || j[key] == false, "'", path, "': ", key, "=", j[key].dump(),
-             " is not supported yet (the model has no biases)");
-  }
-  HP_CHECK(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "'", path, "': rope_scaling ",
-           j.value("rope_scaling", nlohmann::json()).dump(), " is not supported yet (plain rotary only)");
+  const detail::HfJson j(text, path);
+  j.require("model_type", "llama", "not llama");
+  j.require("hidden_act", "silu", "the model uses silu");
+  for (const char* key : {"attention_bias", "mlp_bias"}) j.require(key, false, "the model has no biases");
+  j.require_absent("rope_scaling", "plain rotary only");
   LlamaConfig c;
-  c.vocab = integer("vocab_size");
-  c.dim = integer("hidden_size");
-  c.ffn_dim = integer("intermediate_size");
-  c.layers = integer("num_hidden_layers");
-  c.heads = integer("num_attention_heads");
-  c.kv_heads = integer("num_key_value_heads", c.heads);
-  c.max_seq = integer("max_position_embeddings", c.max_seq);
-  c.rope_theta = real("rope_theta", 10000.0);
-  c.norm_eps = real("rms_norm_eps", 1e-6);  // Hugging Face's default
-  HP_CHECK(!j.contains("tie_word_embeddings") || j["tie_word_embeddings"].is_boolean(), "'", path,
-           "': tie_word_embeddings is not true or false");
-  c.tie_embeddings = j.value("tie_word_embeddings", false);
-  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    HP_CHECK(c.heads > 0 && integer("head_dim") * c.heads == c.dim, "'", path, "': head_dim=", j["head_dim"].dump(),
-             " is not hidden_size / num_attention_heads (not supported yet)");
+  c.vocab = j.integer("vocab_size");
+  c.dim = j.integer("hidden_size");
+  c.ffn_dim = j.integer("intermediate_size");
+  c.layers = j.integer("num_hidden_layers");
+  c.heads = j.integer("num_attention_heads");
+  c.kv_heads = j.integer("num_key_value_heads", c.heads);
+  c.max_seq = j.integer("max_position_embeddings", c.max_seq);
+  c.rope_theta = j.real("rope_theta", 10000.0);
+  c.norm_eps = j.real("rms_norm_eps", 1e-6);  // Hugging Face's default
+  c.tie_embeddings = j.boolean("tie_word_embeddings", false);
+  if (j.has("head_dim")) {
+    HP_CHECK(c.heads > 0 && j.integer("head_dim") * c.heads == c.dim, "'", path, "': head_dim=",
+             j.json()["head_dim"].dump(), " is not hidden_size / num_attention_heads (not supported yet)");
   }
   c.validate();
   return c;
@@ -407,18 +375,16 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
 
 void check_hf_config(const LlamaConfig& c, const std::string& text, const std::string& path) {
   const LlamaConfig h = llama_config_from_hf(text, path);
-  auto same = [&](const char* ours, const char* theirs, auto a, auto b) {
-    HP_CHECK(a == b, "model.", ours, "=", a, " but ", theirs, "=", b, " in '", path, "' (the model must match it)");
-  };
-  same("vocab", "vocab_size", c.vocab, h.vocab);
-  same("dim", "hidden_size", c.dim, h.dim);
-  same("ffn_dim", "intermediate_size", c.hidden_dim(), h.hidden_dim());
-  same("layers", "num_hidden_layers", c.layers, h.layers);
-  same("heads", "num_attention_heads", c.heads, h.heads);
-  same("kv_heads", "num_key_value_heads", c.kv_heads, h.kv_heads);
-  same("rope_theta", "rope_theta", c.rope_theta, h.rope_theta);
-  same("norm_eps", "rms_norm_eps", c.norm_eps, h.norm_eps);
-  same("tie_embeddings", "tie_word_embeddings", c.tie_embeddings, h.tie_embeddings);
+  using detail::same_as_hf;
+  same_as_hf("vocab", "vocab_size", c.vocab, h.vocab, path);
+  same_as_hf("dim", "hidden_size", c.dim, h.dim, path);
+  same_as_hf("ffn_dim", "intermediate_size", c.hidden_dim(), h.hidden_dim(), path);
+  same_as_hf("layers", "num_hidden_layers", c.layers, h.layers, path);
+  same_as_hf("heads", "num_attention_heads", c.heads, h.heads, path);
+  same_as_hf("kv_heads", "num_key_value_heads", c.kv_heads, h.kv_heads, path);
+  same_as_hf("rope_theta", "rope_theta", c.rope_theta, h.rope_theta, path);
+  same_as_hf("norm_eps", "rms_norm_eps", c.norm_eps, h.norm_eps, path);
+  same_as_hf("tie_embeddings", "tie_word_embeddings", c.tie_embeddings, h.tie_embeddings, path);
 }
 
 }  // namespace hp::models

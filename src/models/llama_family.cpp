@@ -94,6 +94,10 @@ class LlamaFamily : public ModelFamily {
     HP_CHECK(name == "llama3_8b", "model preset '", name, "' is not one of llama's: tiny, llama3_8b");
     return std::make_unique<LlamaArgs>(*this, LlamaConfig::llama3_8b());
   }
+  std::string hf_model_type() const override { return "llama"; }
+  std::unique_ptr<ModelArgs> from_hf_config(const std::string& text, const std::string& path) const override {
+    return std::make_unique<LlamaArgs>(*this, llama_config_from_hf(text, path));
+  }
   const std::vector<ModelKey>& keys() const override {
     using L = LlamaConfig;
     // One token leaves nothing to predict (the loss is 0 from the start): vocab >= 2.

@@ -38,8 +38,17 @@ const std::string& hf_source(const std::map<std::string, std::string>& sources, 
   return it->second;
 }
 
+void add_hf_buffers(torch::nn::Module& root, const std::map<std::string, std::string>& sources,
+                    std::vector<ckpt::Item>& items) {
+  for (const auto& b : root.named_buffers()) {
+    auto it = sources.find(b.key());
+    if (it != sources.end()) items.push_back({b.key(), b.value(), make_shard_spec(b.value().sizes().vec(), {}), it->second});
+  }
+}
+
 }  // namespace internal
 
+using internal::add_hf_buffers;
 using internal::hf_source;
 using internal::hf_sources;
 
@@ -58,6 +67,7 @@ void Trainer::load_hf(const std::string& dir) {
         items.push_back({s.names[i] + ".master", s.master->masters()[j++].detach(), s.specs[i], hf});
       }
     }
+    for (torch::nn::Module* root : s.roots) add_hf_buffers(*root, sources, items);
     at::NoGradGuard ng;
     ckpt::load_consolidated(items, dir);
   } catch (const std::exception& e) {
@@ -85,9 +95,15 @@ void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const Co
   for (const auto& [ours, theirs] : model->hf_names()) {
     auto it = saved.find(ours);
     HP_CHECK(it != saved.end(), "export of '", ckpt_dir, "': the checkpoint lacks the parameter '", ours, "'");
-    // Written in the parameters' dtype unless asked otherwise (fp32 masters are the source
-    // where kept, so a bf16 run's export rounds once, from the masters).
-    if (!o.dtype) o.dtype = ckpt::dtype_from_string(it->second.dtype);
+    // Parameters are written in their dtype unless asked otherwise (fp32 masters are the
+    // source where kept, so a bf16 run's export rounds once, from the masters). What the
+    // optimizer does not step (no moments saved: a buffer such as the balancing bias) keeps
+    // its own dtype.
+    if (!saved.count(ours + ".exp_avg")) {
+      o.keep_dtype.insert(ours);
+    } else if (!o.dtype) {
+      o.dtype = ckpt::dtype_from_string(it->second.dtype);
+    }
     tensors.emplace_back(saved.count(ours + ".master") ? ours + ".master" : ours, theirs);
   }
   ckpt::export_consolidated(ckpt_dir, tensors, out_dir, world, o, {{"config.json", model->hf_config(*o.dtype)}});

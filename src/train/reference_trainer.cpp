@@ -57,6 +57,7 @@ ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const
       items.push_back({named[i].key(), stored.back(), whole, hf});
       items.push_back({named[i].key() + ".opt", s.opt_params[i], whole, hf});
     }
+    add_hf_buffers(s.model->root(), sources, items);
     ckpt::load_consolidated(items, c.init_from_hf);
     for (size_t i = 0; i < named.size(); ++i) s.model_params[i].copy_(stored[i]);
   }

@@ -42,6 +42,10 @@ at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, 
 // folder's config.json against it.
 std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::string& dir);
 const std::string& hf_source(const std::map<std::string, std::string>& sources, const std::string& name);
+// Appends an item for each buffer of `root` that has a Hugging Face name (DeepSeek's
+// balancing bias), whole, read in place.
+void add_hf_buffers(torch::nn::Module& root, const std::map<std::string, std::string>& sources,
+                    std::vector<ckpt::Item>& items);
 
 }  // namespace internal
 

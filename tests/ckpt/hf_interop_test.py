@@ -15,42 +15,16 @@ a standard-library reader written from docs/ckpt.md alone: its checksums hold, a
 exported tensor equals, byte for byte, exactly one tensor it reassembled.
 Prints 'N passed, N failed'.
 """
-import os
-import shutil
-import subprocess
 import sys
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hp_checkpoint import Checkpoint, read_safetensors
+from hf_common import Interop
 
 HF_LOGITS, HP_TRAIN, WORK = sys.argv[1:4]
 MPIRUN = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
-BOUND = 1e-5
-results = []
-
-
-def tokens_file(vocab):
-    torch.manual_seed(7)
-    tokens = torch.randint(0, vocab, (2, 12), dtype=torch.int64)
-    path = os.path.join(WORK, "tokens.safetensors")
-    save_file({"tokens": tokens}, path)
-    return tokens, path
-
-
-def ours(model_dir, tokens_path):
-    out = os.path.join(WORK, "ours.safetensors")
-    subprocess.run([HF_LOGITS, model_dir, tokens_path, out], check=True)
-    return load_file(out)["logits"]
-
-
-def compare(name, theirs, mine):
-    rel = ((theirs - mine).abs().max() / theirs.abs().max()).item()
-    ok = theirs.shape == mine.shape and rel <= BOUND
-    print(f"{'PASS' if ok else 'FAIL'} {name}: logits {tuple(mine.shape)}, max difference {rel:.2e} of the largest (bound {BOUND:.0e})")
-    results.append(ok)
+t = Interop(HF_LOGITS, HP_TRAIN, WORK, MPIRUN, bound=1e-5)
 
 
 def import_case(name, tie, kv_heads):
@@ -62,80 +36,29 @@ def import_case(name, tie, kv_heads):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    folder = os.path.join(WORK, "hf_" + name)
-    shutil.rmtree(folder, ignore_errors=True)
+    folder = t.folder("hf_" + name)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="60KB")
-    tokens, tpath = tokens_file(cfg.vocab_size)
+    tokens, tpath = t.tokens_file(cfg.vocab_size)
     with torch.no_grad():
         theirs = model(tokens).logits
-    compare("import " + name, theirs, ours(folder, tpath))
+    t.compare("import " + name, theirs, t.ours(folder, tpath))
 
 
 def export_case(name, tie):
-    out = os.path.join(WORK, "run_" + name)
-    shutil.rmtree(out, ignore_errors=True)
     sets = ["model.type=llama", "model.dim=64", "model.layers=2", "model.heads=4", "model.kv_heads=2",
             "model.tie_embeddings=" + ("true" if tie else "false"), "params_dtype=float32", "global_batch_size=4",
-            "seq_length=16", "train_steps=3", "lr_warmup_steps=1", "save_interval=3", "output_dir=" + out, "lr=3e-3"]
-    cmd = [HP_TRAIN, "--config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama_tiny.yaml")]
-    for s in sets:
-        cmd += ["--set", s]
-    if MPIRUN:
-        cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none"] + cmd
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    folder = os.path.join(WORK, "exported_" + name)
-    shutil.rmtree(folder, ignore_errors=True)
-    export = [HP_TRAIN, "--export-hf", os.path.join(out, "checkpoints"), folder, "--max-shard-size", "60KB"]
-    if MPIRUN:
-        export = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none"] + export
-    subprocess.run(export, check=True)
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    print(f"exported {name}: {', '.join(files)}")
+            "seq_length=16", "train_steps=3", "lr_warmup_steps=1", "save_interval=3", "lr=3e-3"]
+    folder, ckpt = t.train_and_export(name, "llama_tiny.yaml", sets, ranks=2)
     model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
-    tokens, tpath = tokens_file(model.config.vocab_size)
+    tokens, tpath = t.tokens_file(model.config.vocab_size)
     with torch.no_grad():
         theirs = model(tokens).logits
-    ok_files = len(files) > 1
-    if not ok_files:
-        print(f"FAIL export {name}: one file, expected several at 60KB each")
-        results.append(False)
-    compare("export " + name, theirs, ours(folder, tpath))
-    saves = os.path.join(out, "checkpoints")
-    with open(os.path.join(saves, "latest"), encoding="utf-8") as f:
-        checkpoint_case(name, os.path.join(saves, f.read().strip()), folder)
+    t.compare("export " + name, theirs, t.ours(folder, tpath))
+    t.checkpoint_case(name, ckpt, folder, split_expected=bool(MPIRUN))
 
 
-def checkpoint_case(name, ckpt_dir, exported):
-    """The checkpoint read by the independent reader against the export's tensors."""
-    ckpt = Checkpoint(ckpt_dir)
-    by_bytes = {}
-    split = 0
-    for t in ckpt.tensors:
-        dtype, shape, data = ckpt.tensor(t)
-        by_bytes.setdefault((dtype, tuple(shape), data), []).append(t)
-        split += len(ckpt.tensors[t]["chunks"]) > 1
-    matched, problems = 0, []
-    for f in sorted(x for x in os.listdir(exported) if x.endswith(".safetensors")):
-        header, raw, start = read_safetensors(os.path.join(exported, f))
-        for hf_name, e in header.items():
-            data = raw[start + e["data_offsets"][0]:start + e["data_offsets"][1]]
-            owners = by_bytes.get((e["dtype"], tuple(e["shape"]), data), [])
-            if len(owners) == 1:
-                matched += 1
-            else:
-                problems.append(f"{hf_name} equals {len(owners)} checkpoint tensors")
-    ok = not problems and matched > 0 and (split > 0 or not MPIRUN)
-    print(f"{'PASS' if ok else 'FAIL'} checkpoint {name}: {len(ckpt.tensors)} tensors ({split} split in chunks), "
-          f"{ckpt.blocks_checked} checksummed blocks, {matched} exported tensors each equal to one of them"
-          + (": " + "; ".join(problems[:4]) if problems else ""))
-    results.append(ok)
-
-
-os.makedirs(WORK, exist_ok=True)
 import_case("gqa", tie=False, kv_heads=2)
 import_case("tied", tie=True, kv_heads=4)
 export_case("gqa", tie=False)
 export_case("tied", tie=True)
-passed = sum(results)
-print(f"{passed} passed, {len(results) - passed} failed")
-sys.exit(0 if passed == len(results) else 1)
+sys.exit(t.finish())

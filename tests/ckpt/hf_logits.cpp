@@ -1,11 +1,12 @@
-// The Llama reference model's logits for a Hugging Face model folder, for the interchange
-// test with transformers (tests/ckpt/hf_interop_test.py):
+// A reference model's logits for a Hugging Face model folder, for the interchange tests with
+// transformers (tests/ckpt/hf_interop_test.py, hf_deepseek_test.py):
 //
 //   hf_logits MODEL_DIR TOKENS.safetensors OUT.safetensors
 //
-// builds the model config.json describes, loads its weights (hp::ckpt::load_consolidated,
-// cast to fp32), runs it on the I64 tensor "tokens" [B, T] and writes the fp32 tensor
-// "logits" [B, T, vocab]. Prints the error and exits 1 on any failure.
+// builds the model config.json describes (its model_type picks the family), loads its
+// weights and buffers (hp::ckpt::load_consolidated, cast to fp32), runs it on the I64 tensor
+// "tokens" [B, T] and writes the fp32 tensor "logits" [B, T, vocab]. Prints the error and
+// exits 1 on any failure.
 #include <ATen/ATen.h>
 
 #include <fstream>
@@ -14,7 +15,7 @@
 
 #include "hp/ckpt/consolidated.h"
 #include "hp/ckpt/safetensors.h"
-#include "hp/models/llama.h"
+#include "hp/models/family.h"
 
 int main(int argc, char** argv) {
   if (argc != 4) {
@@ -26,19 +27,25 @@ int main(int argc, char** argv) {
     std::ifstream f(dir + "/config.json");
     std::stringstream text;
     text << f.rdbuf();
-    const hp::models::LlamaConfig c = hp::models::llama_config_from_hf(text.str(), dir + "/config.json");
-    hp::models::Llama model(c);
+    const auto args = hp::models::model_from_hf_config(text.str(), dir + "/config.json");
+    auto model = args->build({}, c10::nullopt);
     std::map<std::string, std::string> theirs;
-    for (const auto& [ours, hf] : hp::models::hf_names(c)) theirs[ours] = hf;
+    for (const auto& [ours, hf] : args->hf_names()) theirs[ours] = hf;
     std::vector<hp::ckpt::Item> items;
-    for (const auto& p : model->named_parameters()) {
-      items.push_back({p.key(), p.value().detach(), hp::make_shard_spec(p.value().sizes().vec(), {}), theirs.at(p.key())});
-    }
+    auto add = [&](const std::string& name, const at::Tensor& t) {
+      auto it = theirs.find(name);
+      if (it == theirs.end()) return;  // a buffer the folder does not hold (DeepSeek's load count)
+      items.push_back({name, t.detach(), hp::make_shard_spec(t.sizes().vec(), {}), it->second});
+      theirs.erase(it);
+    };
+    for (const auto& p : model->root().named_parameters()) add(p.key(), p.value());
+    for (const auto& b : model->root().named_buffers()) add(b.key(), b.value());
+    if (!theirs.empty()) throw std::runtime_error("the model has no tensor '" + theirs.begin()->first + "'");
     at::NoGradGuard ng;
     hp::ckpt::load_consolidated(items, dir);
     const auto h = hp::ckpt::read_header(argv[2]);
     const at::Tensor tokens = hp::ckpt::read_tensor(argv[2], h, "tokens");
-    const at::Tensor logits = model->forward(tokens).contiguous();
+    const at::Tensor logits = model->forward(tokens, /*hooked=*/false).contiguous();
     hp::ckpt::write_file(argv[3], {{"logits", logits}});
     return 0;
   } catch (const std::exception& e) {

@@ -53,6 +53,71 @@ TEST(DeepSeek, RoutingPicksTopKByScorePlusBiasAndNormalizesChosenScores) {
   }
 }
 
+// Group-limited routing (DeepSeek-V3's): 12 experts in 4 groups of 3, each token's 3 experts
+// from its 2 best groups (a group's score: its two best score + bias), weights scaled by 2.5.
+TEST(DeepSeek, GroupLimitedRoutingPicksWithinTheBestGroupsAndScalesTheWeights) {
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  c.experts = 12;
+  c.experts_per_token = 3;
+  c.expert_groups = 4;
+  c.groups_per_token = 2;
+  c.routed_scale = 2.5;
+  c.validate();
+  at::manual_seed(3);
+  hp::models::MoE moe(c);
+  {
+    at::NoGradGuard g;
+    moe->bias.copy_(at::linspace(-0.05, 0.05, c.experts));  // small beside the scores' spread
+  }
+  const int T = 200;
+  at::Tensor x = at::randn({T, c.dim});
+  auto [chosen, w] = moe->route(x);
+  at::Tensor scores = moe->gate->forward(x).sigmoid();
+  int64_t outside_best_experts = 0;  // tokens whose best k experts overall are not all allowed
+  for (int t = 0; t < T; ++t) {
+    auto s = [&](int e) { return scores[t][e].item<double>() + moe->bias[e].item<double>(); };
+    std::vector<std::pair<double, int>> groups;
+    for (int g = 0; g < 4; ++g) {
+      std::vector<double> in = {s(3 * g), s(3 * g + 1), s(3 * g + 2)};
+      std::sort(in.rbegin(), in.rend());
+      groups.push_back({in[0] + in[1], g});
+    }
+    std::sort(groups.rbegin(), groups.rend());
+    std::vector<std::pair<double, int>> allowed, every;
+    for (int e = 0; e < c.experts; ++e) {
+      every.push_back({s(e), e});
+      if (e / 3 == groups[0].second || e / 3 == groups[1].second) allowed.push_back({s(e), e});
+    }
+    std::sort(allowed.rbegin(), allowed.rend());
+    std::sort(every.rbegin(), every.rend());
+    std::vector<int> want, got, best;
+    double sum = 0;
+    for (int k = 0; k < 3; ++k) {
+      want.push_back(allowed[k].second);
+      best.push_back(every[k].second);
+      got.push_back(static_cast<int>(chosen[t][k].item<int64_t>()));
+      sum += scores[t][allowed[k].second].item<double>();
+    }
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_NEAR(w[t][k].item<double>(), 2.5 * scores[t][got[k]].item<double>() / sum, 1e-6) << "token " << t;
+    }
+    std::sort(want.begin(), want.end());
+    std::sort(got.begin(), got.end());
+    std::sort(best.begin(), best.end());
+    EXPECT_EQ(got, want) << "token " << t;
+    outside_best_experts += best != want;
+  }
+  EXPECT_GT(outside_best_experts, 0) << "the group limit never mattered: the test does not exercise it";
+  // Bad groupings are refused before a model is built.
+  DeepSeekConfig bad = c;
+  bad.expert_groups = 5;
+  hp::test::expect_error([&] { bad.validate(); }, {"expert_groups=5", "must divide experts=12"});
+  bad = c;
+  bad.groups_per_token = 1;
+  bad.experts_per_token = 4;
+  hp::test::expect_error([&] { bad.validate(); }, {"experts_per_token=4", "groups_per_token=1"});
+}
+
 TEST(DeepSeek, MoEOutputMatchesAPerTokenLoop) {
   DeepSeekConfig c = DeepSeekConfig::tiny();
   hp::models::MoE moe(c);
@@ -294,4 +359,65 @@ TEST(DeepSeek, CapacityKeepsEachExpertsBestSlotsAndDropsTheRest) {
     }
     EXPECT_EQ(moe->dropped.item<double>(), static_cast<double>(dropped));
   }
+}
+
+// The published DeepSeek-V3 config.json (its values as released): refused while it has FP8
+// weights and yarn rotary scaling, each named; without those two it is the deepseek_v3
+// preset. A config written by hf_config reads back as the model that wrote it.
+TEST(DeepSeek, HuggingFaceConfigOfThePublishedModel) {
+  const std::string published = R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": false,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280})";
+  hp::test::expect_error([&] { hp::models::deepseek_config_from_hf(published, "v3/config.json"); },
+                         {"'v3/config.json': quantization_config", "not supported yet"});
+  std::string text = published;
+  auto drop = [&](const std::string& key, const std::string& end) {
+    const size_t at = text.find("\"" + key + "\"");
+    ASSERT_NE(at, std::string::npos) << key;
+    text.erase(at, text.find(end, at) + end.size() - at);
+  };
+  drop("quantization_config", "},");
+  hp::test::expect_error([&] { hp::models::deepseek_config_from_hf(text, "v3/config.json"); },
+                         {"rope_scaling", "yarn", "not supported yet"});
+  drop("rope_scaling", "},");
+  const DeepSeekConfig got = hp::models::deepseek_config_from_hf(text, "v3/config.json");
+  DeepSeekConfig want = DeepSeekConfig::deepseek_v3();
+  want.max_seq = 163840;
+  EXPECT_EQ(hp::models::hf_config(got, at::kBFloat16), hp::models::hf_config(want, at::kBFloat16));
+  EXPECT_EQ(got.num_params(), want.num_params());
+  // What the model cannot be is refused by name.
+  for (const auto& [key, bad] : std::vector<std::pair<std::string, std::string>>{
+           {"scoring_func", "\"softmax\""}, {"topk_method", "\"greedy\""}, {"norm_topk_prob", "false"},
+           {"hidden_act", "\"gelu\""}, {"rope_interleave", "false"}, {"q_lora_rank", "null"}, {"vocab_size", "\"x\""}}) {
+    std::string t = text;
+    const size_t at = t.find("\"" + key + "\"");
+    if (at == std::string::npos) {
+      t.insert(1, "\"" + key + "\": " + bad + ",");
+    } else {  // the file's value replaced (JSON keeps a repeated key's last value)
+      t.replace(at, t.find_first_of(",}", at) - at, "\"" + key + "\": " + bad);
+    }
+    hp::test::expect_error([&] { hp::models::deepseek_config_from_hf(t, "c.json"); }, {key});
+  }
+  DeepSeekConfig tiny = DeepSeekConfig::tiny();
+  tiny.expert_groups = 4;
+  tiny.groups_per_token = 2;
+  tiny.routed_scale = 1.5;
+  const DeepSeekConfig back = hp::models::deepseek_config_from_hf(hp::models::hf_config(tiny, at::kFloat), "t.json");
+  EXPECT_NO_THROW(hp::models::check_hf_config(tiny, hp::models::hf_config(tiny, at::kFloat), "t.json"));
+  EXPECT_EQ(back.num_params(), tiny.num_params());
+  DeepSeekConfig other = tiny;
+  other.groups_per_token = 1;
+  hp::test::expect_error([&] { hp::models::check_hf_config(other, hp::models::hf_config(tiny, at::kFloat), "t.json"); },
+                         {"model.groups_per_token=1 but topk_group=2", "t.json"});
 }

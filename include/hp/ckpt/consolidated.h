@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,9 @@ namespace hp::ckpt {
 struct ExportOptions {
   int64_t max_shard_bytes = 5'000'000'000;  // Hugging Face's default file size ("5GB")
   c10::optional<at::ScalarType> dtype;      // unset: each tensor's dtype in the checkpoint
+  // Tensors (by their name in the checkpoint) written in their own dtype whatever `dtype`
+  // says: buffers such as DeepSeek's balancing bias, kept in fp32 as their readers expect.
+  std::set<std::string> keep_dtype;
 };
 
 // Writes the tensors `tensors` (pairs: the name in the committed checkpoint `ckpt_dir`, the

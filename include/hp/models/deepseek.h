@@ -5,7 +5,8 @@
 // compressed latent (W_dkv, RMSNorm, W_ukv) plus one decoupled rotary key shared by all
 // heads. MoE: sigmoid affinity scores; each token picks its top-k routed experts by score
 // plus a per-expert balancing bias (the bias only selects; weights are the chosen scores
-// normalized to sum 1); shared experts always run. The bias is a buffer updated from
+// normalized to sum 1, times routed_scale), optionally within the token's best groups of
+// experts; shared experts always run. The bias is a buffer updated from
 // expert load after each step (update_balancing_bias), never by gradient. The first
 // `dense_layers` layers use a dense SwiGLU instead of the MoE. The routed rows reach their
 // experts through a token dispatcher (hp/ep/dispatch.h): on this rank by default, over an
@@ -41,6 +42,15 @@ struct DeepSeekConfig {
   int64_t experts_per_token = 2;
   int64_t shared_experts = 1;
   int64_t expert_hidden = 32;
+  // Group-limited routing (DeepSeek-V3's node-limited routing): the experts form
+  // expert_groups equal groups of consecutive ids; a token ranks the groups by the sum of
+  // each group's two highest scores plus bias and picks its k experts within its best
+  // groups_per_token groups. 1 and 1: no limit.
+  int64_t expert_groups = 1;
+  int64_t groups_per_token = 1;
+  // The routing weights (the chosen scores normalized to sum 1) are multiplied by this
+  // (DeepSeek-V3: 2.5).
+  double routed_scale = 1.0;
   double bias_update_rate = 1e-3;
   // Weight of the sequence-wise balance loss (DeepSeek-V3 eq. 17-20; 0: none, as trained).
   double aux_loss_coeff = 0;
@@ -52,7 +62,7 @@ struct DeepSeekConfig {
   DropPolicy drop_policy = DropPolicy::kProbs;
   int64_t max_seq = 256;
   double rope_theta = 10000.0;
-  double norm_eps = 1e-6;
+  double norm_eps = 1e-6;  // the blocks' and the final norm's (MLA's latent norms: always 1e-6)
 
   int64_t num_params() const;
   int64_t largest_block_params() const;  // a MoE block (or a dense one when all are dense)
@@ -168,5 +178,19 @@ TORCH_MODULE(DeepSeek);
 // picks the dispatcher (plain all-to-all or de-duplicating; the same results).
 void expert_parallel(MoEImpl& moe, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
 void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
+
+// Hugging Face interchange with transformers' DeepseekV3ForCausalLM, in the layout of the
+// published checkpoints (one tensor per routed expert and projection). hf_names: (ours,
+// theirs) for every parameter and each MoE's balancing bias (the buffer `bias`, theirs
+// `mlp.gate.e_score_correction_bias`), in Hugging Face's order; the rotary dims are
+// interleaved pairs on both sides (config.json's rope_interleave).
+std::vector<std::pair<std::string, std::string>> hf_names(const DeepSeekConfig& c);
+// The config.json of the model, its weights stored as `dtype`.
+std::string hf_config(const DeepSeekConfig& c, at::ScalarType dtype);
+// The model a config.json describes (its text; `path` names it). Raises naming the key for
+// what the model cannot be: quantized weights, rotary scaling, softmax routing, ...
+DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::string& path);
+// Raises naming both keys where the config.json describes another model than `c`.
+void check_hf_config(const DeepSeekConfig& c, const std::string& text, const std::string& path);
 
 }  // namespace hp::models

@@ -168,7 +168,8 @@ class ModelArgs {
 
   // Hugging Face interchange. supports_hf() false: the others raise "not supported yet".
   virtual bool supports_hf() const { return false; }
-  // (ours, theirs) for every parameter, in the order Hugging Face writes them.
+  // (ours, theirs) for every parameter, and each buffer the folder holds (DeepSeek's
+  // balancing bias), in the order Hugging Face writes them.
   virtual std::vector<std::pair<std::string, std::string>> hf_names() const;
   // The config.json describing this model, its weights stored as `dtype`.
   virtual std::string hf_config(at::ScalarType dtype) const;
@@ -186,6 +187,10 @@ class ModelFamily {
   virtual std::unique_ptr<ModelArgs> preset(const std::string& name) const = 0;
   // The fields a config may set, in the order --list-keys shows them.
   virtual const std::vector<ModelKey>& keys() const = 0;
+  // Hugging Face interchange: the config.json model_type this family reads ("" where it has
+  // no interchange), and the model a config.json (its text; `path` names it) describes.
+  virtual std::string hf_model_type() const { return ""; }
+  virtual std::unique_ptr<ModelArgs> from_hf_config(const std::string& text, const std::string& path) const;
 };
 
 // The family registered under `name`; raises listing the registered names.
@@ -196,6 +201,9 @@ std::vector<const ModelFamily*> model_families();
 void register_model_family(std::shared_ptr<const ModelFamily> family);
 // The family a config without model.type trains.
 const ModelFamily& default_model_family();
+// The model a Hugging Face config.json describes, by its model_type; raises naming the
+// model_types the registered families read for another.
+std::unique_ptr<ModelArgs> model_from_hf_config(const std::string& text, const std::string& path);
 
 // A family's args holding its config struct `Config`: the common part of every family.
 template <typename Config>

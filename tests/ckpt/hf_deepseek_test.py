@@ -1,0 +1,79 @@
+"""hyperparallel's DeepSeek against Hugging Face's own DeepseekV3ForCausalLM (transformers 5
+on PyTorch 2.x).
+
+  python hf_deepseek_test.py HF_LOGITS HP_TRAIN WORKDIR [MPIRUN]
+
+Import: small random DeepseekV3ForCausalLM models (every weight and the balancing bias
+e_score_correction_bias perturbed, so that a swapped projection, expert or bias shows),
+written by save_pretrained in several files in the published checkpoints' layout (a tensor
+per expert), are read by hyperparallel (hf_logits), and the logits on the same tokens
+agree: group-limited routing (4 groups of 2 experts, a token's 2 from its best 2 groups)
+with routing weights scaled by 2.5 and a dense first block; and a model of MoE blocks only
+with 2 shared experts and plain routing.
+Export: hp-train trains a tiny DeepSeek (group-limited routing, a balancing bias that moves)
+with expert parallelism over 2 ranks when MPIRUN is given, saves and exports it;
+from_pretrained loads the folder, its balancing bias is the trained one (not zero), and its
+logits agree with hyperparallel's on it. The checkpoint, read by hp_checkpoint.py (the
+independent reader), holds every exported tensor byte for byte.
+The bound: fp32 on both sides, 1e-5 of the logits' largest magnitude (rounding only: the
+rotary tables, the order of the experts' sums). Prints 'N passed, N failed'.
+"""
+import sys
+
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from hf_common import Interop
+
+HF_LOGITS, HP_TRAIN, WORK = sys.argv[1:4]
+MPIRUN = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+t = Interop(HF_LOGITS, HP_TRAIN, WORK, MPIRUN, bound=1e-5)
+
+
+def import_case(name, **kw):
+    torch.manual_seed(1)
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5)
+    base.update(kw)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**base)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    folder = t.folder("hf_" + name)
+    model.save_pretrained(folder, max_shard_size="60KB")
+    tokens, tpath = t.tokens_file(model.config.vocab_size)
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    t.compare("import " + name, theirs, t.ours(folder, tpath))
+
+
+def export_case(name):
+    ranks = 2 if MPIRUN else 1
+    sets = ["params_dtype=float32", "compute_dtype=float32", "accumulate_allreduce_grads_in_fp32=false",
+            "data_parallel=1", "data_parallel_shard=-1", f"expert_parallel={ranks}", "global_batch_size=4",
+            "micro_batch_num=1", "seq_length=16", "train_steps=3", "lr_warmup_steps=1", "save_interval=3", "lr=3e-3",
+            "model.expert_groups=2", "model.groups_per_token=1", "model.routed_scale=2.5",
+            "model.bias_update_rate=0.01"]
+    folder, ckpt = t.train_and_export(name, "deepseek_tiny.yaml", sets, ranks)
+    model = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    t.check("export " + name + " bias", bias.dtype == torch.float32 and bias.abs().max().item() > 0,
+            f"layer 1's e_score_correction_bias {bias.tolist()}")
+    tokens, tpath = t.tokens_file(model.config.vocab_size)
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    t.compare("export " + name, theirs, t.ours(folder, tpath))
+    t.checkpoint_case(name, ckpt, folder, split_expected=False)
+
+
+import_case("grouped", first_k_dense_replace=1, n_shared_experts=1, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5)
+import_case("moe_only", num_hidden_layers=2, first_k_dense_replace=0, n_shared_experts=2, n_group=1, topk_group=1,
+            routed_scaling_factor=1.0)
+export_case("ep")
+sys.exit(t.finish())
