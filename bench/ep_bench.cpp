@@ -9,12 +9,19 @@
 //                                       bf16), uniform random routing; beside it the
 //                                       expected copies per token counted for 8 and 64 ranks
 //   mpirun -np N build/ep_bench time    forward + backward of one MoE layer (16 experts,
-//                                       top-4, dim 256, fp32) per rank: every expert on
-//                                       every rank (no communication, the baseline), EP N
-//                                       plain, EP N de-duplicated, and every expert under
+//                                       top-4, dim 256, fp32; then DeepSeek tiny's: 8,
+//                                       top-2, dim 64) per rank: every expert on every
+//                                       rank (no communication, the baseline), EP N
+//                                       plain, EP N de-duplicated, EP N/2 plain (two EP
+//                                       groups; N >= 4), and every expert under
 //                                       fully_shard over the N ranks (gathered in forward
 //                                       and again in backward, gradients reduce-scattered:
-//                                       the layout without EP); steps interleaved,
+//                                       the layout without EP), and every expert split
+//                                       over the N ranks along its hidden dim (tensor
+//                                       parallel with sequence parallel: the N ranks'
+//                                       tokens gathered, each rank's slice of every
+//                                       expert run on all of them, the output
+//                                       reduce-scattered back); steps interleaved,
 //                                       median step time, the experts' parameter bytes and
 //                                       the step's tensor-memory peak above what was
 //                                       allocated before it, per rank (no gradient
@@ -32,8 +39,10 @@
 #include "hp/ep/dispatch.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/hooks/call.h"
+#include "hp/mesh/device_mesh.h"
 #include "hp/models/deepseek.h"
 #include "hp/runtime.h"
+#include "hp/tp/parallelize.h"
 
 namespace {
 
@@ -105,34 +114,58 @@ void bytes_mode() {
   }
 }
 
-void time_mode(int steps) {
+// One MoE layer's step under each layout of its experts (see the file comment).
+void time_layer(const char* label, const hp::models::DeepSeekConfig& c, int64_t tokens, int steps) {
   auto w = hp::world();
   const int n = w->size(), r = w->rank();
-  hp::models::DeepSeekConfig c;
-  c.dim = 256;
-  c.experts = 16;
-  c.experts_per_token = 4;
-  c.expert_hidden = 128;
-  c.shared_experts = 1;
-  const int64_t tokens = 1024;
-  constexpr int kVariants = 4;
-  const char* names[kVariants] = {"replicated", "ep plain", "ep dedup", "fully_shard"};
+  enum Variant { kReplicated, kEpPlain, kEpDedup, kEpHalf, kFullyShard, kTpSplit };
+  std::vector<Variant> variants = {kReplicated, kEpPlain, kEpDedup};
+  // EP over half the ranks (two EP groups, each holding every expert) where that is EP 2 or more.
+  if (n >= 4 && n % 2 == 0) variants.push_back(kEpHalf);
+  variants.push_back(kFullyShard);
+  variants.push_back(kTpSplit);
+  auto half = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"replica", 2}, {"ep", -1}});
+  std::vector<std::string> names;
   std::vector<hp::models::MoE> layers;
   hp::FSDPHandle sharded;  // the fully_shard variant's experts
-  for (int v = 0; v < kVariants; ++v) {
+  for (Variant v : variants) {
     hp::models::MoE m(c);
-    if (v == 1 || v == 2) {
-      hp::models::expert_parallel(*m, w, v == 1 ? hp::ep::DispatcherKind::kAllToAll : hp::ep::DispatcherKind::kDedup);
+    if (v == kEpPlain || v == kEpDedup) {
+      hp::models::expert_parallel(*m, w, v == kEpPlain ? hp::ep::DispatcherKind::kAllToAll : hp::ep::DispatcherKind::kDedup);
+      names.push_back(std::string("EP ") + std::to_string(n) + (v == kEpPlain ? " plain" : " dedup"));
+    } else if (v == kEpHalf) {
+      hp::models::expert_parallel(*m, half->group("ep"), hp::ep::DispatcherKind::kAllToAll);
+      names.push_back("EP " + std::to_string(n / 2) + " plain");
+    } else if (v == kFullyShard) {
+      sharded = hp::fully_shard(*m->experts);
+      names.push_back("fully_shard " + std::to_string(n));
+    } else if (v == kTpSplit) {
+      // The tensor-parallel plan of the reference model's MoE (src/models/tensor_parallel.cpp),
+      // over all N ranks, the tokens being each rank's piece of the sequence.
+      using namespace hp::tp;
+      const Placement partial = Partial();
+      ParallelizePlan plan = {{"", PrepareModuleInput({Shard(0)}, {Replicate()})},
+                              {"", PrepareModuleOutput(partial, Shard(0))},
+                              {"gate", ReplicateParallel()}};
+      for (const std::string e : {"shared", "experts.*"}) {
+        plan.push_back({e + ".w1", ColwiseParallel().prepared_input()});
+        plan.push_back({e + ".w3", ColwiseParallel().prepared_input()});
+        plan.push_back({e + ".w2", RowwiseParallel().output(partial)});
+      }
+      parallelize_module(*m, w, plan);
+      names.push_back("TP split " + std::to_string(n));
+    } else {
+      names.push_back("replicated");
     }
-    if (v == 3) sharded = hp::fully_shard(*m->experts);
     layers.push_back(m);
   }
-  std::vector<std::vector<double>> times(kVariants);
-  std::vector<int64_t> peak(kVariants, 0);
+  const size_t V = variants.size();
+  std::vector<std::vector<double>> times(V);
+  std::vector<int64_t> peak(V, 0);
   for (int s = 0; s < steps + 1; ++s) {
     at::manual_seed(1000 * s + r);
     at::Tensor x = at::randn({tokens, c.dim});
-    for (int v = 0; v < kVariants; ++v) {
+    for (size_t v = 0; v < V; ++v) {
       at::Tensor xi = x.clone().requires_grad_(true);
       w->barrier().wait();
       hp::memory::reset_peak();
@@ -144,31 +177,42 @@ void time_mode(int steps) {
       if (s > 0) times[v].push_back(dt.item<double>());  // the first step warms up
       peak[v] = std::max(peak[v], hp::memory::peak_bytes() - base);
       for (auto& p : layers[v]->parameters()) p.mutable_grad() = at::Tensor();
-      if (v == 3) {
+      if (variants[v] == kFullyShard) {
         for (auto& p : sharded->parameters()) p.mutable_grad() = at::Tensor();
       }
     }
   }
   if (r == 0) {
-    std::printf("ep_bench time: one MoE layer (%lld experts, top-%lld, dim %lld, hidden %lld, fp32), %lld tokens per "
+    std::printf("ep_bench time: %s MoE layer (%lld experts, top-%lld, dim %lld, hidden %lld, fp32), %lld tokens per "
                 "rank, %d ranks, forward + backward, median of %d steps (slowest rank)\n",
-                static_cast<long long>(c.experts), static_cast<long long>(c.experts_per_token),
+                label, static_cast<long long>(c.experts), static_cast<long long>(c.experts_per_token),
                 static_cast<long long>(c.dim), static_cast<long long>(c.expert_hidden), static_cast<long long>(tokens), n,
                 steps);
     const double base = hp::bench::median(times[0]);
-    for (int v = 0; v < kVariants; ++v) {
+    for (size_t v = 0; v < V; ++v) {
       const double t = hp::bench::median(times[v]);
       int64_t expert_bytes = 0;
-      // Held between steps: fully_shard's shards, else the experts' parameters.
-      for (const auto& p : v == 3 ? sharded->parameters() : layers[v]->experts->parameters()) {
+      // Held between steps: fully_shard's shards, else the experts' parameters (pieces under TP).
+      for (const auto& p : variants[v] == kFullyShard ? sharded->parameters() : layers[v]->experts->parameters()) {
         expert_bytes += static_cast<int64_t>(p.nbytes());
       }
-      std::printf("%-11s %8.2f ms  x%.3f of replicated   expert params %.2f MiB, step peak above them %.2f MiB "
+      std::printf("%-14s %8.2f ms  x%.3f of replicated   expert params %.3f MiB, step peak above them %.2f MiB "
                   "(rank 0)\n",
-                  names[v], 1e3 * t, t / base, static_cast<double>(expert_bytes) / (1 << 20),
+                  names[v].c_str(), 1e3 * t, t / base, static_cast<double>(expert_bytes) / (1 << 20),
                   static_cast<double>(peak[v]) / (1 << 20));
     }
   }
+}
+
+void time_mode(int steps) {
+  hp::models::DeepSeekConfig wide;
+  wide.dim = 256;
+  wide.experts = 16;
+  wide.experts_per_token = 4;
+  wide.expert_hidden = 128;
+  wide.shared_experts = 1;
+  time_layer("the wider", wide, 1024, steps);
+  time_layer("DeepSeek tiny's", hp::models::DeepSeekConfig::tiny(), 1024, steps);
 }
 
 }  // namespace

@@ -221,9 +221,17 @@ std::pair<at::Tensor, at::Tensor> MoEImpl::route_scores(const at::Tensor& scores
 
 at::Tensor MoEImpl::balance_loss(const at::Tensor& scores, const at::Tensor& chosen, int64_t B, int64_t T) const {
   const int64_t E = c.experts, k = chosen.size(1);
-  at::Tensor share = (scores / scores.sum(-1, /*keepdim=*/true)).view({B, T, E}).mean(1);  // P [B, E]
   at::Tensor picked = at::zeros({B * T, E}, scores.options()).scatter_(1, chosen, 1.0).view({B, T, E}).sum(1);
-  at::Tensor f = picked * (static_cast<double>(E) / static_cast<double>(k * T));
+  // With the sequence in pieces over tp, f counts the whole sequences' choices (summed over
+  // the group); P is linear in the tokens' scores, so each rank adds its own tokens' part
+  // and the gradients, each on its own tokens and summed over tp at the router, add up.
+  int64_t whole_T = T;
+  if (tp && tp_sequence_pieces) {
+    tp->all_reduce(picked).wait();
+    whole_T = T * tp->size();
+  }
+  at::Tensor share = (scores / scores.sum(-1, /*keepdim=*/true)).view({B, T, E}).sum(1) / static_cast<double>(whole_T);
+  at::Tensor f = picked * (static_cast<double>(E) / static_cast<double>(k * whole_T));
   return c.aux_loss_coeff * (f * share).sum(-1).mean();
 }
 
@@ -276,7 +284,10 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   out = out + dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
   if (c.aux_loss_coeff > 0 && at::GradMode::is_enabled()) {
     HP_CHECK(shape.size() == 3, "MoE: the balance loss needs sequences [batch, time, dim], got shape ", x.sizes());
-    out = AddLossGradient::apply(out, balance_loss(scores, chosen, shape[0], shape[1]), loss_scale);
+    // With the tokens alike on every tensor-parallel rank, each adds the whole loss's
+    // gradient, which the router's and the input's reductions over tp then sum: 1/tp each.
+    const double replicas = tp && !tp_sequence_pieces ? static_cast<double>(tp->size()) : 1.0;
+    out = AddLossGradient::apply(out, balance_loss(scores, chosen, shape[0], shape[1]), loss_scale / replicas);
   }
   return out.view(shape);
 }

@@ -118,6 +118,9 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     return routed_experts() * 3 * config.dim * config.expert_hidden;
   }
   int64_t experts_per_token() const override { return routed_experts() > 0 ? config.experts_per_token : 0; }
+  int64_t block_shared_expert_params() const override {
+    return routed_experts() > 0 ? config.shared_experts * 3 * config.dim * config.expert_hidden : 0;
+  }
   int64_t largest_block_params_outside_experts() const override {
     // kinds() lists the MoE kind last, when the model has one.
     const auto k = kinds();
@@ -204,7 +207,7 @@ class DeepSeekFamily : public ModelFamily {
         float_key<D>("routed_scale", &D::routed_scale, 0, true, "routing weights' factor after normalizing"),
         float_key<D>("bias_update_rate", &D::bias_update_rate, 0, false, "balancing-bias step per update"),
         float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
-                     "weight of the sequence-wise balance loss (0: none; not with tensor_parallel > 1 yet)"),
+                     "weight of the sequence-wise balance loss (0: none)"),
         float_key<D>("capacity_factor", &D::capacity_factor, 0, false,
                      "each expert takes at most this x its even share of a rank's routed slots (0: no limit)"),
         choice_key<D>("drop_policy", &D::drop_policy, {"probs", "position"},

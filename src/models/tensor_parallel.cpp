@@ -25,10 +25,6 @@ void check_tensor_parallel(const DeepSeekConfig& c, int64_t tp) {
            c.dense_hidden, " is not divisible by it");
   HP_CHECK(c.layers == c.dense_layers || c.expert_hidden % tp == 0, "tensor_parallel=", tp, ": expert_hidden=",
            c.expert_hidden, " is not divisible by it");
-  // Every tensor-parallel rank computes the whole balance loss, and the router's and the
-  // input's gradients are summed over them: it would count tp times.
-  HP_CHECK(c.aux_loss_coeff == 0 || c.layers == c.dense_layers, "tensor_parallel=", tp, " with aux_loss_coeff=",
-           c.aux_loss_coeff, ": the balance loss under tensor parallelism is not supported yet");
 }
 
 namespace {
@@ -112,7 +108,22 @@ void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorPar
       {"layers_*.attn.wkv_b", ColwiseParallel().prepared_input()},
       {"layers_*.attn.wo", RowwiseParallel().output(stream)},
   };
-  {
+  // Under expert parallelism (applied first: the MoEs hold part of their experts) each
+  // expert stays whole and each tensor-parallel rank routes its own piece of the sequence
+  // over the EP group, which includes the tensor-parallel ranks: nothing moves over tp in
+  // the MoE; the router and the shared experts run replicated on the pieces, their
+  // gradients summed over tp.
+  bool pieces = false;
+  for (auto& b : model->blocks) {
+    if (b->moe && static_cast<int64_t>(b->moe->experts->list.size()) < c.experts) pieces = true;
+  }
+  HP_CHECK(!pieces || o.sequence_parallel, "parallelize_deepseek: tensor parallelism of experts placed by ",
+           "expert_parallel needs sequence_parallel (each rank routes its piece of the sequence); without it is not ",
+           "supported yet");
+  if (pieces) {
+    plan.push_back({"layers_*.moe.gate", ReplicateParallel()});
+    for (const char* w : {".w1", ".w3", ".w2"}) plan.push_back({std::string("layers_*.moe.shared") + w, ReplicateParallel()});
+  } else {
     const Placement partial = Partial();
     plan.push_back({"layers_*.moe", PrepareModuleInput({stream}, {Replicate()})});
     plan.push_back({"layers_*.moe", PrepareModuleOutput(partial, stream)});
@@ -122,6 +133,11 @@ void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorPar
       plan.push_back({e + ".w3", ColwiseParallel().prepared_input()});
       plan.push_back({e + ".w2", RowwiseParallel().output(partial)});
     }
+  }
+  for (auto& b : model->blocks) {
+    if (!b->moe) continue;
+    b->moe->tp = group;
+    b->moe->tp_sequence_pieces = pieces;
   }
   add_common(plan, stream, o, "layers_*.mlp");
   parallelize_module(*model, group, present(plan, *model), ParallelizeOptions{o.reduce_dtype});

@@ -243,10 +243,19 @@ void TrainConfig::validate(int world_size) {
              model.family().name(), " has none)");
     HP_CHECK(experts % ep == 0, s, ": expert_parallel=", ep, " does not divide the ", experts,
              " routed experts (model.experts)");
-    HP_CHECK(data_parallel_shard % ep == 0, s, ": expert_parallel=", ep, " does not divide data_parallel_shard=",
-             data_parallel_shard, " (expert parallelism borrows data_parallel_shard ranks)");
-    HP_CHECK(tensor_parallel == 1, s, ": expert_parallel=", ep, " with tensor_parallel=", tensor_parallel,
-             " is not supported yet");
+    if (tensor_parallel == 1) {
+      HP_CHECK(data_parallel_shard % ep == 0, s, ": expert_parallel=", ep, " does not divide data_parallel_shard=",
+               data_parallel_shard, " (expert parallelism borrows data_parallel_shard ranks)");
+    } else {
+      // The EP group is tensor_parallel's ranks and ep / tensor_parallel of dp_shard's.
+      HP_CHECK(sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=", tensor_parallel,
+               " needs sequence_parallel=true (each tensor-parallel rank routes its piece of the sequence); "
+               "without it is not supported yet");
+      HP_CHECK(ep % tensor_parallel == 0 && data_parallel_shard % (ep / tensor_parallel) == 0, s, ": expert_parallel=",
+               ep, " with tensor_parallel=", tensor_parallel, " must be tensor_parallel x a divisor of ",
+               "data_parallel_shard=", data_parallel_shard, " (expert parallelism borrows the tensor-parallel ranks ",
+               "and data_parallel_shard ones)");
+    }
   }
   HP_CHECK(!apply_grad_on_fp32_main_grad || accumulate_allreduce_grads_in_fp32, s,
            ": apply_grad_on_fp32_main_grad=true needs accumulate_allreduce_grads_in_fp32=true (an fp32 main gradient ",
@@ -289,17 +298,25 @@ std::vector<MeshDim> layout_dims(const TrainConfig& c) {
 }
 
 std::vector<MeshDim> expert_layout_dims(const TrainConfig& c) {
-  HP_CHECK(c.data_parallel_shard > 0 && c.data_parallel_shard % c.expert_parallel == 0,
+  const int64_t tp = c.tensor_parallel, ep = c.expert_parallel;
+  HP_CHECK(c.data_parallel_shard > 0 && ep % (tp > 1 ? tp : 1) == 0 &&
+               (c.data_parallel_shard * tp) % ep == 0,
            "expert_layout_dims: the config is not validated (data_parallel_shard=", c.data_parallel_shard,
-           ", expert_parallel=", c.expert_parallel, ")");
+           ", tensor_parallel=", tp, ", expert_parallel=", ep, ")");
+  // dp_shard x tp (tp innermost) regrouped as (dp_shard x tp / ep, ep): the EP group is the
+  // innermost ep ranks, the tensor-parallel ones included.
   std::vector<MeshDim> dims;
   for (const MeshDim& d : layout_dims(c)) {
+    if (d.name == "tp") {
+      dims.push_back({"tp", 1});  // the experts are whole: no tensor-parallel split
+      continue;
+    }
     if (d.name != "dp_shard") {
       dims.push_back(d);
       continue;
     }
-    dims.push_back({"dp_shard", c.data_parallel_shard / c.expert_parallel});
-    dims.push_back({"ep", c.expert_parallel});
+    dims.push_back({"dp_shard", c.data_parallel_shard * tp / ep});
+    dims.push_back({"ep", ep});
   }
   return dims;
 }
@@ -331,7 +348,8 @@ std::string describe(const TrainConfig& c) {
                                : std::string(")"))
      << (c.expert_parallel > 1
              ? detail::str_cat(", experts over expert_parallel ", c.expert_parallel, " x data_parallel_shard ",
-                               c.data_parallel_shard / c.expert_parallel, " (", to_string(c.moe_dispatcher), " dispatch)")
+                               c.data_parallel_shard * c.tensor_parallel / c.expert_parallel, " (",
+                               to_string(c.moe_dispatcher), " dispatch)")
              : std::string())
      << ", " << to_string(c.data_parallel_shard_strategy)
      << (c.reshard_after_forward_group_size > 1

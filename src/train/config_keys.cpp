@@ -335,7 +335,9 @@ const std::vector<Key>& keys() {
     k.push_back(bool_key("sequence_parallel", "sequence parallel (needs tensor_parallel > 1)", HP_FIELD(sequence_parallel)));
     k.push_back(int_key("expert_parallel",
                         "expert-parallel size: each MoE's routed experts split over this many consecutive "
-                        "data_parallel_shard ranks, which exchange tokens (must divide data_parallel_shard)",
+                        "data_parallel_shard ranks, which exchange tokens (must divide data_parallel_shard; with "
+                        "tensor_parallel > 1 and sequence_parallel: tensor_parallel x a divisor of it, the EP group "
+                        "taking the tp ranks)",
                         HP_FIELD(expert_parallel), 1, kMaxRanks));
     k.push_back(enum_key<ep::DispatcherKind>(
         "moe_dispatcher",

@@ -18,8 +18,7 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
   const int64_t ep = c.expert_parallel;
   // Under tensor parallelism fully_shard shards each tp rank's pieces. Under pipeline
   // parallelism a rank holds its stages only: the fullest pp rank's share, with tensor
-  // parallelism dividing it as it divides the whole model. (Expert parallelism needs
-  // tensor_parallel 1, so its experts are counted whole before it divides them.)
+  // parallelism dividing it as it divides the whole model.
   r.rank_params = c.model->params_per_tp_rank(c.tensor_parallel);
   int64_t experts = ep > 1 ? c.model->stage_expert_params(models::PipelineSlice{}) : 0;
   if (c.pipeline_parallel > 1) {
@@ -48,9 +47,14 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
                                  c.params_dtype, mp, {c.data_parallel, c.data_parallel_shard, group, pipeline});
   } else {
     // Two kinds of fully_shard unit: the rest of the model over dp_shard, and each MoE's
-    // experts (1/ep of them) over the dp_shard / ep ranks holding the same ones. A block's
-    // forward runs its experts inside it, so backward holds one of each at its peak.
-    const int64_t dense = r.rank_params - experts;
+    // experts (1/ep of them, whole) over the dp_shard x tp / ep ranks holding the same ones.
+    // A block's forward runs its experts inside it, so backward holds one of each at its
+    // peak. The tensor-parallel share counted every expert split over tp; beside expert
+    // parallelism the routed experts are placed whole and the shared ones replicated.
+    const int64_t tp = c.tensor_parallel;
+    const int64_t per_block = c.model->block_expert_params();
+    const int64_t shared = per_block > 0 ? experts / per_block * c.model->block_shared_expert_params() : 0;
+    const int64_t dense = r.rank_params - experts / tp + shared - shared / tp;
     r.expert_params = experts / ep;
     r.rank_params = dense + r.expert_params;
     const MemoryEstimate d =
@@ -58,7 +62,7 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
                         {c.data_parallel, c.data_parallel_shard, group, pipeline});
     const MemoryEstimate e =
         estimate_memory(r.expert_params, std::min(r.expert_params, c.model->block_expert_params() / ep), c.params_dtype,
-                        mp, {c.data_parallel, c.data_parallel_shard / ep, group, pipeline});
+                        mp, {c.data_parallel, c.data_parallel_shard * tp / ep, group, pipeline});
     r.estimate = d;
     r.estimate.params += e.params;
     r.estimate.sharded_params += e.sharded_params;
@@ -102,8 +106,8 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
   }
   if (c.expert_parallel > 1) {
     os << "expert parallel " << c.expert_parallel << ": a rank holds " << rm.expert_params
-       << " routed-expert parameters before fully_shard (1/" << c.expert_parallel << " of its stages'), sharded over "
-       << c.data_parallel_shard / c.expert_parallel << " ranks, and " << rm.rank_params - rm.expert_params
+       << " routed-expert parameters before fully_shard (1/" << c.expert_parallel << " of its stages', whole), sharded over "
+       << c.data_parallel_shard * c.tensor_parallel / c.expert_parallel << " ranks, and " << rm.rank_params - rm.expert_params
        << " others, sharded over " << c.data_parallel_shard << "\n";
   }
   if (c.pipeline_parallel > 1) {

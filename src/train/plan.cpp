@@ -297,7 +297,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
 
   // Every layout: pp x dp_replicate x dp_shard x tp = N, and for a model with routed
   // experts every expert_parallel dividing both dp_shard and the experts (tensor_parallel 1:
-  // expert parallelism beside tensor parallelism is not supported yet).
+  // expert parallelism beside tensor parallelism trains, but is not modelled here yet).
   struct Layout {
     int p, t, r, s, e;
   };

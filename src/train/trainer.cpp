@@ -30,21 +30,28 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.shards = s.mesh->group("dp_shard");
   s.tp = s.mesh->group("tp");
   s.pp = s.mesh->group("pp");
+  s.routing = s.dp;
   if (c.expert_parallel > 1) {
     s.expert_mesh = std::make_shared<DeviceMesh>(s.world, expert_layout_dims(c));
     s.ep = s.expert_mesh->group("ep");
+    // With tensor parallelism each tp rank routes its own piece of the sequence.
+    if (c.tensor_parallel > 1) {
+      s.routing = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard", "tp"})
+                                      : s.mesh->group({"dp_shard", "tp"});
+    }
   }
   s.dp_rank = s.dp->rank();
 
   // Built without storage: each rank materializes only its shards (plus one parameter at a
   // time), so a model larger than a rank's memory can be trained.
   auto shard_model = [&](TrainModel& m) {
+    // Expert parallelism first: tensor parallelism then keeps the placed experts whole.
+    if (s.ep) m.expert_parallel(s.ep, c.moe_dispatcher);
     if (c.tensor_parallel > 1) {
       // Before fully_shard, which then shards each rank's pieces; the initializer reads each
       // piece's box of the global tensor.
       m.parallelize(s.tp, c.sequence_parallel, mixed_precision(c).reduce_dtype);
     }
-    if (s.ep) m.expert_parallel(s.ep, c.moe_dispatcher);
     FullyShardOptions o;
     o.param_init = models::parameter_initializer(m.root(), c.seed);
     o.mesh = s.mesh;
@@ -61,7 +68,8 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     if (s.ep) {
       // Each MoE's experts: a unit of their own over the ranks holding the same experts. An
       // expert's gradient already sums every EP rank's tokens (they came through the
-      // all-to-all), so it is divided by the whole data degree, not by that group's size.
+      // all-to-all), so it is divided by the whole data degree, not by that group's size
+      // (nor by tp's: each tp rank's tokens are its own piece of the sequence).
       FullyShardOptions expert_o = o;
       expert_o.mesh = s.expert_mesh;
       for (torch::nn::Module* e : m.expert_modules()) {
@@ -69,6 +77,9 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
         s.handles.back()->set_gradient_divide_factor(static_cast<double>(c.dp_size()));
       }
     }
+    // Under tensor parallelism the experts an EP group spreads over the tp ranks differ
+    // between them, as split pieces do: the gradient norm sums them over tp too.
+    const size_t experts_end = c.tensor_parallel > 1 ? s.handles.size() : first;
     for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, block_o));
     s.handles.push_back(fully_shard(m.root(), o));
     materialize_deferred_buffers(m.root());
@@ -85,7 +96,9 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       auto module_params = h->module().named_parameters();
       HP_INTERNAL_ASSERT(sharded.size() == entries.size(), "fully_shard handle: parameters and state_dict differ");
       for (size_t i = 0; i < sharded.size(); ++i) {
-        if (tp::parameter_spec(module_params[entries[i].name])) s.tp_pieces.insert(sharded[i].unsafeGetTensorImpl());
+        if (tp::parameter_spec(module_params[entries[i].name]) || k < experts_end) {
+          s.tp_pieces.insert(sharded[i].unsafeGetTensorImpl());
+        }
         s.params.push_back(sharded[i]);
         s.names.push_back(prefix + entries[i].name);
         s.specs.push_back(entries[i].spec);
@@ -219,8 +232,8 @@ StepStats Trainer::step() {
     s.opt->step();
     s.opt->zero_grad();
   }
-  if (s.model) s.model->after_step(s.dp);
-  for (auto& m : s.stages) m->after_step(s.dp);
+  if (s.model) s.model->after_step(s.routing);
+  for (auto& m : s.stages) m->after_step(s.routing);
 
   at::Tensor loss = at::full({1}, loss_sum / c.micro_batch_num, at::kDouble);
   s.dp->all_reduce(loss, {ReduceOp::AVG}).wait();

@@ -52,6 +52,9 @@ void add_hf_buffers(torch::nn::Module& root, const std::map<std::string, std::st
 struct Trainer::Impl {
   TrainConfig c;
   CommPtr world, dp, shards, tp, pp;
+  // The ranks whose tokens differ (the balancing load is summed over them): dp, and tp's
+  // ranks too when each routes its own piece of the sequence (expert and tensor parallel).
+  CommPtr routing;
   std::shared_ptr<DeviceMesh> mesh;
   // With expert_parallel > 1: the experts' mesh (expert_layout_dims) and its ep group.
   std::shared_ptr<DeviceMesh> expert_mesh;
@@ -75,6 +78,8 @@ struct Trainer::Impl {
   std::thread saver;
   std::exception_ptr save_error;
   // The sharded parameters that are shards of tensor-parallel pieces.
+  // Parameters whose elements differ between tp ranks: split pieces, and experts an EP group
+  // spreads over the tp ranks.
   std::set<const c10::TensorImpl*> tp_pieces;
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::unique_ptr<FP32MasterOptimizer> master;

@@ -132,21 +132,25 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"data:\n  path: x.bin\n", {}, 4, {"data.path='x.bin'", "binary or text"}},
       {"data:\n  type: text\n  path: a.txt\nmodel:\n  vocab: 100\n", {}, 4, {"data.type=text", "model.vocab=100"}},
       {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
-      // expert parallelism: experts to split, ranks to split them over, layouts not built
+      // expert parallelism: experts to split, ranks to split them over (the tp ranks and
+      // dp_shard ones, with sequence parallel), layouts not built
       {"expert_parallel: 3\n", {}, 4, {"expert_parallel=3", "does not divide the 8 routed experts"}},
       {"expert_parallel: 8\n", {}, 4, {"expert_parallel=8", "data_parallel_shard=4"}},
       {"model:\n  type: llama\nexpert_parallel: 2\n", {}, 4, {"expert_parallel=2", "model.type=llama has none"}},
       {"expert_parallel: 0\n", {}, 4, {"expert_parallel=0"}},
       {"moe_dispatcher: dedup\n", {}, 4, {"moe_dispatcher=dedup", "expert_parallel > 1"}},
       {"moe_dispatcher: fast\n", {}, 4, {"moe_dispatcher=fast", "all_to_all, dedup"}},
-      {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4, {"expert_parallel=2", "tensor_parallel=2", "not supported yet"}},
-      // the balance loss: a weight >= 0, not under tensor parallelism yet
+      {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4,
+       {"expert_parallel=2", "tensor_parallel=2", "needs sequence_parallel=true", "not supported yet"}},
+      {"expert_parallel: 2\ntensor_parallel: 4\nsequence_parallel: true\n", {}, 8,
+       {"expert_parallel=2", "must be tensor_parallel x a divisor of data_parallel_shard=2"}},
+      {"expert_parallel: 8\ntensor_parallel: 2\nsequence_parallel: true\n", {}, 4,
+       {"expert_parallel=8", "data_parallel_shard=2"}},
+      // the balance loss: a weight >= 0
       {"model:\n  aux_loss_coeff: -0.1\n", {}, 4, {"model.aux_loss_coeff", "-0.1"}},
       // a capacity: a factor >= 0 (0: none), a policy by name
       {"model:\n  capacity_factor: -1\n", {}, 4, {"model.capacity_factor=-1", "must be >= 0"}},
       {"model:\n  drop_policy: random\n", {}, 4, {"model.drop_policy=random", "expected one of: probs, position"}},
-      {"model:\n  aux_loss_coeff: 0.01\ntensor_parallel: 2\n", {}, 4,
-       {"tensor_parallel=2", "aux_loss_coeff=0.01", "not supported yet"}},
       {"pipeline_parallel_interleave_num: 2\n", {}, 4, {"pipeline_parallel_interleave_num=2", "pipeline_parallel > 1"}},
       // layouts the model cannot be split into
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 4\n", {}, 4, {"= 8 stages", "more stages than layers"}},
@@ -203,6 +207,21 @@ TEST(TrainConfig, ExpertMeshPutsExpertParallelInside) {
   EXPECT_EQ(m3.group_ranks(5, {"ep"}), (std::vector<int>{4, 5}));
   EXPECT_EQ(m3.group_ranks(5, {"dp_shard"}), (std::vector<int>{5, 7}));
   EXPECT_EQ(m3.group_ranks(5, {"dp_replicate"}), (std::vector<int>{1, 5}));
+  // With tensor parallelism 2 the EP group takes the tp pairs: expert_parallel 4 over
+  // dp_shard 4 x tp 2 -> EP groups {0..3} {4..7} (two tp pairs each), experts sharded over
+  // {r, r+4}; expert_parallel 2 -> the tp pairs, experts over {0,2,4,6} {1,3,5,7}.
+  ht::TrainConfig t = ht::parse_config("expert_parallel: 4\ntensor_parallel: 2\nsequence_parallel: true\n"
+                                       "global_batch_size: 16\n", {}, "test.yaml");
+  t.validate(8);
+  hp::MeshLayout m4(ht::expert_layout_dims(t), 8);
+  EXPECT_EQ(m4.group_ranks(5, {"ep"}), (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(m4.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 5}));
+  hp::MeshLayout dense(ht::layout_dims(t), 8);
+  EXPECT_EQ(dense.group_ranks(5, {"tp"}), (std::vector<int>{4, 5}));
+  t.expert_parallel = 2;
+  hp::MeshLayout m5(ht::expert_layout_dims(t), 8);
+  EXPECT_EQ(m5.group_ranks(5, {"ep"}), (std::vector<int>{4, 5}));
+  EXPECT_EQ(m5.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 3, 5, 7}));
 }
 
 TEST(TrainConfig, PipelineStageLayersList) {

@@ -23,6 +23,7 @@
 #include "hp/tp/dtensor.h"
 #include "hp/models/deepseek.h"
 #include "hp/train/checkpoint_manager.h"
+#include "hp/train/plan.h"
 #include "hp/train/trainer.h"
 
 namespace ht = hp::train;
@@ -606,17 +607,24 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     K dispatcher;
     ht::Recompute recompute = ht::Recompute::kNone;
     double aux_loss_coeff = 0;  // the sequence-wise balance loss
+    int64_t tp = 1;             // with sequence parallel; the EP group spans the tp ranks
   };
   // Under recompute the blocks' forward (and so the dispatch) runs again in backward; the
-  // balancing load is counted once.
+  // balancing load is counted once. Under tensor parallelism each tp rank routes its piece
+  // of the sequence through the EP group (ep 2 = the two tp ranks; ep 4 = two dp_shard
+  // ranks' tp pairs), the experts whole.
   std::vector<Layout> layouts = {{1, 2, K::kAllToAll}, {1, 2, K::kDedup}, {1, 2, K::kDedup, ht::Recompute::kFull},
-                                 {1, 2, K::kAllToAll, ht::Recompute::kNone, 0.05}};
+                                 {1, 2, K::kAllToAll, ht::Recompute::kNone, 0.05},
+                                 {1, 2, K::kAllToAll, ht::Recompute::kNone, 0.05, 2},
+                                 {1, 2, K::kDedup, ht::Recompute::kFull, 0, 2}};
   if (w->size() == 4) {
     layouts = {{1, 4, K::kAllToAll}, {1, 4, K::kDedup}, {1, 2, K::kAllToAll}, {2, 2, K::kDedup},
-               {1, 4, K::kAllToAll, ht::Recompute::kFull}, {2, 2, K::kDedup, ht::Recompute::kFull, 0.05}};
+               {1, 4, K::kAllToAll, ht::Recompute::kFull}, {2, 2, K::kDedup, ht::Recompute::kFull, 0.05},
+               {1, 4, K::kAllToAll, ht::Recompute::kNone, 0.05, 2}, {1, 2, K::kDedup, ht::Recompute::kNone, 0, 2},
+               {2, 2, K::kAllToAll, ht::Recompute::kFull, 0.05, 2}};
   }
   for (const Layout& l : layouts) {
-    ht::TrainConfig c = small_config("deepseek", w->size());
+    ht::TrainConfig c = small_config("deepseek", w->size(), l.tp);
     c.data_parallel = l.data_parallel;
     c.data_parallel_shard = -1;
     c.expert_parallel = l.ep;
@@ -625,7 +633,8 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = l.aux_loss_coeff;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
-    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " ep " + std::to_string(l.ep) +
+    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " tp " + std::to_string(l.tp) +
+                              " ep " + std::to_string(l.ep) +
                               " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute) +
                               " aux " + std::to_string(l.aux_loss_coeff);
     Naive naive = naive_run(c);
@@ -751,9 +760,15 @@ TEST(TrainDist, ExpertParallelInsidePipelineStages) {
   auto w = hp::world();
   if (w->size() != 4) GTEST_SKIP() << "EP 2 x PP 2 needs 4 ranks";
   using S = ht::PipelineScheduleKind;
-  for (S schedule : {S::k1F1B, S::kGPipe, S::kZBH1, S::kInterleaved, S::kZBV}) {
+  struct Case {
+    S schedule;
+    int64_t tp = 1;  // 2: the EP group is the two tp ranks (sequence parallel), dp_shard 1
+  };
+  for (Case k : {Case{S::k1F1B}, Case{S::kGPipe}, Case{S::kZBH1}, Case{S::kInterleaved}, Case{S::kZBV},
+                 Case{S::k1F1B, 2}, Case{S::kZBH1, 2}}) {
+    const S schedule = k.schedule;
     const int64_t v = schedule == S::kInterleaved || schedule == S::kZBV ? 2 : 1;
-    ht::TrainConfig c = small_config("deepseek", w->size(), 1, 2, v);
+    ht::TrainConfig c = small_config("deepseek", w->size(), k.tp, 2, v);
     c.expert_parallel = 2;
     c.pipeline_schedule = schedule;
     // The balance loss under the split backward (input, then weights).
@@ -762,7 +777,7 @@ TEST(TrainDist, ExpertParallelInsidePipelineStages) {
     c.params_dtype = c.compute_dtype = at::kDouble;
     Naive naive = naive_run(c);
     ht::Trainer t(c, w);
-    const std::string label = "ep 2 x pp 2 " + ht::to_string(schedule);
+    const std::string label = "ep 2 x tp " + std::to_string(k.tp) + " x pp 2 " + ht::to_string(schedule);
     // Each pipeline rank knows its stages' blocks' load; the step reports all of them.
     expect_expert_load(expect_steps_match(t, c, naive, label), c, naive, label);
   }
@@ -944,7 +959,7 @@ TEST(TrainDist, HuggingFaceInterchangeErrors) {
   ds.init_from_hf = base + "_out";
   hp::test::expect_error([&] { ht::Trainer t(ds, w); }, {"model_type \"llama\" is not supported yet", "deepseek_v3"});
   hp::test::register_toy_family();
-  ht::TrainConfig toy = small_config("toy", w->size());
+  ht::TrainConfig toy = small_config("toy", w->size(), resume_tp(w->size()));
   {
     ht::Trainer t(toy, w);
     t.save(base + "_toy");
@@ -973,11 +988,43 @@ TEST(TrainDist, ParamsPerTensorParallelRankMatchTheSplitModel) {
     EXPECT_EQ(c.model->params_per_tp_rank(2), total) << type;
     EXPECT_EQ(c.model->largest_block_params_per_tp_rank(2), largest_block) << type;
   }
+  // Expert parallelism over the tp ranks (ep 2 = tp 2): --estimate's parameters of a rank
+  // (its experts whole, the shared ones replicated, the rest split) against the model
+  // placed and split as the trainer does it.
+  ht::TrainConfig c = small_config("deepseek", w->size(), 2);
+  c.expert_parallel = 2;
+  c.validate(w->size());
+  auto m = ht::make_model(c);
+  const hp::CommPtr tp = mesh->group("tp");
+  m->expert_parallel(tp, hp::ep::DispatcherKind::kAllToAll);
+  m->parallelize(tp, true, c10::nullopt);
+  int64_t total = 0, experts = 0;
+  for (const auto& p : m->root().named_parameters()) {
+    total += p.value().numel();
+    if (p.key().find(".moe.experts.") != std::string::npos) experts += p.value().numel();
+  }
+  const ht::RankMemory r = ht::estimate_rank_memory(c);
+  EXPECT_EQ(r.rank_params, total);
+  EXPECT_EQ(r.expert_params, experts);
 }
 
 TEST(TrainDist, DeepSeekTensorParallelMatchesSingleProcess) {
-  if (hp::world()->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
+  auto w = hp::world();
+  if (w->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
   expect_matches_naive("deepseek", 2);
+  // The balance loss with the experts split over tp: every tp rank routes the same tokens
+  // and adds the loss's gradient, which the router's and the input's reductions sum (with
+  // and without sequence parallel).
+  for (bool sp : {true, false}) {
+    ht::TrainConfig c = small_config("deepseek", w->size(), 2);
+    c.sequence_parallel = sp;
+    c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = 0.05;
+    c.validate(w->size());
+    c.params_dtype = c.compute_dtype = at::kDouble;
+    Naive naive = naive_run(c);
+    ht::Trainer t(c, w);
+    expect_steps_match(t, c, naive, sp ? "tp 2 + sp, balance loss" : "tp 2, balance loss");
+  }
 }
 
 // bf16 parameters with fp32 reduction and masters (the demo's policy) against the naive

@@ -131,6 +131,11 @@ struct MoEImpl : torch::nn::Module {
   // What each micro-batch's loss is multiplied by before backward (Model::set_loss_scale):
   // the balance loss's gradient is scaled alike.
   double loss_scale = 1;
+  // Set by parallelize_deepseek: the tensor-parallel group, and whether its ranks each route
+  // their own piece of the sequence (experts whole under expert parallelism, sequence
+  // parallel) rather than all of them alike (experts split along their hidden dim).
+  CommPtr tp;
+  bool tp_sequence_pieces = false;
 };
 TORCH_MODULE(MoE);
 

@@ -155,6 +155,9 @@ class ModelArgs {
   virtual int64_t stage_expert_params(const PipelineSlice& slice) const { return 0; }
   virtual int64_t block_expert_params() const { return 0; }
   virtual int64_t experts_per_token() const { return 0; }
+  // One MoE block's shared (always-on) experts' parameters: split by tensor parallelism
+  // alone, whole on every tp rank beside expert parallelism.
+  virtual int64_t block_shared_expert_params() const { return 0; }
   // The largest block's parameters outside its routed experts (a dense block's, or a MoE
   // block's attention, router and shared experts): fully_shard's unit beside the experts'.
   virtual int64_t largest_block_params_outside_experts() const { return largest_block_params(); }

@@ -17,7 +17,11 @@
 // their outputs left Partial, and one reduction at the MoE's output. Routing runs on the
 // whole (replicated) tokens on every rank, so each rank routes identically and the
 // balancing-bias load counts each token once per data-parallel rank (update it over the
-// data-parallel group, which excludes tp). Dense layers as Llama's MLP.
+// data-parallel group, which excludes tp). Dense layers as Llama's MLP. When expert_parallel
+// was applied first (the MoEs hold part of their experts): each rank's MoE runs on its own
+// piece of the sequence (sequence parallel required), the experts whole, the router and the
+// shared experts replicated with their gradients summed over tp; nothing moves over tp in
+// the MoE, and the load is then summed over the tp ranks too.
 #pragma once
 
 #include <c10/util/Optional.h>

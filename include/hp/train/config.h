@@ -195,9 +195,11 @@ c10::optional<RecomputePolicy> recompute_policy(Recompute r);
 // groups' links by it.
 std::vector<MeshDim> layout_dims(const TrainConfig& c);
 MeshLayout layout_mesh(const TrainConfig& c);
-// The experts' mesh: the same ranks with dp_shard split into (dp_shard / expert_parallel,
-// ep), ep inner: an EP group is expert_parallel consecutive dp_shard ranks, and each expert
-// is sharded over dp_shard / expert_parallel of them (those holding the same experts).
+// The experts' mesh: the same ranks with dp_shard x tp regrouped into (dp_shard x tp /
+// expert_parallel, ep) and tp 1, ep inner: an EP group is expert_parallel consecutive ranks
+// (with tensor_parallel > 1, the tensor-parallel ranks and expert_parallel / tp dp_shard
+// ones), and each expert is whole and sharded over the dp_shard x tp / expert_parallel
+// ranks holding the same experts.
 std::vector<MeshDim> expert_layout_dims(const TrainConfig& c);
 
 // fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
