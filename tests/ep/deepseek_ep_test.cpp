@@ -13,10 +13,13 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <string>
 
 #include "hp/core/error.h"
+#include "hp/core/memory.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/hooks/call.h"
 #include "hp/mesh/device_mesh.h"
@@ -198,6 +201,71 @@ TEST(DeepSeekEp, ExpertsUnderFullyShardMatchOneProcess) {
   int64_t total = 0;
   for (const auto& p : want) total += p.value().numel();
   EXPECT_EQ(held.item<int64_t>(), total);
+}
+
+// Memory, measured: with the experts over the n ranks a rank holds exactly 1/n of the
+// experts' parameters, and a forward and backward of the layer peaks at most one layer's
+// routed rows above the replicated layer's peak. What EP adds: the rows received by the
+// dispatch and those received back by the combine (dim elements each; the replicated
+// layer keeps its sorted rows and its experts' outputs as EP does), and, where routing
+// gives this rank's experts more rows than its own tokens have slots, their activations
+// for the extra rows (the row, three hidden-size products, the output). Measured by the
+// counting allocator, each rank on its own tokens, every rank starting each step together
+// (without the barrier a step's peak moved by up to 1 MB between runs). The plain
+// dispatcher's; the de-duplicating one, whose combine builds dense per-slot buffers
+// (BENCHMARKS.md), exceeds the bound by 0.8-1.2 MB at 4 ranks.
+TEST(DeepSeekEp, ExpertMemoryIsTheRanksShareAndOneLayersRoutedRows) {
+  auto w = hp::world();
+  const int n = w->size();
+  if (n == 1) GTEST_SKIP() << "one rank holds every expert";
+  hp::models::DeepSeekConfig c = hp::models::DeepSeekConfig::tiny();
+  c.dim = 128;
+  c.experts = 8;
+  c.experts_per_token = 2;
+  c.expert_hidden = 64;
+  const int64_t tokens = 512, elem = 4;  // fp32
+  torch::manual_seed(11);
+  hp::models::MoE replicated(c), placed(c);
+  hp::models::expert_parallel(*placed, w);
+  auto expert_bytes = [](hp::models::MoE& m) {
+    int64_t b = 0;
+    for (const auto& p : m->experts->parameters()) b += static_cast<int64_t>(p.nbytes());
+    return b;
+  };
+  // The step's peak above what was allocated before it (the layer's parameters included).
+  auto step_peak = [&](hp::models::MoE& m, const at::Tensor& x) {
+    at::Tensor xi = x.clone().requires_grad_(true);
+    w->barrier().wait();
+    hp::memory::reset_peak();
+    const int64_t base = hp::memory::current_bytes();
+    hp::call(m, xi).sum().backward();
+    const int64_t peak = hp::memory::peak_bytes() - base;
+    for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+    return peak;
+  };
+  torch::manual_seed(500 + w->rank());
+  const at::Tensor x = at::randn({tokens, c.dim});
+  step_peak(replicated, x);  // warm-up: lazily made buffers (the load counters)
+  step_peak(placed, x);
+  const int64_t r_peak = step_peak(replicated, x), p_peak = step_peak(placed, x);
+  // The rows this rank received: its experts' slots among every rank's tokens (each rank
+  // counts its own slots per destination; summed over the ranks).
+  at::Tensor chosen = placed->route(x.reshape({-1, c.dim})).first;
+  at::Tensor per_rank = at::zeros({n}, at::kLong);
+  for (int q = 0; q < n; ++q) {
+    const int64_t f = q * (c.experts / n);
+    per_rank[q] = ((chosen >= f) & (chosen < f + c.experts / n)).sum().item<int64_t>();
+  }
+  w->all_reduce(per_rank).wait();
+  const int64_t recv = per_rank[w->rank()].item<int64_t>();
+  const int64_t sent = tokens * c.experts_per_token;
+  const int64_t routed_rows =
+      ((sent + recv) * c.dim + std::max<int64_t>(0, recv - sent) * (2 * c.dim + 3 * c.expert_hidden)) * elem;
+  EXPECT_EQ(expert_bytes(placed) * n, expert_bytes(replicated));
+  EXPECT_LE(p_peak, r_peak + routed_rows) << "replicated peak " << r_peak << ", placed " << p_peak << ", rows received "
+                                          << recv;
+  // And the figure is not vacuous: EP does hold more in flight than the replicated layer.
+  EXPECT_GT(p_peak, r_peak);
 }
 
 TEST(DeepSeekEp, ExpertCountNotDividingTheGroupIsAnError) {
