@@ -13,6 +13,8 @@
 namespace hp::train {
 
 using internal::apply;
+using internal::apply_model_first;
+using internal::is_model_first;
 using internal::check_known;
 using internal::Value;
 
@@ -24,11 +26,15 @@ ModelSpec::ModelSpec(const std::string& family, const std::string& preset) {
   args_ = f.preset(preset_);
 }
 
-ModelSpec::ModelSpec(const ModelSpec& o) : preset_(o.preset_), args_(o.args_->clone()) {}
+ModelSpec::ModelSpec(std::unique_ptr<models::ModelArgs> args, std::string source)
+    : preset_(args->family().presets().front()), source_(std::move(source)), args_(std::move(args)) {}
+
+ModelSpec::ModelSpec(const ModelSpec& o) : preset_(o.preset_), source_(o.source_), args_(o.args_->clone()) {}
 
 ModelSpec& ModelSpec::operator=(const ModelSpec& o) {
   if (this != &o) {
     preset_ = o.preset_;
+    source_ = o.source_;
     args_ = o.args_->clone();
   }
   return *this;
@@ -117,7 +123,8 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
     values.push_back(v);
   }
 
-  // Unknown keys first, then the model type and preset, then everything else.
+  // Unknown keys first, then the model type, preset and Hugging Face folder, then
+  // everything else.
   for (const Value& v : values) check_known(v);
   TrainConfig c;
   // Errors of combinations name the file and, when there are any, the overrides, so that a
@@ -125,13 +132,9 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
   c.source = source;
   for (size_t i = 0; i < overrides.size(); ++i) c.source += (i ? " --set " : " with --set ") + overrides[i];
   for (const Value& v : values) c.given.insert(v.key);
-  for (const char* first : {"model.type", "model.preset"}) {
-    for (const Value& v : values) {
-      if (v.key == first) apply(c, v);
-    }
-  }
+  apply_model_first(c, values);
   for (const Value& v : values) {
-    if (v.key != "model.type" && v.key != "model.preset") apply(c, v);
+    if (!is_model_first(v.key)) apply(c, v);
   }
   if (!c.given.count("compute_dtype")) c.compute_dtype = c.params_dtype;
   return c;
@@ -337,7 +340,9 @@ MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
 
 std::string describe(const TrainConfig& c) {
   std::ostringstream os;
-  os << "model " << c.model.family().name() << " (" << c.model.preset() << " preset, " << c.model->num_params()
+  os << "model " << c.model.family().name() << " ("
+     << (c.model.source().empty() ? c.model.preset() + " preset" : "read from " + c.model.source()) << ", "
+     << c.model->num_params()
      << " parameters); data " << to_string(c.data.type) << (c.data.path.empty() ? "" : " " + c.data.path) << "\n";
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
      << (c.tensor_parallel > 1 ? detail::str_cat(" x tensor_parallel ", c.tensor_parallel) : std::string())

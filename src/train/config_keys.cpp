@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <map>
 
@@ -277,6 +278,28 @@ const std::vector<Key>& keys() {
                    c.model = ModelSpec(c.model.family().name(), v.text);
                  },
                  [](const TrainConfig& c) { return c.model.preset(); }, ""});
+    k.push_back({"model.from_hf", "path",
+                 "a Hugging Face model folder: the model's family and sizes read from its config.json (the other "
+                 "model keys then override and are checked against it) and, unless init_from_hf says otherwise, its "
+                 "weights",
+                 [](TrainConfig& c, const Value& v) {
+                   if (v.text.empty()) return;  // as a checkpoint records it: the sizes are its other keys
+                   const std::string path = v.text + "/config.json";
+                   std::ifstream f(path);
+                   if (!f.good()) v.fail("no config.json there (not a Hugging Face model folder)");
+                   std::stringstream text;
+                   text << f.rdbuf();
+                   auto args = models::model_from_hf_config(text.str(), path);
+                   if (c.given.count("model.type") && args->family().name() != c.model.family().name()) {
+                     v.fail("its config.json describes a ", args->family().name(), " model, but model.type is ",
+                            c.model.family().name());
+                   }
+                   c.model = ModelSpec(std::move(args), v.text);
+                   if (!c.given.count("init_from_hf")) c.init_from_hf = v.text;
+                 },
+                 // Not recorded: a checkpoint (and a resumed run) holds the sizes as the other
+                 // keys, and the folder may be gone by then.
+                 [](const TrainConfig&) { return std::string(); }, ""});
 
     k.push_back(enum_key<DataType>("data.type", "synthetic corpus, a file of token ids, or UTF-8 text (byte tokens)",
                                    HP_FIELD(data.type)));
@@ -390,7 +413,7 @@ const std::vector<Key>& keys() {
                          HP_FIELD(async_save)));
     k.push_back(path_key("init_from_hf",
                          "start from the weights of this Hugging Face model folder instead of the seed (a family "
-                         "with Hugging Face names: llama)",
+                         "with Hugging Face names: llama, deepseek; model.from_hf sets it)",
                          HP_FIELD(init_from_hf)));
     return k;
   }();
@@ -528,6 +551,18 @@ void apply(TrainConfig& c, const Value& v) {
 }
 
 // Flattens YAML maps into dotted keys (model: {dim: 64} -> model.dim).
+bool is_model_first(const std::string& key) {
+  return key == "model.type" || key == "model.preset" || key == "model.from_hf";
+}
+
+void apply_model_first(TrainConfig& c, const std::vector<Value>& values) {
+  for (const char* first : {"model.type", "model.preset", "model.from_hf"}) {
+    for (const Value& v : values) {
+      if (v.key == first) apply(c, v);
+    }
+  }
+}
+
 }  // namespace internal
 
 using namespace internal;
@@ -593,14 +628,10 @@ ModelSpec model_from_settings(const std::vector<std::pair<std::string, std::stri
     if (k.rfind("model.", 0) == 0) values.push_back({k, v, source});
   }
   TrainConfig c;
-  for (const char* first : {"model.type", "model.preset"}) {
-    for (const Value& v : values) {
-      if (v.key == first) apply(c, v);
-    }
-  }
+  for (const Value& v : values) check_known(v);
+  apply_model_first(c, values);
   for (const Value& v : values) {
-    check_known(v);
-    if (v.key != "model.type" && v.key != "model.preset") apply(c, v);
+    if (!is_model_first(v.key)) apply(c, v);
   }
   return c.model;
 }

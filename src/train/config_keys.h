@@ -23,6 +23,10 @@ struct Value {
   }
 };
 
+// The keys that choose the model (model.type, model.preset, model.from_hf), applied before
+// the others, in that order: the family's fields then override what they chose.
+bool is_model_first(const std::string& key);
+void apply_model_first(TrainConfig& c, const std::vector<Value>& values);
 // Raises for a key that neither the key table nor any model family declares, suggesting
 // the nearest.
 void check_known(const Value& v);

@@ -2,6 +2,7 @@
 // rejected before training with an error naming the offending key.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include <cmath>
@@ -427,4 +428,60 @@ TEST(TrainConfig, ARegisteredFamilyBringsItsKeys) {
   EXPECT_TRUE(listed);
   hp::test::expect_error([] { hp::models::register_model_family(std::make_shared<hp::test::ToyFamily>()); },
                          {"'toy' is registered already"});
+}
+
+// model.from_hf: the family and sizes from a Hugging Face config.json (written here as
+// transformers writes a Llama's), the weights' folder with them; model keys beside it
+// override (init_from_hf then checks them against the file); a checkpoint records the
+// sizes, not the folder. What does not fit is named.
+TEST(TrainConfig, ModelFromAHuggingFaceFolder) {
+  namespace fs = std::filesystem;
+  const std::string dir = ::testing::TempDir() + "/hp_from_hf_llama";
+  fs::create_directories(dir);
+  {
+    std::ofstream f(dir + "/config.json");
+    f << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 96,
+             "intermediate_size": 200, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+             "max_position_embeddings": 128, "rope_theta": 50000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+             "tie_word_embeddings": true, "torch_dtype": "bfloat16"})";
+  }
+  const ht::TrainConfig c = ht::parse_config("model:\n  from_hf: " + dir + "\n");
+  ASSERT_EQ(c.model.family().name(), "llama");
+  const auto& l = c.model.config<hp::models::LlamaConfig>();
+  EXPECT_EQ(l.vocab, 300);
+  EXPECT_EQ(l.dim, 96);
+  EXPECT_EQ(l.hidden_dim(), 200);
+  EXPECT_EQ(l.layers, 3);
+  EXPECT_EQ(l.heads, 6);
+  EXPECT_EQ(l.kv_heads, 2);
+  EXPECT_EQ(l.max_seq, 128);
+  EXPECT_EQ(l.rope_theta, 50000.0);
+  EXPECT_EQ(l.norm_eps, 1e-5);
+  EXPECT_TRUE(l.tie_embeddings);
+  EXPECT_EQ(c.init_from_hf, dir);
+  EXPECT_EQ(c.model.source(), dir);
+  // Keys beside it override; an explicit init_from_hf stays.
+  const ht::TrainConfig o = ht::parse_config("init_from_hf: elsewhere\nmodel:\n  from_hf: " + dir + "\n  dim: 48\n");
+  EXPECT_EQ(o.model.config<hp::models::LlamaConfig>().dim, 48);
+  EXPECT_EQ(o.init_from_hf, "elsewhere");
+  // Recorded as its sizes: the settings read back as the same model without the folder.
+  std::vector<std::string> sets;
+  for (const auto& [key, value] : ht::resolved_settings(c)) {
+    if (key.rfind("model.", 0) == 0) sets.push_back(key + "=" + value);
+    if (key == "model.from_hf") EXPECT_EQ(value, "");
+  }
+  const ht::TrainConfig again = ht::parse_config("", sets);
+  EXPECT_EQ(again.model.config<hp::models::LlamaConfig>().dim, 96);
+  EXPECT_EQ(again.model.config<hp::models::LlamaConfig>().kv_heads, 2);
+  // Errors, each naming the key and the folder or the value.
+  hp::test::expect_error([&] { ht::parse_config("model:\n  type: deepseek\n  from_hf: " + dir + "\n"); },
+                         {"model.from_hf=" + dir, "describes a llama model, but model.type is deepseek"});
+  hp::test::expect_error([&] { ht::parse_config("model:\n  from_hf: " + dir + "/none\n"); },
+                         {"model.from_hf=" + dir + "/none", "no config.json"});
+  {
+    std::ofstream f(dir + "/config.json");
+    f << R"({"model_type": "gpt2", "vocab_size": 300})";
+  }
+  hp::test::expect_error([&] { ht::parse_config("model:\n  from_hf: " + dir + "\n"); },
+                         {"model_type 'gpt2' is not supported yet", "llama", "deepseek_v3"});
 }

@@ -38,6 +38,9 @@ class ModelSpec {
   ModelSpec();
   // `family`'s `preset` (empty: its default); raises listing the accepted names.
   explicit ModelSpec(const std::string& family, const std::string& preset = "");
+  // The model `args` describe (read from a Hugging Face config.json: model.from_hf), shown
+  // as coming from `source`; its family's default preset is the base later keys override.
+  ModelSpec(std::unique_ptr<models::ModelArgs> args, std::string source);
   ModelSpec(const ModelSpec& o);
   ModelSpec& operator=(const ModelSpec& o);
   ModelSpec(ModelSpec&&) noexcept = default;
@@ -45,6 +48,8 @@ class ModelSpec {
 
   const models::ModelFamily& family() const { return args_->family(); }
   const std::string& preset() const { return preset_; }
+  // Where the model's sizes were read from ("" for a preset).
+  const std::string& source() const { return source_; }
   models::ModelArgs* operator->() { return args_.get(); }
   const models::ModelArgs* operator->() const { return args_.get(); }
   models::ModelArgs& args() { return *args_; }
@@ -61,6 +66,7 @@ class ModelSpec {
 
  private:
   std::string preset_;
+  std::string source_;
   std::unique_ptr<models::ModelArgs> args_;
 };
 
