@@ -53,6 +53,16 @@ void LlamaConfig::validate() const {
   HP_CHECK(dim % heads == 0, "llama config: dim=", dim, " is not divisible by heads=", heads);
   HP_CHECK(head_dim() % 2 == 0, "llama config: head_dim=", head_dim(), " must be even for rotary embeddings");
   HP_CHECK(heads % kv_heads == 0, "llama config: heads=", heads, " is not divisible by kv_heads=", kv_heads);
+  if (rope_scaling != RopeScaling::kNone) {
+    HP_CHECK(rope_factor > 0 && std::isfinite(rope_factor), "llama config: rope_factor=", rope_factor,
+             " must be a finite number > 0");
+  }
+  if (rope_scaling == RopeScaling::kLlama3) {
+    HP_CHECK(rope_low_freq_factor > 0 && rope_high_freq_factor > rope_low_freq_factor && rope_original_max_seq > 0,
+             "llama config: rope_scaling llama3 needs 0 < rope_low_freq_factor (", rope_low_freq_factor,
+             ") < rope_high_freq_factor (", rope_high_freq_factor, ") and rope_original_max_seq > 0 (",
+             rope_original_max_seq, ")");
+  }
   HP_CHECK(count_params<double>(*this) < 4e18, "llama config: ", count_params<double>(*this),
            " parameters is too many to count");
 }
@@ -81,10 +91,32 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
 }
 
 std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta) {
+  RopeOptions o;
+  o.theta = theta;
+  return rotary_tables(seq, head_dim, o);
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, const RopeOptions& rope) {
   at::Tensor i = at::arange(0, head_dim / 2, at::kDouble);
-  at::Tensor inv_freq = at::pow(theta, -2.0 * i / head_dim);
+  at::Tensor inv_freq = at::pow(rope.theta, -2.0 * i / head_dim);
+  if (rope.scaling == RopeScaling::kLinear) {
+    inv_freq = inv_freq / rope.factor;
+  } else if (rope.scaling == RopeScaling::kLlama3) {
+    const double old = static_cast<double>(rope.original_max_seq);
+    const double low_wavelen = old / rope.low_freq_factor, high_wavelen = old / rope.high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq);
+    at::Tensor smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor);
+    at::Tensor blended = (1 - smooth) * scaled / rope.factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen);
+    inv_freq = at::where(medium, blended, scaled);
+  }
   at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
   return {angles.cos(), angles.sin()};  // float64; apply_rotary casts them to its dtype
+}
+
+RopeOptions LlamaConfig::rope() const {
+  return {rope_theta, rope_scaling, rope_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_seq};
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, RotaryPairs layout) {
@@ -208,7 +240,7 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c, const PipelineSlice& sl) : config(c),
 at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   const int64_t T = slice.embedding ? x.size(1) : x.size(1) * stream_split;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
-  auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope_theta);
+  auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope());
   at::Tensor h = slice.embedding ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!norm) return h;
@@ -345,15 +377,47 @@ std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
                       {"mlp_bias", false},
                       {"tie_word_embeddings", c.tie_embeddings},
                       {"torch_dtype", detail::hf_dtype_name(dtype)}};
+  if (c.rope_scaling == RopeScaling::kLinear) {
+    j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", c.rope_factor}};
+  } else if (c.rope_scaling == RopeScaling::kLlama3) {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_factor},
+                         {"low_freq_factor", c.rope_low_freq_factor},
+                         {"high_freq_factor", c.rope_high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_original_max_seq}};
+  }
   return j.dump(2) + "\n";
 }
+
+namespace {
+// rope_scaling (transformers 4) or rope_parameters (transformers 5, with rope_theta inside):
+// none/default, linear or llama3; anything else is not supported yet.
+void read_rope(const detail::HfJson& j, LlamaConfig& c) {
+  const char* key = j.has("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  if (!j.has(key)) return;
+  const detail::HfJson r(j.json()[key].dump(), j.path() + " " + key);
+  if (r.has("rope_theta")) c.rope_theta = r.real("rope_theta");
+  const char* type_key = r.has("rope_type") ? "rope_type" : "type";
+  const std::string type =
+      r.has(type_key) && r.json()[type_key].is_string() ? r.json()[type_key].get<std::string>() : "default";
+  if (type == "default") return;
+  HP_CHECK(type == "linear" || type == "llama3", "'", j.path(), "': ", key, " ", j.json()[key].dump(),
+           " is not supported yet (rope types: default, linear, llama3)");
+  c.rope_scaling = type == "linear" ? RopeScaling::kLinear : RopeScaling::kLlama3;
+  c.rope_factor = r.real("factor");
+  if (c.rope_scaling == RopeScaling::kLlama3) {
+    c.rope_low_freq_factor = r.real("low_freq_factor");
+    c.rope_high_freq_factor = r.real("high_freq_factor");
+    c.rope_original_max_seq = r.integer("original_max_position_embeddings");
+  }
+}
+}  // namespace
 
 LlamaConfig llama_config_from_hf(const std::string& text, const std::string& path) {
   const detail::HfJson j(text, path);
   j.require("model_type", "llama", "not llama");
   j.require("hidden_act", "silu", "the model uses silu");
   for (const char* key : {"attention_bias", "mlp_bias"}) j.require(key, false, "the model has no biases");
-  j.require_absent("rope_scaling", "plain rotary only");
   LlamaConfig c;
   c.vocab = j.integer("vocab_size");
   c.dim = j.integer("hidden_size");
@@ -363,6 +427,7 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
   c.kv_heads = j.integer("num_key_value_heads", c.heads);
   c.max_seq = j.integer("max_position_embeddings", c.max_seq);
   c.rope_theta = j.real("rope_theta", 10000.0);
+  read_rope(j, c);
   c.norm_eps = j.real("rms_norm_eps", 1e-6);  // Hugging Face's default
   c.tie_embeddings = j.boolean("tie_word_embeddings", false);
   if (j.has("head_dim")) {
@@ -383,6 +448,17 @@ void check_hf_config(const LlamaConfig& c, const std::string& text, const std::s
   same_as_hf("heads", "num_attention_heads", c.heads, h.heads, path);
   same_as_hf("kv_heads", "num_key_value_heads", c.kv_heads, h.kv_heads, path);
   same_as_hf("rope_theta", "rope_theta", c.rope_theta, h.rope_theta, path);
+  auto rope_type = [](RopeScaling s) {
+    return std::string(s == RopeScaling::kNone ? "none" : s == RopeScaling::kLinear ? "linear" : "llama3");
+  };
+  same_as_hf("rope_scaling", "rope_scaling's type", rope_type(c.rope_scaling), rope_type(h.rope_scaling), path);
+  if (h.rope_scaling != RopeScaling::kNone) same_as_hf("rope_factor", "factor", c.rope_factor, h.rope_factor, path);
+  if (h.rope_scaling == RopeScaling::kLlama3) {
+    same_as_hf("rope_low_freq_factor", "low_freq_factor", c.rope_low_freq_factor, h.rope_low_freq_factor, path);
+    same_as_hf("rope_high_freq_factor", "high_freq_factor", c.rope_high_freq_factor, h.rope_high_freq_factor, path);
+    same_as_hf("rope_original_max_seq", "original_max_position_embeddings", c.rope_original_max_seq,
+               h.rope_original_max_seq, path);
+  }
   same_as_hf("norm_eps", "rms_norm_eps", c.norm_eps, h.norm_eps, path);
   same_as_hf("tie_embeddings", "tie_word_embeddings", c.tie_embeddings, h.tie_embeddings, path);
 }

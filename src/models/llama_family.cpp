@@ -112,6 +112,14 @@ class LlamaFamily : public ModelFamily {
         int_key<L>("kv_heads", &L::kv_heads, 1, "grouped-query key/value heads"),
         int_key<L>("ffn_dim", &L::ffn_dim, 0, "SwiGLU hidden size (0: 8/3 dim, rounded)"),
         bool_key<L>("tie_embeddings", &L::tie_embeddings, "output head shares the embedding"),
+        choice_key<L>("rope_scaling", &L::rope_scaling, {"none", "linear", "llama3"},
+                      "rotary frequencies stretched for longer contexts: none, all by rope_factor (linear), or "
+                      "Llama 3.1's (llama3)"),
+        float_key<L>("rope_factor", &L::rope_factor, 0, true, "rope_scaling's factor"),
+        float_key<L>("rope_low_freq_factor", &L::rope_low_freq_factor, 0, true, "llama3 scaling's low_freq_factor"),
+        float_key<L>("rope_high_freq_factor", &L::rope_high_freq_factor, 0, true, "llama3 scaling's high_freq_factor"),
+        int_key<L>("rope_original_max_seq", &L::rope_original_max_seq, 1,
+                   "llama3 scaling's original_max_position_embeddings"),
     };
     return k;
   }

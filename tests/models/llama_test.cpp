@@ -131,3 +131,31 @@ TEST(Llama, ForwardShapesTiedAndBadConfigs) {
   bad.dim = 66;
   hp::test::expect_error([&] { bad.validate(); }, {"dim=66", "heads=4"});
 }
+
+// Llama 3.1's rotary scaling against values worked out by hand: head_dim 8, theta 10000
+// (frequencies 1, 0.1, 0.01, 0.001, wavelengths 2 pi / f), factor 8, low/high frequency
+// factors 1 and 4 over 128 original positions (wavelengths above 128 divided by 8, below 32
+// kept, between blended): 1 kept; 0.1 (wavelength 62.8) blended with s = (128 / 62.83 - 1) /
+// 3 = 0.34573 to (1 - s) 0.1 / 8 + s 0.1 = 0.042751; 0.01 and 0.001 divided by 8. Linear: all
+// divided by the factor.
+TEST(Llama, RotaryScalingAsWorkedOutByHand) {
+  hp::models::RopeOptions o;
+  o.theta = 10000;
+  o.scaling = hp::models::RopeScaling::kLlama3;
+  o.factor = 8;
+  o.low_freq_factor = 1;
+  o.high_freq_factor = 4;
+  o.original_max_seq = 128;
+  auto freqs = [](const hp::models::RopeOptions& r) {
+    auto [cos, sin] = hp::models::rotary_tables(2, 8, r);
+    return at::atan2(sin[1], cos[1]);  // position 1's angles: the frequencies
+  };
+  const double s = (128 / (2 * M_PI / 0.1) - 1) / 3;
+  const std::vector<double> want = {1.0, (1 - s) * 0.1 / 8 + s * 0.1, 0.01 / 8, 0.001 / 8};
+  at::Tensor got = freqs(o);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(got[i].item<double>(), want[static_cast<size_t>(i)], 1e-12) << i;
+  EXPECT_NEAR(want[1], 0.042751, 1e-6);
+  o.scaling = hp::models::RopeScaling::kLinear;
+  got = freqs(o);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(got[i].item<double>(), std::pow(10000.0, -i / 4.0) / 8, 1e-12) << i;
+}

@@ -46,6 +46,22 @@ std::vector<PipelineSlice> split_layers(int64_t layers, int stages, const std::v
 // The slice's end layer (resolving -1); raises naming the values for a slice outside the model.
 int64_t check_slice(const PipelineSlice& slice, int64_t layers);
 
+// How the rotary frequencies are stretched for contexts longer than trained on (Hugging
+// Face's rope_scaling): not at all; every frequency divided by a factor (linear); or Llama
+// 3.1's: low frequencies (wavelengths above original_max_seq / low_freq_factor) divided by
+// the factor, high ones (below original_max_seq / high_freq_factor) kept, and those between
+// blended smoothly (llama3).
+enum class RopeScaling { kNone, kLinear, kLlama3 };
+
+struct RopeOptions {
+  double theta = 10000.0;
+  RopeScaling scaling = RopeScaling::kNone;
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_seq = 8192;
+};
+
 struct LlamaConfig {
   int64_t vocab = 256;
   int64_t dim = 64;
@@ -57,7 +73,14 @@ struct LlamaConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   bool tie_embeddings = false;
+  // Rotary scaling (RopeOptions); the factors matter only where rope_scaling uses them.
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_factor = 8.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int64_t rope_original_max_seq = 8192;
 
+  RopeOptions rope() const;
   int64_t head_dim() const { return dim / heads; }
   int64_t hidden_dim() const;
   // Parameters of the model, computed from the config alone (nothing allocated).
@@ -105,6 +128,8 @@ TORCH_MODULE(RMSNorm);
 // cos and sin tables [seq, head_dim / 2] for positions 0..seq-1, in float64 (apply_rotary
 // rounds them to the dtype it computes in).
 std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta);
+// The same with the frequencies scaled as `rope` says.
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, const RopeOptions& rope);
 // Which elements of a head's D dims rotate together by angle i (i < D / 2).
 enum class RotaryPairs {
   kInterleaved,  // (x[2i], x[2i+1]): DeepSeek-V3's MLA rotary dims
