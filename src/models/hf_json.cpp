@@ -12,6 +12,10 @@ HfJson::HfJson(const std::string& text, std::string path) : path_(std::move(path
   HP_CHECK(j_.is_object(), "'", path_, "' is not a JSON object");
 }
 
+HfJson::HfJson(nlohmann::json object, std::string path) : j_(std::move(object)), path_(std::move(path)) {
+  HP_CHECK(j_.is_object(), "'", path_, "' is not a JSON object");
+}
+
 bool HfJson::has(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
 
 int64_t HfJson::integer(const char* key, c10::optional<int64_t> fallback) const {

@@ -17,6 +17,8 @@ class HfJson {
  public:
   // Raises unless `text` is a JSON object.
   HfJson(const std::string& text, std::string path);
+  // A nested object of a file already read (`path` names it, e.g. "config.json rope_scaling").
+  HfJson(nlohmann::json object, std::string path);
   const std::string& path() const { return path_; }
   const nlohmann::json& json() const { return j_; }
   // Present and not null.

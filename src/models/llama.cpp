@@ -395,7 +395,7 @@ namespace {
 void read_rope(const detail::HfJson& j, LlamaConfig& c) {
   const char* key = j.has("rope_parameters") ? "rope_parameters" : "rope_scaling";
   if (!j.has(key)) return;
-  const detail::HfJson r(j.json()[key].dump(), j.path() + " " + key);
+  const detail::HfJson r(j.json()[key], j.path() + " " + key);
   if (r.has("rope_theta")) c.rope_theta = r.real("rope_theta");
   const char* type_key = r.has("rope_type") ? "rope_type" : "type";
   const std::string type =

@@ -290,7 +290,7 @@ const std::vector<Key>& keys() {
                    std::stringstream text;
                    text << f.rdbuf();
                    auto args = models::model_from_hf_config(text.str(), path);
-                   if (c.given.count("model.type") && args->family().name() != c.model.family().name()) {
+                   if (c.given.count("model.type") && &args->family() != &c.model.family()) {
                      v.fail("its config.json describes a ", args->family().name(), " model, but model.type is ",
                             c.model.family().name());
                    }
