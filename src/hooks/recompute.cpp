@@ -17,6 +17,17 @@ namespace hp {
 namespace {
 
 thread_local int t_recompute = 0;
+// >0 while the recomputation's gradients are computed without accumulation on this thread:
+// on libtorch 2.x a parameter's own hooks run there as well as where the gradient is
+// accumulated, and on_gradient's hooks pass the gradient through in the first of these.
+thread_local int t_capturing = 0;
+
+struct CaptureScope {
+  CaptureScope() { ++t_capturing; }
+  ~CaptureScope() { --t_capturing; }
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+};
 
 struct RecomputeScope {
   RecomputeScope() { ++t_recompute; }
@@ -161,6 +172,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     }
     torch::autograd::variable_list result(1 + inputs.size() + run->params.size());
     if (!wrt.empty() && out.requires_grad() && grads[0].defined()) {
+      CaptureScope capturing;
       auto g = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
                                      /*allow_unused=*/true);
       for (size_t k = 0; k < g.size(); ++k) result[slot[k]] = g[k];
@@ -172,6 +184,18 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 }  // namespace
 
 bool in_recompute() { return t_recompute > 0; }
+
+unsigned on_gradient(const at::Tensor& leaf, std::function<at::Tensor(const at::Tensor&)> fn) {
+  HP_CHECK(leaf.requires_grad() && leaf.grad_fn() == nullptr,
+           "hp::on_gradient: the tensor must be a leaf that requires grad (a parameter)");
+  at::Tensor t = leaf;
+  return t.register_hook([fn = std::move(fn)](const at::Tensor& grad) -> at::Tensor {
+    // Captured by the recomputation's own gradient (libtorch 2.x runs the hook there too):
+    // it runs again where the recomputation hands the gradient to the accumulator.
+    if (t_capturing > 0) return grad;
+    return fn(grad);
+  });
+}
 
 namespace detail {
 

@@ -13,6 +13,7 @@
 #include "hp/core/memory.h"
 #include "hp/core/weak_key_map.h"
 #include "hp/hooks/call.h"
+#include "hp/hooks/recompute.h"
 
 namespace hp::tp {
 
@@ -57,8 +58,7 @@ void sum_gradient_over(const at::Tensor& param, const CommPtr& group, c10::optio
                     true);
   }
   if (group->size() == 1) return;
-  at::Tensor p = param;
-  p.register_hook([group, rd](const at::Tensor& grad) {
+  on_gradient(param, [group, rd](const at::Tensor& grad) {
     return redistribute_no_grad(grad, group, Partial(), Replicate(), rd);
   });
 }

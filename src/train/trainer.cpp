@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "hp/core/compat.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/fully_shard.h"
@@ -26,14 +25,6 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
            c.data_parallel, " x ", c.data_parallel_shard, " x tensor_parallel ", c.tensor_parallel,
            " x pipeline_parallel ", c.pipeline_parallel, ") does not cover the world of ", s.world->size(),
            " (validate the config first)");
-#if HP_TORCH_VERSION >= 200
-  // Found by trainer_test on libtorch 2.11: tensor (sequence) parallel blocks recomputed in
-  // backward train away from one process (3.6e-5 of the loss in fp32 over 6 steps, where
-  // libtorch 1.13 matches to rounding). Refused until understood rather than trained wrong.
-  HP_CHECK(c.tensor_parallel == 1 || c.recompute == Recompute::kNone, "Trainer: recompute=", to_string(c.recompute),
-           " with tensor_parallel=", c.tensor_parallel,
-           " is not supported yet under libtorch 2.x (its gradients differ from one process's)");
-#endif
   s.mesh = std::make_shared<DeviceMesh>(s.world, layout_dims(c));
   s.dp = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard"}) : s.mesh->group("dp_shard");
   s.shards = s.mesh->group("dp_shard");

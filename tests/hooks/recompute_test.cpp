@@ -102,3 +102,31 @@ TEST(Recompute, WithoutGradModeItIsAPlainCall) {
   EXPECT_FALSE(y.requires_grad());
   EXPECT_TRUE(at::equal(y, hp::call(m, x, gate)));
 }
+
+// A gradient hook registered with hp::on_gradient runs once per backward under recompute,
+// with the whole gradient, as without it. libtorch 2.x also runs a leaf's own hooks where
+// the recomputation computes the parameters' gradients: a plain register_hook there would
+// run twice (and a summing hook, tensor parallelism's, would sum twice).
+TEST(Recompute, GradientHooksRunOncePerBackward) {
+  torch::manual_seed(3);
+  Mlp m;
+  at::Tensor x = at::randn({16, 32}), gate = at::rand({16, 32});
+  const at::Tensor& w = m->fc[1]->weight;
+  std::vector<at::Tensor> seen;
+  hp::on_gradient(w, [&seen](const at::Tensor& g) {
+    seen.push_back(g.clone());
+    return g * 3;  // what the hook returns is what accumulates
+  });
+  for (auto policy : {hp::RecomputePolicy::kFull, hp::RecomputePolicy::kKeepMatmuls}) {
+    seen.clear();
+    Grads plain = run(c10::nullopt, m, x, gate);
+    ASSERT_EQ(seen.size(), 1u);
+    const at::Tensor reference = seen[0];
+    EXPECT_TRUE(plain.params[2].equal(reference * 3));  // fc1.weight, after fc0's weight and bias
+    seen.clear();
+    Grads ckpt = run(policy, m, x, gate);
+    ASSERT_EQ(seen.size(), 1u) << "policy " << static_cast<int>(policy);
+    EXPECT_TRUE(seen[0].equal(reference));
+    EXPECT_TRUE(ckpt.params[2].equal(reference * 3));
+  }
+}

@@ -15,7 +15,6 @@
 #include <sstream>
 
 #include "hp/mesh/device_mesh.h"
-#include "hp/core/compat.h"
 #include "hp/core/files.h"
 #include "hp/runtime.h"
 #include "fsdp/fsdp_test_util.h"
@@ -626,17 +625,6 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
   }
   for (const Layout& l : layouts) {
     ht::TrainConfig c = small_config("deepseek", w->size(), l.tp);
-#if HP_TORCH_VERSION >= 200
-    if (l.tp > 1 && l.recompute != ht::Recompute::kNone) {
-      // Tensor parallelism under recompute differs from one process on libtorch 2.x (with or
-      // without EP): refused by the trainer until understood.
-      c.recompute = l.recompute;
-      c.expert_parallel = l.ep;
-      c.validate(w->size());
-      hp::test::expect_error([&] { ht::Trainer t(c, w); }, {"recompute=full", "tensor_parallel=2", "libtorch 2.x"});
-      continue;
-    }
-#endif
     c.data_parallel = l.data_parallel;
     c.data_parallel_shard = -1;
     c.expert_parallel = l.ep;

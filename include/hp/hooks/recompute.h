@@ -12,6 +12,11 @@
 // - The module's parameters receive their gradients through their ordinary accumulators
 //   in the backward that reached the output (their hooks, fully_shard's among them, fire
 //   there), not in a backward of their own.
+// - A hook on a parameter's gradient that must run once per backward is registered with
+//   hp::on_gradient, not Tensor::register_hook: libtorch 2.x also runs a leaf's own hooks
+//   when a gradient is computed for it without accumulating (autograd::grad naming it as an
+//   input), which is how the recomputation computes the parameters' gradients. A summing
+//   hook (tensor parallelism's) would then sum twice.
 // - During the recomputation in_recompute() is true on the calling thread: a capability
 //   keeps its per-forward bookkeeping (fully_shard's forward order, prefetch and reduction
 //   scheduling) as the first forward left it, and a module with a side effect in forward
@@ -45,6 +50,12 @@ enum class RecomputePolicy {
 
 // True while a recomputed module's forward is being recomputed on this thread.
 bool in_recompute();
+
+// Registers `fn` on the gradient of `leaf` (a tensor that requires grad and has no grad_fn,
+// a parameter), to run once per backward, when the gradient reaches the leaf's accumulator
+// (fully_shard's and recompute's backwards included), as Tensor::register_hook does on
+// libtorch 1.x. Returns the hook's handle, as register_hook does.
+unsigned on_gradient(const at::Tensor& leaf, std::function<at::Tensor(const at::Tensor&)> fn);
 
 namespace detail {
 
