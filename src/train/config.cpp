@@ -273,7 +273,7 @@ void TrainConfig::validate(int world_size) {
   HP_CHECK(lr_warmup_steps <= train_steps, s, ": lr_warmup_steps=", lr_warmup_steps, " exceeds train_steps=",
            train_steps);
   if (data.type == DataType::kSynthetic) {
-    HP_CHECK(data.path.empty(), s, ": data.path='", data.path, "' is only read when data.type is binary or text");
+    HP_CHECK(data.path.empty(), s, ": data.path='", data.path, "' is only read when data.type is binary, text or megatron");
   } else {
     HP_CHECK(!data.path.empty(), s, ": data.type=", to_string(data.type), " needs data.path");
     HP_CHECK(!given.count("data.num_samples"), s, ": data.num_samples=", data.num_samples,
@@ -281,7 +281,7 @@ void TrainConfig::validate(int world_size) {
   }
   HP_CHECK(data.type == DataType::kBinary || !given.count("data.token_dtype"), s, ": data.token_dtype=",
            to_string(data.token_dtype),
-           " is only read when data.type is binary");
+           " is only read when data.type is binary (megatron's index says its own)");
   HP_CHECK(data.type != DataType::kText || model->vocab() >= 256, s,
            ": data.type=text uses byte tokens 0..255 but model.vocab=", model->vocab());
   try {

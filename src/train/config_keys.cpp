@@ -15,7 +15,8 @@ namespace hp::train {
 template <>
 const std::vector<std::pair<DataType, const char*>>& enum_names<DataType>() {
   static const std::vector<std::pair<DataType, const char*>> n = {
-      {DataType::kSynthetic, "synthetic"}, {DataType::kBinary, "binary"}, {DataType::kText, "text"}};
+      {DataType::kSynthetic, "synthetic"}, {DataType::kBinary, "binary"}, {DataType::kText, "text"},
+      {DataType::kMegatron, "megatron"}};
   return n;
 }
 template <>
@@ -301,7 +302,9 @@ const std::vector<Key>& keys() {
                  // keys, and the folder may be gone by then.
                  [](const TrainConfig&) { return std::string(); }, ""});
 
-    k.push_back(enum_key<DataType>("data.type", "synthetic corpus, a file of token ids, or UTF-8 text (byte tokens)",
+    k.push_back(enum_key<DataType>("data.type",
+                                   "synthetic corpus, a file of token ids, UTF-8 text (byte tokens), or Megatron-LM's "
+                                   "indexed dataset (data.path: the prefix of its .bin and .idx)",
                                    HP_FIELD(data.type)));
     k.push_back(path_key("data.path", "the binary or text file", HP_FIELD(data.path)));
     k.push_back(enum_key<TokenDtype>("data.token_dtype", "token id width of a binary file", HP_FIELD(data.token_dtype)));

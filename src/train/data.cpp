@@ -131,17 +131,24 @@ int64_t invalid_utf8_at(const uint8_t* s, size_t n) {
   return -1;
 }
 
-// Token ids from a file: bytes (text), uint16 or uint32. Validated whole at open (UTF-8 for
-// text, every token below the vocabulary for binary), then read sample by sample, each
+// Token ids from a file: bytes (text), or integers of 1, 2, 4 or 8 bytes, unsigned or
+// signed (binary: uint16 or uint32; megatron: its index's dtype). Validated whole at open
+// (UTF-8 for text, every token in [0, vocab) otherwise), then read sample by sample, each
 // token checked again as it is read (the file may be rewritten while training).
+struct TokenFormat {
+  int64_t width = 1;
+  bool is_signed = false;
+  std::string name;  // "uint16", ...
+};
+
 class FileDataset : public TokenDataset {
  public:
-  FileDataset(const DataSpec& spec, int64_t seq, int64_t vocab)
-      : file_(spec.path), seq_(seq), vocab_(vocab), kind_(to_string(spec.type)) {
-    width_ = spec.type == DataType::kText ? 1 : spec.token_dtype == TokenDtype::kUint32 ? 4 : 2;
-    const std::string& p = spec.path;
-    HP_CHECK(file_.size() % width_ == 0, "data.path '", p, "': ", file_.size(),
-             " bytes is not a whole number of ", to_string(spec.token_dtype), " tokens");
+  FileDataset(const std::string& path, DataType type, TokenFormat format, int64_t seq, int64_t vocab,
+              std::string what)
+      : file_(path), seq_(seq), vocab_(vocab), width_(format.width), signed_(format.is_signed), what_(std::move(what)) {
+    const std::string& p = path;
+    HP_CHECK(file_.size() % width_ == 0, "data.path '", p, "': ", file_.size(), " bytes is not a whole number of ",
+             format.name, " tokens");
     tokens_ = file_.size() / width_;
     // The whole file in chunks; a UTF-8 sequence cut by a chunk's end is carried over.
     constexpr int64_t kChunk = int64_t(1) << 20;
@@ -153,7 +160,7 @@ class FileDataset : public TokenDataset {
       buf.resize(keep + static_cast<size_t>(n));
       file_.read(off, n, buf.data() + keep);
       const bool last = off + n == file_.size();
-      if (spec.type == DataType::kText) {
+      if (type == DataType::kText) {
         int64_t bad = invalid_utf8_at(buf.data(), buf.size());
         if (bad >= 0 && !last && bad + 4 > static_cast<int64_t>(buf.size())) {
           buf.erase(buf.begin(), buf.begin() + bad);  // may complete in the next chunk
@@ -164,8 +171,9 @@ class FileDataset : public TokenDataset {
       } else {
         for (size_t i = 0; i + width_ <= buf.size(); i += static_cast<size_t>(width_)) {
           int64_t t = decode(buf.data() + i);
-          HP_CHECK(t < vocab, "data.path '", p, "': token ", (base + static_cast<int64_t>(i)) / width_, " is ", t,
-                   ", not below model.vocab=", vocab);
+          HP_CHECK(t >= 0 && t < vocab, "data.path '", p, "': token ", (base + static_cast<int64_t>(i)) / width_,
+                   " is ", t, " (byte offset ", base + static_cast<int64_t>(i), "), not in [0, model.vocab=", vocab,
+                   ")");
         }
       }
       base += static_cast<int64_t>(buf.size());
@@ -181,30 +189,157 @@ class FileDataset : public TokenDataset {
     file_.read(first * width_, count * width_, raw.data());
     for (int64_t t = 0; t < count; ++t) {
       out[t] = decode(raw.data() + t * width_);
-      HP_CHECK(out[t] < vocab_, "data.path '", file_.path(), "': token at byte offset ", (first + t) * width_, " is ",
-               out[t], ", not below model.vocab=", vocab_, " (the file changed while training?)");
+      HP_CHECK(out[t] >= 0 && out[t] < vocab_, "data.path '", file_.path(), "': token at byte offset ",
+               (first + t) * width_, " is ", out[t], ", not in [0, model.vocab=", vocab_,
+               ") (the file changed while training?)");
     }
   }
   std::string describe() const override {
-    return kind_ + " file, " + std::to_string(tokens_) + " tokens, " + std::to_string(n_) + " samples";
+    return what_ + ", " + std::to_string(tokens_) + " tokens, " + std::to_string(n_) + " samples";
   }
 
  private:
   int64_t decode(const uint8_t* b) const {
-    if (width_ == 1) return b[0];
-    if (width_ == 2) {
-      uint16_t v;
-      std::memcpy(&v, b, 2);
-      return v;
+    switch (width_) {
+      case 1:
+        return signed_ ? static_cast<int64_t>(static_cast<int8_t>(b[0])) : b[0];
+      case 2: {
+        uint16_t v;
+        std::memcpy(&v, b, 2);
+        return signed_ ? static_cast<int64_t>(static_cast<int16_t>(v)) : v;
+      }
+      case 4: {
+        uint32_t v;
+        std::memcpy(&v, b, 4);
+        return signed_ ? static_cast<int64_t>(static_cast<int32_t>(v)) : v;
+      }
+      default: {
+        int64_t v;  // int64 only: Megatron has no uint64
+        std::memcpy(&v, b, 8);
+        return v;
+      }
     }
-    uint32_t v;
-    std::memcpy(&v, b, 4);
-    return v;
   }
   OpenFile file_;
-  int64_t seq_, vocab_, width_ = 1, tokens_ = 0, n_ = 0;
-  std::string kind_;
+  int64_t seq_, vocab_, width_ = 1;
+  bool signed_ = false;
+  int64_t tokens_ = 0, n_ = 0;
+  std::string what_;
 };
+
+// Megatron-LM's index (PREFIX.idx): the 9-byte magic "MMIDIDX\0\0", a uint64 version (1), a
+// uint8 dtype code, uint64 sequence and document-index counts, then int32 sequence lengths
+// (tokens), int64 sequence pointers (bytes into PREFIX.bin) and int64 document indices (the
+// first sequence of each document, then the sequence count). All little-endian.
+struct MegatronIndex {
+  TokenFormat format;
+  int64_t sequences = 0, documents = 0, bin_bytes = 0;
+};
+
+MegatronIndex read_megatron_index(const std::string& idx) {
+  OpenFile f(idx);
+  constexpr int64_t kHeader = 9 + 8 + 1 + 8 + 8;
+  const std::string where = "data.path: Megatron index '" + idx + "'";
+  HP_CHECK(f.size() >= kHeader, where, " is truncated: ", f.size(), " bytes, its header alone is ", kHeader);
+  uint8_t h[kHeader];
+  f.read(0, kHeader, h);
+  HP_CHECK(std::memcmp(h, "MMIDIDX\0\0", 9) == 0, where,
+           " is not a Megatron-LM indexed dataset index (its first bytes are not MMIDIDX\\0\\0)");
+  auto u64 = [&](int64_t at) {
+    uint64_t v;
+    std::memcpy(&v, h + at, 8);
+    return v;
+  };
+  const uint64_t version = u64(9);
+  HP_CHECK(version == 1, where, ": version ", version, " is not supported yet (version 1 is)");
+  MegatronIndex m;
+  const int code = h[17];
+  static const std::vector<std::pair<int, TokenFormat>> kCodes = {
+      {1, {1, false, "uint8"}}, {2, {1, true, "int8"}},  {3, {2, true, "int16"}},
+      {4, {4, true, "int32"}},  {5, {8, true, "int64"}}, {8, {2, false, "uint16"}}};
+  bool known = false;
+  for (const auto& [c, fmt] : kCodes) {
+    if (c == code) {
+      m.format = fmt;
+      known = true;
+    }
+  }
+  HP_CHECK(known, where, ": dtype code ", code,
+           code == 6 || code == 7 ? " is a floating type, not token ids"
+                                  : " is not one of Megatron's (1-5, 8: uint8, int8, int16, int32, int64, uint16)");
+  const uint64_t seqs = u64(18), docs = u64(26);
+  // Bounded first, so the sizes below cannot overflow.
+  HP_CHECK(seqs < (uint64_t(1) << 40) && docs < (uint64_t(1) << 40), where, ": ", seqs, " sequences and ", docs,
+           " document entries cannot be right (a damaged header?)");
+  m.sequences = static_cast<int64_t>(seqs);
+  const int64_t need = kHeader + 12 * m.sequences + 8 * static_cast<int64_t>(docs);
+  HP_CHECK(f.size() != need + m.sequences || m.sequences == 0, where,
+           ": per-sequence modes (a multimodal index) are not supported yet");
+  HP_CHECK(f.size() == need, where, ": ", f.size(), " bytes, but its header's ", seqs, " sequences and ", docs,
+           " document entries take ", need, (f.size() < need ? " (truncated?)" : ""));
+  HP_CHECK(docs >= 1, where, ": no document index entries (at least the final one, ", seqs, ", is needed)");
+  // The sequences back to back, in order: pointer i = the bytes of sequences before it.
+  constexpr int64_t kChunk = int64_t(1) << 16;
+  const int64_t lengths_at = kHeader, pointers_at = kHeader + 4 * m.sequences;
+  int64_t expect = 0;
+  for (int64_t i0 = 0; i0 < m.sequences; i0 += kChunk) {
+    const int64_t n = std::min(kChunk, m.sequences - i0);
+    std::vector<int32_t> len(static_cast<size_t>(n));
+    std::vector<int64_t> ptr(static_cast<size_t>(n));
+    f.read(lengths_at + 4 * i0, 4 * n, reinterpret_cast<uint8_t*>(len.data()));
+    f.read(pointers_at + 8 * i0, 8 * n, reinterpret_cast<uint8_t*>(ptr.data()));
+    for (int64_t k = 0; k < n; ++k) {
+      HP_CHECK(len[static_cast<size_t>(k)] >= 0, where, ": sequence ", i0 + k, " has length ", len[static_cast<size_t>(k)]);
+      HP_CHECK(ptr[static_cast<size_t>(k)] == expect, where, ": sequence ", i0 + k, " starts at byte ",
+               ptr[static_cast<size_t>(k)], " of the .bin, but the sequences before it end at ", expect,
+               " (sequences not stored back to back, in order, are not supported yet)");
+      expect += len[static_cast<size_t>(k)] * m.format.width;
+    }
+  }
+  m.bin_bytes = expect;
+  // Document starts: from 0, never decreasing, ending at the sequence count.
+  const int64_t docs_at = pointers_at + 8 * m.sequences, D = static_cast<int64_t>(docs);
+  int64_t prev = 0;
+  for (int64_t i0 = 0; i0 < D; i0 += kChunk) {
+    const int64_t n = std::min(kChunk, D - i0);
+    std::vector<int64_t> d(static_cast<size_t>(n));
+    f.read(docs_at + 8 * i0, 8 * n, reinterpret_cast<uint8_t*>(d.data()));
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t v = d[static_cast<size_t>(k)], at = i0 + k;
+      HP_CHECK(at > 0 || v == 0, where, ": the document index starts at ", v, ", not 0");
+      HP_CHECK(v >= prev && v <= m.sequences, where, ": document index entry ", at, " is ", v,
+               " (after ", prev, "; there are ", m.sequences, " sequences)");
+      HP_CHECK(at < D - 1 || v == m.sequences, where, ": the document index ends at ", v, ", not at the sequence count ",
+               m.sequences);
+      prev = v;
+    }
+  }
+  m.documents = D - 1;
+  return m;
+}
+
+// PREFIX for a data.path of PREFIX, PREFIX.bin or PREFIX.idx.
+std::string megatron_prefix(const std::string& path) {
+  for (const char* ext : {".bin", ".idx"}) {
+    const size_t n = std::strlen(ext);
+    if (path.size() > n && path.compare(path.size() - n, n, ext) == 0) return path.substr(0, path.size() - n);
+  }
+  return path;
+}
+
+std::unique_ptr<TokenDataset> megatron_dataset(const std::string& path, int64_t seq, int64_t vocab) {
+  const std::string prefix = megatron_prefix(path);
+  const MegatronIndex m = read_megatron_index(prefix + ".idx");
+  const std::string bin = prefix + ".bin";
+  {
+    OpenFile f(bin);
+    HP_CHECK(f.size() == m.bin_bytes, "data.path: Megatron data '", bin, "' is ", f.size(), " bytes, but its index '",
+             prefix, ".idx' describes ", m.bin_bytes, " (", m.sequences, " sequences of ", m.format.name, ")");
+  }
+  return std::make_unique<FileDataset>(bin, DataType::kMegatron, m.format, seq, vocab,
+                                       "megatron indexed dataset " + prefix + " (" + std::to_string(m.documents) +
+                                           " documents, " + m.format.name + ")");
+}
 
 }  // namespace
 
@@ -213,7 +348,12 @@ std::unique_ptr<TokenDataset> make_dataset(const DataSpec& spec, int64_t seq_len
   if (spec.type == DataType::kSynthetic) {
     return std::make_unique<SyntheticDataset>(spec.num_samples, seq_length, vocab, seed);
   }
-  return std::make_unique<FileDataset>(spec, seq_length, vocab);
+  if (spec.type == DataType::kMegatron) return megatron_dataset(spec.path, seq_length, vocab);
+  TokenFormat format{1, false, "byte"};
+  if (spec.type == DataType::kBinary) {
+    format = spec.token_dtype == TokenDtype::kUint32 ? TokenFormat{4, false, "uint32"} : TokenFormat{2, false, "uint16"};
+  }
+  return std::make_unique<FileDataset>(spec.path, spec.type, format, seq_length, vocab, to_string(spec.type) + " file");
 }
 
 DataSharder::DataSharder(int64_t num_samples, int64_t global_batch_size, int64_t micro_batch_num, int64_t dp_size,

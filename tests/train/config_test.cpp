@@ -130,7 +130,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"min_lr: 0.1\nlr: 0.01\n", {}, 4, {"min_lr=0.1", "lr=0.01"}},
       {"lr_warmup_steps: 30\ntrain_steps: 10\n", {}, 4, {"lr_warmup_steps=30", "train_steps=10"}},
       {"data:\n  type: binary\n", {}, 4, {"data.type=binary", "data.path"}},
-      {"data:\n  path: x.bin\n", {}, 4, {"data.path='x.bin'", "binary or text"}},
+      {"data:\n  path: x.bin\n", {}, 4, {"data.path='x.bin'", "binary, text or megatron"}},
       {"data:\n  type: text\n  path: a.txt\nmodel:\n  vocab: 100\n", {}, 4, {"data.type=text", "model.vocab=100"}},
       {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
       // expert parallelism: experts to split, ranks to split them over (the tp ranks and

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -94,7 +95,7 @@ TEST(TrainData, FileChangedWhileTrainingIsNamed) {
     f.write(reinterpret_cast<const char*>(&big), 2);
   }
   e = error_reading(*ds, 2);  // tokens 14..21, bytes 28..43
-  EXPECT_NE(e.find("token at byte offset 30 is 5000, not below model.vocab=100"), std::string::npos) << e;
+  EXPECT_NE(e.find("token at byte offset 30 is 5000, not in [0, model.vocab=100)"), std::string::npos) << e;
   // Replaced by another file.
   d.path = temp_file("changing.bin", bytes);
   ds = ht::make_dataset(d, 7, 100, 0);
@@ -160,6 +161,136 @@ TEST(TrainData, BadFilesNameTheProblem) {
   // The largest valid forms of each length pass: U+7FF, U+D7FF, U+FFFF, U+10FFFF.
   d.path = temp_file("good.txt", "ab\xdf\xbf\xed\x9f\xbf\xef\xbf\xbf\xf4\x8f\xbf\xbf");
   EXPECT_EQ(error_of(d, 1, 256), "");
+}
+
+// Megatron-LM's indexed dataset, written here field by field from the format's description
+// (not by the reader's code): documents of several sequences, back to back in the .bin.
+namespace {
+
+struct MegatronFiles {
+  std::vector<int32_t> lengths;     // tokens per sequence
+  std::vector<int64_t> pointers;    // byte offset of each sequence in the .bin
+  std::vector<int64_t> doc_index;   // first sequence of each document, then the count
+  uint8_t dtype_code = 8;           // uint16
+  uint64_t version = 1;
+  std::string magic = std::string("MMIDIDX\0\0", 9);
+  std::string bin;
+
+  std::string idx() const {
+    std::string out = magic;
+    auto put = [&out](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
+    put(&version, 8);
+    put(&dtype_code, 1);
+    const uint64_t seqs = lengths.size(), docs = doc_index.size();
+    put(&seqs, 8);
+    put(&docs, 8);
+    put(lengths.data(), 4 * lengths.size());
+    put(pointers.data(), 8 * pointers.size());
+    put(doc_index.data(), 8 * doc_index.size());
+    return out;
+  }
+  // Writes PREFIX.idx and PREFIX.bin; returns PREFIX.
+  std::string write(const std::string& name, const std::string& idx_bytes) const {
+    const std::string prefix = ::testing::TempDir() + "/hp_data_test_" + name;
+    temp_file(name + ".idx", idx_bytes);
+    temp_file(name + ".bin", bin);
+    return prefix;
+  }
+  std::string write(const std::string& name) const { return write(name, idx()); }
+};
+
+// Three documents (of 2, 1 and 2 sequences) of token t = 100 + position, `width` bytes each.
+template <typename T>
+MegatronFiles megatron_corpus(uint8_t code) {
+  MegatronFiles m;
+  m.dtype_code = code;
+  m.lengths = {4, 3, 5, 2, 6};
+  m.doc_index = {0, 2, 3, 5};
+  std::vector<T> toks;
+  for (int32_t len : m.lengths) {
+    m.pointers.push_back(static_cast<int64_t>(toks.size() * sizeof(T)));
+    for (int32_t k = 0; k < len; ++k) toks.push_back(static_cast<T>(100 + toks.size()));
+  }
+  m.bin = raw(toks);
+  return m;
+}
+
+}  // namespace
+
+TEST(TrainData, MegatronIndexedDatasetReadsAsOneStream) {
+  ht::DataSpec d;
+  d.type = ht::DataType::kMegatron;
+  // uint16 (code 8) and int32 (code 4): what preprocess_data.py writes below and above a
+  // vocabulary of 65500.
+  for (auto [code, name] : {std::pair<uint8_t, const char*>{8, "u16"}, {4, "i32"}}) {
+    MegatronFiles m = code == 8 ? megatron_corpus<uint16_t>(code) : megatron_corpus<int32_t>(code);
+    const std::string prefix = m.write(std::string("mega_") + name);
+    // The prefix, or either file's path.
+    for (const std::string& path : {prefix, prefix + ".bin", prefix + ".idx"}) {
+      d.path = path;
+      auto ds = ht::make_dataset(d, 4, 200, 0);
+      ASSERT_EQ(ds->size(), (20 - 1) / 4) << path;  // 20 tokens in all
+      at::Tensor b = ht::load_batch(*ds, {2, 0}, 4);
+      for (int t = 0; t <= 4; ++t) {
+        EXPECT_EQ(b[0][t].item<int64_t>(), 100 + 8 + t) << name;
+        EXPECT_EQ(b[1][t].item<int64_t>(), 100 + t) << name;
+      }
+      EXPECT_NE(ds->describe().find("3 documents"), std::string::npos) << ds->describe();
+    }
+  }
+}
+
+TEST(TrainData, BadMegatronFilesNameTheProblem) {
+  ht::DataSpec d;
+  d.type = ht::DataType::kMegatron;
+  const MegatronFiles good = megatron_corpus<uint16_t>(8);
+  auto error_with = [&](const MegatronFiles& m, const std::string& idx_bytes) {
+    d.path = m.write("mega_bad", idx_bytes);
+    return error_of(d, 4, 200);
+  };
+  auto expect_error = [&](const MegatronFiles& m, const std::string& idx_bytes, const std::string& want) {
+    const std::string e = error_with(m, idx_bytes);
+    EXPECT_NE(e.find(want), std::string::npos) << "want '" << want << "' in: " << e;
+    EXPECT_NE(e.find("hp_data_test_mega_bad"), std::string::npos) << "the file is not named: " << e;
+  };
+  EXPECT_EQ(error_with(good, good.idx()), "");
+  MegatronFiles m = good;
+  m.magic = std::string("MMIDIDY\0\0", 9);
+  expect_error(m, m.idx(), "not a Megatron-LM indexed dataset index");
+  expect_error(good, good.idx().substr(0, 20), "truncated: 20 bytes");
+  expect_error(good, good.idx().substr(0, good.idx().size() - 3), "(truncated?)");
+  m = good;
+  m.version = 2;
+  expect_error(m, m.idx(), "version 2 is not supported yet");
+  m = good;
+  m.dtype_code = 7;
+  expect_error(m, m.idx(), "dtype code 7 is a floating type");
+  m.dtype_code = 9;
+  expect_error(m, m.idx(), "dtype code 9 is not one of Megatron's");
+  m = good;
+  m.pointers[3] += 2;
+  expect_error(m, m.idx(), "sequence 3 starts at byte 26 of the .bin, but the sequences before it end at 24");
+  m = good;
+  m.lengths[1] = -3;
+  expect_error(m, m.idx(), "sequence 1 has length -3");
+  m = good;
+  m.doc_index = {0, 3, 2, 5};
+  expect_error(m, m.idx(), "document index entry 2 is 2 (after 3");
+  m.doc_index = {0, 2, 3, 4};
+  expect_error(m, m.idx(), "ends at 4, not at the sequence count 5");
+  m = good;
+  m.bin.pop_back();
+  m.bin.pop_back();
+  expect_error(m, m.idx(), "is 38 bytes, but its index");
+  // A token past the vocabulary, named with its offset in the .bin.
+  m = good;
+  m.bin[2 * 7] = static_cast<char>(0xff);  // token 7 becomes 0x..ff: far above 200
+  expect_error(m, m.idx(), "token 7 is ");
+  // int32 tokens below 0.
+  MegatronFiles neg = megatron_corpus<int32_t>(4);
+  const int32_t minus = -5;
+  std::memcpy(&neg.bin[4 * 2], &minus, 4);
+  expect_error(neg, neg.idx(), "token 2 is -5");
 }
 
 TEST(TrainData, SyntheticIsDeterministicAndLearnable) {

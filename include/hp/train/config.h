@@ -70,7 +70,7 @@ class ModelSpec {
   std::unique_ptr<models::ModelArgs> args_;
 };
 
-enum class DataType { kSynthetic, kBinary, kText };
+enum class DataType { kSynthetic, kBinary, kText, kMegatron };
 enum class TokenDtype { kUint16, kUint32 };
 // ZeRO-3 (reshard after forward) or ZeRO-2 (keep the parameters until backward).
 enum class ShardStrategy { kOptimGradsParams, kOptimGrads };

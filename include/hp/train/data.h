@@ -9,6 +9,12 @@
 //              [i * seq_length, i * seq_length + seq_length + 1).
 //   text:      a UTF-8 text file; each byte is a token (byte-level tokenizer), sampled as
 //              binary.
+//   megatron:  Megatron-LM's indexed dataset (PREFIX.bin and PREFIX.idx, as its
+//              preprocess_data.py writes them); the documents, stored back to back in the
+//              .bin, are sampled as one binary stream in the index's token dtype (uint8,
+//              uint16, int32 or int64). The index is checked against the .bin at open:
+//              header, version, dtype, sizes, each sequence's pointer and the document
+//              index.
 // Files are checked when opened: size, every token < vocab, valid UTF-8, at least one
 // sample; errors name the file and the offending offset and value.
 //
