@@ -39,13 +39,17 @@ std::string box_key(const std::string& name, const std::vector<int64_t>& offsets
 // Every rank's `mine`, gathered to every rank (as JSON text).
 std::vector<json> gather_json(const json& mine, const CommPtr& world) {
   const std::string text = mine.dump();
-  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  // On the device the backend carries control values on (the GPU for nccl).
+  const auto on = at::TensorOptions().device(control_device(world));
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), on.dtype(at::kLong));
   world->all_reduce(len, {ReduceOp::MAX}).wait();
   const int64_t L = len.item<int64_t>() + 1;
   at::Tensor buf = at::zeros({L}, at::kByte);
   std::memcpy(buf.data_ptr(), text.data(), text.size());
-  at::Tensor all = at::empty({world->size() * L}, at::kByte);
+  buf = buf.to(on.device());
+  at::Tensor all = at::empty({world->size() * L}, on.dtype(at::kByte));
   world->all_gather(all, buf).wait();
+  all = all.cpu();
   std::vector<json> out;
   for (int r = 0; r < world->size(); ++r) {
     const char* p = static_cast<const char*>(all.data_ptr()) + r * L;

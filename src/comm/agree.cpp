@@ -6,12 +6,7 @@
 
 namespace hp {
 
-namespace {
-// Where the backend moves small control values: the CPU, else the current CUDA device (nccl).
-c10::Device control_device(const CommPtr& comm) {
-  return comm->supports_device(c10::Device(c10::kCPU)) ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA);
-}
-}  // namespace
+c10::Device control_device(const CommPtr& comm) { return comm->control_device(); }
 
 int first_failed_rank(const CommPtr& comm, bool ok) {
   const auto opts = at::TensorOptions().dtype(at::kInt).device(control_device(comm));
@@ -29,7 +24,9 @@ void raise_if_any_failed(const CommPtr& comm, const std::string& error, const st
 }
 
 bool all_ranks_equal(const CommPtr& comm, const at::Tensor& values, at::Tensor* max, at::Tensor* min) {
-  at::Tensor mx = values.clone(), mn = values.clone();
+  // Where the backend carries them (a host tensor goes to the GPU for nccl).
+  const c10::Device dev = comm->supports_device(values.device()) ? values.device() : control_device(comm);
+  at::Tensor mx = values.to(dev, /*non_blocking=*/false, /*copy=*/true), mn = values.to(dev, false, true);
   Work a = comm->all_reduce(mx, {ReduceOp::MAX});
   Work b = comm->all_reduce(mn, {ReduceOp::MIN});
   a.wait();

@@ -212,6 +212,7 @@ class QueuedCommunicator final : public Communicator {
   const std::string& name() const override { return cs_->name; }
   std::string backend() const override { return backend_; }
   bool supports_device(const c10::Device& d) const override { return cs_->transport->supports_device(d); }
+  c10::Device control_device() const override { return cs_->transport->control_device(); }
   bool copies_without_cpu() const override { return cs_->transport->copies_without_cpu(); }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
   Timeout default_timeout() const override { return timeout_; }

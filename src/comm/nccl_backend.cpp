@@ -114,6 +114,7 @@ class NcclTransport final : public Transport {
   int size() const override { return size_; }
   std::vector<int> world_ranks() const override { return world_ranks_; }
   bool supports_device(const c10::Device& d) const override { return d.is_cuda() && d.index() == device_; }
+  c10::Device control_device() const override { return {c10::kCUDA, static_cast<c10::DeviceIndex>(device_)}; }
   bool copies_without_cpu() const override { return true; }
 
   void on_enqueue() override {

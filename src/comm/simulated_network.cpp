@@ -125,6 +125,7 @@ class SimulatedTransport final : public Transport {
   int size() const override { return inner_->size(); }
   std::vector<int> world_ranks() const override { return inner_->world_ranks(); }
   bool supports_device(const c10::Device& d) const override { return inner_->supports_device(d); }
+  c10::Device control_device() const override { return inner_->control_device(); }
   bool copies_without_cpu() const override { return inner_->copies_without_cpu(); }
 
   void all_gather(const at::Tensor& out, const at::Tensor& in) override {

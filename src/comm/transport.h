@@ -32,6 +32,8 @@ class Transport {
   virtual int size() const = 0;
   virtual std::vector<int> world_ranks() const = 0;
   virtual bool supports_device(const c10::Device& d) const = 0;
+  // Communicator::control_device.
+  virtual c10::Device control_device() const { return c10::kCPU; }
   // Communicator::copies_without_cpu.
   virtual bool copies_without_cpu() const { return false; }
 

@@ -83,7 +83,7 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
   }
   // The headers and the few control values move on the CPU where the backend can (mpi),
   // else on the stages' device (nccl moves device tensors only).
-  control_ = at::TensorOptions().device(group_->supports_device(c10::kCPU) ? c10::Device(c10::kCPU) : device_);
+  control_ = at::TensorOptions().device(group_->control_device());
   for (int s : schedule.stages_of(rank_)) {
     HP_CHECK(mine.count(s), "Pipeline: the schedule runs stage ", s, " on pp rank ", rank_, ", which was not given");
   }

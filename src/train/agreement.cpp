@@ -17,11 +17,14 @@ std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<
   // One hash compared first: the whole text goes round only when some rank differs.
   const at::Tensor h = at::full({1}, static_cast<int64_t>(fnv1a(text) >> 1), at::kLong);
   if (all_ranks_equal(world, h)) return "";
-  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  const auto on = at::TensorOptions().device(control_device(world));
+  at::Tensor len = at::full({1}, static_cast<int64_t>(text.size()), on.dtype(at::kLong));
   world->broadcast(len, 0).wait();
   at::Tensor bytes = at::zeros({len.item<int64_t>()}, at::kByte);
   if (world->rank() == 0 && !text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  bytes = bytes.to(on.device());
   world->broadcast(bytes, 0).wait();
+  bytes = bytes.cpu();
   std::istringstream theirs(std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()));
   std::map<std::string, std::string> on0;
   for (std::string line; std::getline(theirs, line);) {

@@ -11,6 +11,10 @@
 
 namespace hp {
 
+// comm->control_device(): where `comm` moves small control values (the CPU, or for nccl
+// its GPU).
+c10::Device control_device(const CommPtr& comm);
+
 // The lowest rank of `comm` whose `ok` is false, or -1 when every rank is ok.
 int first_failed_rank(const CommPtr& comm, bool ok);
 

@@ -95,6 +95,10 @@ class Communicator {
   virtual std::string backend() const = 0;
   // Whether this backend moves tensors on `d` (mpi and local: CPU only).
   virtual bool supports_device(const c10::Device& d) const = 0;
+  // Where it moves small control values (a loss, a flag, a count): the CPU for mpi and
+  // local, its GPU for nccl (the device it was made on, whatever the calling thread's
+  // current one).
+  virtual c10::Device control_device() const = 0;
   // Whether its ops move bytes on a device (its copy engines and streams: nccl), not on a
   // CPU thread: they take no core from compute, and they are ordered on the device's stream,
   // so an output must exist when the op is issued. Asked instead of the backend's name.
