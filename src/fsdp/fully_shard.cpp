@@ -265,9 +265,9 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   c10::Device sig_dev = c10::kCPU;
   if (!world->supports_device(sig_dev)) {
     auto all = module.parameters(/*recurse=*/true);
-    HP_CHECK(!all.empty(), "fully_shard(", label, "): a module without parameters on a ", world->backend(),
-             " communicator");
-    sig_dev = all[0].device();
+    HP_CHECK(o.device || !all.empty(), "fully_shard(", label, "): a module without parameters on a ",
+             world->backend(), " communicator");
+    sig_dev = o.device ? *o.device : all[0].device();
   }
   check_same_shapes(world, mine, label, sig_dev);
   at::ScalarType pdt = mine.empty() ? at::kFloat : mine[0].second.scalar_type();
@@ -279,7 +279,11 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
              "fully_shard group (", label, ": '", mine[0].first, "' is on ", mine[0].second.device(), ", '", name,
              "' on ", t.device(), ")");
   }
-  if (!mine.empty()) st->device = mine[0].second.device();
+  if (o.device) {
+    st->device = *o.device;  // the parameters are copied there as they are sharded
+  } else if (!mine.empty()) {
+    st->device = mine[0].second.device();
+  }
   HP_CHECK(st->shard->supports_device(st->device) && (!st->replicate || st->replicate->supports_device(st->device)),
            "fully_shard(", label, "): parameter '", mine.empty() ? std::string() : mine[0].first, "' is on ",
            st->device, ", which the ", st->shard->backend(), " backend of communicator '", st->shard->name(),
@@ -397,11 +401,17 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   return handle;
 }
 
-void materialize_deferred_buffers(torch::nn::Module& module) {
+void materialize_deferred_buffers(torch::nn::Module& module, c10::optional<c10::Device> device) {
   HP_CHECK(!memory::deferring(), "materialize_deferred_buffers inside a DeferredAllocation scope");
   at::NoGradGuard no_grad;
   for (auto& b : module.buffers(/*recurse=*/true)) {
-    if (b.defined() && memory::is_deferred(b.storage().data())) b.set_data(at::zeros(b.sizes(), b.options()));
+    if (!b.defined()) continue;
+    const c10::Device to = device ? *device : b.device();
+    if (memory::is_deferred(b.storage().data())) {
+      b.set_data(at::zeros(b.sizes(), b.options().device(to)));
+    } else if (b.device() != to) {
+      b.set_data(b.to(to));
+    }
   }
 }
 

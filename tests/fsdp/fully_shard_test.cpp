@@ -56,12 +56,14 @@ struct Case {
   bool no_sync_first = false;    // set_requires_gradient_sync(false) on the first micro-step
   bool no_all_reduce_first = false;
   Policy policy = Policy::kFp64;
+  bool host_built = false;       // the model stays on the CPU; FullyShardOptions::device moves it
   std::string name() const {
     return std::string(hsdp ? "hsdp" : "fsdp") + (reshard ? " reshard" : " keep") +
            (group ? " to groups of " + std::to_string(group) : "") +
            (fusion ? " fused" : " unfused") + (per_submodule ? " per-submodule" : "") + (frozen ? " frozen" : "") +
            (micro_steps > 1 ? " accum" : "") + (no_sync_first ? " no-sync" : "") +
-           (no_all_reduce_first ? " no-all-reduce" : "") + " " + policy_name(policy);
+           (no_all_reduce_first ? " no-all-reduce" : "") + (host_built ? " host-built" : "") + " " +
+           policy_name(policy);
   }
 };
 
@@ -139,7 +141,9 @@ Result train(const Case& c) {
   TinyModel m(cfg);
   torch::manual_seed(0);
   TinyModel work(cfg);
-  for (TinyModel* mm : {&ref, &m, &work}) (*mm)->to(dev);
+  for (TinyModel* mm : {&ref, &m, &work}) {
+    if (!(c.host_built && mm == &m)) (*mm)->to(dev);
+  }
   if (c.policy == Policy::kFp64) {
     for (TinyModel* mm : {&ref, &m, &work}) (*mm)->to(at::kDouble);
   }
@@ -169,6 +173,7 @@ Result train(const Case& c) {
   o.reshard_after_forward_group_size = c.group;
   o.comm_fusion = c.fusion;
   o.wait_per_submodule = c.per_submodule;
+  if (c.host_built) o.device = dev;
   switch (c.policy) {
     case Policy::kFp64: case Policy::kFp32: case Policy::kPureBf16: break;
     case Policy::kBf16Fp32Reduce: o.mp_policy.param_dtype = at::kBFloat16; o.mp_policy.reduce_dtype = at::kFloat; break;
@@ -442,6 +447,24 @@ TEST(FullyShard, FrozenParametersAndGradientAccumulation) {
     Result res = train(c);
     EXPECT_LE(res.max_rel, kAlgoBound) << c.name() << " on " << n << " ranks";
     EXPECT_LE(res.grad_rel, kAlgoBound) << c.name() << " on " << n << " ranks (gradients)";
+  }
+}
+
+// A model built on the host and sharded onto the test device by FullyShardOptions::device
+// (hp-train's path: its models are built on the CPU) trains as one moved there first.
+TEST(FullyShard, HostBuiltModelShardsOntoTheDevice) {
+  const int n = hp::world()->size();
+  std::vector<Case> cases(3);
+  cases[1].fusion = true;
+  cases[2].policy = Policy::kBf16Master;
+  for (auto& c : cases) {
+    c.host_built = true;
+    Result res = train(c);
+    // bf16 with fp32 masters: MixedPrecisionPoliciesAndOwnership's bound for it (the
+    // reference applies the same casts; fp32 summation order only).
+    const double bound = c.policy == Policy::kFp64 ? kAlgoBound : 1e-4;
+    EXPECT_LE(res.max_rel, bound) << c.name() << " on " << n << " ranks";
+    EXPECT_LE(res.grad_rel, bound) << c.name() << " on " << n << " ranks (gradients)";
   }
 }
 

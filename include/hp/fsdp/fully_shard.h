@@ -75,6 +75,12 @@ struct FullyShardOptions {
   // no rank ever holds more than one whole parameter. Required for such a module; ignored
   // for parameters with real storage. hp::models::parameter_initializer gives one.
   std::function<void(const at::Tensor& param, at::Tensor& full)> param_init;
+  // The device the shards, their gradients and the gathered parameters live on; unset: the
+  // parameters' own. Parameters built elsewhere (on the CPU, or without storage) are copied
+  // there one at a time as they are sharded, so a model built on the host trains on a GPU
+  // without a rank ever holding it whole there. The module's buffers are not moved
+  // (materialize_deferred_buffers takes a device for them).
+  c10::optional<c10::Device> device;
 };
 
 // One rank's shard of a parameter, as in a sharded state dict.
@@ -172,8 +178,9 @@ class FSDPModule {
 FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options = {});
 // Gives every buffer of `module` (recursively) that was built under a DeferredAllocation
 // real storage, filled with zeros (the reference models' buffers all start at zero; a
-// module whose buffers start otherwise sets them after this).
-void materialize_deferred_buffers(torch::nn::Module& module);
+// module whose buffers start otherwise sets them after this). With `device`, then moves
+// every buffer there (FullyShardOptions::device's counterpart).
+void materialize_deferred_buffers(torch::nn::Module& module, c10::optional<c10::Device> device = c10::nullopt);
 // The handle of a module fully_shard was applied to, or null.
 FSDPHandle fsdp_handle(const torch::nn::Module& module);
 
