@@ -111,6 +111,7 @@ int run(const Args& args, const hp::CommPtr& world) {
     c.validate(args.world > 0 ? args.world : world->size());
     rm = estimate_rank_memory(c);
     if (!args.estimate) {
+      training_device(c.device);  // a device this process cannot use is named before anything starts
       check_fits_node(c, rm, hp::local_world_size());
       data = make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);  // checks the file
       if (lead && !c.output_dir.empty()) {
@@ -263,7 +264,9 @@ int main(int argc, char** argv) {
   }
   hp::CommPtr world;
   try {
-    world = hp::init();  // bad HP_* knobs, an unwritable HP_TRACE, a wrong backend: named here
+    // Bad HP_* knobs, an unwritable HP_TRACE, a wrong backend: named here. device: cuda
+    // picks the nccl backend.
+    world = hp::init(hp::train::init_options(args));
   } catch (const std::exception& e) {
     std::cerr << "hp-train: error: " << e.what() << std::endl;
     std::fflush(nullptr);

@@ -14,8 +14,13 @@
 #include <string>
 #include <unistd.h>
 
+#include "hp/config.h"
 #include "hp/core/compat.h"
 #include "hp/core/error.h"
+
+#if HP_HAVE_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace hp::memory {
 namespace {
@@ -203,6 +208,25 @@ bool is_deferred(const void* data) {
 int64_t current_bytes() { return g_current.load(); }
 int64_t peak_bytes() { return g_peak.load(); }
 void reset_peak() { g_peak.store(g_current.load()); }
+
+int64_t peak_bytes(c10::Device device) {
+  if (device.is_cpu()) return peak_bytes();
+#if HP_HAVE_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  HP_NOT_SUPPORTED("memory::peak_bytes on ", device, " (CPU and CUDA only)");
+}
+
+void reset_peak(c10::Device device) {
+  if (device.is_cpu()) return reset_peak();
+#if HP_HAVE_CUDA
+  if (device.is_cuda()) return c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  HP_NOT_SUPPORTED("memory::reset_peak on ", device, " (CPU and CUDA only)");
+}
 int64_t process_rss_bytes() { return read_kb("/proc/self/status", "VmRSS:"); }
 int64_t process_peak_rss_bytes() { return read_kb("/proc/self/status", "VmHWM:"); }
 int64_t available_bytes() { return read_kb("/proc/meminfo", "MemAvailable:"); }

@@ -51,7 +51,7 @@ at::Tensor inverse_permutation(const at::Tensor& p) {
 }
 
 std::vector<int64_t> block_sums(const at::Tensor& counts, int64_t blocks) {
-  at::Tensor s = counts.view({blocks, -1}).sum(1).contiguous();
+  at::Tensor s = counts.view({blocks, -1}).sum(1).to(c10::kCPU).contiguous();  // sizes the host reads
   return std::vector<int64_t>(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + blocks);
 }
 
@@ -195,7 +195,7 @@ class DedupDispatcher : public TokenDispatcher {
     at::Tensor dest = expert_ids.div(L, "floor");                                          // [N, k]; -1: dropped
     // A dropped slot marks an extra column, cut off: it sends to no rank.
     at::Tensor to_rank =
-        at::zeros({N, n + 1}, at::kBool).scatter_(1, dest.masked_fill(dest < 0, n), true).narrow(1, 0, n);
+        at::zeros({N, n + 1}, dest.options().dtype(at::kBool)).scatter_(1, dest.masked_fill(dest < 0, n), true).narrow(1, 0, n);
     // Rank-major: rank 0's tokens in token order, then rank 1's, ...
     at::Tensor sends = to_rank.t().nonzero();                                              // [S, 2]: (rank, token)
     at::Tensor send_rank = sends.select(1, 0), send_token = sends.select(1, 1);

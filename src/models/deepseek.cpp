@@ -158,7 +158,7 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   at::Tensor v = kv.narrow(-1, c.qk_nope_dim, c.v_head_dim);
   at::Tensor scores = (q_nope.matmul(k_nope.transpose(-2, -1)) + q_rope.matmul(k_rope.transpose(-2, -1))) /
                       std::sqrt(static_cast<double>(qk));
-  at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
+  at::Tensor mask = at::ones({T, T}, at::TensorOptions(at::kBool).device(scores.device())).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   at::Tensor att = upcast(scores).softmax(-1).to(v.scalar_type());
   at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, H * c.v_head_dim});
@@ -276,7 +276,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     if (!hp::in_recompute()) {
       // Made here, not in the constructor: a model built without storage materializes its
       // buffers alone (and a per-step count has no place in a checkpoint).
-      if (!dropped.defined()) dropped = at::zeros({}, at::kDouble);
+      if (!dropped.defined()) dropped = at::zeros({}, at::TensorOptions(at::kDouble).device(keep.device()));
       dropped += (~keep).sum().to(at::kDouble);
     }
   }
@@ -313,7 +313,7 @@ void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind 
 
 void MoEImpl::update_balancing_bias(double rate, const CommPtr& dp) {
   at::NoGradGuard g;
-  if (!dropped.defined()) dropped = at::zeros({}, at::kDouble);
+  if (!dropped.defined()) dropped = at::zeros({}, load.options().dtype(at::kDouble));
   if (dp) {
     // The load and the dropped slots in one all-reduce.
     at::Tensor both = at::cat({load.to(at::kDouble), dropped.reshape({1})});
@@ -364,6 +364,8 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
   const int64_t T = tok_emb ? x.size(1) : x.size(1) * stream_split;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.qk_rope_dim, config.rope_theta);
+  cos = cos.to(x.device());
+  sin = sin.to(x.device());
   at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!output) return h;

@@ -155,7 +155,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   k = k.repeat_interleave(group, 1);
   v = v.repeat_interleave(group, 1);
   at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
-  at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
+  at::Tensor mask = at::ones({T, T}, at::TensorOptions(at::kBool).device(scores.device())).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   at::Tensor att = upcast(scores).softmax(-1).to(v.scalar_type());
   at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, local_heads * head_dim});
@@ -241,6 +241,8 @@ at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   const int64_t T = slice.embedding ? x.size(1) : x.size(1) * stream_split;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope());
+  cos = cos.to(x.device());
+  sin = sin.to(x.device());
   at::Tensor h = slice.embedding ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!norm) return h;

@@ -1,10 +1,15 @@
 #include "hp/train/cli.h"
 
+#include <torch/cuda.h>
+
 #include <cctype>
 #include <map>
 
 #include "hp/comm/simulated_network.h"
+#include "hp/config.h"
+#include "hp/core/env.h"
 #include "hp/core/error.h"
+#include "hp/train/config.h"
 
 namespace hp::train {
 
@@ -160,6 +165,23 @@ Args parse_args(int argc, char** argv) {
   HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
   HP_CHECK(!(a.resume && a.estimate), "hp-train: --resume trains, --estimate only sizes: use one of them");
   return a;
+}
+
+InitOptions init_options(const Args& a) {
+  InitOptions o;
+  const bool trains = !a.config.empty() && !a.estimate && !a.plan && a.export_ckpt.empty();
+  if (!trains) return o;
+  try {
+    if (env::get_string("HP_BACKEND") != "auto") return o;  // the user's choice (a bad one: hp::init names it)
+    // Without NCCL in the build, or without a GPU, the default stays, and the run names
+    // device=cuda as what cannot be had (training_device), on every rank alike.
+    if (HP_HAVE_NCCL && torch::cuda::device_count() > 0 && load_config(a.config, a.overrides).device == Device::kCuda) {
+      o.backend = "nccl";
+    }
+  } catch (const std::exception&) {
+    // Read again, and reported, once the world is up.
+  }
+  return o;
 }
 
 }  // namespace hp::train

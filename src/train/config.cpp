@@ -371,7 +371,8 @@ std::string describe(const TrainConfig& c) {
   const GroupDtypes d = resolve_dtypes(mixed_precision(c), c.params_dtype);
   os << "dtypes: params " << c10::toString(d.param) << ", compute " << c10::toString(d.compute)
      << ", gradient reduction " << c10::toString(d.reduce)
-     << (d.main_grad ? ", fp32 main grads" : "") << (c.fp32_master() ? " and master weights" : "") << "\n";
+     << (d.main_grad ? ", fp32 main grads" : "") << (c.fp32_master() ? " and master weights" : "")
+     << "; device " << to_string(c.device) << "\n";
   os << "batch: " << c.global_batch_size << " samples x " << c.seq_length << " tokens, " << c.micro_batch_num
      << " micro-batch(es) of " << c.micro_batch_size() << " per rank; " << c.train_steps << " steps, lr " << c.lr
      << " (" << c.lr_warmup_steps << " warmup, " << to_string(c.lr_decay_style) << " to " << c.min_lr << "), clip_grad "

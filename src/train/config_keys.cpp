@@ -57,6 +57,11 @@ const std::vector<std::pair<LrDecay, const char*>>& enum_names<LrDecay>() {
       {LrDecay::kCosine, "cosine"}, {LrDecay::kLinear, "linear"}, {LrDecay::kConstant, "constant"}};
   return n;
 }
+template <>
+const std::vector<std::pair<Device, const char*>>& enum_names<Device>() {
+  static const std::vector<std::pair<Device, const char*>> n = {{Device::kCpu, "cpu"}, {Device::kCuda, "cuda"}};
+  return n;
+}
 
 
 namespace internal {
@@ -311,6 +316,10 @@ const std::vector<Key>& keys() {
     k.push_back(int_key("data.num_samples", "samples in the synthetic corpus", HP_FIELD(data.num_samples), 1, kMaxCount));
     k.push_back(bool_key("data.shuffle", "a new sample order each epoch", HP_FIELD(data.shuffle)));
 
+    k.push_back(enum_key<Device>("device",
+                                 "where each rank trains: cpu, or cuda (the GPU of its local rank, collectives "
+                                 "over nccl; a build with CUDA and NCCL)",
+                                 HP_FIELD(device)));
     k.push_back(dtype_key("params_dtype", "dtype of the (sharded) parameters", HP_FIELD(params_dtype)));
     k.push_back(derived(dtype_key("compute_dtype", "dtype of forward/backward (the all-gather)", HP_FIELD(compute_dtype)),
                         "params_dtype"));

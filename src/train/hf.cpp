@@ -69,7 +69,9 @@ void Trainer::load_hf(const std::string& dir) {
     }
     for (torch::nn::Module* root : s.roots) add_hf_buffers(*root, sources, items);
     at::NoGradGuard ng;
+    internal::HostStaging staged(items);
     ckpt::load_consolidated(items, dir);
+    staged.put_back();
   } catch (const std::exception& e) {
     error = e.what();
   }

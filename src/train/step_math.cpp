@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "hp/comm/agree.h"
 #include "hp/core/error.h"
 #include "hp/optim/foreach_adamw.h"
 #include "trainer_impl.h"
@@ -39,10 +40,18 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<
                         const CommPtr& tp, const CommPtr& pp) {
   HP_CHECK(split.size() == grads.size(), "global_grad_norm: ", grads.size(), " gradients but ", split.size(),
            " split flags");
-  at::Tensor sums = at::zeros({2}, at::kDouble);  // [whole on every tp rank, tp pieces]
+  // Summed where the gradients are, then moved to where the groups carry control values.
+  c10::Device where = c10::kCPU;
+  for (const at::Tensor& g : grads) {
+    if (g.defined()) where = g.device();
+  }
+  at::Tensor sums = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(where));  // [whole, tp pieces]
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
     if (g.defined() && g.numel() > 0) sums[split[i] ? 1 : 0] += g.to(at::kDouble).square().sum();
+  }
+  for (const CommPtr& group : {shards, tp, pp}) {
+    if (group && group->size() > 1) sums = sums.to(control_device(group));
   }
   if (shards && shards->size() > 1) shards->all_reduce(sums).wait();
   if (tp && tp->size() > 1) {

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
+#include "hp/comm/agree.h"
+#include "hp/config.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/fully_shard.h"
@@ -11,9 +14,28 @@
 #include "hp/tp/dtensor.h"
 #include "trainer_impl.h"
 
+#if HP_HAVE_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace hp::train {
 
 using namespace internal;
+
+c10::Device training_device(Device d) {
+  if (d == Device::kCpu) return c10::kCPU;
+#if HP_HAVE_CUDA
+  const int gpus = c10::cuda::device_count();
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  HP_CHECK(gpus > 0, "device=cuda, but this process sees no CUDA device",
+           visible ? detail::str_cat(" (CUDA_VISIBLE_DEVICES=", visible, ")") : std::string());
+  // hp::init's nccl backend made the local rank's GPU current.
+  return c10::Device(c10::kCUDA, c10::cuda::current_device());
+#else
+  HP_NOT_SUPPORTED("device=cuda: this build has no CUDA (build against a libtorch with CUDA, with NCCL: the "
+                   "README's GPU build)");
+#endif
+}
 
 Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const TokenDataset> data)
     : impl_(std::make_unique<Impl>()) {
@@ -25,6 +47,13 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
            c.data_parallel, " x ", c.data_parallel_shard, " x tensor_parallel ", c.tensor_parallel,
            " x pipeline_parallel ", c.pipeline_parallel, ") does not cover the world of ", s.world->size(),
            " (validate the config first)");
+  s.device = training_device(c.device);
+  HP_CHECK(s.world->supports_device(s.device), "Trainer: device=", to_string(c.device), " needs a world whose backend ",
+           "moves ", s.device.str(), " tensors, but its backend is ", s.world->backend(),
+           c.device == Device::kCuda ? " (hp::init with the nccl backend: hp-train picks it for device: cuda unless "
+                                       "HP_BACKEND names another)"
+                                     : "");
+  s.control = control_device(s.world);
   s.mesh = std::make_shared<DeviceMesh>(s.world, layout_dims(c));
   s.dp = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard"}) : s.mesh->group("dp_shard");
   s.shards = s.mesh->group("dp_shard");
@@ -54,6 +83,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     }
     FullyShardOptions o;
     o.param_init = models::parameter_initializer(m.root(), c.seed);
+    o.device = s.device;  // the model is built on the host, without storage: its shards go there
     o.mesh = s.mesh;
     o.reshard_after_forward = c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams;
     o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
@@ -82,7 +112,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     const size_t experts_end = c.tensor_parallel > 1 ? s.handles.size() : first;
     for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, block_o));
     s.handles.push_back(fully_shard(m.root(), o));
-    materialize_deferred_buffers(m.root());
+    materialize_deferred_buffers(m.root(), s.device);
     s.roots.push_back(&m.root());
     for (size_t k = first; k < s.handles.size(); ++k) {
       auto& h = s.handles[k];
@@ -171,13 +201,13 @@ Trainer::~Trainer() {
 StepStats Trainer::step() {
   Impl& s = *impl_;
   const TrainConfig& c = s.c;
-  memory::reset_peak();
+  memory::reset_peak(s.device);
   const auto t0 = Clock::now();
   double loss_sum = 0;  // of the micro-batches' mean losses (on this data-parallel rank)
   std::vector<at::Tensor> batches;
   for (int64_t j = 0; j < c.micro_batch_num; ++j) {
     try {
-      batches.push_back(load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length));
+      batches.push_back(load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length).to(s.device));
     } catch (const Error& e) {
       throw Error(detail::str_cat("step ", s.steps + 1, ", micro-batch ", j + 1, ": ", e.what()));
     }
@@ -192,7 +222,7 @@ StepStats Trainer::step() {
     at::Tensor all = at::cat(batches);
     at::Tensor mean = s.pipe->step(all.narrow(1, 0, c.seq_length), all.narrow(1, 1, c.seq_length));
     // The mean is on the last stage's ranks: summed over pp (zeros elsewhere).
-    at::Tensor l = at::full({1}, mean.defined() ? mean.item<double>() : 0.0, at::kDouble);
+    at::Tensor l = at::full({1}, mean.defined() ? mean.item<double>() : 0.0, at::TensorOptions(at::kDouble).device(s.control));
     s.pp->all_reduce(l).wait();
     loss_sum = l.item<double>() * static_cast<double>(c.micro_batch_num);
   }
@@ -235,7 +265,7 @@ StepStats Trainer::step() {
   if (s.model) s.model->after_step(s.routing);
   for (auto& m : s.stages) m->after_step(s.routing);
 
-  at::Tensor loss = at::full({1}, loss_sum / c.micro_batch_num, at::kDouble);
+  at::Tensor loss = at::full({1}, loss_sum / c.micro_batch_num, at::TensorOptions(at::kDouble).device(s.control));
   s.dp->all_reduce(loss, {ReduceOp::AVG}).wait();
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   // The slowest rank's time, the largest peak and, per MoE block, its experts' load (known
@@ -243,7 +273,7 @@ StepStats Trainer::step() {
   const int64_t L = c.model->routed_experts() > 0 ? c.model->layers() : 0;
   std::vector<double> figures(static_cast<size_t>(2 + 3 * L), 0.0);
   figures[0] = secs;
-  figures[1] = static_cast<double>(memory::peak_bytes());
+  figures[1] = static_cast<double>(memory::peak_bytes(s.device));
   auto add_load = [&](const TrainModel& m) {
     for (const models::ExpertLoad& e : m.expert_load()) {
       HP_INTERNAL_ASSERT(e.layer >= 0 && e.layer < L, "expert load of layer ", e.layer, " in a model of ", L);
@@ -255,8 +285,9 @@ StepStats Trainer::step() {
   };
   if (s.model) add_load(*s.model);
   for (auto& m : s.stages) add_load(*m);
-  at::Tensor worst = at::tensor(figures, at::kDouble);
+  at::Tensor worst = at::tensor(figures, at::kDouble).to(s.control);
   s.world->all_reduce(worst, {ReduceOp::MAX}).wait();
+  worst = worst.cpu();
   const double* w = worst.data_ptr<double>();
   for (int64_t l = 0; l < L; ++l) {
     if (w[3 + 3 * l] > 0) st.expert_load.push_back({l, w[2 + 3 * l], w[3 + 3 * l], w[4 + 3 * l]});

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "hp/ckpt/checkpoint.h"
 #include "hp/fsdp/master_weights.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/pp/pipeline.h"
@@ -47,10 +48,27 @@ const std::string& hf_source(const std::map<std::string, std::string>& sources, 
 void add_hf_buffers(torch::nn::Module& root, const std::map<std::string, std::string>& sources,
                     std::vector<ckpt::Item>& items);
 
+// Checkpoint readers and writers move host memory: device tensors of `items` are copied to
+// the host (host ones are cloned when `copy`, left as they are otherwise).
+void items_to_host(std::vector<ckpt::Item>& items, bool copy);
+// Points the items on a device at host tensors for a reader to fill; put_back() then copies
+// each into its device tensor.
+class HostStaging {
+ public:
+  explicit HostStaging(std::vector<ckpt::Item>& items);
+  void put_back();
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> staged_;  // (device tensor, host copy)
+};
+
 }  // namespace internal
 
 struct Trainer::Impl {
   TrainConfig c;
+  // Where the model, its state and the batches live, and where the world carries control
+  // values (losses, figures): the CPU, or the device for nccl.
+  c10::Device device = c10::kCPU, control = c10::kCPU;
   CommPtr world, dp, shards, tp, pp;
   // The ranks whose tokens differ (the balancing load is summed over them): dp, and tp's
   // ranks too when each routes its own piece of the sequence (expert and tensor parallel).

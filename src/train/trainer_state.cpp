@@ -40,6 +40,36 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const a
 
 }  // namespace
 
+namespace internal {
+
+void items_to_host(std::vector<ckpt::Item>& items, bool copy) {
+  for (auto& it : items) {
+    if (!it.local.defined()) continue;
+    if (!it.local.device().is_cpu()) {
+      it.local = it.local.to(c10::kCPU);
+    } else if (copy) {
+      it.local = it.local.clone();
+    }
+  }
+}
+
+HostStaging::HostStaging(std::vector<ckpt::Item>& items) {
+  for (auto& it : items) {
+    if (!it.local.defined() || it.local.device().is_cpu()) continue;
+    at::Tensor host = at::empty(it.local.sizes(), it.local.options().device(c10::kCPU));
+    staged_.emplace_back(it.local, host);
+    it.local = host;
+  }
+}
+
+void HostStaging::put_back() {
+  at::NoGradGuard ng;
+  for (auto& [dev, host] : staged_) dev.copy_(host);
+  staged_.clear();
+}
+
+}  // namespace internal
+
 // Every tensor of the training state as checkpoint items (see save()), the optimizer's
 // largest step count through `step`, and each parameter's own (AdamW skips a parameter
 // without a gradient, as an MoE expert no token reached: the counts can differ) through
@@ -96,6 +126,7 @@ void Trainer::save(const std::string& dir) const {
   int64_t opt_step = 0;
   std::map<std::string, int64_t> steps;
   auto items = state_items(s, &opt_step, &steps);
+  internal::items_to_host(items, /*copy=*/false);
   std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
   ckpt::save(items, dir, s.world, values);
 }
@@ -121,7 +152,7 @@ void Trainer::save_async(const std::string& dir, std::function<void()> then) {
   int64_t opt_step = 0;
   std::map<std::string, int64_t> steps;
   auto items = state_items(s, &opt_step, &steps);
-  for (auto& it : items) it.local = it.local.clone();  // the state as it is now
+  internal::items_to_host(items, /*copy=*/true);  // the state as it is now
   std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
   s.saver = std::thread([&s, items = std::move(items), values = std::move(values), dir, then = std::move(then)] {
     try {
@@ -157,7 +188,9 @@ void Trainer::load(const std::string& dir) {
   auto items = state_items(s, &unused);
   {
     at::NoGradGuard ng;
+    internal::HostStaging staged(items);
     ckpt::load(items, dir);
+    staged.put_back();
   }
   auto number = [&](const char* key) {
     auto it = values.find(key);

@@ -33,6 +33,12 @@ cfg=$src/configs/deepseek_tiny.yaml
 [ $? = 1 ] || fail "an unknown key did not exit 1"
 grep -q "unknown config key 'nope'" "$work/out" || fail "unknown key not named: $(cat "$work/out")"
 
+# device: cuda where this build or machine has no GPU: one clear error, exit 1.
+if [ -z "$(command -v nvidia-smi)" ]; then
+  run_np 2 --config "$cfg" --set device=cuda > "$work/out" 2>&1 && fail "device=cuda without a GPU was accepted"
+  [ "$(grep -c 'device=cuda' "$work/out")" = 1 ] || fail "expected one message naming device=cuda: $(cat "$work/out")"
+fi
+
 if [ -n "$mpirun" ]; then
   run_np 2 --config "$cfg" --set tensor_parallel=2 --set model.heads=3 > "$work/out" 2>&1 &&
     fail "deepseek heads=3 under tensor_parallel=2 was accepted"

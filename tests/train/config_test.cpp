@@ -92,6 +92,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"adam_beta2: 1.0\n", {}, 4, {"adam_beta2=1.0", "[0, 1)"}},
       {"comm_fusion: maybe\n", {}, 4, {"comm_fusion=maybe", "true or false"}},
       {"recompute: sometimes\n", {}, 4, {"recompute=sometimes", "none, full, selective"}},
+      {"device: gpu\n", {}, 4, {"device=gpu", "cpu, cuda"}},
       {"wait_per_submodule: true\n", {}, 4, {"wait_per_submodule=true", "comm_fusion=false"}},
       {"", {"lr=1", "seed=3", "lr=2"}, 4, {"--set lr is given twice", "lr=1", "lr=2"}},
       {"model:\n  vocab: 1\n", {}, 4, {"model.vocab=1", ">= 2"}},
@@ -398,6 +399,9 @@ TEST(TrainConfig, EnumChoicesRoundTrip) {
   check("pipeline_schedule", ht::enum_names<ht::PipelineScheduleKind>());
   check("lr_decay_style", ht::enum_names<ht::LrDecay>());
   check("moe_dispatcher", ht::enum_names<hp::ep::DispatcherKind>());
+  check("device", ht::enum_names<ht::Device>());
+  EXPECT_EQ(ht::parse_config("device: cuda\n").device, ht::Device::kCuda);
+  EXPECT_NE(ht::describe(ht::parse_config("device: cuda\n")).find("device cuda"), std::string::npos);
   EXPECT_EQ(ht::parse_config("pipeline_schedule: zbv\n").pipeline_schedule, ht::PipelineScheduleKind::kZBV);
   EXPECT_EQ(ht::parse_config("recompute: selective\n").recompute, ht::Recompute::kSelective);
 }

@@ -2,6 +2,7 @@
 // training runs (FSDP, and HSDP at 4 ranks) against single-process training written here.
 #include <gtest/gtest.h>
 
+#include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
@@ -14,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "hp/config.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/core/files.h"
 #include "hp/runtime.h"
@@ -1123,4 +1125,23 @@ TEST(TrainDist, Fp32MainGradsAreBitwiseThePlainFp32Run) {
   }
   auto pa = plain.sharded_params(), pb = main_grads.sharded_params();
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i], pb[i])) << "param " << i;
+}
+
+// device: cuda where no GPU can be had is an error at start naming the key, before any
+// collective: "not supported yet" in a build without CUDA, "sees no CUDA device" in one with
+// it on a machine without a GPU (the GPU check runs the real thing: scripts/gpu_check.sh).
+TEST(TrainDist, DeviceCudaWithoutAGpuIsAClearError) {
+  if (torch::cuda::device_count() > 0) GTEST_SKIP() << "this machine has a GPU";
+  auto w = hp::world();
+  ht::TrainConfig c = small_config("llama", w->size());
+  c.device = ht::Device::kCuda;
+  c.validate(w->size());
+#if HP_HAVE_CUDA
+  const std::initializer_list<std::string> want = {"device=cuda", "sees no CUDA device"};
+#else
+  const std::initializer_list<std::string> want = {"not supported yet", "device=cuda", "no CUDA"};
+#endif
+  hp::test::expect_error([&] { ht::training_device(c.device); }, want);
+  hp::test::expect_error([&] { ht::Trainer t(c, w); }, want);
+  EXPECT_EQ(ht::training_device(ht::Device::kCpu), c10::Device(c10::kCPU));
 }

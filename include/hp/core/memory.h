@@ -6,6 +6,8 @@
 // allocated before installation is not counted, neither when allocated nor when freed.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 
 namespace hp::memory {
@@ -19,6 +21,10 @@ int64_t current_bytes();
 int64_t peak_bytes();
 // Sets the peak to the current value.
 void reset_peak();
+// The same for the tensors of `device`: the CPU's as above, a CUDA device's from its caching
+// allocator (bytes allocated to tensors, not the cache it reserves).
+int64_t peak_bytes(c10::Device device);
+void reset_peak(c10::Device device);
 
 // Deferred allocation: while a DeferredAllocation lives on a thread, every CPU tensor
 // allocated on that thread through the counting allocator gets no memory of its own. All

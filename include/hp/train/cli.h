@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "hp/runtime.h"
+
 namespace hp::train {
 
 struct Args {
@@ -36,5 +38,10 @@ extern const char* const kUsage;
 // Parses argv; raises hp::Error naming the argument (with the usage text where it helps)
 // for an unknown argument, a missing or bad value, or options that do not go together.
 Args parse_args(int argc, char** argv);
+
+// hp::init's options for the run `a` asks for: the nccl backend when it trains a config
+// that says device: cuda, unless HP_BACKEND names one. A config that cannot be read leaves
+// the default (the run then reports its error on every rank).
+InitOptions init_options(const Args& a);
 
 }  // namespace hp::train

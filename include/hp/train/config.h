@@ -78,6 +78,8 @@ enum class ShardStrategy { kOptimGradsParams, kOptimGrads };
 enum class Recompute { kNone, kFull, kSelective };
 enum class PipelineScheduleKind { kAuto, kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
 enum class LrDecay { kCosine, kLinear, kConstant };
+// Where each rank trains: the CPU, or the GPU of its local rank (the nccl backend).
+enum class Device { kCpu, kCuda };
 
 // Each enum's config names, in the order errors and --list-keys show them; to_string(e) is
 // the name.
@@ -102,6 +104,11 @@ struct DataSpec {
 struct TrainConfig {
   ModelSpec model;
   DataSpec data;
+
+  // cuda: each rank's model, optimizer state and batches on the GPU of its local rank
+  // (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or LOCAL_RANK, modulo the GPUs it sees),
+  // collectives over nccl. Needs a build with CUDA and NCCL.
+  Device device = Device::kCpu;
 
   at::ScalarType params_dtype = at::kFloat;
   at::ScalarType compute_dtype = at::kFloat;  // defaults to params_dtype

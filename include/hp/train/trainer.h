@@ -31,6 +31,11 @@
 
 namespace hp::train {
 
+// The device a rank trains on for the config's `device`: the CPU, or the current CUDA
+// device (hp::init's nccl backend makes the local rank's GPU current). Raises for cuda in
+// a build without CUDA ("not supported yet") and where the process sees no GPU.
+c10::Device training_device(Device d);
+
 // Learning rate of optimizer step `step` (0-based): linear warmup, lr (k + 1) / W for
 // k < W = lr_warmup_steps, then lr_decay_style from lr to min_lr over the remaining
 // steps, progress (k - W + 1) / (train_steps - W): the last step uses min_lr.
