@@ -103,7 +103,7 @@ int run(const Args& args, const hp::CommPtr& world) {
   // Every check before training starts; all ranks agree on the outcome.
   TrainConfig c;
   RankMemory rm;
-  std::shared_ptr<const TokenDataset> data;
+  std::shared_ptr<const TokenDataset> data, valid;
   std::unique_ptr<MetricsLog> metrics;
   std::string error;
   try {
@@ -114,6 +114,10 @@ int run(const Args& args, const hp::CommPtr& world) {
       training_device(c.device);  // a device this process cannot use is named before anything starts
       check_fits_node(c, rm, hp::local_world_size());
       data = make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);  // checks the file
+      if (c.eval_interval > 0) {
+        valid = make_validation_dataset(c);
+        validation_batches(c, *valid);  // holds what an evaluation reads
+      }
       if (lead && !c.output_dir.empty()) {
         std::filesystem::create_directories(c.output_dir);
         // A previous run's curve must not sit beside this run's metrics.
@@ -145,6 +149,7 @@ int run(const Args& args, const hp::CommPtr& world) {
   // --verify: the single-process reference first, so each progress line can show its
   // difference. The other ranks wait in a barrier that sleeps.
   std::vector<double> ref_loss;
+  std::map<int64_t, double> ref_valid;  // per step evaluated
   if (args.verify) {
     double secs = 0;
     error.clear();
@@ -154,11 +159,16 @@ int run(const Args& args, const hp::CommPtr& world) {
       std::cout << "verify: training the single-process reference on the global batch ("
                 << c.train_steps << " steps)..." << std::flush;
       try {
-        ReferenceTrainer ref(c, data);
+        ReferenceTrainer ref(c, data, valid);
         for (int64_t s = 0; s < c.train_steps; ++s) {
           StepStats st = ref.step();
           ref_loss.push_back(st.loss);
           secs += st.step_time_s;
+          if (c.eval_interval > 0 && (st.step % c.eval_interval == 0 || st.step == c.train_steps)) {
+            const EvalStats ev = ref.evaluate();
+            ref_valid[ev.step] = ev.loss;
+            secs += ev.seconds;
+          }
         }
       } catch (const std::exception& e) {
         error = std::string("--verify: the single-process reference: ") + e.what();
@@ -171,7 +181,7 @@ int run(const Args& args, const hp::CommPtr& world) {
     if (!all_ok(world, error.empty(), error)) return 1;
   }
 
-  Trainer trainer(c, world, data);
+  Trainer trainer(c, world, data, valid);
   say("data: " + trainer.describe_data());
   if (args.resume) {
     error.clear();
@@ -193,8 +203,10 @@ int run(const Args& args, const hp::CommPtr& world) {
   }
 
   CheckpointManager checkpoints(CheckpointManager::options_of(c), world);
-  LossComparison verify;
+  LossComparison verify, verify_valid;
   double total_s = 0;
+  double last_valid = std::numeric_limits<double>::quiet_NaN();
+  std::vector<std::pair<int64_t, double>> valid_curve;
   const int64_t first_step = trainer.steps_done();
   TrainCallbacks cb;
   cb.on_step = [&](const StepStats& st) {
@@ -205,8 +217,17 @@ int run(const Args& args, const hp::CommPtr& world) {
     if (metrics) metrics->step(st, ref);
     if (lead && (st.step % c.log_interval == 0 || st.step == 1 || st.step == c.train_steps)) {
       const double eta = total_s / static_cast<double>(st.step - first_step) * static_cast<double>(c.train_steps - st.step);
-      std::cout << progress_line(st, c.train_steps, eta, ref) << std::endl;
+      std::cout << progress_line(st, c.train_steps, eta, ref, last_valid) << std::endl;
     }
+  };
+  cb.on_eval = [&](const EvalStats& ev) {
+    auto r = ref_valid.find(ev.step);
+    const double ref = lead && r != ref_valid.end() ? r->second : std::numeric_limits<double>::quiet_NaN();
+    verify_valid.add(ev.step, ev.loss, ref);
+    last_valid = ev.loss;
+    valid_curve.emplace_back(ev.step, ev.loss);
+    if (metrics) metrics->eval(ev, ref);
+    say(eval_line(ev, c.train_steps, ref));
   };
   cb.on_save = [&](const std::string& dir, bool background) {
     say(background ? "saving " + dir + " in the background" : "saved " + dir);
@@ -221,19 +242,27 @@ int run(const Args& args, const hp::CommPtr& world) {
 
   say(summary_line(sum));
   if (args.verify) say(verify.line(c.train_steps));
+  if (args.verify && verify_valid.any) say(verify_valid.line(static_cast<int64_t>(sum.evals.size()), "validation loss", "evaluations"));
   if (metrics) {
     std::vector<std::pair<std::string, double>> fields = {
         {"steps", static_cast<double>(c.train_steps)}, {"seconds", sum.seconds},
         {"first_loss", sum.losses.front()},            {"final_loss", sum.losses.back()},
         {"tokens_per_s", sum.tokens_per_s},            {"peak_bytes", static_cast<double>(sum.peak_bytes)},
         {"ranks", static_cast<double>(world->size())}};
+    if (!sum.evals.empty()) fields.push_back({"final_valid_loss", sum.evals.back().loss});
     if (args.verify) {
       fields.push_back({"verify_max_abs_diff", verify.worst_abs});
       fields.push_back({"verify_max_rel_diff", verify.worst_rel});
     }
+    if (args.verify && verify_valid.any) fields.push_back({"verify_valid_max_abs_diff", verify_valid.worst_abs});
     metrics->summary(fields);
     metrics->finish();
-    write_loss_svg(c.output_dir + "/loss.svg", sum.losses, ref_loss,
+    LossCurve curve;
+    curve.loss = sum.losses;
+    curve.first_step = sum.first_step;
+    curve.reference = ref_loss;
+    curve.validation = valid_curve;
+    write_loss_svg(c.output_dir + "/loss.svg", curve,
                    c.model.family().name() + " " + c.model.preset() + ", " + std::to_string(world->size()) + " rank(s)");
     say("wrote " + c.output_dir + "/metrics.jsonl and " + c.output_dir + "/loss.svg");
   }

@@ -21,6 +21,8 @@ thread_local int t_recompute = 0;
 // on libtorch 2.x a parameter's own hooks run there as well as where the gradient is
 // accumulated, and on_gradient's hooks pass the gradient through in the first of these.
 thread_local int t_capturing = 0;
+// Inside RecomputeFunction::forward: the first forward of a recomputed call.
+thread_local int t_first_forward = 0;
 
 struct CaptureScope {
   CaptureScope() { ++t_capturing; }
@@ -122,6 +124,10 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     std::vector<at::Tensor> args = args_in.vec();
     auto* run = static_cast<Run*>(holder.get());
     at::Tensor out;
+    ++t_first_forward;
+    struct Leave {
+      ~Leave() { --t_first_forward; }
+    } leave;
     if (run->keeper) {
       OverrideScope o(run->keeper.get());
       out = run->fn(args);
@@ -184,6 +190,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 }  // namespace
 
 bool in_recompute() { return t_recompute > 0; }
+bool in_differentiated_forward() { return at::GradMode::is_enabled() || t_first_forward > 0; }
 
 unsigned on_gradient(const at::Tensor& leaf, std::function<at::Tensor(const at::Tensor&)> fn) {
   HP_CHECK(leaf.requires_grad() && leaf.grad_fn() == nullptr,

@@ -263,7 +263,11 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   at::Tensor scores = upcast(hp::call(gate, flat)).sigmoid();
   auto [chosen, weights] = route_scores(scores);
   at::Tensor out = hp::call(shared, flat);
-  if (!hp::in_recompute()) {  // counted once per token, not again when recomputed in backward
+  // The balancing load counts training tokens: once per token (not again when recomputed in
+  // backward), and not in a forward that is not differentiated (a validation pass, the
+  // pipeline's shape check), which must leave the next bias update as it would have been.
+  const bool training = hp::in_differentiated_forward() && !hp::in_recompute();
+  if (training) {
     at::NoGradGuard g;
     load += at::bincount(chosen.reshape({-1}), {}, c.experts).to(at::kFloat);
   }
@@ -273,7 +277,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     at::Tensor keep = capacity_keep(scores.gather(-1, chosen), chosen);
     ids = chosen.masked_fill(~keep, -1);
     w = weights.masked_fill(~keep, 0);
-    if (!hp::in_recompute()) {
+    if (training) {
       // Made here, not in the constructor: a model built without storage materializes its
       // buffers alone (and a per-step count has no place in a checkpoint).
       if (!dropped.defined()) dropped = at::zeros({}, at::TensorOptions(at::kDouble).device(keep.device()));

@@ -144,22 +144,24 @@ PipelineStage& Pipeline::stage(int s) {
   return stages_.front();
 }
 
-at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
-  HP_CHECK(!broken_, "Pipeline::step: an earlier step failed part way; its transfers may still be posted on the ",
-           "links and fully_shard's settings changed, so this pipeline cannot run again (build a new one)");
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Pipeline::micro_batches(const at::Tensor& inputs,
+                                                                                    const at::Tensor& targets,
+                                                                                    const char* caller) {
+  HP_CHECK(!broken_, "Pipeline::", caller, ": an earlier step failed part way; its transfers may still be posted on ",
+           "the links and fully_shard's settings changed, so this pipeline cannot run again (build a new one)");
   const int m = schedule_.microbatches;
   auto split = [&](const at::Tensor& t, const char* what) {
     std::vector<at::Tensor> out;
     if (!t.defined()) return out;
-    HP_CHECK(t.dim() >= 1 && t.size(0) % m == 0, "Pipeline::step: ", what, " of ", t.dim() >= 1 ? t.size(0) : 0,
-             " rows does not split into ", m, " equal micro-batches");
+    HP_CHECK(t.dim() >= 1 && t.size(0) % m == 0, "Pipeline::", caller, ": ", what, " of ",
+             t.dim() >= 1 ? t.size(0) : 0, " rows does not split into ", m, " equal micro-batches");
     return t.split(t.size(0) / m);
   };
-  const auto in_mb = split(inputs, "inputs");
-  const auto tgt_mb = split(targets, "targets");
-  HP_CHECK(!holds_stage(0) || !in_mb.empty(), "Pipeline::step: pp rank ", rank_,
+  auto in_mb = split(inputs, "inputs");
+  auto tgt_mb = split(targets, "targets");
+  HP_CHECK(!holds_stage(0) || !in_mb.empty(), "Pipeline::", caller, ": pp rank ", rank_,
            " holds the first stage and needs the inputs");
-  HP_CHECK(!holds_stage(schedule_.stages - 1) || !tgt_mb.empty(), "Pipeline::step: pp rank ", rank_,
+  HP_CHECK(!holds_stage(schedule_.stages - 1) || !tgt_mb.empty(), "Pipeline::", caller, ": pp rank ", rank_,
            " holds the last stage and needs the targets");
   if (!shapes_checked_) {
     check_shapes(in_mb, tgt_mb);
@@ -168,6 +170,24 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   loss_sum_ = at::Tensor();
   input_meta_.clear();
   header_sent_.clear();
+  return {std::move(in_mb), std::move(tgt_mb)};
+}
+
+void Pipeline::abandon() {
+  broken_ = true;
+  t_recording = nullptr;
+  weight_grads_.clear();
+  module_outputs_.clear();
+  sends_.clear();
+  pending_input_.clear();
+  pending_grad_.clear();
+  input_.clear();
+  output_.clear();
+  grad_output_.clear();
+}
+
+at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  const auto [in_mb, tgt_mb] = micro_batches(inputs, targets, "step");
   const auto& list = schedule_.actions[rank_];
   try {
     for (size_t i = 0; i < list.size();) {
@@ -183,22 +203,82 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     }
     for (auto& w : sends_) w.wait();
   } catch (...) {
-    broken_ = true;
-    t_recording = nullptr;
-    weight_grads_.clear();
-    module_outputs_.clear();
-    sends_.clear();
-    pending_input_.clear();
-    pending_grad_.clear();
-    input_.clear();
-    output_.clear();
-    grad_output_.clear();
+    abandon();
     throw;
   }
   sends_.clear();
   HP_INTERNAL_ASSERT(input_.empty() && output_.empty() && grad_output_.empty() && weight_grads_.empty() &&
                          module_outputs_.empty(),
                      "pipeline step ended with tensors of unfinished micro-batches");
+  return loss_sum_;
+}
+
+at::Tensor Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  const auto [in_mb, tgt_mb] = micro_batches(inputs, targets, "evaluate");
+  const int m = schedule_.microbatches, last = schedule_.stages - 1;
+  at::NoGradGuard no_grad;
+  try {
+    for (int s : schedule_.stages_of(rank_)) {
+      auto handles = fsdp_.find(s);
+      if (handles != fsdp_.end()) {
+        for (auto& h : handles->second) {
+          h->set_reshard_after_forward(false, /*recurse=*/false);
+          h->unshard(/*async=*/true);
+        }
+        for (auto& h : handles->second) h->wait_for_unshard();
+      }
+      for (int j = 0; j < m; ++j) {
+        const Key k{s, j};
+        at::Tensor in;
+        if (s == 0) {
+          in = in_mb[static_cast<size_t>(j)];
+        } else {
+          if (!holds_stage(s - 1)) {
+            run_transfer(Action{s, ActionKind::kRecvForward, j});
+            await(pending_input_, k, /*make_leaf=*/false);
+          }
+          auto it = input_.find(k);
+          HP_INTERNAL_ASSERT(it != input_.end(), "no input for stage ", s, " micro-batch ", j);
+          in = it->second;
+          input_.erase(it);
+        }
+        at::Tensor out;
+        {
+          trace::Span span("pp evaluate " + Action{s, ActionKind::kForward, j}.to_string(), "compute");
+          try {
+            out = stage(s).forward(in);
+          } catch (const std::exception& e) {
+            throw Error(detail::str_cat("Pipeline: stage ", s, "'s forward of micro-batch ", j,
+                                        " (evaluate) failed on its input of shape ", in.sizes(), ": ", e.what()));
+          }
+        }
+        if (s == last) {
+          at::Tensor l = loss_(out, tgt_mb[static_cast<size_t>(j)]) / m;
+          HP_CHECK(l.numel() == 1, "Pipeline: the loss of stage ", s, " micro-batch ", j, " has ", l.numel(),
+                   " elements, not one");
+          loss_sum_ = loss_sum_.defined() ? loss_sum_ + l : l;
+        } else if (holds_stage(s + 1)) {
+          input_[Key{s + 1, j}] = out;
+        } else {
+          output_[k] = out;
+          run_transfer(Action{s, ActionKind::kSendForward, j});
+          output_.erase(k);
+        }
+      }
+      if (handles != fsdp_.end()) {
+        for (auto& h : handles->second) {
+          h->reshard();
+          h->set_reshard_after_forward(true, /*recurse=*/false);  // as the step's REDUCE_GRAD leaves it
+        }
+      }
+    }
+    for (auto& w : sends_) w.wait();
+  } catch (...) {
+    abandon();
+    throw;
+  }
+  sends_.clear();
+  HP_INTERNAL_ASSERT(input_.empty() && output_.empty(), "pipeline evaluation ended with unused activations");
   return loss_sum_;
 }
 

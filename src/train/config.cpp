@@ -279,6 +279,18 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(!given.count("data.num_samples"), s, ": data.num_samples=", data.num_samples,
              " is only read for synthetic data (a file's samples are its tokens / seq_length)");
   }
+  if (eval_interval == 0) {
+    HP_CHECK(data.valid_path.empty(), s, ": data.valid_path='", data.valid_path,
+             "' is only read when eval_interval > 0 (eval_interval=0: no validation)");
+  } else if (data.type == DataType::kSynthetic) {
+    HP_CHECK(data.valid_path.empty(), s, ": data.valid_path='", data.valid_path,
+             "' is for files: synthetic data holds out its own validation samples");
+    HP_CHECK(eval_steps > 0, s, ": eval_steps=0 (all of the validation set) with synthetic data, whose held-out ",
+             "set is eval_steps global batches: give eval_steps > 0");
+  } else {
+    HP_CHECK(!data.valid_path.empty(), s, ": eval_interval=", eval_interval, " needs data.valid_path (the ",
+             "validation set, of data.type=", to_string(data.type), ")");
+  }
   HP_CHECK(data.type == DataType::kBinary || !given.count("data.token_dtype"), s, ": data.token_dtype=",
            to_string(data.token_dtype),
            " is only read when data.type is binary (megatron's index says its own)");
@@ -343,7 +355,13 @@ std::string describe(const TrainConfig& c) {
   os << "model " << c.model.family().name() << " ("
      << (c.model.source().empty() ? c.model.preset() + " preset" : "read from " + c.model.source()) << ", "
      << c.model->num_params()
-     << " parameters); data " << to_string(c.data.type) << (c.data.path.empty() ? "" : " " + c.data.path) << "\n";
+     << " parameters); data " << to_string(c.data.type) << (c.data.path.empty() ? "" : " " + c.data.path)
+     << (c.eval_interval > 0
+             ? detail::str_cat("; validation every ", c.eval_interval, " steps on ",
+                               c.eval_steps > 0 ? detail::str_cat(c.eval_steps, " batches of ") : std::string("all of "),
+                               c.data.valid_path.empty() ? std::string("held-out synthetic samples") : c.data.valid_path)
+             : std::string())
+     << "\n";
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
      << (c.tensor_parallel > 1 ? detail::str_cat(" x tensor_parallel ", c.tensor_parallel) : std::string())
      << (c.pipeline_parallel > 1 ? detail::str_cat(" x pipeline_parallel ", c.pipeline_parallel) : std::string())

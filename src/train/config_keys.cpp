@@ -312,6 +312,9 @@ const std::vector<Key>& keys() {
                                    "indexed dataset (data.path: the prefix of its .bin and .idx)",
                                    HP_FIELD(data.type)));
     k.push_back(path_key("data.path", "the binary or text file", HP_FIELD(data.path)));
+    k.push_back(path_key("data.valid_path",
+                         "the validation set, of data.type (eval_interval > 0; synthetic data holds out its own)",
+                         HP_FIELD(data.valid_path)));
     k.push_back(enum_key<TokenDtype>("data.token_dtype", "token id width of a binary file", HP_FIELD(data.token_dtype)));
     k.push_back(int_key("data.num_samples", "samples in the synthetic corpus", HP_FIELD(data.num_samples), 1, kMaxCount));
     k.push_back(bool_key("data.shuffle", "a new sample order each epoch", HP_FIELD(data.shuffle)));
@@ -414,6 +417,11 @@ const std::vector<Key>& keys() {
                  [](TrainConfig& c, const Value& v) { c.seed = static_cast<uint64_t>(as_int(v, 0)); },
                  [](const TrainConfig& c) { return std::to_string(c.seed); }, ""});
     k.push_back(int_key("log_interval", "steps between progress lines", HP_FIELD(log_interval), 1, kMaxCount));
+    k.push_back(int_key("eval_interval",
+                        "validation loss every this many steps and after the last, without gradients; 0 = none",
+                        HP_FIELD(eval_interval), 0, kMaxCount));
+    k.push_back(int_key("eval_steps", "global batches of the validation set per evaluation; 0 = all of it",
+                        HP_FIELD(eval_steps), 0, kMaxCount));
     k.push_back(path_key("output_dir", "metrics.jsonl and loss.svg go here; empty = none", HP_FIELD(output_dir)));
     k.push_back(int_key("save_interval", "save a checkpoint every this many steps and after the last; 0 = never",
                         HP_FIELD(save_interval), 0, kMaxModelInt));

@@ -26,10 +26,13 @@ uint64_t hash(uint64_t a, uint64_t b, uint64_t c = 0) { return mix(mix(mix(a) ^ 
 
 class SyntheticDataset : public TokenDataset {
  public:
-  SyntheticDataset(int64_t samples, int64_t seq, int64_t vocab, uint64_t seed)
-      : n_(samples), seq_(seq), vocab_(vocab), seed_(seed) {}
+  // Samples [first, first + samples) of the corpus the seed defines (a held-out validation
+  // set starts after the training samples: the same chain, samples never trained on).
+  SyntheticDataset(int64_t samples, int64_t seq, int64_t vocab, uint64_t seed, int64_t first = 0)
+      : n_(samples), first_(first), seq_(seq), vocab_(vocab), seed_(seed) {}
   int64_t size() const override { return n_; }
   void read(int64_t index, int64_t* out) const override {
+    index += first_;
     uint64_t tok = hash(seed_, 1, static_cast<uint64_t>(index)) % vocab_;
     for (int64_t t = 0; t <= seq_; ++t) {
       out[t] = static_cast<int64_t>(tok);
@@ -40,11 +43,13 @@ class SyntheticDataset : public TokenDataset {
     }
   }
   std::string describe() const override {
-    return "synthetic Markov corpus, " + std::to_string(n_) + " samples";
+    if (first_ == 0) return "synthetic Markov corpus, " + std::to_string(n_) + " samples";
+    return "synthetic Markov corpus, samples " + std::to_string(first_) + " to " + std::to_string(first_ + n_ - 1) +
+           " (held out)";
   }
 
  private:
-  int64_t n_, seq_, vocab_;
+  int64_t n_, first_, seq_, vocab_;
   uint64_t seed_;
 };
 
@@ -53,13 +58,14 @@ class SyntheticDataset : public TokenDataset {
 // are checked again at every read.
 class OpenFile {
  public:
-  explicit OpenFile(const std::string& path) : path_(path) {
+  // `key`: the config key naming it in errors (data.path, data.valid_path).
+  OpenFile(const std::string& path, std::string key) : path_(path), key_(std::move(key)) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    HP_CHECK(fd_ >= 0, "data.path '", path, "': cannot open: ", std::strerror(errno));
+    HP_CHECK(fd_ >= 0, named(), ": cannot open: ", std::strerror(errno));
     struct stat st;
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd_);
-      throw Error("data.path '" + path + "' is not a regular file");
+      throw Error(named() + " is not a regular file");
     }
     size_ = static_cast<int64_t>(st.st_size);
     dev_ = st.st_dev;
@@ -70,30 +76,32 @@ class OpenFile {
   OpenFile& operator=(const OpenFile&) = delete;
   int64_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  const std::string& key() const { return key_; }
+  std::string named() const { return key_ + " '" + path_ + "'"; }
 
   // Reads n bytes at `offset`; raises naming the file and the offset when the file changed
   // (truncated, replaced) since it was opened, or the read fails.
   void read(int64_t offset, int64_t n, uint8_t* out) const {
     struct stat now;
-    HP_CHECK(::fstat(fd_, &now) == 0, "data.path '", path_, "': cannot stat: ", std::strerror(errno));
-    HP_CHECK(now.st_size >= size_, "data.path '", path_, "' was truncated while training: ", size_,
+    HP_CHECK(::fstat(fd_, &now) == 0, named(), ": cannot stat: ", std::strerror(errno));
+    HP_CHECK(now.st_size >= size_, named(), " was truncated while training: ", size_,
              " bytes when opened, ", now.st_size, " now (reading byte offset ", offset, ")");
     struct stat by_name;
     HP_CHECK(::stat(path_.c_str(), &by_name) == 0 && by_name.st_dev == dev_ && by_name.st_ino == ino_,
-             "data.path '", path_, "' was replaced or removed while training (reading byte offset ", offset, ")");
+             named(), " was replaced or removed while training (reading byte offset ", offset, ")");
     int64_t done = 0;
     while (done < n) {
       ssize_t r = ::pread(fd_, out + done, static_cast<size_t>(n - done), static_cast<off_t>(offset + done));
       if (r < 0 && errno == EINTR) continue;
-      HP_CHECK(r >= 0, "data.path '", path_, "': read at byte offset ", offset + done, " failed: ", std::strerror(errno));
-      HP_CHECK(r > 0, "data.path '", path_, "' ended at byte offset ", offset + done, " while reading ", n,
+      HP_CHECK(r >= 0, named(), ": read at byte offset ", offset + done, " failed: ", std::strerror(errno));
+      HP_CHECK(r > 0, named(), " ended at byte offset ", offset + done, " while reading ", n,
                " bytes at ", offset, " (truncated while training?)");
       done += r;
     }
   }
 
  private:
-  std::string path_;
+  std::string path_, key_;
   int fd_ = -1;
   int64_t size_ = 0;
   dev_t dev_ = 0;
@@ -143,11 +151,10 @@ struct TokenFormat {
 
 class FileDataset : public TokenDataset {
  public:
-  FileDataset(const std::string& path, DataType type, TokenFormat format, int64_t seq, int64_t vocab,
-              std::string what)
-      : file_(path), seq_(seq), vocab_(vocab), width_(format.width), signed_(format.is_signed), what_(std::move(what)) {
-    const std::string& p = path;
-    HP_CHECK(file_.size() % width_ == 0, "data.path '", p, "': ", file_.size(), " bytes is not a whole number of ",
+  FileDataset(const std::string& path, const std::string& key, DataType type, TokenFormat format, int64_t seq,
+              int64_t vocab, std::string what)
+      : file_(path, key), seq_(seq), vocab_(vocab), width_(format.width), signed_(format.is_signed), what_(std::move(what)) {
+    HP_CHECK(file_.size() % width_ == 0, file_.named(), ": ", file_.size(), " bytes is not a whole number of ",
              format.name, " tokens");
     tokens_ = file_.size() / width_;
     // The whole file in chunks; a UTF-8 sequence cut by a chunk's end is carried over.
@@ -167,11 +174,11 @@ class FileDataset : public TokenDataset {
           base += bad;
           continue;
         }
-        HP_CHECK(bad < 0, "data.path '", p, "': not valid UTF-8 at byte offset ", base + bad);
+        HP_CHECK(bad < 0, file_.named(), ": not valid UTF-8 at byte offset ", base + bad);
       } else {
         for (size_t i = 0; i + width_ <= buf.size(); i += static_cast<size_t>(width_)) {
           int64_t t = decode(buf.data() + i);
-          HP_CHECK(t >= 0 && t < vocab, "data.path '", p, "': token ", (base + static_cast<int64_t>(i)) / width_,
+          HP_CHECK(t >= 0 && t < vocab, file_.named(), ": token ", (base + static_cast<int64_t>(i)) / width_,
                    " is ", t, " (byte offset ", base + static_cast<int64_t>(i), "), not in [0, model.vocab=", vocab,
                    ")");
         }
@@ -180,7 +187,7 @@ class FileDataset : public TokenDataset {
       buf.clear();
     }
     n_ = tokens_ > seq ? (tokens_ - 1) / seq : 0;
-    HP_CHECK(n_ > 0, "data.path '", p, "': ", tokens_, " tokens, but one sample needs seq_length + 1 = ", seq + 1);
+    HP_CHECK(n_ > 0, file_.named(), ": ", tokens_, " tokens, but one sample needs seq_length + 1 = ", seq + 1);
   }
   int64_t size() const override { return n_; }
   void read(int64_t index, int64_t* out) const override {
@@ -189,7 +196,7 @@ class FileDataset : public TokenDataset {
     file_.read(first * width_, count * width_, raw.data());
     for (int64_t t = 0; t < count; ++t) {
       out[t] = decode(raw.data() + t * width_);
-      HP_CHECK(out[t] >= 0 && out[t] < vocab_, "data.path '", file_.path(), "': token at byte offset ",
+      HP_CHECK(out[t] >= 0 && out[t] < vocab_, file_.named(), ": token at byte offset ",
                (first + t) * width_, " is ", out[t], ", not in [0, model.vocab=", vocab_,
                ") (the file changed while training?)");
     }
@@ -236,10 +243,10 @@ struct MegatronIndex {
   int64_t sequences = 0, documents = 0, bin_bytes = 0;
 };
 
-MegatronIndex read_megatron_index(const std::string& idx) {
-  OpenFile f(idx);
+MegatronIndex read_megatron_index(const std::string& idx, const std::string& key) {
+  OpenFile f(idx, key);
   constexpr int64_t kHeader = 9 + 8 + 1 + 8 + 8;
-  const std::string where = "data.path: Megatron index '" + idx + "'";
+  const std::string where = key + ": Megatron index '" + idx + "'";
   HP_CHECK(f.size() >= kHeader, where, " is truncated: ", f.size(), " bytes, its header alone is ", kHeader);
   uint8_t h[kHeader];
   f.read(0, kHeader, h);
@@ -327,18 +334,30 @@ std::string megatron_prefix(const std::string& path) {
   return path;
 }
 
-std::unique_ptr<TokenDataset> megatron_dataset(const std::string& path, int64_t seq, int64_t vocab) {
+std::unique_ptr<TokenDataset> megatron_dataset(const std::string& path, const std::string& key, int64_t seq,
+                                               int64_t vocab) {
   const std::string prefix = megatron_prefix(path);
-  const MegatronIndex m = read_megatron_index(prefix + ".idx");
+  const MegatronIndex m = read_megatron_index(prefix + ".idx", key);
   const std::string bin = prefix + ".bin";
   {
-    OpenFile f(bin);
-    HP_CHECK(f.size() == m.bin_bytes, "data.path: Megatron data '", bin, "' is ", f.size(), " bytes, but its index '",
+    OpenFile f(bin, key);
+    HP_CHECK(f.size() == m.bin_bytes, key, ": Megatron data '", bin, "' is ", f.size(), " bytes, but its index '",
              prefix, ".idx' describes ", m.bin_bytes, " (", m.sequences, " sequences of ", m.format.name, ")");
   }
-  return std::make_unique<FileDataset>(bin, DataType::kMegatron, m.format, seq, vocab,
+  return std::make_unique<FileDataset>(bin, key, DataType::kMegatron, m.format, seq, vocab,
                                        "megatron indexed dataset " + prefix + " (" + std::to_string(m.documents) +
                                            " documents, " + m.format.name + ")");
+}
+
+// A file of `spec.type` at `path`, its errors naming `key`.
+std::unique_ptr<TokenDataset> file_dataset(const DataSpec& spec, const std::string& path, const std::string& key,
+                                           int64_t seq_length, int64_t vocab) {
+  if (spec.type == DataType::kMegatron) return megatron_dataset(path, key, seq_length, vocab);
+  TokenFormat format{1, false, "byte"};
+  if (spec.type == DataType::kBinary) {
+    format = spec.token_dtype == TokenDtype::kUint32 ? TokenFormat{4, false, "uint32"} : TokenFormat{2, false, "uint16"};
+  }
+  return std::make_unique<FileDataset>(path, key, spec.type, format, seq_length, vocab, to_string(spec.type) + " file");
 }
 
 }  // namespace
@@ -348,12 +367,30 @@ std::unique_ptr<TokenDataset> make_dataset(const DataSpec& spec, int64_t seq_len
   if (spec.type == DataType::kSynthetic) {
     return std::make_unique<SyntheticDataset>(spec.num_samples, seq_length, vocab, seed);
   }
-  if (spec.type == DataType::kMegatron) return megatron_dataset(spec.path, seq_length, vocab);
-  TokenFormat format{1, false, "byte"};
-  if (spec.type == DataType::kBinary) {
-    format = spec.token_dtype == TokenDtype::kUint32 ? TokenFormat{4, false, "uint32"} : TokenFormat{2, false, "uint16"};
+  return file_dataset(spec, spec.path, "data.path", seq_length, vocab);
+}
+
+std::unique_ptr<TokenDataset> make_validation_dataset(const TrainConfig& c) {
+  HP_CHECK(c.eval_interval > 0, "make_validation_dataset: eval_interval=0 (no validation)");
+  if (c.data.type == DataType::kSynthetic) {
+    HP_CHECK(c.eval_steps > 0, "make_validation_dataset: synthetic data needs eval_steps > 0 (validate the config)");
+    return std::make_unique<SyntheticDataset>(c.eval_steps * c.global_batch_size, c.seq_length, c.model->vocab(),
+                                              c.seed, /*first=*/c.data.num_samples);
   }
-  return std::make_unique<FileDataset>(spec.path, spec.type, format, seq_length, vocab, to_string(spec.type) + " file");
+  return file_dataset(c.data, c.data.valid_path, "data.valid_path", c.seq_length, c.model->vocab());
+}
+
+int64_t validation_batches(const TrainConfig& c, const TokenDataset& valid) {
+  const int64_t G = c.global_batch_size, n = valid.size();
+  if (c.eval_steps == 0) {
+    HP_CHECK(n >= G, "data.valid_path '", c.data.valid_path, "': ", n, " samples of seq_length + 1 = ",
+             c.seq_length + 1, " tokens, fewer than one global batch (global_batch_size=", G, ")");
+    return n / G;
+  }
+  HP_CHECK(c.eval_steps <= n / G, "eval_steps=", c.eval_steps, " global batches of ", G, " samples need ",
+           c.eval_steps * G, " validation samples, but data.valid_path '", c.data.valid_path, "' holds ", n,
+           " (of seq_length + 1 = ", c.seq_length + 1, " tokens)");
+  return c.eval_steps;
 }
 
 DataSharder::DataSharder(int64_t num_samples, int64_t global_batch_size, int64_t micro_batch_num, int64_t dp_size,

@@ -2,6 +2,8 @@
 // compares against.
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "hp/ckpt/consolidated.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
@@ -23,11 +25,13 @@ struct ReferenceTrainer::Impl {
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<DataSharder> sharder;
+  Validation validation;
   at::ScalarType acc_dtype;
   int64_t steps = 0;
 };
 
-ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const TokenDataset> data)
+ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const TokenDataset> data,
+                                   std::shared_ptr<const TokenDataset> valid)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.c = cfg;
@@ -65,6 +69,7 @@ ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const
   s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
+  s.validation = open_validation(c, std::move(valid));
 }
 
 ReferenceTrainer::~ReferenceTrainer() = default;
@@ -118,5 +123,26 @@ StepStats ReferenceTrainer::step() {
   return st;
 }
 
+EvalStats ReferenceTrainer::evaluate() {
+  Impl& s = *impl_;
+  const TrainConfig& c = s.c;
+  HP_CHECK(s.validation.data, "ReferenceTrainer::evaluate: no validation set (eval_interval=0)");
+  const auto t0 = Clock::now();
+  torch::NoGradGuard ng;
+  double sum = 0;
+  for (int64_t b = 0; b < s.validation.batches; ++b) {
+    for (int64_t j = 0; j < c.micro_batch_num; ++j) {
+      at::Tensor batch = load_batch(*s.validation.data, s.validation.order->global_samples(b, j), c.seq_length);
+      sum += next_token_loss(*s.model, batch, c.seq_length, /*hooked=*/false).item<double>();
+    }
+  }
+  EvalStats ev;
+  ev.step = s.steps;
+  ev.loss = sum / static_cast<double>(s.validation.batches * c.micro_batch_num);
+  ev.perplexity = std::exp(ev.loss);
+  ev.tokens = s.validation.batches * c.global_batch_size * c.seq_length;
+  ev.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return ev;
+}
 
 }  // namespace hp::train

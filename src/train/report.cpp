@@ -61,7 +61,8 @@ std::string format_rate(double x) {
   return fmt("%.0f", x);
 }
 
-std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss) {
+std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss,
+                          double valid_loss) {
   const int w = static_cast<int>(std::to_string(total_steps).size());
   std::ostringstream os;
   char step[64];
@@ -80,7 +81,17 @@ std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s,
     os << " | experts max/mean " << fmt("%.2f", worst);
     if (dropped > 0) os << " dropped " << fmt("%.1f", 100 * dropped) << "%";
   }
+  if (!std::isnan(valid_loss)) os << " | valid " << fmt("%.4f", valid_loss);
   if (!std::isnan(ref_loss)) os << " | ref diff " << fmt("%.1e", std::fabs(s.loss - ref_loss));
+  return os.str();
+}
+
+std::string eval_line(const EvalStats& e, int64_t total_steps, double ref_loss) {
+  std::ostringstream os;
+  os << "validation after step " << e.step << "/" << total_steps << " | loss " << fmt("%.4f", e.loss) << " | ppl "
+     << fmt("%.2f", e.perplexity) << " | " << format_rate(static_cast<double>(e.tokens)) << " tokens in "
+     << format_duration(e.seconds);
+  if (!std::isnan(ref_loss)) os << " | ref diff " << fmt("%.1e", std::fabs(e.loss - ref_loss));
   return os.str();
 }
 
@@ -131,6 +142,15 @@ void MetricsLog::step(const StepStats& s, double ref_loss) {
   check(("step " + std::to_string(s.step)).c_str());
 }
 
+void MetricsLog::eval(const EvalStats& e, double ref_loss) {
+  f_ << "{\"eval\":{\"step\":" << e.step << ",\"loss\":" << json_number(e.loss)
+     << ",\"perplexity\":" << json_number(e.perplexity) << ",\"tokens\":" << e.tokens
+     << ",\"seconds\":" << json_number(e.seconds);
+  if (!std::isnan(ref_loss)) f_ << ",\"reference_loss\":" << json_number(ref_loss);
+  f_ << "}}\n";
+  check(("the validation after step " + std::to_string(e.step)).c_str());
+}
+
 void MetricsLog::summary(const std::vector<std::pair<std::string, double>>& fields) {
   f_ << "{\"summary\":{";
   for (size_t i = 0; i < fields.size(); ++i) {
@@ -140,23 +160,35 @@ void MetricsLog::summary(const std::vector<std::pair<std::string, double>>& fiel
   check("the summary");
 }
 
-void write_loss_svg(const std::string& path, const std::vector<double>& loss, const std::vector<double>& ref,
-                    const std::string& title) {
+void write_loss_svg(const std::string& path, const LossCurve& curve, const std::string& title) {
   const std::string partial = path + ".partial";
   errno = 0;
   std::ofstream f(partial, std::ios::trunc);
   HP_CHECK(f.good(), "cannot write the loss curve '", partial, "': ", os_error());
   const double W = 720, H = 420, L = 70, R = 20, T = 40, B = 50;
+  // (step, loss) points of each series.
+  std::vector<std::pair<int64_t, double>> loss, ref;
+  for (size_t i = 0; i < curve.loss.size(); ++i) {
+    loss.emplace_back(curve.first_step + static_cast<int64_t>(i) + 1, curve.loss[i]);
+  }
+  for (size_t i = 0; i < curve.reference.size(); ++i) ref.emplace_back(static_cast<int64_t>(i) + 1, curve.reference[i]);
   double lo = INFINITY, hi = -INFINITY;
-  for (const auto* v : {&loss, &ref}) {
-    for (double x : *v) {
+  int64_t first = INT64_MAX, last = 1;
+  using Points = std::vector<std::pair<int64_t, double>>;
+  for (const Points* v : std::initializer_list<const Points*>{&loss, &ref, &curve.validation}) {
+    for (const auto& [step, x] : *v) {
       if (std::isfinite(x)) lo = std::min(lo, x), hi = std::max(hi, x);
+      first = std::min(first, step);
+      last = std::max(last, step);
     }
   }
+  if (first > last) first = 1;
+  if (last == first) last = first + 1;
   if (!std::isfinite(lo)) lo = 0, hi = 1;
   if (hi - lo < 1e-9) hi = lo + 1;
-  const size_t n = std::max<size_t>(2, std::max(loss.size(), ref.size()));
-  auto X = [&](size_t i) { return L + (W - L - R) * static_cast<double>(i) / static_cast<double>(n - 1); };
+  auto X = [&](int64_t step) {
+    return L + (W - L - R) * static_cast<double>(step - first) / static_cast<double>(last - first);
+  };
   auto Y = [&](double v) { return T + (H - T - B) * (hi - v) / (hi - lo); };
   f << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
     << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
@@ -169,28 +201,40 @@ void write_loss_svg(const std::string& path, const std::vector<double>& loss, co
       << fmt("%.3g", v) << "</text>\n";
   }
   for (int k = 0; k <= 4; ++k) {  // step labels
-    const size_t i = (n - 1) * k / 4;
-    f << "<text x=\"" << X(i) << "\" y=\"" << H - B + 18 << "\" text-anchor=\"middle\">" << i + 1 << "</text>\n";
+    const int64_t step = first + (last - first) * k / 4;
+    f << "<text x=\"" << X(step) << "\" y=\"" << H - B + 18 << "\" text-anchor=\"middle\">" << step << "</text>\n";
   }
   f << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 12 << "\" text-anchor=\"middle\">step</text>\n"
     << "<text x=\"16\" y=\"" << (T + H - B) / 2 << "\" transform=\"rotate(-90 16 " << (T + H - B) / 2
     << ")\" text-anchor=\"middle\">loss</text>\n"
     << "<rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << W - L - R << "\" height=\"" << H - T - B
     << "\" fill=\"none\" stroke=\"#444\"/>\n";
-  auto polyline = [&](const std::vector<double>& v, const char* style) {
+  auto polyline = [&](const std::vector<std::pair<int64_t, double>>& v, const char* style) {
     if (v.empty()) return;
     f << "<polyline fill=\"none\" " << style << " points=\"";
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (std::isfinite(v[i])) f << fmt("%.1f", X(i)) << "," << fmt("%.1f", Y(v[i])) << " ";
+    for (const auto& [step, x] : v) {
+      if (std::isfinite(x)) f << fmt("%.1f", X(step)) << "," << fmt("%.1f", Y(x)) << " ";
     }
     f << "\"/>\n";
   };
   polyline(loss, "stroke=\"#1f77b4\" stroke-width=\"2\"");
   polyline(ref, "stroke=\"#ff7f0e\" stroke-width=\"1.5\" stroke-dasharray=\"6 4\"");
-  f << "<text x=\"" << W - R - 8 << "\" y=\"" << T + 16 << "\" text-anchor=\"end\" fill=\"#1f77b4\">hp-train</text>\n";
+  polyline(curve.validation, "stroke=\"#2ca02c\" stroke-width=\"1.5\"");
+  for (const auto& [step, x] : curve.validation) {
+    if (std::isfinite(x)) {
+      f << "<circle cx=\"" << fmt("%.1f", X(step)) << "\" cy=\"" << fmt("%.1f", Y(x)) << "\" r=\"3.5\" fill=\"#2ca02c\"/>\n";
+    }
+  }
+  double legend_y = T + 16;
+  f << "<text x=\"" << W - R - 8 << "\" y=\"" << legend_y << "\" text-anchor=\"end\" fill=\"#1f77b4\">hp-train</text>\n";
   if (!ref.empty()) {
-    f << "<text x=\"" << W - R - 8 << "\" y=\"" << T + 32
+    legend_y += 16;
+    f << "<text x=\"" << W - R - 8 << "\" y=\"" << legend_y
       << "\" text-anchor=\"end\" fill=\"#ff7f0e\">single process (--verify)</text>\n";
+  }
+  if (!curve.validation.empty()) {
+    legend_y += 16;
+    f << "<text x=\"" << W - R - 8 << "\" y=\"" << legend_y << "\" text-anchor=\"end\" fill=\"#2ca02c\">validation</text>\n";
   }
   f << "</svg>\n";
   errno = 0;
@@ -208,12 +252,12 @@ void LossComparison::add(int64_t step, double loss, double ref) {
   any = true;
 }
 
-std::string LossComparison::line(int64_t steps) const {
+std::string LossComparison::line(int64_t count, const std::string& what, const std::string& unit) const {
   char buf[256];
-  std::snprintf(buf, sizeof buf,
-                "verify: largest |loss - single-process loss| over %lld steps: %.2e at step %lld (relative %.2e)",
-                static_cast<long long>(steps), worst_abs, static_cast<long long>(worst_step), worst_rel);
-  return buf;
+  std::snprintf(buf, sizeof buf, "%.2e at step %lld (relative %.2e)", worst_abs, static_cast<long long>(worst_step),
+                worst_rel);
+  return "verify: largest |" + what + " - single-process " + what + "| over " + std::to_string(count) + " " + unit +
+         ": " + buf;
 }
 
 std::string summary_line(const TrainSummary& s) {

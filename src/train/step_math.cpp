@@ -102,6 +102,16 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
 }
 
+Validation open_validation(const TrainConfig& c, std::shared_ptr<const TokenDataset> given) {
+  Validation v;
+  if (c.eval_interval == 0) return v;
+  v.data = given ? std::move(given) : make_validation_dataset(c);
+  v.batches = validation_batches(c, *v.data);
+  v.order = std::make_unique<DataSharder>(v.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(), c.seed,
+                                          /*shuffle=*/false);
+  return v;
+}
+
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked) {
   at::Tensor x = batch.narrow(1, 0, seq), y = batch.narrow(1, 1, seq);
   return m.loss_of_logits(m.forward(x, hooked), y);

@@ -37,7 +37,8 @@ c10::Device training_device(Device d) {
 #endif
 }
 
-Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const TokenDataset> data)
+Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const TokenDataset> data,
+                 std::shared_ptr<const TokenDataset> valid)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.c = cfg;
@@ -191,6 +192,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
+  s.validation = open_validation(c, std::move(valid));
   if (!c.init_from_hf.empty()) load_hf(c.init_from_hf);
 }
 
@@ -301,6 +303,56 @@ StepStats Trainer::step() {
   return st;
 }
 
+EvalStats Trainer::evaluate() {
+  Impl& s = *impl_;
+  const TrainConfig& c = s.c;
+  HP_CHECK(s.validation.data, "Trainer::evaluate: no validation set (eval_interval=0)");
+  const auto t0 = Clock::now();
+  double sum = 0;  // of this data-parallel rank's micro-batch means
+  {
+    at::NoGradGuard no_grad;
+    for (int64_t b = 0; b < s.validation.batches; ++b) {
+      std::vector<at::Tensor> batches;
+      for (int64_t j = 0; j < c.micro_batch_num; ++j) {
+        try {
+          batches.push_back(load_batch(*s.validation.data, s.validation.order->samples(b, j, s.dp_rank), c.seq_length)
+                                .to(s.device));
+        } catch (const Error& e) {
+          throw Error(detail::str_cat("validation after step ", s.steps, ", batch ", b + 1, ", micro-batch ", j + 1,
+                                      ": ", e.what()));
+        }
+        if (s.pipe) continue;
+        sum += next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true).item<double>();
+        batches.clear();
+      }
+      if (s.pipe) {
+        at::Tensor all = at::cat(batches);
+        at::Tensor mean = s.pipe->evaluate(all.narrow(1, 0, c.seq_length), all.narrow(1, 1, c.seq_length));
+        // On the last stage's ranks: summed over pp (zeros elsewhere).
+        at::Tensor l = at::full({1}, mean.defined() ? mean.item<double>() : 0.0,
+                                at::TensorOptions(at::kDouble).device(s.control));
+        s.pp->all_reduce(l).wait();
+        sum += l.item<double>() * static_cast<double>(c.micro_batch_num);
+      }
+    }
+  }
+  // Nothing stays gathered (a shard strategy that keeps parameters for the backward would).
+  for (auto& h : s.handles) h->reshard();
+  at::Tensor loss = at::full({1}, sum / static_cast<double>(s.validation.batches * c.micro_batch_num),
+                             at::TensorOptions(at::kDouble).device(s.control));
+  s.dp->all_reduce(loss, {ReduceOp::AVG}).wait();
+  at::Tensor secs = at::full({1}, std::chrono::duration<double>(Clock::now() - t0).count(),
+                             at::TensorOptions(at::kDouble).device(s.control));
+  s.world->all_reduce(secs, {ReduceOp::MAX}).wait();
+  EvalStats ev;
+  ev.step = s.steps;
+  ev.loss = loss.item<double>();
+  ev.perplexity = std::exp(ev.loss);
+  ev.tokens = s.validation.batches * c.global_batch_size * c.seq_length;
+  ev.seconds = secs.item<double>();
+  return ev;
+}
+
 TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks& cb) {
   const TrainConfig& c = impl_->c;
   TrainSummary out;
@@ -313,6 +365,10 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
     if (out.steps++ == 0) first_s = st.step_time_s;
     out.peak_bytes = std::max(out.peak_bytes, st.peak_bytes);
     if (cb.on_step) cb.on_step(st);
+    if (c.eval_interval > 0 && (st.step % c.eval_interval == 0 || st.step == c.train_steps)) {
+      out.evals.push_back(evaluate());
+      if (cb.on_eval) cb.on_eval(out.evals.back());
+    }
     if (checkpoints && checkpoints->due(st.step, c.train_steps)) {
       const std::string dir = checkpoints->save(*this);
       if (cb.on_save) cb.on_save(dir, checkpoints->options().async);

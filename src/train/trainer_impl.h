@@ -37,6 +37,14 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const 
 // Raises TrainingDiverged for a loss or norm that is not finite.
 void check_finite(int64_t step, const char* what, double x);
 void set_lr(torch::optim::Optimizer& opt, double lr);
+// The validation set of `c` (`given`, or opened here), checked to hold the batches an
+// evaluation runs, and their order (DataSharder without shuffle). Null without validation.
+struct Validation {
+  std::shared_ptr<const TokenDataset> data;
+  std::unique_ptr<DataSharder> order;
+  int64_t batches = 0;
+};
+Validation open_validation(const TrainConfig& c, std::shared_ptr<const TokenDataset> given);
 // The mean next-token loss of a batch [B, seq + 1].
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked);
 // The Hugging Face name of each parameter of the config's model, after checking the
@@ -84,6 +92,7 @@ struct Trainer::Impl {
   std::vector<FSDPHandle> handles;
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<DataSharder> sharder;
+  internal::Validation validation;  // eval_interval > 0
   int64_t dp_rank = 0;
   std::vector<at::Tensor> params;
   // Per params[i]: its name in the whole model and its box of the global tensor.

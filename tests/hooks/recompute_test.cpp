@@ -19,12 +19,14 @@ struct MlpImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& gate) {
     if (hp::in_recompute()) ++recomputes;
     ++forwards;
+    if (hp::in_differentiated_forward()) ++differentiated;
     at::Tensor h = x;
     for (auto& l : fc) h = torch::nn::functional::gelu(hp::call(l, h)) * gate + h;
     return h;
   }
   std::vector<torch::nn::Linear> fc;
   int forwards = 0, recomputes = 0;
+  int differentiated = 0;  // forwards in_differentiated_forward() said true in
 };
 TORCH_MODULE(Mlp);
 
@@ -61,6 +63,9 @@ TEST(Recompute, FullRecomputeGivesBitwiseGradientsAndHoldsLess) {
   EXPECT_EQ(m->forwards, 3) << "one forward without recomputation, two with";
   EXPECT_EQ(m->recomputes, 1);
   EXPECT_FALSE(hp::in_recompute());
+  // Every one of them is differentiated: the first forward under recompute runs without
+  // grad mode, yet its backward recomputes it.
+  EXPECT_EQ(m->differentiated, 3);
   for (size_t i = 0; i < plain.params.size(); ++i) EXPECT_TRUE(at::equal(plain.params[i], ckpt.params[i])) << i;
   EXPECT_TRUE(at::equal(plain.x, ckpt.x));
   EXPECT_TRUE(at::equal(plain.gate, ckpt.gate));
@@ -101,6 +106,7 @@ TEST(Recompute, WithoutGradModeItIsAPlainCall) {
   at::Tensor y = hp::recompute(m, x, gate);
   EXPECT_FALSE(y.requires_grad());
   EXPECT_TRUE(at::equal(y, hp::call(m, x, gate)));
+  EXPECT_EQ(m->differentiated, 0) << "a forward without gradients is not differentiated";
 }
 
 // A gradient hook registered with hp::on_gradient runs once per backward under recompute,

@@ -104,25 +104,37 @@ grep -q 'dp_replicate=1 dp_shard=2048 ep=1 tp=1 pp=1: needs .* per rank without 
   fail "a 671B model was not refused"
 grep -q 'needs about .* per rank' "$work/out" || fail "no memory error: $(cat "$work/out")"
 
-# 2 ranks (FSDP), fp32, --verify: losses match one process to rounding.
+# 2 ranks (FSDP), fp32, --verify, validation after steps 3 and 6: losses and validation
+# losses match one process to rounding.
 out=$work/run
 n=2; [ -n "$mpirun" ] || n=1
 run_np $n --config "$cfg" --verify --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 \
-  --set params_dtype=float32 --set compute_dtype=float32 --set output_dir="$out" > "$work/out" 2>&1 ||
+  --set params_dtype=float32 --set compute_dtype=float32 --set output_dir="$out" \
+  --set eval_interval=3 --set eval_steps=2 > "$work/out" 2>&1 ||
   fail "training run failed: $(cat "$work/out")"
-grep -q '^step 6/6 | loss ' "$work/out" || fail "no progress line for step 6: $(cat "$work/out")"
+grep -q '^step 6/6 | loss .* | valid [0-9.]* ' "$work/out" || fail "no progress line with the validation loss for step 6: $(cat "$work/out")"
 grep -q '^done: 6 steps' "$work/out" || fail "no summary"
+grep -q 'validation every 3 steps on 2 batches of held-out synthetic samples' "$work/out" || fail "no validation in the startup lines"
+for s in 3 6; do
+  grep -q "^validation after step $s/6 | loss [0-9.]* | ppl [0-9.]* | 2.0k tokens" "$work/out" ||
+    fail "no validation line after step $s: $(cat "$work/out")"
+done
 diff=$(sed -n 's/^verify: largest |loss - single-process loss| over 6 steps: \([0-9.e+-]*\) .*/\1/p' "$work/out")
 [ -n "$diff" ] || fail "no verify line: $(cat "$work/out")"
 python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "verify difference $diff >= 1e-5"
-[ "$(grep -c '"step":' "$out/metrics.jsonl")" = 6 ] || fail "metrics.jsonl should have 6 step lines"
+diff=$(sed -n 's/^verify: largest |validation loss - single-process validation loss| over 2 evaluations: \([0-9.e+-]*\) .*/\1/p' "$work/out")
+[ -n "$diff" ] || fail "no validation verify line: $(cat "$work/out")"
+python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "validation verify difference $diff >= 1e-5"
+[ "$(grep -c '^{"step":' "$out/metrics.jsonl")" = 6 ] || fail "metrics.jsonl should have 6 step lines"
+[ "$(grep -c '^{"eval":{"step":[36],"loss":' "$out/metrics.jsonl")" = 2 ] || fail "metrics.jsonl should have 2 eval lines"
+grep -q '>validation<' "$out/loss.svg" || fail "loss.svg does not draw the validation loss"
 grep -q '"summary":{"steps":6' "$out/metrics.jsonl" || fail "metrics.jsonl has no summary"
 # The experts' load of each MoE block (layers 1 and 2): every token of the global batch
 # picks 2 of 8 experts, so 16 x 64 x 2 / 8 = 256 tokens per expert on average.
 grep -q '^step 6/6 | .* | experts max/mean [0-9.]*' "$work/out" || fail "no expert load in the progress line: $(cat "$work/out")"
 python3 - "$out/metrics.jsonl" <<'PY' || fail "metrics.jsonl: wrong expert load: $(cat "$out/metrics.jsonl")"
 import json, sys
-steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
+steps = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"step"')]
 assert len(steps) == 6
 for s in steps:
     load = s["expert_load"]

@@ -133,6 +133,12 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"data:\n  type: binary\n", {}, 4, {"data.type=binary", "data.path"}},
       {"data:\n  path: x.bin\n", {}, 4, {"data.path='x.bin'", "binary, text or megatron"}},
       {"data:\n  type: text\n  path: a.txt\nmodel:\n  vocab: 100\n", {}, 4, {"data.type=text", "model.vocab=100"}},
+      // validation: a set to read, read only when evaluating
+      {"data:\n  valid_path: v.bin\n", {}, 4, {"data.valid_path='v.bin'", "eval_interval > 0"}},
+      {"eval_interval: 5\ndata:\n  valid_path: v.bin\n", {}, 4, {"data.valid_path='v.bin'", "synthetic data holds out"}},
+      {"eval_interval: 5\neval_steps: 0\n", {}, 4, {"eval_steps=0", "synthetic"}},
+      {"eval_interval: 5\ndata:\n  type: binary\n  path: x.bin\n", {}, 4, {"eval_interval=5", "data.valid_path"}},
+      {"eval_interval: -1\n", {}, 4, {"eval_interval", "-1"}},
       {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
       // expert parallelism: experts to split, ranks to split them over (the tp ranks and
       // dp_shard ones, with sequence parallel), layouts not built

@@ -12,6 +12,7 @@
 #include "hp/core/error.h"
 #include "hp/train/data.h"
 #include "hp/train/report.h"
+#include "test_util.h"
 
 namespace ht = hp::train;
 
@@ -312,6 +313,50 @@ TEST(TrainData, SyntheticIsDeterministicAndLearnable) {
   EXPECT_GT(next.size(), 100u);  // yet the corpus uses most of the vocabulary
 }
 
+// The validation set: for synthetic data eval_steps global batches of samples held out
+// after the training corpus (the same chain: sample k is the larger corpus's sample
+// num_samples + k); for a file, data.valid_path read as data.type, its errors naming that
+// key; an evaluation's batch count checked against what the set holds.
+TEST(TrainData, ValidationSetIsHeldOutOrItsOwnFile) {
+  ht::TrainConfig c = ht::parse_config(
+      "data:\n  num_samples: 20\neval_interval: 3\neval_steps: 2\nglobal_batch_size: 4\nseq_length: 16\n");
+  c.validate(1);
+  auto valid = ht::make_validation_dataset(c);
+  ASSERT_EQ(valid->size(), 8);
+  EXPECT_EQ(ht::validation_batches(c, *valid), 2);
+  ht::DataSpec larger = c.data;
+  larger.num_samples = 28;
+  auto corpus = ht::make_dataset(larger, 16, c.model->vocab(), c.seed);
+  for (int64_t k = 0; k < 8; ++k) {
+    EXPECT_TRUE(at::equal(ht::load_batch(*valid, {k}, 16), ht::load_batch(*corpus, {20 + k}, 16))) << k;
+  }
+  EXPECT_NE(valid->describe().find("held out"), std::string::npos) << valid->describe();
+
+  // A file: 3 samples of 16 + 1 tokens (49 tokens).
+  std::vector<uint16_t> toks(49);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i % 200);
+  const std::string train = temp_file("train.bin", raw(toks)), held = temp_file("valid.bin", raw(toks));
+  ht::TrainConfig f = ht::parse_config("data:\n  type: binary\n  path: " + train + "\n  valid_path: " + held +
+                                       "\neval_interval: 3\neval_steps: 0\nglobal_batch_size: 2\nseq_length: 16\n");
+  f.validate(1);
+  auto fv = ht::make_validation_dataset(f);
+  EXPECT_EQ(fv->size(), 3);
+  EXPECT_EQ(ht::validation_batches(f, *fv), 1) << "all whole batches: 3 samples hold one of 2";
+  f.eval_steps = 2;
+  hp::test::expect_error([&] { ht::validation_batches(f, *fv); },
+                         {"eval_steps=2", "4 validation samples", held, "holds 3"});
+  f.eval_steps = 0;
+  f.global_batch_size = 4;
+  hp::test::expect_error([&] { ht::validation_batches(f, *fv); }, {held, "fewer than one global batch"});
+  // Its errors name data.valid_path, not data.path.
+  toks[30] = 60000;
+  f.data.valid_path = temp_file("valid_bad.bin", raw(toks));
+  hp::test::expect_error([&] { ht::make_validation_dataset(f); },
+                         {"data.valid_path '" + f.data.valid_path + "'", "token 30 is 60000"});
+  f.data.valid_path = ::testing::TempDir() + "/hp_data_test_missing.bin";
+  hp::test::expect_error([&] { ht::make_validation_dataset(f); }, {"data.valid_path '", "cannot open"});
+}
+
 // Every sample exactly once per epoch, the ranks' micro-batches partition the global
 // batch, and rank r's part is the r-th slice of a single process's micro-batch.
 TEST(TrainData, SharderGivesEachSampleOncePerEpoch) {
@@ -369,11 +414,20 @@ TEST(TrainReport, LinesAndFiles) {
   st.grad_norm = 0.5;
   st.tokens_per_s = 12345;
   st.peak_bytes = 3 << 20;
-  std::string line = ht::progress_line(st, 50, 65, 2.5001);
+  std::string line = ht::progress_line(st, 50, 65, 2.5001, 2.75);
   for (const char* want : {"step  3/50", "loss 2.5000", "lr 1.00e-03", "grad norm 0.500", "12.3k tok/s",
-                           "peak 3.0 MiB", "ETA 1:05", "ref diff 1.0e-04"}) {
+                           "peak 3.0 MiB", "ETA 1:05", "valid 2.7500", "ref diff 1.0e-04"}) {
     EXPECT_NE(line.find(want), std::string::npos) << line << " lacks " << want;
   }
+  EXPECT_EQ(ht::progress_line(st, 50, 65, std::nan(""), std::nan("")).find("valid"), std::string::npos);
+  ht::EvalStats ev;
+  ev.step = 4;
+  ev.loss = std::log(20.0);
+  ev.perplexity = 20;
+  ev.tokens = 4096;
+  ev.seconds = 1.2;
+  const std::string eline = ht::eval_line(ev, 50, std::nan(""));
+  EXPECT_EQ(eline, "validation after step 4/50 | loss 2.9957 | ppl 20.00 | 4.1k tokens in 0:01") << eline;
   EXPECT_EQ(ht::format_duration(3723), "1:02:03");
   std::string jsonl = ::testing::TempDir() + "/hp_metrics.jsonl", svg = ::testing::TempDir() + "/hp_loss.svg";
   std::remove(jsonl.c_str());
@@ -381,23 +435,36 @@ TEST(TrainReport, LinesAndFiles) {
   {
     ht::MetricsLog m(jsonl);
     m.step(st, std::nan(""));
+    m.eval(ev, 3.0);
     m.summary({{"final_loss", 2.5}, {"bad", std::nan("")}});
     EXPECT_FALSE(std::ifstream(jsonl).good()) << "the final name appeared before the log was finished";
     m.finish();
   }
   std::ifstream f(jsonl);
-  std::string l1, l2;
+  std::string l1, le, l2;
   std::getline(f, l1);
+  std::getline(f, le);
   std::getline(f, l2);
   EXPECT_EQ(l1.rfind("{\"step\":3,\"loss\":2.5,", 0), 0u) << l1;
   EXPECT_EQ(l1.find("reference_loss"), std::string::npos);
+  EXPECT_EQ(le, "{\"eval\":{\"step\":4,\"loss\":2.99573227,\"perplexity\":20,\"tokens\":4096,\"seconds\":1.2,"
+                "\"reference_loss\":3}}");
   EXPECT_EQ(l2, "{\"summary\":{\"final_loss\":2.5,\"bad\":null}}");
-  ht::write_loss_svg(svg, {3, 2, 1}, {3, 2.1, 1.1}, "a <b>");
+  ht::LossCurve curve;
+  curve.loss = {3, 2, 1};
+  curve.reference = {3, 2.1, 1.1};
+  curve.validation = {{2, 2.5}, {3, 1.5}};
+  ht::write_loss_svg(svg, curve, "a <b>");
   std::ifstream g(svg);
   std::string text((std::istreambuf_iterator<char>(g)), std::istreambuf_iterator<char>());
   EXPECT_EQ(text.rfind("<svg", 0), 0u);
   EXPECT_NE(text.find("a &lt;b&gt;"), std::string::npos);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n') > 10, true);
   EXPECT_NE(text.find("stroke-dasharray"), std::string::npos);  // the reference curve
+  // The two validation points, each a marker.
+  size_t circles = 0;
+  for (size_t at = text.find("<circle"); at != std::string::npos; at = text.find("<circle", at + 1)) ++circles;
+  EXPECT_EQ(circles, 2u);
+  EXPECT_NE(text.find(">validation<"), std::string::npos);
   EXPECT_THROW(ht::MetricsLog("/nonexistent/dir/m.jsonl"), hp::Error);
 }

@@ -142,10 +142,49 @@ ht::TrainConfig small_config(const std::string& type, int world, int64_t tp = 1,
 // sample order. With `masters` (bf16 parameters, fp32 accumulation): forward and backward
 // in the parameters' dtype, gradients summed in fp32, AdamW on fp32 copies, the model
 // given the rounded result after each step.
+// With eval_interval, the validation loss after every eval_interval-th step and the last:
+// the mean cross-entropy over eval_steps global batches of synthetic samples held out after
+// the training corpus's (indices num_samples onward, read here from a larger corpus of the
+// same seed), taken in order, of a copy of the model (so evaluating cannot change the run
+// here, whatever the model does in a forward).
 struct Naive {
   std::vector<double> losses, norms;  // per step; norms before clipping
+  std::vector<double> valid_losses;   // per evaluation
   std::unique_ptr<ht::TrainModel> model;
 };
+
+double naive_validation_loss(const ht::TrainConfig& c, ht::TrainModel& trained) {
+  auto copy = ht::make_model(c);
+  {
+    at::NoGradGuard ng;
+    auto from = trained.root().named_parameters();
+    for (auto& p : copy->root().named_parameters()) p.value().copy_(from[p.key()]);
+    auto from_buffers = trained.root().named_buffers();
+    for (auto& b : copy->root().named_buffers()) b.value().copy_(from_buffers[b.key()]);
+  }
+  ht::DataSpec larger = c.data;
+  larger.num_samples = c.data.num_samples + c.eval_steps * c.global_batch_size;
+  auto corpus = ht::make_dataset(larger, c.seq_length, c.model->vocab(), c.seed);
+  const int64_t per_micro = c.global_batch_size / c.micro_batch_num;
+  double sum = 0;
+  at::NoGradGuard ng;
+  for (int64_t b = 0; b < c.eval_steps; ++b) {
+    for (int64_t j = 0; j < c.micro_batch_num; ++j) {
+      std::vector<int64_t> samples;
+      for (int64_t k = 0; k < per_micro; ++k) samples.push_back(c.data.num_samples + b * c.global_batch_size + j * per_micro + k);
+      at::Tensor batch = ht::load_batch(*corpus, samples, c.seq_length);
+      at::Tensor logits = copy->forward(batch.narrow(1, 0, c.seq_length), false).to(at::kDouble);
+      sum += torch::nn::functional::cross_entropy(logits.reshape({-1, c.model->vocab()}),
+                                                  batch.narrow(1, 1, c.seq_length).reshape({-1}))
+                 .item<double>();
+    }
+  }
+  return sum / static_cast<double>(c.eval_steps * c.micro_batch_num);
+}
+
+bool eval_due(const ht::TrainConfig& c, int64_t step) {
+  return c.eval_interval > 0 && (step % c.eval_interval == 0 || step == c.train_steps);
+}
 
 Naive naive_run(const ht::TrainConfig& c, bool masters = false) {
   Naive out;
@@ -199,6 +238,7 @@ Naive naive_run(const ht::TrainConfig& c, bool masters = false) {
       for (size_t i = 0; i < all.size(); ++i) model_params[i].copy_(all[i]);
     }
     out.model->after_step(nullptr);
+    if (eval_due(c, step + 1)) out.valid_losses.push_back(naive_validation_loss(c, *out.model));
   }
   return out;
 }
@@ -225,14 +265,27 @@ at::Tensor tp_whole(const at::Tensor& piece, const at::Tensor& param, const hp::
 }
 
 // Every step's loss and grad norm of `t` and of hp-train --verify's reference trainer
-// against the naive run's.
+// against the naive run's; with eval_interval, the validation losses too (evaluated between
+// the steps, which must then go on as the naive run's did).
 // Returns the trainer's last step.
 ht::StepStats expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const Naive& naive, const std::string& label) {
   ht::ReferenceTrainer ref(c);
   ht::StepStats last;
+  size_t evals = 0;
   for (int64_t s = 0; s < c.train_steps; ++s) {
     ht::StepStats st = t.step(), rs = ref.step();
     last = st;
+    if (eval_due(c, s + 1)) {
+      EXPECT_LT(evals, naive.valid_losses.size()) << label;
+      if (evals >= naive.valid_losses.size()) return last;
+      const double want = naive.valid_losses[evals++];
+      const ht::EvalStats ev = t.evaluate(), rev = ref.evaluate();
+      EXPECT_NEAR(ev.loss, want, 1e-10 * want) << label << ": validation after step " << s + 1;
+      EXPECT_NEAR(rev.loss, want, 1e-10 * want) << "reference trainer: validation after step " << s + 1;
+      EXPECT_EQ(ev.step, s + 1) << label;
+      EXPECT_EQ(ev.tokens, c.eval_steps * c.global_batch_size * c.seq_length) << label;
+      EXPECT_DOUBLE_EQ(ev.perplexity, std::exp(ev.loss)) << label;
+    }
     EXPECT_NEAR(st.loss, naive.losses[s], 1e-10 * naive.losses[s]) << label << " step " << s + 1;
     EXPECT_NEAR(rs.loss, naive.losses[s], 1e-10 * naive.losses[s]) << "reference trainer, step " << s + 1;
     EXPECT_NEAR(st.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << label << " step " << s + 1;
@@ -240,6 +293,7 @@ ht::StepStats expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const
     EXPECT_GT(naive.norms[s], c.clip_grad) << "clipping was not exercised";
   }
   EXPECT_LT(naive.losses.back(), naive.losses.front());
+  EXPECT_EQ(evals, naive.valid_losses.size()) << label;
   return last;
 }
 
@@ -275,6 +329,8 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
   }
   c.pipeline_stage_layers = stage_layers;
   if (tie) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
+  c.eval_interval = 2;  // validation after steps 2, 4 and 5
+  c.eval_steps = 2;
   c.validate(w->size());
   c.params_dtype = c.compute_dtype = at::kDouble;
   Naive naive = naive_run(c);
@@ -633,6 +689,8 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     c.moe_dispatcher = l.dispatcher;
     c.recompute = l.recompute;
     c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = l.aux_loss_coeff;
+    c.eval_interval = 2;
+    c.eval_steps = 2;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
     const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " tp " + std::to_string(l.tp) +

@@ -51,6 +51,12 @@ enum class RecomputePolicy {
 // True while a recomputed module's forward is being recomputed on this thread.
 bool in_recompute();
 
+// True where the forward running on this thread will be differentiated: under grad mode,
+// or in a recomputed module's first forward (which runs without grad mode; its backward
+// recomputes it). False in a forward without gradients (a validation pass), whose side
+// effects a module may then skip.
+bool in_differentiated_forward();
+
 // Registers `fn` on the gradient of `leaf` (a tensor that requires grad and has no grad_fn,
 // a parameter), to run once per backward, when the gradient reaches the leaf's accumulator
 // (fully_shard's and recompute's backwards included), as Tensor::register_hook does on

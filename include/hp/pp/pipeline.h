@@ -110,6 +110,17 @@ class Pipeline {
   // must not change state in its forward.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
 
+  // The mean loss of a batch split as step() splits it, forwards only, without gradients (a
+  // validation loss): each rank runs its stages in stage order, all micro-batches of one
+  // stage before the next, the activations moving on the same links as step()'s; a
+  // fully_shard'ed stage is gathered once for its micro-batches and resharded after them.
+  // Every wait is for a stage-micro-batch earlier in (stage, micro-batch) order, in which
+  // every rank runs its own and every link carries its messages, so the order completes.
+  // Gradients and the optimizer's inputs are left as they are; the stages must not change
+  // state in a forward without grad mode. Returns what step() returns (the mean on the last
+  // stage's rank). The first call of either runs step()'s shape check first.
+  at::Tensor evaluate(const at::Tensor& inputs, const at::Tensor& targets);
+
   const Schedule& schedule() const { return schedule_; }
   bool holds_stage(int stage) const;
   int rank() const { return rank_; }
@@ -122,6 +133,13 @@ class Pipeline {
     bool failed = false;  // the shape check's: the stage before failed
   };
   static Meta decode_header(const at::Tensor& h);
+  // Splits a step's inputs and targets into the micro-batches (checked) and runs the shape
+  // check the first time.
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> micro_batches(const at::Tensor& inputs,
+                                                                            const at::Tensor& targets,
+                                                                            const char* caller);
+  // Clears what a failed step or evaluation left and marks the pipeline broken.
+  void abandon();
   void check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_transfer(const Action& a);

@@ -96,6 +96,8 @@ std::string to_string(E e) {
 struct DataSpec {
   DataType type = DataType::kSynthetic;
   std::string path;                              // binary and text
+  // The validation set, read as `type` (eval_interval > 0); synthetic data holds out its own.
+  std::string valid_path;
   TokenDtype token_dtype = TokenDtype::kUint16;  // binary
   int64_t num_samples = 4096;                    // synthetic corpus size
   bool shuffle = true;                           // a new order every epoch
@@ -168,6 +170,11 @@ struct TrainConfig {
   int64_t train_steps = 20;
   uint64_t seed = 1234;
   int64_t log_interval = 1;
+  // Validation every eval_interval steps and after the last (0: none): the mean next-token
+  // loss of eval_steps global batches of the validation set (0: all of its whole batches),
+  // the same batches every time, without gradients, under the training layout.
+  int64_t eval_interval = 0;
+  int64_t eval_steps = 10;
   std::string output_dir = "hp-train-out";  // metrics.jsonl and loss.svg; "" = none
 
   // Where the config came from (for messages), and the keys it set.

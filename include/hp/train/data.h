@@ -15,6 +15,9 @@
 //              uint16, int32 or int64). The index is checked against the .bin at open:
 //              header, version, dtype, sizes, each sequence's pointer and the document
 //              index.
+// The validation set (eval_interval > 0) is data.valid_path of the same type, or for
+// synthetic data samples held out of the same corpus; an evaluation reads its first
+// batches in order (DataSharder without shuffle), the same ones every time.
 // Files are checked when opened: size, every token < vocab, valid UTF-8, at least one
 // sample; errors name the file and the offending offset and value.
 //
@@ -50,6 +53,15 @@ class TokenDataset {
 
 std::unique_ptr<TokenDataset> make_dataset(const DataSpec& spec, int64_t seq_length, int64_t vocab,
                                            uint64_t seed);
+// The validation set of a validated config with eval_interval > 0: data.valid_path read as
+// data.type (its errors name data.valid_path), or for synthetic data eval_steps x
+// global_batch_size samples held out of the same corpus (those after its num_samples: the
+// same chain, never trained on).
+std::unique_ptr<TokenDataset> make_validation_dataset(const TrainConfig& c);
+// The global batches one evaluation runs: eval_steps, or with eval_steps 0 all the whole
+// batches `valid` holds (a last partial one is left out). Raises naming the sizes when it
+// holds fewer samples than that needs (or than one batch).
+int64_t validation_batches(const TrainConfig& c, const TokenDataset& valid);
 
 class DataSharder {
  public:

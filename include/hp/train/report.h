@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/train/trainer.h"
@@ -18,7 +19,13 @@ std::string format_rate(double per_second);   // "12.3k"
 // "step  12/50 | loss 3.2145 | lr 2.10e-03 | grad norm 0.873 | 12.3k tok/s | peak 45.2 MiB
 //  | ETA 0:32", plus " | experts max/mean 1.42" (the most imbalanced MoE block) for a model
 // with routed experts and " | ref diff 1.2e-05" when `ref_loss` is given (not NaN).
-std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss);
+// " | valid 3.0123" follows when `valid_loss` (the last validation loss) is not NaN.
+std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s, double ref_loss,
+                          double valid_loss);
+
+// "validation after step 10/50 | loss 3.1234 | ppl 22.80 | 4.1k tokens in 0:01", plus
+// " | ref diff 1.2e-05" when `ref_loss` is given (not NaN).
+std::string eval_line(const EvalStats& e, int64_t total_steps, double ref_loss);
 
 // --verify: each step's loss against the single-process reference's.
 struct LossComparison {
@@ -29,14 +36,18 @@ struct LossComparison {
   // difference stays the worst.
   void add(int64_t step, double loss, double ref);
   // "verify: largest |loss - single-process loss| over N steps: ... at step K (relative ...)"
-  std::string line(int64_t steps) const;
+  std::string line(int64_t steps) const { return line(steps, "loss", "steps"); }
+  // The same of another figure: "verify: largest |validation loss - single-process
+  // validation loss| over 3 evaluations: ..."
+  std::string line(int64_t count, const std::string& what, const std::string& unit) const;
 };
 
 // "done: 6 steps in 0:03 | loss 5.5588 -> 5.1116 | 19.3k tok/s | peak 20.1 MiB per rank"
 std::string summary_line(const TrainSummary& s);
 
 // One JSON object per line: every step's figures (with "expert_load": [{"layer",
-// "tokens_max", "tokens_mean"}, ...] for a model with routed experts), then a summary object.
+// "tokens_max", "tokens_mean"}, ...] for a model with routed experts), each validation's
+// (an "eval" object, after its step's line), then a summary object.
 // metrics.jsonl, written as `path`.partial and flushed at every step (so a crash leaves
 // the steps so far there), then renamed to `path` by finish(): a reader never sees a
 // half-written file under the final name. Every write is checked; a failure (a full disk)
@@ -45,6 +56,8 @@ class MetricsLog {
  public:
   explicit MetricsLog(const std::string& path);  // raises naming the path
   void step(const StepStats& s, double ref_loss);
+  // {"eval":{"step","loss","perplexity","tokens","seconds"[,"reference_loss"]}}
+  void eval(const EvalStats& e, double ref_loss);
   void summary(const std::vector<std::pair<std::string, double>>& fields);
   void finish();  // closes and renames to the final name
 
@@ -54,10 +67,16 @@ class MetricsLog {
   std::string path_, partial_;
 };
 
-// Loss against step; `ref` (may be empty) drawn dashed as the single-process reference.
-// Written to `path`.partial, checked, then renamed to `path`; raises naming the file and
-// the OS error.
-void write_loss_svg(const std::string& path, const std::vector<double>& loss, const std::vector<double>& ref,
-                    const std::string& title);
+// What the loss curve draws, by step.
+struct LossCurve {
+  std::vector<double> loss;  // training loss of steps first_step + 1, first_step + 2, ...
+  int64_t first_step = 0;
+  std::vector<double> reference;                        // of steps 1, 2, ... (--verify); may be empty
+  std::vector<std::pair<int64_t, double>> validation;   // (step, validation loss); may be empty
+};
+// Loss against step: the training loss, the single-process reference dashed, the validation
+// loss as marked points joined by a line. Written to `path`.partial, checked, then renamed
+// to `path`; raises naming the file and the OS error.
+void write_loss_svg(const std::string& path, const LossCurve& curve, const std::string& title);
 
 }  // namespace hp::train

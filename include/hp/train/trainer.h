@@ -80,6 +80,15 @@ struct StepStats {
   std::vector<ExpertLoad> expert_load;
 };
 
+// One evaluation of the validation set (Trainer::evaluate).
+struct EvalStats {
+  int64_t step = 0;        // after this many steps
+  double loss = 0;         // mean next-token loss over the batches evaluated
+  double perplexity = 0;   // exp(loss)
+  int64_t tokens = 0;      // tokens evaluated
+  double seconds = 0;      // slowest rank
+};
+
 // A model hp-train can train: any family's, behind one interface (hp/models/family.h).
 using TrainModel = models::Model;
 // Built in fp32, initialized from the seed (layout-independent), then cast to params_dtype.
@@ -106,6 +115,8 @@ struct TrainCallbacks {
   std::function<void(const StepStats&)> on_step;
   // The checkpoint's folder; `background`: being written while training goes on.
   std::function<void(const std::string& dir, bool background)> on_save;
+  // After each evaluation (eval_interval).
+  std::function<void(const EvalStats&)> on_eval;
 };
 
 // A run of Trainer::train.
@@ -116,16 +127,28 @@ struct TrainSummary {
   double tokens_per_s = 0;   // after the first step (allocations and caches warming up); one step: that one
   int64_t peak_bytes = 0;    // largest tensor-memory peak of any step on any rank
   std::vector<double> losses;
+  std::vector<EvalStats> evals;
 };
 
 class Trainer {
  public:
   // `world` must have data_parallel x data_parallel_shard ranks; `c` validated. `data`:
-  // the config's dataset when already opened (null: opened here).
-  Trainer(const TrainConfig& c, CommPtr world, std::shared_ptr<const TokenDataset> data = nullptr);
+  // the config's dataset when already opened (null: opened here); `valid` the same for the
+  // validation set (eval_interval > 0: make_validation_dataset).
+  Trainer(const TrainConfig& c, CommPtr world, std::shared_ptr<const TokenDataset> data = nullptr,
+          std::shared_ptr<const TokenDataset> valid = nullptr);
   ~Trainer();
   StepStats step();  // the next step
-  // Trains from steps_done() to train_steps: on_step after each step; a save through
+  // The validation loss of the model as it is now (needs eval_interval > 0): the first
+  // validation_batches() global batches of the validation set, in order, each split over
+  // the data-parallel ranks and micro-batches as a training step's batch is, forward only
+  // without gradients under the training layout (a pipeline runs Pipeline::evaluate). The
+  // mean over every micro-batch's mean loss (equal sizes: the mean over every token).
+  // Nothing of the training state changes: parameters are resharded after, and the MoE's
+  // balancing load counts training forwards only. Collective over the world.
+  EvalStats evaluate();
+  // Trains from steps_done() to train_steps: on_step after each step; with eval_interval,
+  // evaluate() every eval_interval steps and after the last, then on_eval; a save through
   // `checkpoints` (when given) after each step it says is due, then on_save; at the end a
   // background save is waited for. Every rank raises alike: TrainingDiverged for a loss or
   // norm that is not finite, hp::Error for a save that failed on any rank.
@@ -194,9 +217,12 @@ void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const Co
 class ReferenceTrainer {
  public:
   // `c` validated for the real layout.
-  explicit ReferenceTrainer(const TrainConfig& c, std::shared_ptr<const TokenDataset> data = nullptr);
+  explicit ReferenceTrainer(const TrainConfig& c, std::shared_ptr<const TokenDataset> data = nullptr,
+                            std::shared_ptr<const TokenDataset> valid = nullptr);
   ~ReferenceTrainer();
   StepStats step();
+  // The validation loss on the same batches as Trainer::evaluate, in one process.
+  EvalStats evaluate();
   TrainModel& model();
 
   struct Impl;
