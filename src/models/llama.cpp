@@ -31,8 +31,10 @@ namespace {
 template <typename T>
 T count_block(const LlamaConfig& c) {
   const T dim = c.dim, hd = c.head_dim();
-  const T attn = dim * T(c.heads) * hd + T(2) * dim * T(c.kv_heads) * hd + T(c.heads) * hd * dim;
-  return attn + T(3) * dim * T(c.hidden_dim()) + T(2) * dim;  // two RMSNorm weights
+  const T attn = dim * T(c.heads) * hd + T(2) * dim * T(c.kv_heads) * hd + T(c.heads) * hd * dim +
+                 (c.attention_bias ? T(c.heads) * hd + T(2) * T(c.kv_heads) * hd + dim : T(0));
+  const T mlp = T(3) * dim * T(c.hidden_dim()) + (c.mlp_bias ? T(2) * T(c.hidden_dim()) + dim : T(0));
+  return attn + mlp + T(2) * dim;  // two RMSNorm weights
 }
 template <typename T>
 T count_params(const LlamaConfig& c) {
@@ -50,7 +52,9 @@ void LlamaConfig::validate() const {
   HP_CHECK(vocab > 0 && dim > 0 && layers > 0 && heads > 0 && kv_heads > 0 && max_seq > 0,
            "llama config: vocab, dim, layers, heads, kv_heads and max_seq must be positive (got vocab=", vocab,
            " dim=", dim, " layers=", layers, " heads=", heads, " kv_heads=", kv_heads, " max_seq=", max_seq, ")");
-  HP_CHECK(dim % heads == 0, "llama config: dim=", dim, " is not divisible by heads=", heads);
+  HP_CHECK(explicit_head_dim >= 0, "llama config: head_dim=", explicit_head_dim, " must be positive (0: dim / heads)");
+  HP_CHECK(explicit_head_dim > 0 || dim % heads == 0, "llama config: dim=", dim, " is not divisible by heads=", heads,
+           " (or give head_dim)");
   HP_CHECK(head_dim() % 2 == 0, "llama config: head_dim=", head_dim(), " must be even for rotary embeddings");
   HP_CHECK(heads % kv_heads == 0, "llama config: heads=", heads, " is not divisible by kv_heads=", kv_heads);
   if (rope_scaling != RopeScaling::kNone) {
@@ -134,7 +138,9 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
     : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
-  auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  auto lin = [&c](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(c.attention_bias));
+  };
   wq = register_module("wq", lin(c.dim, heads * head_dim));
   wk = register_module("wk", lin(c.dim, kv_heads * head_dim));
   wv = register_module("wv", lin(c.dim, kv_heads * head_dim));
@@ -162,8 +168,10 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   return hp::call(wo, o);
 }
 
-SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden) {
-  auto lin = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool bias) {
+  auto lin = [bias](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+  };
   w1 = register_module("w1", lin(dim, hidden));
   w2 = register_module("w2", lin(hidden, dim));
   w3 = register_module("w3", lin(dim, hidden));
@@ -177,7 +185,7 @@ LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& c) {
   attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
   attn = register_module("attn", LlamaAttention(c));
   ffn_norm = register_module("ffn_norm", RMSNorm(c.dim, c.norm_eps));
-  mlp = register_module("mlp", SwiGLU(c.dim, c.hidden_dim()));
+  mlp = register_module("mlp", SwiGLU(c.dim, c.hidden_dim(), c.mlp_bias));
 }
 
 at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -354,6 +362,17 @@ std::vector<std::pair<std::string, std::string>> hf_names(const LlamaConfig& c) 
              {"ffn_norm.weight", "post_attention_layernorm.weight"}}) {
       out.emplace_back(ours + a, theirs + b);
     }
+    if (c.attention_bias) {
+      for (const char* p : {"q", "k", "v", "o"}) {
+        out.emplace_back(ours + "attn.w" + p + ".bias", theirs + "self_attn." + p + "_proj.bias");
+      }
+    }
+    if (c.mlp_bias) {
+      for (const auto& [a, b] : std::vector<std::pair<const char*, const char*>>{
+               {"w1", "gate_proj"}, {"w3", "up_proj"}, {"w2", "down_proj"}}) {
+        out.emplace_back(ours + "mlp." + a + ".bias", theirs + "mlp." + b + ".bias");
+      }
+    }
   }
   out.emplace_back("norm.weight", "model.norm.weight");
   if (!c.tie_embeddings) out.emplace_back("output.weight", "lm_head.weight");
@@ -375,8 +394,8 @@ std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
                       {"rope_scaling", nullptr},
                       {"rms_norm_eps", c.norm_eps},
                       {"hidden_act", "silu"},
-                      {"attention_bias", false},
-                      {"mlp_bias", false},
+                      {"attention_bias", c.attention_bias},
+                      {"mlp_bias", c.mlp_bias},
                       {"tie_word_embeddings", c.tie_embeddings},
                       {"torch_dtype", detail::hf_dtype_name(dtype)}};
   if (c.rope_scaling == RopeScaling::kLinear) {
@@ -419,7 +438,6 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
   const detail::HfJson j(text, path);
   j.require("model_type", "llama", "not llama");
   j.require("hidden_act", "silu", "the model uses silu");
-  for (const char* key : {"attention_bias", "mlp_bias"}) j.require(key, false, "the model has no biases");
   LlamaConfig c;
   c.vocab = j.integer("vocab_size");
   c.dim = j.integer("hidden_size");
@@ -432,9 +450,13 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
   read_rope(j, c);
   c.norm_eps = j.real("rms_norm_eps", 1e-6);  // Hugging Face's default
   c.tie_embeddings = j.boolean("tie_word_embeddings", false);
-  if (j.has("head_dim")) {
-    HP_CHECK(c.heads > 0 && j.integer("head_dim") * c.heads == c.dim, "'", path, "': head_dim=",
-             j.json()["head_dim"].dump(), " is not hidden_size / num_attention_heads (not supported yet)");
+  c.attention_bias = j.boolean("attention_bias", false);
+  c.mlp_bias = j.boolean("mlp_bias", false);
+  // An explicit head_dim (null or absent: hidden_size / num_attention_heads) kept only where
+  // it differs, so a config that states the usual one reads as one that does not.
+  if (j.has("head_dim") && !j.json()["head_dim"].is_null()) {
+    const int64_t hd = j.integer("head_dim");
+    if (c.heads <= 0 || c.dim % c.heads != 0 || hd != c.dim / c.heads) c.explicit_head_dim = hd;
   }
   c.validate();
   return c;
@@ -449,6 +471,9 @@ void check_hf_config(const LlamaConfig& c, const std::string& text, const std::s
   same_as_hf("layers", "num_hidden_layers", c.layers, h.layers, path);
   same_as_hf("heads", "num_attention_heads", c.heads, h.heads, path);
   same_as_hf("kv_heads", "num_key_value_heads", c.kv_heads, h.kv_heads, path);
+  same_as_hf("head_dim", "head_dim", c.head_dim(), h.head_dim(), path);
+  same_as_hf("attention_bias", "attention_bias", c.attention_bias, h.attention_bias, path);
+  same_as_hf("mlp_bias", "mlp_bias", c.mlp_bias, h.mlp_bias, path);
   same_as_hf("rope_theta", "rope_theta", c.rope_theta, h.rope_theta, path);
   auto rope_type = [](RopeScaling s) {
     return std::string(s == RopeScaling::kNone ? "none" : s == RopeScaling::kLinear ? "linear" : "llama3");

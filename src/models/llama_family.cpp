@@ -41,7 +41,8 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
     const LlamaConfig& l = config;
     const double T = static_cast<double>(seq_length);
     FlopCount f;
-    f.block = 2.0 * static_cast<double>(l.block_params()) + 4.0 * T * static_cast<double>(l.dim);
+    f.block = 2.0 * static_cast<double>(l.block_params()) +
+              4.0 * T * static_cast<double>(l.heads) * static_cast<double>(l.head_dim());
     f.head = 2.0 * static_cast<double>(l.vocab * l.dim);
     return f;
   }
@@ -80,7 +81,9 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
 
  private:
   std::vector<detail::BlockKind> kinds() const {
-    return {detail::BlockKind{config.block_params(), 2 * config.dim, config.layers}};  // two norms whole
+    // Whole under tensor parallelism: the two norms, and the row-parallel projections' biases.
+    const int64_t whole = 2 * config.dim + (config.attention_bias ? config.dim : 0) + (config.mlp_bias ? config.dim : 0);
+    return {detail::BlockKind{config.block_params(), whole, config.layers}};
   }
   const ModelFamily& family_;
 };
@@ -112,6 +115,9 @@ class LlamaFamily : public ModelFamily {
         int_key<L>("kv_heads", &L::kv_heads, 1, "grouped-query key/value heads"),
         int_key<L>("ffn_dim", &L::ffn_dim, 0, "SwiGLU hidden size (0: 8/3 dim, rounded)"),
         bool_key<L>("tie_embeddings", &L::tie_embeddings, "output head shares the embedding"),
+        int_key<L>("head_dim", &L::explicit_head_dim, 0, "attention head size (0: dim / heads)"),
+        bool_key<L>("attention_bias", &L::attention_bias, "biases on the query, key, value and output projections"),
+        bool_key<L>("mlp_bias", &L::mlp_bias, "biases on the MLP's three projections"),
         choice_key<L>("rope_scaling", &L::rope_scaling, {"none", "linear", "llama3"},
                       "rotary frequencies stretched for longer contexts: none, all by rope_factor (linear), or "
                       "Llama 3.1's (llama3)"),

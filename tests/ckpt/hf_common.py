@@ -41,6 +41,16 @@ class Interop:
         self.check(name, theirs.shape == mine.shape and rel <= self.bound,
                    f"logits {tuple(mine.shape)}, max difference {rel:.2e} of the largest (bound {self.bound:.0e})")
 
+    def perturbed(self, model, name, **save_args):
+        """`model` with every parameter moved by 0.05 N(0, 1) (so that a swapped norm,
+        projection or bias shows), saved by save_pretrained to a new folder; returns it."""
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        folder = self.folder("hf_" + name)
+        model.save_pretrained(folder, **save_args)
+        return folder
+
     def folder(self, name):
         path = os.path.join(self.work, name)
         shutil.rmtree(path, ignore_errors=True)

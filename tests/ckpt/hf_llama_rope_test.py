@@ -36,11 +36,7 @@ def model_with(rope, name):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                       rope_parameters=params)
     model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    folder = t.folder("hf_" + name)
-    model.save_pretrained(folder)
+    folder = t.perturbed(model, name)
     return model, folder
 
 

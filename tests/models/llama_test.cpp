@@ -19,6 +19,21 @@ TEST(Llama, ParameterCountFromTheConfigMatchesTheModel) {
     for (const auto& p : m->parameters()) n += p.numel();
     EXPECT_EQ(n, c.num_params()) << "tied=" << tied;
   }
+  // An explicit head size and biases: counted by hand, per block q 64x(4x24) + 96, k and v
+  // 64x(2x24) + 48 each, o (96)x64 + 64; the MLP 3 x 64x160 + 2 x 160 + 64; two norms 64.
+  LlamaConfig v = LlamaConfig::tiny();
+  v.ffn_dim = 160;
+  v.explicit_head_dim = 24;
+  v.attention_bias = v.mlp_bias = true;
+  const int64_t block = (64 * 96 + 96) + 2 * (64 * 48 + 48) + (96 * 64 + 64) + (3 * 64 * 160 + 2 * 160 + 64) + 2 * 64;
+  EXPECT_EQ(v.block_params(), block);
+  EXPECT_EQ(v.num_params(), 2 * 256 * 64 + 2 * block + 64);
+  hp::models::Llama m(v);
+  int64_t n = 0;
+  for (const auto& p : m->parameters()) n += p.numel();
+  EXPECT_EQ(n, v.num_params());
+  EXPECT_EQ(m->named_parameters()["layers_0.attn.wq.weight"].sizes(), at::IntArrayRef({96, 64}));
+  EXPECT_TRUE(m->named_parameters().contains("layers_1.mlp.w2.bias"));
   // Published size, from the config alone: Llama 3 8B has 8.03 B parameters.
   EXPECT_NEAR(LlamaConfig::llama3_8b().num_params() / 1e9, 8.03, 0.01);
 }

@@ -319,9 +319,14 @@ void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const
 
 void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
                           ht::PipelineScheduleKind schedule = ht::PipelineScheduleKind::kAuto, const std::vector<int64_t>& stage_layers = {},
-                          bool tie = false, bool per_submodule = false) {
+                          bool tie = false, bool per_submodule = false, bool head_dim_and_biases = false) {
   auto w = hp::world();
   ht::TrainConfig c = small_config(type, w->size(), tp, pp, v);
+  if (head_dim_and_biases) {  // Llama: heads of 24 (not dim / heads = 16), every bias
+    auto& l = c.model.config<hp::models::LlamaConfig>();
+    l.explicit_head_dim = 24;
+    l.attention_bias = l.mlp_bias = true;
+  }
   c.pipeline_schedule = schedule;
   if (per_submodule) {
     c.comm_fusion = false;
@@ -417,6 +422,18 @@ TEST(TrainDist, WaitPerSubmoduleMatchesSingleProcess) {
     SCOPED_TRACE("pipeline_parallel=2, tied embeddings");
     expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true, /*per_submodule=*/true);
   }
+}
+// An explicit head size and biases on every projection: FSDP (HSDP at 4 ranks), tensor
+// parallelism (the column-parallel biases split, the row-parallel ones added once) and a
+// pipeline.
+TEST(TrainDist, LlamaHeadDimAndBiasesMatchSingleProcess) {
+  const auto kAuto = ht::PipelineScheduleKind::kAuto;
+  expect_matches_naive("llama", 1, 1, 1, kAuto, {}, false, false, /*head_dim_and_biases=*/true);
+  if (hp::world()->size() % 2 != 0) return;
+  SCOPED_TRACE("tensor_parallel=2");
+  expect_matches_naive("llama", 2, 1, 1, kAuto, {}, false, false, true);
+  SCOPED_TRACE("pipeline_parallel=2");
+  expect_matches_naive("llama", 1, 2, 1, kAuto, {}, false, false, true);
 }
 // tensor_parallel 2 with sequence parallel (and loss parallel): alone at 2 ranks, under
 // FSDP over dp_shard 2 at 4.

@@ -79,9 +79,16 @@ struct LlamaConfig {
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_seq = 8192;
+  // Attention head size when it is not dim / heads (0: dim / heads). The query and output
+  // projections are then dim x heads * head_dim (Hugging Face's explicit head_dim).
+  int64_t explicit_head_dim = 0;
+  // Biases: on the query, key, value and output projections (Hugging Face's attention_bias),
+  // and on the MLP's three (mlp_bias).
+  bool attention_bias = false;
+  bool mlp_bias = false;
 
   RopeOptions rope() const;
-  int64_t head_dim() const { return dim / heads; }
+  int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : dim / heads; }
   int64_t hidden_dim() const;
   // Parameters of the model, computed from the config alone (nothing allocated).
   int64_t num_params() const;
@@ -149,7 +156,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
 TORCH_MODULE(LlamaAttention);
 
 struct SwiGLUImpl : torch::nn::Module {
-  SwiGLUImpl(int64_t dim, int64_t hidden);
+  SwiGLUImpl(int64_t dim, int64_t hidden, bool bias = false);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
 };
