@@ -168,11 +168,17 @@ diff=$(sed -n 's/^verify: largest |loss - single-process loss| over 3 steps: \([
 [ -n "$diff" ] || fail "no verify line: $(cat "$work/out")"
 python3 -c "import sys; sys.exit(0 if float('$diff') < 1e-5 else 1)" || fail "grouped verify difference $diff >= 1e-5"
 
-# Text data through the byte tokenizer, one process.
+# Text data through the byte tokenizer, one process; the config's validation (every 10
+# steps) needs a file of the same type, refused at start without one.
 python3 -c "print('the quick brown fox jumps over the lazy dog. ' * 200)" > "$work/corpus.txt"
 "$bin" --config "$cfg" --set data.type=text --set data.path="$work/corpus.txt" --set data_parallel=1 \
-  --set train_steps=3 --set lr_warmup_steps=1 --set output_dir= > "$work/out" 2>&1 || fail "text run failed: $(cat "$work/out")"
+  --set train_steps=3 --set lr_warmup_steps=1 --set output_dir= > "$work/out" 2>&1 && fail "text data without data.valid_path was accepted"
+grep -q 'eval_interval=10 needs data.valid_path' "$work/out" || fail "missing validation set not named: $(cat "$work/out")"
+"$bin" --config "$cfg" --set data.type=text --set data.path="$work/corpus.txt" --set data_parallel=1 \
+  --set data.valid_path="$work/corpus.txt" --set train_steps=3 --set lr_warmup_steps=1 --set output_dir= \
+  > "$work/out" 2>&1 || fail "text run failed: $(cat "$work/out")"
 grep -q 'data: text file, 9001 tokens' "$work/out" || fail "text data not described: $(cat "$work/out")"
+grep -q '^validation after step 3/3 | loss ' "$work/out" || fail "no validation on the text file: $(cat "$work/out")"
 # Bad HP_* knobs: exit 1 with the knob and its range named, before anything runs.
 expect_knob_error() {  # VAR=value "expected text"
   env "$1" "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=1 --set lr_warmup_steps=0 --set output_dir= > "$work/out" 2>&1
