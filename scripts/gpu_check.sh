@@ -66,10 +66,12 @@ hp_train_vs_cpu() {  # name bound steps --set...
       grep -E "^hp-train:|dtypes|^done" || { echo "hp-train $name: the run failed"; return 1; }
   python3 - "$OUT_DIR/$name-cpu/metrics.jsonl" "$OUT_DIR/$name-cuda/metrics.jsonl" "$bound" <<'PY'
 import json, sys
-load = lambda p: [json.loads(l)["loss"] for l in open(p) if '"step"' in l]
+# Each step's loss, then each validation's (the demo config validates every 10 steps).
+load = lambda p: ([json.loads(l)["loss"] for l in open(p) if l.startswith('{"step"')] +
+                  [json.loads(l)["eval"]["loss"] for l in open(p) if l.startswith('{"eval"')])
 cpu, gpu, bound = load(sys.argv[1]), load(sys.argv[2]), float(sys.argv[3])
 worst = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu))
-print(f"hp-train cuda vs cpu: {len(gpu)} steps, loss {gpu[0]:.4f} -> {gpu[-1]:.4f}, "
+print(f"hp-train cuda vs cpu: {len(gpu)} losses (steps and validations), loss {gpu[0]:.4f} -> {gpu[-1]:.4f}, "
       f"largest relative difference {worst:.2e} (bound {bound:g})")
 sys.exit(0 if len(cpu) == len(gpu) > 0 and worst <= bound else 1)
 PY
