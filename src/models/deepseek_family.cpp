@@ -176,7 +176,7 @@ class DeepSeekFamily : public ModelFamily {
     HP_CHECK(name == "deepseek_v3", "model preset '", name, "' is not one of deepseek's: tiny, deepseek_v3");
     return std::make_unique<DeepSeekArgs>(*this, DeepSeekConfig::deepseek_v3());
   }
-  std::string hf_model_type() const override { return "deepseek_v3"; }
+  std::vector<std::string> hf_model_types() const override { return {"deepseek_v3"}; }
   std::unique_ptr<ModelArgs> from_hf_config(const std::string& text, const std::string& path) const override {
     return std::make_unique<DeepSeekArgs>(*this, deepseek_config_from_hf(text, path));
   }

@@ -87,10 +87,10 @@ std::unique_ptr<ModelArgs> model_from_hf_config(const std::string& text, const s
   const std::string type = j.json()["model_type"].get<std::string>();
   std::string known;
   for (const ModelFamily* f : model_families()) {
-    const std::string t = f->hf_model_type();
-    if (t.empty()) continue;
-    if (t == type) return f->from_hf_config(text, path);
-    known += (known.empty() ? "" : ", ") + t;
+    for (const std::string& t : f->hf_model_types()) {
+      if (t == type) return f->from_hf_config(text, path);
+      known += (known.empty() ? "" : ", ") + t;
+    }
   }
   throw Error(hp::detail::str_cat("'", path, "': model_type '", type, "' is not supported yet (read: ", known, ")"));
 }

@@ -32,7 +32,8 @@ template <typename T>
 T count_block(const LlamaConfig& c) {
   const T dim = c.dim, hd = c.head_dim();
   const T attn = dim * T(c.heads) * hd + T(2) * dim * T(c.kv_heads) * hd + T(c.heads) * hd * dim +
-                 (c.attention_bias ? T(c.heads) * hd + T(2) * T(c.kv_heads) * hd + dim : T(0));
+                 (c.attention_bias || c.qkv_bias ? T(c.heads) * hd + T(2) * T(c.kv_heads) * hd : T(0)) +
+                 (c.attention_bias ? dim : T(0));
   const T mlp = T(3) * dim * T(c.hidden_dim()) + (c.mlp_bias ? T(2) * T(c.hidden_dim()) + dim : T(0));
   return attn + mlp + T(2) * dim;  // two RMSNorm weights
 }
@@ -57,6 +58,8 @@ void LlamaConfig::validate() const {
            " (or give head_dim)");
   HP_CHECK(head_dim() % 2 == 0, "llama config: head_dim=", head_dim(), " must be even for rotary embeddings");
   HP_CHECK(heads % kv_heads == 0, "llama config: heads=", heads, " is not divisible by kv_heads=", kv_heads);
+  HP_CHECK(!(qkv_bias && attention_bias), "llama config: qkv_bias=true with attention_bias=true (which biases the ",
+           "query, key and value projections too): give one");
   if (rope_scaling != RopeScaling::kNone) {
     HP_CHECK(rope_factor > 0 && std::isfinite(rope_factor), "llama config: rope_factor=", rope_factor,
              " must be a finite number > 0");
@@ -138,13 +141,14 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
     : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
-  auto lin = [&c](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(c.attention_bias));
+  auto lin = [](int64_t in, int64_t out, bool bias) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
   };
-  wq = register_module("wq", lin(c.dim, heads * head_dim));
-  wk = register_module("wk", lin(c.dim, kv_heads * head_dim));
-  wv = register_module("wv", lin(c.dim, kv_heads * head_dim));
-  wo = register_module("wo", lin(heads * head_dim, c.dim));
+  const bool qkv = c.attention_bias || c.qkv_bias;
+  wq = register_module("wq", lin(c.dim, heads * head_dim, qkv));
+  wk = register_module("wk", lin(c.dim, kv_heads * head_dim, qkv));
+  wv = register_module("wv", lin(c.dim, kv_heads * head_dim, qkv));
+  wo = register_module("wo", lin(heads * head_dim, c.dim, c.attention_bias));
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -362,8 +366,9 @@ std::vector<std::pair<std::string, std::string>> hf_names(const LlamaConfig& c) 
              {"ffn_norm.weight", "post_attention_layernorm.weight"}}) {
       out.emplace_back(ours + a, theirs + b);
     }
-    if (c.attention_bias) {
+    if (c.attention_bias || c.qkv_bias) {
       for (const char* p : {"q", "k", "v", "o"}) {
+        if (*p == 'o' && !c.attention_bias) continue;
         out.emplace_back(ours + "attn.w" + p + ".bias", theirs + "self_attn." + p + "_proj.bias");
       }
     }
@@ -380,8 +385,14 @@ std::vector<std::pair<std::string, std::string>> hf_names(const LlamaConfig& c) 
 }
 
 std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
-  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
-                      {"model_type", "llama"},
+  // With q/k/v-only biases, the Qwen2 family's layout, which has no other bias nor another
+  // head size.
+  if (c.qkv_bias) {
+    HP_CHECK(!c.mlp_bias && c.explicit_head_dim == 0, "Hugging Face export of a llama with qkv_bias (as Qwen2) with ",
+             c.mlp_bias ? "mlp_bias" : "an explicit head_dim", " is not supported yet (Qwen2 has neither)");
+  }
+  nlohmann::json j = {{"architectures", {c.qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+                      {"model_type", c.qkv_bias ? "qwen2" : "llama"},
                       {"vocab_size", c.vocab},
                       {"hidden_size", c.dim},
                       {"intermediate_size", c.hidden_dim()},
@@ -398,6 +409,10 @@ std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
                       {"mlp_bias", c.mlp_bias},
                       {"tie_word_embeddings", c.tie_embeddings},
                       {"torch_dtype", detail::hf_dtype_name(dtype)}};
+  if (c.qkv_bias) {
+    for (const char* key : {"attention_bias", "mlp_bias", "head_dim"}) j.erase(key);
+    j["use_sliding_window"] = false;
+  }
   if (c.rope_scaling == RopeScaling::kLinear) {
     j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", c.rope_factor}};
   } else if (c.rope_scaling == RopeScaling::kLlama3) {
@@ -436,9 +451,14 @@ void read_rope(const detail::HfJson& j, LlamaConfig& c) {
 
 LlamaConfig llama_config_from_hf(const std::string& text, const std::string& path) {
   const detail::HfJson j(text, path);
-  j.require("model_type", "llama", "not llama");
+  const bool qwen2 = j.has("model_type") && j.json()["model_type"] == "qwen2";
+  if (!qwen2) j.require("model_type", "llama", "llama or qwen2");
   j.require("hidden_act", "silu", "the model uses silu");
   LlamaConfig c;
+  if (qwen2) {  // biases on q, k and v, always; no sliding-window attention
+    j.require("use_sliding_window", false, "attention over the whole sequence");
+    c.qkv_bias = true;
+  }
   c.vocab = j.integer("vocab_size");
   c.dim = j.integer("hidden_size");
   c.ffn_dim = j.integer("intermediate_size");
@@ -450,8 +470,10 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
   read_rope(j, c);
   c.norm_eps = j.real("rms_norm_eps", 1e-6);  // Hugging Face's default
   c.tie_embeddings = j.boolean("tie_word_embeddings", false);
-  c.attention_bias = j.boolean("attention_bias", false);
-  c.mlp_bias = j.boolean("mlp_bias", false);
+  if (!qwen2) {
+    c.attention_bias = j.boolean("attention_bias", false);
+    c.mlp_bias = j.boolean("mlp_bias", false);
+  }
   // An explicit head_dim (null or absent: hidden_size / num_attention_heads) kept only where
   // it differs, so a config that states the usual one reads as one that does not.
   if (j.has("head_dim") && !j.json()["head_dim"].is_null()) {
@@ -474,6 +496,7 @@ void check_hf_config(const LlamaConfig& c, const std::string& text, const std::s
   same_as_hf("head_dim", "head_dim", c.head_dim(), h.head_dim(), path);
   same_as_hf("attention_bias", "attention_bias", c.attention_bias, h.attention_bias, path);
   same_as_hf("mlp_bias", "mlp_bias", c.mlp_bias, h.mlp_bias, path);
+  same_as_hf("qkv_bias", "model_type qwen2", c.qkv_bias, h.qkv_bias, path);
   same_as_hf("rope_theta", "rope_theta", c.rope_theta, h.rope_theta, path);
   auto rope_type = [](RopeScaling s) {
     return std::string(s == RopeScaling::kNone ? "none" : s == RopeScaling::kLinear ? "linear" : "llama3");

@@ -97,7 +97,8 @@ class LlamaFamily : public ModelFamily {
     HP_CHECK(name == "llama3_8b", "model preset '", name, "' is not one of llama's: tiny, llama3_8b");
     return std::make_unique<LlamaArgs>(*this, LlamaConfig::llama3_8b());
   }
-  std::string hf_model_type() const override { return "llama"; }
+  // Qwen2 is a Llama with biases on the query, key and value projections (qkv_bias).
+  std::vector<std::string> hf_model_types() const override { return {"llama", "qwen2"}; }
   std::unique_ptr<ModelArgs> from_hf_config(const std::string& text, const std::string& path) const override {
     return std::make_unique<LlamaArgs>(*this, llama_config_from_hf(text, path));
   }
@@ -118,6 +119,8 @@ class LlamaFamily : public ModelFamily {
         int_key<L>("head_dim", &L::explicit_head_dim, 0, "attention head size (0: dim / heads)"),
         bool_key<L>("attention_bias", &L::attention_bias, "biases on the query, key, value and output projections"),
         bool_key<L>("mlp_bias", &L::mlp_bias, "biases on the MLP's three projections"),
+        bool_key<L>("qkv_bias", &L::qkv_bias,
+                    "biases on the query, key and value projections only (Qwen2; exported as Qwen2ForCausalLM)"),
         choice_key<L>("rope_scaling", &L::rope_scaling, {"none", "linear", "llama3"},
                       "rotary frequencies stretched for longer contexts: none, all by rope_factor (linear), or "
                       "Llama 3.1's (llama3)"),

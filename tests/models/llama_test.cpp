@@ -34,6 +34,20 @@ TEST(Llama, ParameterCountFromTheConfigMatchesTheModel) {
   EXPECT_EQ(n, v.num_params());
   EXPECT_EQ(m->named_parameters()["layers_0.attn.wq.weight"].sizes(), at::IntArrayRef({96, 64}));
   EXPECT_TRUE(m->named_parameters().contains("layers_1.mlp.w2.bias"));
+  // Qwen2's biases: on q, k and v only (96 + 48 + 48 per block), none elsewhere.
+  LlamaConfig q = LlamaConfig::tiny();
+  q.ffn_dim = 160;
+  q.explicit_head_dim = 24;
+  q.qkv_bias = true;
+  const int64_t qblock = (64 * 96 + 96) + 2 * (64 * 48 + 48) + 96 * 64 + 3 * 64 * 160 + 2 * 64;
+  EXPECT_EQ(q.num_params(), 2 * 256 * 64 + 2 * qblock + 64);
+  hp::models::Llama qm(q);
+  n = 0;
+  for (const auto& p : qm->parameters()) n += p.numel();
+  EXPECT_EQ(n, q.num_params());
+  EXPECT_FALSE(qm->named_parameters().contains("layers_0.attn.wo.bias"));
+  q.attention_bias = true;
+  hp::test::expect_error([&] { q.validate(); }, {"qkv_bias=true with attention_bias=true"});
   // Published size, from the config alone: Llama 3 8B has 8.03 B parameters.
   EXPECT_NEAR(LlamaConfig::llama3_8b().num_params() / 1e9, 8.03, 0.01);
 }

@@ -190,9 +190,9 @@ class ModelFamily {
   virtual std::unique_ptr<ModelArgs> preset(const std::string& name) const = 0;
   // The fields a config may set, in the order --list-keys shows them.
   virtual const std::vector<ModelKey>& keys() const = 0;
-  // Hugging Face interchange: the config.json model_type this family reads ("" where it has
-  // no interchange), and the model a config.json (its text; `path` names it) describes.
-  virtual std::string hf_model_type() const { return ""; }
+  // Hugging Face interchange: the config.json model_types this family reads (none where it
+  // has no interchange), and the model a config.json (its text; `path` names it) describes.
+  virtual std::vector<std::string> hf_model_types() const { return {}; }
   virtual std::unique_ptr<ModelArgs> from_hf_config(const std::string& text, const std::string& path) const;
 };
 

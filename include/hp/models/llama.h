@@ -86,6 +86,9 @@ struct LlamaConfig {
   // and on the MLP's three (mlp_bias).
   bool attention_bias = false;
   bool mlp_bias = false;
+  // Biases on the query, key and value projections only: the Qwen2 family (model_type
+  // qwen2), which Hugging Face interchange reads and writes as such.
+  bool qkv_bias = false;
 
   RopeOptions rope() const;
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : dim / heads; }
