@@ -164,7 +164,7 @@ int run(const Args& args, const hp::CommPtr& world) {
           StepStats st = ref.step();
           ref_loss.push_back(st.loss);
           secs += st.step_time_s;
-          if (c.eval_interval > 0 && (st.step % c.eval_interval == 0 || st.step == c.train_steps)) {
+          if (eval_due(c, st.step)) {
             const EvalStats ev = ref.evaluate();
             ref_valid[ev.step] = ev.loss;
             secs += ev.seconds;

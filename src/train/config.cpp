@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "config_keys.h"
@@ -287,6 +288,12 @@ void TrainConfig::validate(int world_size) {
              "' is for files: synthetic data holds out its own validation samples");
     HP_CHECK(eval_steps > 0, s, ": eval_steps=0 (all of the validation set) with synthetic data, whose held-out ",
              "set is eval_steps global batches: give eval_steps > 0");
+    // The held-out samples are numbered after the training ones: num_samples + eval_steps x
+    // global_batch_size must be countable.
+    HP_CHECK(global_batch_size <= 0 ||
+                 eval_steps <= (std::numeric_limits<int64_t>::max() - data.num_samples) / global_batch_size,
+             s, ": eval_steps=", eval_steps, " x global_batch_size=", global_batch_size,
+             " held-out samples after data.num_samples=", data.num_samples, " are too many to count");
   } else {
     HP_CHECK(!data.valid_path.empty(), s, ": eval_interval=", eval_interval, " needs data.valid_path (the ",
              "validation set, of data.type=", to_string(data.type), ")");

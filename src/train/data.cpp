@@ -76,7 +76,6 @@ class OpenFile {
   OpenFile& operator=(const OpenFile&) = delete;
   int64_t size() const { return size_; }
   const std::string& path() const { return path_; }
-  const std::string& key() const { return key_; }
   std::string named() const { return key_ + " '" + path_ + "'"; }
 
   // Reads n bytes at `offset`; raises naming the file and the offset when the file changed

@@ -2,8 +2,6 @@
 // compares against.
 #include <ATen/ATen.h>
 
-#include <cmath>
-
 #include "hp/ckpt/consolidated.h"
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
@@ -136,13 +134,8 @@ EvalStats ReferenceTrainer::evaluate() {
       sum += next_token_loss(*s.model, batch, c.seq_length, /*hooked=*/false).item<double>();
     }
   }
-  EvalStats ev;
-  ev.step = s.steps;
-  ev.loss = sum / static_cast<double>(s.validation.batches * c.micro_batch_num);
-  ev.perplexity = std::exp(ev.loss);
-  ev.tokens = s.validation.batches * c.global_batch_size * c.seq_length;
-  ev.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  return ev;
+  return eval_stats(c, s.validation, s.steps, sum / static_cast<double>(s.validation.batches * c.micro_batch_num),
+                    std::chrono::duration<double>(Clock::now() - t0).count());
 }
 
 }  // namespace hp::train

@@ -27,6 +27,10 @@ double lr_at(const TrainConfig& c, int64_t step) {
   return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(M_PI * progress));
 }
 
+bool eval_due(const TrainConfig& c, int64_t step) {
+  return c.eval_interval > 0 && (step % c.eval_interval == 0 || step == c.train_steps);
+}
+
 double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& shards) {
   return global_grad_norm(grads, std::vector<bool>(grads.size(), false), shards, nullptr);
 }
@@ -110,6 +114,16 @@ Validation open_validation(const TrainConfig& c, std::shared_ptr<const TokenData
   v.order = std::make_unique<DataSharder>(v.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(), c.seed,
                                           /*shuffle=*/false);
   return v;
+}
+
+EvalStats eval_stats(const TrainConfig& c, const Validation& v, int64_t step, double loss, double seconds) {
+  EvalStats ev;
+  ev.step = step;
+  ev.loss = loss;
+  ev.perplexity = std::exp(loss);
+  ev.tokens = v.batches * c.global_batch_size * c.seq_length;
+  ev.seconds = seconds;
+  return ev;
 }
 
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked) {

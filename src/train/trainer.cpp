@@ -344,13 +344,7 @@ EvalStats Trainer::evaluate() {
   at::Tensor secs = at::full({1}, std::chrono::duration<double>(Clock::now() - t0).count(),
                              at::TensorOptions(at::kDouble).device(s.control));
   s.world->all_reduce(secs, {ReduceOp::MAX}).wait();
-  EvalStats ev;
-  ev.step = s.steps;
-  ev.loss = loss.item<double>();
-  ev.perplexity = std::exp(ev.loss);
-  ev.tokens = s.validation.batches * c.global_batch_size * c.seq_length;
-  ev.seconds = secs.item<double>();
-  return ev;
+  return eval_stats(c, s.validation, s.steps, loss.item<double>(), secs.item<double>());
 }
 
 TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks& cb) {
@@ -365,7 +359,7 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
     if (out.steps++ == 0) first_s = st.step_time_s;
     out.peak_bytes = std::max(out.peak_bytes, st.peak_bytes);
     if (cb.on_step) cb.on_step(st);
-    if (c.eval_interval > 0 && (st.step % c.eval_interval == 0 || st.step == c.train_steps)) {
+    if (eval_due(c, st.step)) {
       out.evals.push_back(evaluate());
       if (cb.on_eval) cb.on_eval(out.evals.back());
     }

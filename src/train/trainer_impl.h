@@ -45,6 +45,8 @@ struct Validation {
   int64_t batches = 0;
 };
 Validation open_validation(const TrainConfig& c, std::shared_ptr<const TokenDataset> given);
+// An evaluation's figures after `step` steps: its mean `loss` over the set's batches.
+EvalStats eval_stats(const TrainConfig& c, const Validation& v, int64_t step, double loss, double seconds);
 // The mean next-token loss of a batch [B, seq + 1].
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked);
 // The Hugging Face name of each parameter of the config's model, after checking the

@@ -139,6 +139,8 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"eval_interval: 5\neval_steps: 0\n", {}, 4, {"eval_steps=0", "synthetic"}},
       {"eval_interval: 5\ndata:\n  type: binary\n  path: x.bin\n", {}, 4, {"eval_interval=5", "data.valid_path"}},
       {"eval_interval: -1\n", {}, 4, {"eval_interval", "-1"}},
+      {"eval_interval: 1\neval_steps: 1099511627776\nglobal_batch_size: 16777216\n", {}, 4,
+       {"eval_steps=1099511627776", "too many to count"}},
       {"sequence_parallel: true\n", {}, 4, {"sequence_parallel=true", "tensor_parallel > 1"}},
       // expert parallelism: experts to split, ranks to split them over (the tp ranks and
       // dp_shard ones, with sequence parallel), layouts not built

@@ -182,7 +182,7 @@ double naive_validation_loss(const ht::TrainConfig& c, ht::TrainModel& trained) 
   return sum / static_cast<double>(c.eval_steps * c.micro_batch_num);
 }
 
-bool eval_due(const ht::TrainConfig& c, int64_t step) {
+bool naive_eval_due(const ht::TrainConfig& c, int64_t step) {
   return c.eval_interval > 0 && (step % c.eval_interval == 0 || step == c.train_steps);
 }
 
@@ -238,7 +238,7 @@ Naive naive_run(const ht::TrainConfig& c, bool masters = false) {
       for (size_t i = 0; i < all.size(); ++i) model_params[i].copy_(all[i]);
     }
     out.model->after_step(nullptr);
-    if (eval_due(c, step + 1)) out.valid_losses.push_back(naive_validation_loss(c, *out.model));
+    if (naive_eval_due(c, step + 1)) out.valid_losses.push_back(naive_validation_loss(c, *out.model));
   }
   return out;
 }
@@ -275,7 +275,7 @@ ht::StepStats expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const
   for (int64_t s = 0; s < c.train_steps; ++s) {
     ht::StepStats st = t.step(), rs = ref.step();
     last = st;
-    if (eval_due(c, s + 1)) {
+    if (naive_eval_due(c, s + 1)) {
       EXPECT_LT(evals, naive.valid_losses.size()) << label;
       if (evals >= naive.valid_losses.size()) return last;
       const double want = naive.valid_losses[evals++];

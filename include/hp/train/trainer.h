@@ -41,6 +41,10 @@ c10::Device training_device(Device d);
 // steps, progress (k - W + 1) / (train_steps - W): the last step uses min_lr.
 double lr_at(const TrainConfig& c, int64_t step);
 
+// Whether the validation set is evaluated after step `step` (1-based): every eval_interval
+// steps and after the last, with eval_interval > 0.
+bool eval_due(const TrainConfig& c, int64_t step);
+
 // sqrt of the sum of squares of every element of `grads` over the ranks of `shards`
 // (each rank holding different elements); null `shards`: this process only. fp64 sums.
 double global_grad_norm(const std::vector<at::Tensor>& grads, const CommPtr& shards);
