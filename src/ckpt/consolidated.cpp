@@ -137,8 +137,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
   raise_if_any_failed(world, commit_error, what);
 }
 
-void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
-  // The weight map: the index's, or every tensor of a single model.safetensors.
+std::map<std::string, std::string> consolidated_tensors(const std::string& dir) {
   std::map<std::string, std::string> where;
   const std::string index_path = dir + "/" + kIndex;
   if (fs::exists(index_path)) {
@@ -156,6 +155,12 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
              " nor model.safetensors: not a consolidated checkpoint");
     for (const auto& t : read_header(dir + "/model.safetensors").tensors) where[t.name] = "model.safetensors";
   }
+  return where;
+}
+
+void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
+  const std::map<std::string, std::string> where = consolidated_tensors(dir);
+  const std::string index_path = dir + "/" + kIndex;
   // The catalog of the tensors asked for: each a single chunk, the whole tensor.
   json tensors = json::object();
   std::map<std::string, SafetensorsHeader> headers;

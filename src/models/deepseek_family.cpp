@@ -144,6 +144,17 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
   void check_hf_config(const std::string& text, const std::string& path) const override {
     models::check_hf_config(config, text, path);
   }
+  // DeepSeek-V3's multi-token prediction modules are stored as the blocks after the last
+  // (model.layers.61 for 61 blocks); they are not trained here, and transformers skips them too.
+  bool hf_ignores(const std::string& theirs) const override {
+    if (ModelArgs::hf_ignores(theirs)) return true;
+    const std::string prefix = "model.layers.";
+    if (theirs.compare(0, prefix.size(), prefix) != 0) return false;
+    const size_t end = theirs.find('.', prefix.size());
+    const std::string index = theirs.substr(prefix.size(), end == std::string::npos ? end : end - prefix.size());
+    if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) return false;
+    return std::stoll(index) >= config.layers;
+  }
 
  private:
   // Per kind of block (dense, MoE): its parameters, and those kept whole under tensor

@@ -79,6 +79,10 @@ std::unique_ptr<ModelArgs> ModelFamily::from_hf_config(const std::string&, const
 }
 std::string ModelArgs::hf_config(at::ScalarType) const { no_hf(*this); }
 void ModelArgs::check_hf_config(const std::string&, const std::string&) const { no_hf(*this); }
+bool ModelArgs::hf_ignores(const std::string& theirs) const {
+  const std::string rotary = ".rotary_emb.inv_freq";
+  return theirs.size() >= rotary.size() && theirs.compare(theirs.size() - rotary.size(), rotary.size(), rotary) == 0;
+}
 
 std::unique_ptr<ModelArgs> model_from_hf_config(const std::string& text, const std::string& path) {
   const detail::HfJson j(text, path);

@@ -78,6 +78,11 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
   void check_hf_config(const std::string& text, const std::string& path) const override {
     models::check_hf_config(config, text, path);
   }
+  // A tied model's folder may still hold lm_head.weight; transformers ties it to the
+  // embedding all the same.
+  bool hf_ignores(const std::string& theirs) const override {
+    return ModelArgs::hf_ignores(theirs) || (config.tie_embeddings && theirs == "lm_head.weight");
+  }
 
  private:
   std::vector<detail::BlockKind> kinds() const {

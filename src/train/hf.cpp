@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "hp/ckpt/checkpoint.h"
@@ -29,7 +30,22 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
   text << f.rdbuf();
   c.model->check_hf_config(text.str(), path);
   const auto names = c.model->hf_names();
-  return {names.begin(), names.end()};
+  std::map<std::string, std::string> sources(names.begin(), names.end());
+  // Every tensor of the folder is read, or one transformers passes over too: a tensor left
+  // over (a bias, a block or a head config.json does not speak of) would be dropped silently.
+  std::set<std::string> read;
+  for (const auto& [ours, theirs] : names) read.insert(theirs);
+  size_t unused = 0;
+  std::string first;
+  for (const auto& [name, file] : ckpt::consolidated_tensors(dir)) {
+    if (read.count(name) || c.model->hf_ignores(name)) continue;
+    if (unused++ == 0) first = "'" + name + "' (in " + file + ")";
+  }
+  HP_CHECK(unused == 0, "init_from_hf: '", dir, "' holds ", unused, " tensor", unused == 1 ? "" : "s",
+           " the model its config.json describes has no place for, the first ", first,
+           ": the weights hold more than config.json says (a tensor of a kind not supported yet, or a config.json ",
+           "of another model); nothing was loaded");
+  return sources;
 }
 
 const std::string& hf_source(const std::map<std::string, std::string>& sources, const std::string& name) {

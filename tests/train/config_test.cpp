@@ -497,3 +497,27 @@ TEST(TrainConfig, ModelFromAHuggingFaceFolder) {
   hp::test::expect_error([&] { ht::parse_config("model:\n  from_hf: " + dir + "\n"); },
                          {"model_type 'gpt2' is not supported yet", "llama", "deepseek_v3"});
 }
+
+// The tensors of a Hugging Face folder an import may pass over (as transformers does), by
+// hand: the saved rotary frequencies; a tied Llama's lm_head.weight; DeepSeek's blocks after
+// the last (multi-token prediction). Nothing else: a leftover bias or norm is an error.
+TEST(TrainConfig, HuggingFaceTensorsAnImportPassesOver) {
+  ht::TrainConfig l = ht::parse_config("model:\n  type: llama\n  layers: 2\n");
+  EXPECT_TRUE(l.model->hf_ignores("model.layers.0.self_attn.rotary_emb.inv_freq"));
+  EXPECT_FALSE(l.model->hf_ignores("model.layers.0.self_attn.rotary_emb.inv_freq_x"));
+  EXPECT_FALSE(l.model->hf_ignores("lm_head.weight"));
+  EXPECT_FALSE(l.model->hf_ignores("model.layers.0.mlp.down_proj.bias"));
+  EXPECT_FALSE(l.model->hf_ignores("model.layers.2.input_layernorm.weight"));
+  ht::TrainConfig tied = ht::parse_config("model:\n  type: llama\n  tie_embeddings: true\n");
+  EXPECT_TRUE(tied.model->hf_ignores("lm_head.weight"));
+  EXPECT_FALSE(tied.model->hf_ignores("lm_head.bias"));
+  ht::TrainConfig d = ht::parse_config("model:\n  type: deepseek\n  layers: 3\n  dense_layers: 1\n");
+  EXPECT_TRUE(d.model->hf_ignores("model.layers.3.eh_proj.weight"));
+  EXPECT_TRUE(d.model->hf_ignores("model.layers.61.shared_head.norm.weight"));
+  EXPECT_FALSE(d.model->hf_ignores("model.layers.2.mlp.gate.weight"));
+  EXPECT_FALSE(d.model->hf_ignores("model.layers.x.mlp.gate.weight"));
+  EXPECT_FALSE(d.model->hf_ignores("model.layers."));
+  EXPECT_FALSE(d.model->hf_ignores("model.layers.99999999999999999999.mlp.gate.weight"));
+  EXPECT_FALSE(d.model->hf_ignores("lm_head.weight"));
+  EXPECT_TRUE(d.model->hf_ignores("model.layers.0.self_attn.rotary_emb.inv_freq"));
+}

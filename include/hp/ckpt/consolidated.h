@@ -48,4 +48,9 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
 // differs, or a broken file (header, offsets, truncation).
 void load_consolidated(const std::vector<Item>& items, const std::string& dir);
 
+// The tensors of the consolidated folder `dir`: name -> the file holding it, from its index,
+// or every tensor of a single `model.safetensors`. Raises naming the file for a folder with
+// neither or an index that is not one.
+std::map<std::string, std::string> consolidated_tensors(const std::string& dir);
+
 }  // namespace hp::ckpt

@@ -178,6 +178,12 @@ class ModelArgs {
   virtual std::string hf_config(at::ScalarType dtype) const;
   // Raises naming the key where a config.json (its text; `path` names it) describes another model.
   virtual void check_hf_config(const std::string& text, const std::string& path) const;
+  // Whether a tensor of a Hugging Face folder (its name there) that hf_names() does not list
+  // may be passed over, as transformers passes over it: the rotary frequencies older
+  // versions saved (recomputed from config.json), and what a family adds. Importing a folder
+  // with any other tensor left over is an error: its config.json describes less than its
+  // weights hold.
+  virtual bool hf_ignores(const std::string& theirs) const;
 };
 
 class ModelFamily {
