@@ -11,9 +11,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "hp/config.h"
 #include "hp/mesh/device_mesh.h"
@@ -1035,6 +1038,45 @@ TEST(TrainDist, HuggingFaceInterchangeErrors) {
   ht::TrainConfig ds = small_config("deepseek", w->size(), resume_tp(w->size()));
   ds.init_from_hf = base + "_out";
   hp::test::expect_error([&] { ht::Trainer t(ds, w); }, {"model_type \"llama\" is not supported yet", "deepseek_v3"});
+  // A folder that lacks a weight its config.json implies, and one whose weights have
+  // another shape than config.json gives (intermediate_size changed): both named.
+  // `folder` copied to `folder + name` (or, with no name, `folder` itself) with `file` edited.
+  auto edited = [&](const std::string& folder, const std::string& name, const std::string& file,
+                    const std::function<void(std::string&)>& edit) {
+    if (w->rank() == 0) {
+      if (!name.empty()) {
+        hp::files::remove_tree(folder + name);
+        std::filesystem::copy(folder, folder + name, std::filesystem::copy_options::recursive);
+      }
+      std::ifstream in(folder + name + "/" + file);
+      std::stringstream text;
+      text << in.rdbuf();
+      std::string s = text.str();
+      edit(s);
+      std::ofstream(folder + name + "/" + file) << s;
+    }
+    w->barrier().wait();
+    return folder + name;
+  };
+  ht::TrainConfig missing = c;
+  missing.init_from_hf = edited(base + "_out", "_missing", "model.safetensors.index.json", [](std::string& s) {
+    nlohmann::json index = nlohmann::json::parse(s);
+    EXPECT_EQ(index["weight_map"].erase("model.norm.weight"), 1u);
+    s = index.dump();
+  });
+  hp::test::expect_error([&] { ht::Trainer t(missing, w); }, {"tensor 'model.norm.weight' is not in it", "_missing"});
+  const int64_t hidden = c.model.config<hp::models::LlamaConfig>().hidden_dim();
+  ht::TrainConfig reshaped = c;
+  reshaped.model.config<hp::models::LlamaConfig>().ffn_dim = hidden + 8;
+  reshaped.validate(w->size());
+  reshaped.init_from_hf = edited(base + "_out", "_shape", "config.json", [&](std::string& s) {
+    const std::string from = "\"intermediate_size\": " + std::to_string(hidden);
+    const size_t at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from << " in " << s;
+    if (at != std::string::npos) s.replace(at, from.size(), "\"intermediate_size\": " + std::to_string(hidden + 8));
+  });
+  hp::test::expect_error([&] { ht::Trainer t(reshaped, w); },
+                         {"model.layers.0.mlp.", "was saved with shape", std::to_string(hidden + 8)});
   // A folder whose config.json says less than its weights hold (MLP biases it does not
   // mention): refused naming the first tensor left over, not imported without it.
   ht::TrainConfig biased = c;
@@ -1047,17 +1089,11 @@ TEST(TrainDist, HuggingFaceInterchangeErrors) {
   if (w->rank() == 0) hp::files::remove_tree(base + "_bias_out");
   w->barrier().wait();
   ht::export_hf(base + "_bias_ckpt", base + "_bias_out", w);
-  if (w->rank() == 0) {
-    std::ifstream in(base + "_bias_out/config.json");
-    std::stringstream text;
-    text << in.rdbuf();
-    std::string json = text.str();
-    const size_t at = json.find("\"mlp_bias\": true");
-    EXPECT_NE(at, std::string::npos) << json;
-    if (at != std::string::npos) json.replace(at, 16, "\"mlp_bias\": false");
-    std::ofstream(base + "_bias_out/config.json") << json;
-  }
-  w->barrier().wait();
+  edited(base + "_bias_out", "", "config.json", [](std::string& s) {
+    const size_t at = s.find("\"mlp_bias\": true");
+    EXPECT_NE(at, std::string::npos) << s;
+    if (at != std::string::npos) s.replace(at, 16, "\"mlp_bias\": false");
+  });
   ht::TrainConfig unbiased = c;
   unbiased.init_from_hf = base + "_bias_out";
   const std::string leftover = std::to_string(3 * c.model.config<hp::models::LlamaConfig>().layers) + " tensors";
