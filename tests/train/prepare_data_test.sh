@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/prepare_data.py on a small corpus, against the tokenizer called directly: a BPE
-# tokenizer trained here (PyPI's tokenizers) in a model folder; text files, a directory and
-# JSON Lines in; each part's tokens and document boundaries checked against encoding every
+# tokenizer trained here (PyPI's tokenizers) in a model folder, and a sentencepiece model
+# trained here; text files, a directory and JSON Lines in; each part's tokens and document boundaries checked against encoding every
 # document here with the split rule written here; the sidecar; bad inputs named, nothing
 # half-written; then hp-train trains on the result and reports its validation loss.
 # Skipped (77) where the virtual environment cannot be made (no PyPI).
@@ -12,9 +12,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 export HP_DATA_VENV=$build/py-data
-if [ ! -x "$HP_DATA_VENV/bin/python" ] || ! "$HP_DATA_VENV/bin/python" -c 'import tokenizers' 2>/dev/null; then
-  if ! { python3 -m venv "$HP_DATA_VENV" && "$HP_DATA_VENV/bin/pip" install -q tokenizers; } > "$build/py-data.log" 2>&1; then
-    echo "SKIP: could not install tokenizers (see $build/py-data.log)"
+if [ ! -x "$HP_DATA_VENV/bin/python" ] || ! "$HP_DATA_VENV/bin/python" -c 'import tokenizers, sentencepiece' 2>/dev/null; then
+  if ! { python3 -m venv "$HP_DATA_VENV" && "$HP_DATA_VENV/bin/pip" install -q tokenizers sentencepiece; } > "$build/py-data.log" 2>&1; then
+    echo "SKIP: could not install tokenizers and sentencepiece (see $build/py-data.log)"
     exit 77
   fi
 fi
@@ -91,6 +91,42 @@ assert meta["documents"] == count, (meta["documents"], count)
 assert meta["tokens"] == {p: len(want[p]) for p in want}, meta["tokens"]
 print("prepare_data_test: train", count["train"], "documents,", len(want["train"]), "tokens; valid",
       count["valid"], "documents,", len(want["valid"]), "tokens")
+PY
+
+# A sentencepiece model (a folder holding only tokenizer.model, trained here), its
+# end-of-sequence id from the model itself: the same documents against sp.EncodeAsIds.
+"$py" - "$work" <<'PY' || fail "training the sentencepiece model"
+import os, sys
+import sentencepiece as spm
+w = sys.argv[1]
+os.makedirs(os.path.join(w, "spm"))
+spm.SentencePieceTrainer.train(input=os.path.join(w, "docs", "sub", "c.txt") + "," + os.path.join(w, "docs", "a.txt"),
+                               model_prefix=os.path.join(w, "spm", "tokenizer"), vocab_size=60, model_type="bpe",
+                               unk_id=0, bos_id=1, eos_id=2, minloglevel=2)
+os.remove(os.path.join(w, "spm", "tokenizer.vocab"))
+PY
+bash "$prep" --tokenizer "$work/spm" --out "$work/out/sp" --valid-fraction 0.3 --seed 7 "${inputs[@]}" \
+  > "$work/log" 2>&1 || fail "prepare_data with sentencepiece failed: $(cat "$work/log")"
+"$py" - "$work" <<'PY' || fail "the sentencepiece outputs do not match the model"
+import array, hashlib, json, os, sys
+import sentencepiece as spm
+w = sys.argv[1]
+sp = spm.SentencePieceProcessor(model_file=os.path.join(w, "spm", "tokenizer.model"))
+docs = [open(os.path.join(w, p), encoding="utf-8").read() for p in ("docs/a.txt", "docs/b.txt", "docs/sub/c.txt")]
+docs += [json.loads(l)["text"] for l in open(os.path.join(w, "docs.jsonl"))]
+docs.append(open(os.path.join(w, "loose.txt"), encoding="utf-8").read())
+want = {"train": [], "valid": []}
+for i, d in enumerate(docs):
+    h = int.from_bytes(hashlib.sha256(f"7:{i}".encode()).digest()[:8], "little")
+    want["valid" if h / 2.0**64 < 0.3 else "train"] += sp.encode(d) + [2]
+for part in ("train", "valid"):
+    got = array.array("H")
+    with open(os.path.join(w, "out", f"sp.{part}.bin"), "rb") as f:
+        got.frombytes(f.read())
+    assert list(got) == want[part], (part, len(got), len(want[part]))
+meta = json.load(open(os.path.join(w, "out", "sp.json")))
+assert meta["tokenizer_kind"] == "sentencepiece" and meta["vocab_size"] == 60 and meta["eod_id"] == 2, meta
+print("prepare_data_test: sentencepiece", len(want["train"]), "+", len(want["valid"]), "tokens")
 PY
 
 # Bad input: each named, exit 1, nothing half-written, the earlier outputs untouched.
