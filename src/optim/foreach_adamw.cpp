@@ -2,10 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include <cmath>
-#include <map>
-
-#include "hp/core/error.h"
+#include "adamw_step.h"
 
 namespace hp::optim {
 
@@ -16,50 +13,11 @@ torch::Tensor ForeachAdamW::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // amsgrad anywhere: libtorch's own step for every group (checked before any is stepped).
   for (auto& group : param_groups_) {
-    auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
-    if (o.amsgrad()) return torch::optim::AdamW::step(nullptr);
-    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
-    // Parameters are bucketed by their step count (a parameter without a gradient in some
-    // step has taken fewer steps): each bucket shares its bias corrections.
-    struct Bucket {
-      std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
-    };
-    std::map<int64_t, Bucket> buckets;
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      HP_CHECK(!p.grad().is_sparse(), "ForeachAdamW does not support sparse gradients");
-      const auto key = state_key(state_, p);
-      auto it = state_.find(key);
-      if (it == state_.end()) {
-        auto s = std::make_unique<torch::optim::AdamWParamState>();
-        s->step(0);
-        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        it = state_.emplace(key, std::move(s)).first;
-      }
-      auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      s.step(s.step() + 1);
-      Bucket& b = buckets[s.step()];
-      b.params.push_back(p);
-      b.grads.push_back(p.grad());
-      b.exp_avg.push_back(s.exp_avg());
-      b.exp_avg_sq.push_back(s.exp_avg_sq());
-    }
-    for (auto& [step, b] : buckets) {
-      if (o.weight_decay() != 0) at::_foreach_mul_(b.params, 1 - o.lr() * o.weight_decay());
-      const double bias_correction1 = 1 - std::pow(beta1, step);
-      const double bias_correction2 = 1 - std::pow(beta2, step);
-      at::_foreach_mul_(b.exp_avg, beta1);
-      at::_foreach_add_(b.exp_avg, b.grads, 1 - beta1);
-      at::_foreach_mul_(b.exp_avg_sq, beta2);
-      at::_foreach_addcmul_(b.exp_avg_sq, b.grads, b.grads, 1 - beta2);
-      std::vector<at::Tensor> denom = at::_foreach_sqrt(b.exp_avg_sq);
-      at::_foreach_div_(denom, std::sqrt(bias_correction2));
-      at::_foreach_add_(denom, o.eps());
-      at::_foreach_addcdiv_(b.params, b.exp_avg, denom, -o.lr() / bias_correction1);
-    }
+    if (static_cast<torch::optim::AdamWOptions&>(group.options()).amsgrad()) return torch::optim::AdamW::step(nullptr);
   }
+  for (auto& group : param_groups_) detail::foreach_adamw_group(group, state_);
   return loss;
 }
 

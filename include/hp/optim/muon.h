@@ -1,0 +1,174 @@
+// Muon: momentum orthogonalized by a Newton–Schulz iteration, for the hidden weight
+// matrices, beside AdamW for everything else, in one optimizer object.
+//
+// Per matrix W of A x B (rows x columns, as a Linear's weight [out, in]) with gradient g:
+//   momentum   M <- mu M + g;  the direction D = g + mu M (Nesterov) or M;
+//   orthogonalize  O = NS(D): transposed so that rows <= columns, X = D / (|D|_F + eps),
+//              then for each step's (a, b, c): X <- a X + (b X X^T + c (X X^T)^2) X,
+//              in `ns_dtype` (bf16 by default);
+//   update     W <- W (1 - lr wd) - lr s(A, B) O.
+// Weight decay uses the unscaled lr; s(A, B) is the update scale (below).
+//
+// NS maps each singular value sigma of D / |D|_F through the same odd polynomial per step
+// and keeps the singular vectors: O = U p(Sigma) V^T. A coefficient schedule is chosen
+// for the band it leaves the singular values in (NsSchedule).
+#pragma once
+
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hp/comm/communicator.h"
+#include "hp/mesh/shard_spec.h"
+
+namespace hp::optim {
+
+// One Newton–Schulz step's polynomial: x -> a x + b x^3 + c x^5 on the singular values.
+struct NsStep {
+  double a, b, c;
+};
+
+// The coefficient schedules. For singular values of D / |D|_F in [0.01, 1] they leave the
+// output's singular values in (tested): kQuintic [0.68, 1.14]; kPerStep [0.97, 1.04];
+// kDeepSeekV4 [0.999, 1.001].
+enum class NsSchedule {
+  kQuintic,     // (3.4445, -4.7750, 2.0315) every step, 5 steps by default
+  kPerStep,     // five steps, each with its own tuned triple (the seed system's)
+  kDeepSeekV4,  // 8 steps of kQuintic's triple, then 2 of (2, -1.5, 0.5), which fixes 1
+};
+// The schedule's steps; `steps` 0 takes its own count. kQuintic takes any count >= 1; the
+// others only their own (5, 10): another raises naming both.
+std::vector<NsStep> ns_steps(NsSchedule schedule, int64_t steps = 0);
+
+// NS of each matrix in the last two dims of `d` (leading dims are a batch), computed in
+// `dtype` and returned in it.
+at::Tensor newton_schulz(const at::Tensor& d, const std::vector<NsStep>& steps, at::ScalarType dtype,
+                         double eps = 1e-7);
+
+// The update scale s(A, B) of an A x B matrix. The factor between them is
+// rms_target sqrt(max(A, B)) / sqrt(max(1, A / B)): 0.2 sqrt(1024) = 6.4 against sqrt(2) =
+// 1.414 for 1024 x 512, 4.5x; a learning rate tuned under one is that far off under the other.
+enum class MuonScale {
+  kRms,       // rms_target sqrt(max(A, B)): the update's RMS is rms_target (about AdamW's, 0.2:
+              // Moonlight's "match AdamW", so that AdamW's lr and weight decay carry over). Default.
+  kOriginal,  // sqrt(max(1, A / B)) (Muon's first form, PyTorch's torch.optim.Muon "original")
+};
+double muon_scale(MuonScale scale, int64_t rows, int64_t cols, double rms_target = 0.2);
+
+struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
+  MuonOptions(double lr = 2e-2);  // NOLINT(google-explicit-constructor): as libtorch's options
+  TORCH_ARG(double, lr) = 2e-2;
+  TORCH_ARG(double, momentum) = 0.95;
+  TORCH_ARG(bool, nesterov) = true;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(std::vector<NsStep>, ns) = ns_steps(NsSchedule::kQuintic);
+  TORCH_ARG(at::ScalarType, ns_dtype) = at::kBFloat16;
+  TORCH_ARG(MuonScale, scale) = MuonScale::kRms;
+  TORCH_ARG(double, rms_target) = 0.2;
+  TORCH_ARG(double, eps) = 1e-7;
+
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonParamState> {
+  TORCH_ARG(int64_t, step) = 0;
+  TORCH_ARG(at::Tensor, momentum_buffer);
+};
+
+// Which optimizer each parameter goes to, by name: the first rule that matches decides.
+// 1. a name matching `to_adamw` -> AdamW; 2. matching `to_muon` -> Muon (a matrix only);
+// 3. otherwise a 2-D parameter -> Muon, anything else (norm scales, biases, vectors,
+// scalars) -> AdamW. Patterns match whole names; `*` matches any run of characters. The
+// model supplies its embeddings and output head as `to_adamw` (they are 2-D, but each row
+// or column is a token's, not a direction of a linear map).
+struct MuonRouting {
+  std::vector<std::string> to_adamw;
+  std::vector<std::string> to_muon;
+};
+// True for each parameter routed to Muon. Raises naming the parameter and its shape for a
+// `to_muon` match that is not 2-D (not supported yet).
+std::vector<bool> route_to_muon(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                const MuonRouting& routing);
+// `*` wildcards, whole-name match.
+bool matches_pattern(const std::string& name, const std::string& pattern);
+
+// A Muon parameter that is one rank's piece of a larger matrix (a shard of fully_shard, of
+// tensor parallelism, or both): the matrix's name, the same on every rank holding a piece
+// of it, and the box (ShardSpec: the 2-D global shape, this rank's offsets and lengths;
+// the piece's shape is the lengths). Ranks may hold the same box (data-parallel replicas).
+struct MatrixPiece {
+  at::Tensor param;
+  std::string name;
+  ShardSpec box;
+};
+
+// How the whole matrices of a distributed Muon are orthogonalized.
+enum class MuonScheme {
+  // One rank per matrix, among those holding pieces of it, balanced by the iteration's cost
+  // (steps x s^2 x (2 l + s), s and l the smaller and larger dim): the pieces go to the owner
+  // (one all-to-all), the owner runs the iteration (same-shape matrices as one batch) and
+  // sends each holder its box of the result (a second all-to-all). Each matrix is
+  // orthogonalized once in the whole job, replicas included.
+  kOwner,
+  // Every holder gathers every piece of its matrices and runs the iteration itself (one
+  // all-to-all, every matrix orthogonalized by each of its holders): the baseline.
+  kGatherEverywhere,
+};
+
+// What the plan of a distributed Muon comes to on this rank: for --estimate and the tests.
+struct MuonPlanStats {
+  int64_t matrices = 0;        // distinct matrices in the job
+  int64_t owned = 0;           // those this rank orthogonalizes
+  double owned_cost = 0;       // their cost per iteration step: s^2 x (2 l + s) multiply-adds
+  int64_t send_elements = 0;   // elements this rank sends per step (both all-to-alls)
+  int64_t recv_elements = 0;   // ... and receives
+};
+
+// One optimizer for both kinds of group: a group whose options are MuonOptions is stepped by
+// Muon (its parameters must be matrices), one with AdamWOptions by AdamW (the same
+// arithmetic as ForeachAdamW; amsgrad is not supported yet). Same-shape matrices of a Muon
+// group are orthogonalized together as one batch. A parameter without a gradient is skipped.
+class Muon : public torch::optim::Optimizer {
+ public:
+  Muon(std::vector<torch::optim::OptimizerParamGroup> groups, MuonOptions defaults = {});
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  ~Muon() override;
+  // The momentum of a Muon parameter (its state is made, zero, where it has none yet).
+  MuonParamState& muon_state(const at::Tensor& p);
+
+  // Makes the Muon parameters in `pieces` pieces of larger matrices, orthogonalized whole
+  // by `scheme` over `comm`. Collective over `comm`: every rank calls it, each with its own
+  // pieces (none is fine), and from then on every rank of `comm` calls step() together. Its
+  // one exchange of names and boxes is here; each step then runs one small all-reduce (which
+  // matrices have gradients: a matrix no holder has one for is skipped, as in one process)
+  // and the scheme's all-to-alls. Raises (on every rank) for a piece whose parameter is not
+  // in a Muon group or whose shape is not its box's lengths, a matrix whose boxes do not
+  // tile it exactly or whose ranks disagree on its shape. Muon parameters not in `pieces`
+  // stay whole matrices stepped where they are.
+  void distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, MuonScheme scheme = MuonScheme::kOwner);
+  // This rank's part of the plan (zeros before distribute()).
+  MuonPlanStats plan_stats() const;
+
+  struct Plan;  // internal
+
+ private:
+  void step_distributed();
+  std::unique_ptr<Plan> plan_;
+};
+
+// Muon over the parameters routed to it, AdamW over the rest, in one object: groups in the
+// order [Muon, AdamW with weight decay (other matrices), AdamW without (vectors, scalars)],
+// each present only where it has parameters. `muon_count`/`adamw_count` receive the number
+// of elements of each, when given.
+std::unique_ptr<Muon> make_muon(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                const MuonOptions& muon, const torch::optim::AdamWOptions& adamw,
+                                const MuonRouting& routing, int64_t* muon_count = nullptr,
+                                int64_t* adamw_count = nullptr);
+
+}  // namespace hp::optim
