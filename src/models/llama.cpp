@@ -453,6 +453,7 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
   const detail::HfJson j(text, path);
   const bool qwen2 = j.has("model_type") && j.json()["model_type"] == "qwen2";
   if (!qwen2) j.require("model_type", "llama", "llama or qwen2");
+  j.require_absent("quantization_config", "quantized weights; convert them to bf16 or fp32 first");
   j.require("hidden_act", "silu", "the model uses silu");
   LlamaConfig c;
   if (qwen2) {  // biases on q, k and v, always; no sliding-window attention

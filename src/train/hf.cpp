@@ -45,6 +45,21 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
            " the model its config.json describes has no place for, the first ", first,
            ": the weights hold more than config.json says (a tensor of a kind not supported yet, or a config.json ",
            "of another model); nothing was loaded");
+  // Weights are floating point: an integer or boolean one is quantized or not a weight, and
+  // a cast would train from garbage.
+  std::map<std::string, std::set<std::string>> by_file;
+  for (const auto& [name, file] : ckpt::consolidated_tensors(dir)) {
+    if (read.count(name)) by_file[file].insert(name);
+  }
+  for (const auto& [file, names] : by_file) {
+    if (file.find('/') != std::string::npos) continue;  // refused by the load, naming the index
+    for (const ckpt::TensorEntry& e : ckpt::read_header(dir + "/" + file).tensors) {
+      HP_CHECK(!names.count(e.name) || at::isFloatingType(e.dtype), "init_from_hf: '", dir, "': the tensor '", e.name,
+               "' (in ", file, ") is ", ckpt::dtype_string(e.dtype),
+               ": integer and boolean weights are not supported yet (a quantized checkpoint? convert it to bf16 or ",
+               "fp32 first)");
+    }
+  }
   return sources;
 }
 

@@ -20,6 +20,7 @@
 
 #include "hp/config.h"
 #include "hp/mesh/device_mesh.h"
+#include "hp/ckpt/safetensors.h"
 #include "hp/core/files.h"
 #include "hp/runtime.h"
 #include "fsdp/fsdp_test_util.h"
@@ -1077,6 +1078,35 @@ TEST(TrainDist, HuggingFaceInterchangeErrors) {
   });
   hp::test::expect_error([&] { ht::Trainer t(reshaped, w); },
                          {"model.layers.0.mlp.", "was saved with shape", std::to_string(hidden + 8)});
+  // A quantized folder (quantization_config) and an integer weight: refused, not cast.
+  ht::TrainConfig quantized = c;
+  quantized.init_from_hf = edited(base + "_out", "_quantized", "config.json", [](std::string& s) {
+    const size_t at = s.find("{");
+    if (at != std::string::npos) s.insert(at + 1, "\"quantization_config\": {\"quant_method\": \"bitsandbytes\"},");
+  });
+  hp::test::expect_error([&] { ht::Trainer t(quantized, w); }, {"quantization_config", "convert them to bf16 or fp32"});
+  ht::TrainConfig integer = c;
+  integer.init_from_hf = base + "_int";
+  if (w->rank() == 0) {
+    // The export's tensors in one model.safetensors, the final norm's as int64.
+    hp::files::remove_tree(integer.init_from_hf);
+    std::filesystem::create_directories(integer.init_from_hf);
+    std::filesystem::copy(base + "_out/config.json", integer.init_from_hf + "/config.json");
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& entry : std::filesystem::directory_iterator(base + "_out")) {
+      const std::string path = entry.path().string();
+      if (path.size() < 12 || path.compare(path.size() - 12, 12, ".safetensors") != 0) continue;
+      const auto h = hp::ckpt::read_header(path);
+      for (const auto& t : h.tensors) {
+        at::Tensor v = hp::ckpt::read_tensor(path, h, t.name);
+        tensors.emplace_back(t.name, t.name == "model.norm.weight" ? v.to(at::kLong) : v);
+      }
+    }
+    hp::ckpt::write_file(integer.init_from_hf + "/model.safetensors", tensors, {{"format", "pt"}});
+  }
+  w->barrier().wait();
+  hp::test::expect_error([&] { ht::Trainer t(integer, w); },
+                         {"'model.norm.weight' (in model.safetensors) is I64", "not supported yet"});
   // A folder whose config.json says less than its weights hold (MLP biases it does not
   // mention): refused naming the first tensor left over, not imported without it.
   ht::TrainConfig biased = c;
