@@ -43,8 +43,9 @@ double median_time(Fn fn) {
 
 // Distributed Muon over every rank, each matrix's rows split as fully_shard splits them:
 // the matrices of 4 blocks of a model of width 256 (attention 4 x 256 x 256, MLP 2 x 704 x
-// 256 and 256 x 704), bf16 iteration, fp32 parameters. Per scheme: the slowest rank's step
-// (median of 5), the largest owned cost, the elements a rank sends per step.
+// 256 and 256 x 704), bf16 iteration, fp32 parameters. Per scheme, each the largest over
+// the ranks: the step (median of 5, a barrier before it included), the owned cost, the
+// matrices computed, the elements sent per step.
 void distributed(const hp::CommPtr& w) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   for (int b = 0; b < 4; ++b) {

@@ -119,6 +119,8 @@ Muon::Muon(std::vector<torch::optim::OptimizerParamGroup> groups, MuonOptions de
     if (const auto* m = dynamic_cast<const MuonOptions*>(&g.options())) {
       HP_CHECK(!m->ns().empty(), "Muon: a Muon group with no Newton-Schulz steps");
       HP_CHECK(m->momentum() >= 0 && m->momentum() < 1, "Muon: momentum=", m->momentum(), " is not in [0, 1)");
+      HP_CHECK(m->ns_dtype() == at::kBFloat16 || m->ns_dtype() == at::kFloat || m->ns_dtype() == at::kDouble,
+               "Muon: ns_dtype=", m->ns_dtype(), " is not supported yet (bfloat16, float32 or float64)");
       for (const auto& p : g.params()) {
         HP_CHECK(p.dim() == 2, "Muon: a parameter of shape ", p.sizes(),
                  " in a Muon group: only matrices (2-D) are supported yet (route it to AdamW)");
@@ -127,6 +129,14 @@ Muon::Muon(std::vector<torch::optim::OptimizerParamGroup> groups, MuonOptions de
       HP_CHECK(!a->amsgrad(), "Muon: the AdamW groups' amsgrad is not supported yet");
     } else {
       HP_CHECK(false, "Muon: a parameter group's options are neither MuonOptions nor AdamWOptions");
+    }
+  }
+  // One group per parameter: Muon's and AdamW's states of one tensor would collide.
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& g : param_groups_) {
+    for (const auto& p : g.params()) {
+      HP_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "Muon: a parameter of shape ", p.sizes(),
+               " is in two groups");
     }
   }
 }
@@ -176,7 +186,9 @@ MuonParamState& Muon::muon_state(const at::Tensor& p) {
     s->momentum_buffer(at::zeros_like(p, at::MemoryFormat::Preserve));
     it = state_.emplace(key, std::move(s)).first;
   }
-  return static_cast<MuonParamState&>(*it->second);
+  auto* st = dynamic_cast<MuonParamState*>(it->second.get());
+  HP_CHECK(st != nullptr, "Muon::muon_state: the parameter of shape ", p.sizes(), " is stepped by AdamW, not Muon");
+  return *st;
 }
 
 namespace {
@@ -203,7 +215,7 @@ at::Tensor direction_of(MuonParamState& s, const at::Tensor& p, const MuonOption
 
 void apply_update(at::Tensor& p, const at::Tensor& orth, const MuonOptions& o, int64_t rows, int64_t cols) {
   if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
-  p.add_(orth.to(p.scalar_type()), -o.lr() * muon_scale(o.scale(), rows, cols, o.rms_target()));
+  p.add_(orth.to(p.device(), p.scalar_type()), -o.lr() * muon_scale(o.scale(), rows, cols, o.rms_target()));
 }
 
 // Runs the iteration on matrices of one shape and options as one batch.
@@ -228,13 +240,18 @@ void Muon::distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, Muon
     std::set<std::string> names;
     mine.push_back(static_cast<int64_t>(pieces.size()));
     mine.push_back(-1);  // the iteration's dtype (of every piece's group), -1 without pieces
+    mine.push_back(static_cast<int64_t>(scheme));
+    std::set<const c10::TensorImpl*> seen;
     for (const MatrixPiece& piece : pieces) {
       const MuonOptions* o = muon_group_of(param_groups_, piece.param);
       HP_CHECK(o != nullptr, "Muon::distribute: the piece of '", piece.name, "' is not a parameter of a Muon group");
       HP_CHECK(mine[1] < 0 || mine[1] == static_cast<int64_t>(o->ns_dtype()),
                "Muon::distribute: the Muon groups iterate in different dtypes (not supported yet)");
       mine[1] = static_cast<int64_t>(o->ns_dtype());
+      HP_CHECK(!piece.name.empty(), "Muon::distribute: a piece without a matrix name");
       HP_CHECK(names.insert(piece.name).second, "Muon::distribute: two pieces of '", piece.name, "' on one rank");
+      HP_CHECK(seen.insert(piece.param.unsafeGetTensorImpl()).second, "Muon::distribute: the parameter of '", piece.name,
+               "' is given twice");
       const ShardSpec& b = piece.box;
       HP_CHECK(b.global_shape.size() == 2 && b.offsets.size() == 2 && b.lengths.size() == 2,
                "Muon::distribute: '", piece.name, "' is not a matrix (", b.to_string(), ")");
@@ -271,6 +288,8 @@ void Muon::distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, Muon
     int64_t at_ = 0;
     const int64_t n = d[at_++];
     const int64_t dtype = d[at_++];
+    HP_CHECK(d[at_++] == static_cast<int64_t>(scheme), "Muon::distribute: the ranks give different schemes (rank ", r,
+             " another than rank ", comm->rank(), ")");
     if (dtype >= 0) {
       HP_CHECK(plan->dtype < 0 || plan->dtype == dtype, "Muon::distribute: the ranks' Muon groups iterate in different ",
                "dtypes (rank ", r, ": ", static_cast<at::ScalarType>(dtype), ")");
@@ -430,12 +449,41 @@ void exchange(const CommPtr& comm, const std::vector<Muon::Plan::Transfer>& tran
 
 }  // namespace
 
+// Every gradient usable, checked before any parameter moves: an error names the parameter.
+static std::string check_gradients(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  try {
+    for (const auto& group : groups) {
+      const bool muon = dynamic_cast<const MuonOptions*>(&group.options()) != nullptr;
+      for (const auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        HP_CHECK(!p.grad().is_sparse(), "Muon: sparse gradients are not supported yet");
+        HP_CHECK(p.grad().sizes() == p.sizes(), "Muon: a gradient of shape ", p.grad().sizes(), " for a parameter of shape ",
+                 p.sizes());
+        HP_CHECK(!muon || p.dim() == 2, "Muon: a parameter of shape ", p.sizes(),
+                 " in a Muon group: only matrices (2-D) are supported yet");
+      }
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
 torch::Tensor Muon::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = {};
   if (closure != nullptr) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
+  }
+  const std::string error = check_gradients(param_groups_);
+  // Distributed: every rank agrees first (errors anywhere, which matrices have gradients),
+  // so that a failure raises on all of them before anything is updated.
+  std::vector<bool> active;
+  if (plan_) {
+    active = agree_on_step(error);
+  } else {
+    HP_CHECK(error.empty(), error);
   }
   for (auto& group : param_groups_) {
     const auto* o = dynamic_cast<const MuonOptions*>(&group.options());
@@ -448,7 +496,6 @@ torch::Tensor Muon::step(LossClosure closure) {
     std::map<std::vector<int64_t>, std::vector<std::pair<at::Tensor, at::Tensor>>> by_shape;  // (param, direction)
     for (auto& p : group.params()) {
       if (!p.grad().defined() || (plan_ && plan_->distributed.count(p.unsafeGetTensorImpl()))) continue;
-      HP_CHECK(!p.grad().is_sparse(), "Muon: sparse gradients are not supported yet");
       by_shape[p.sizes().vec()].emplace_back(p, direction_of(muon_state(p), p, *o));
     }
     for (auto& [shape, items] : by_shape) {
@@ -458,41 +505,52 @@ torch::Tensor Muon::step(LossClosure closure) {
       for (size_t i = 0; i < items.size(); ++i) apply_update(items[i].first, orth[i], *o, shape[0], shape[1]);
     }
   }
-  if (plan_) step_distributed();
+  if (plan_) step_distributed(active);
   return loss;
 }
 
-void Muon::step_distributed() {
+std::vector<bool> Muon::agree_on_step(const std::string& error) {
   Plan& plan = *plan_;
   const CommPtr& comm = plan.comm;
   const size_t n = plan.matrices.size();
-  // Which matrices have gradients: all of their holders, or none (skipped, as one process
-  // skips a parameter without one); anything else is an error on every rank.
-  const c10::Device ctl = control_device(comm);
-  at::Tensor defined = at::zeros({static_cast<int64_t>(std::max<size_t>(n, 1))}, at::kLong);
-  for (const auto& [j, piece] : plan.mine) defined[static_cast<int64_t>(j)] = piece.first.grad().defined() ? 1 : 0;
-  at::Tensor summed = defined.to(ctl);
+  // One all-reduce: per matrix, how many of its holders have a gradient; last, how many
+  // ranks failed the local checks.
+  at::Tensor counts = at::zeros({static_cast<int64_t>(n) + 1}, at::kLong);
+  for (const auto& [j, piece] : plan.mine) counts[static_cast<int64_t>(j)] = piece.first.grad().defined() ? 1 : 0;
+  counts[static_cast<int64_t>(n)] = error.empty() ? 0 : 1;
+  at::Tensor summed = counts.to(control_device(comm));
   comm->all_reduce(summed).wait();
-  const at::Tensor counts = summed.cpu();
+  const at::Tensor got = summed.cpu();
+  HP_CHECK(error.empty(), error);
+  HP_CHECK(got[static_cast<int64_t>(n)].item<int64_t>() == 0, "Muon step failed on another rank (its error says why)");
   std::vector<bool> active(n, false);
   for (size_t j = 0; j < n; ++j) {
-    const int64_t have = counts[static_cast<int64_t>(j)].item<int64_t>();
+    const int64_t have = got[static_cast<int64_t>(j)].item<int64_t>();
     const auto holders = static_cast<int64_t>(plan.matrices[j].holders.size());
     HP_CHECK(have == 0 || have == holders, "Muon: '", plan.matrices[j].name, "' has a gradient on ", have, " of the ",
              holders, " ranks holding pieces of it: its pieces must all have one or none");
     active[j] = have > 0;
   }
+  return active;
+}
+
+void Muon::step_distributed(const std::vector<bool>& active) {
+  Plan& plan = *plan_;
+  const CommPtr& comm = plan.comm;
+  const size_t n = plan.matrices.size();
+  // Pieces travel and whole matrices are assembled on the communicator's device (the same
+  // rule on every rank, pieces or none), then the results go back to each parameter's.
+  const c10::Device dev = control_device(comm);
   // Momentum and direction of this rank's pieces.
   std::map<size_t, at::Tensor> direction;
   std::map<size_t, const MuonOptions*> options;
-  c10::Device dev = ctl;
   for (auto& [j, piece] : plan.mine) {
     if (!active[j]) continue;
     const MuonOptions* o = muon_group_of(param_groups_, piece.first);
     HP_INTERNAL_ASSERT(o != nullptr, "a distributed Muon piece outside the Muon groups");
-    direction[j] = direction_of(muon_state(piece.first), piece.first, *o);
+    // In the dtype fixed at distribute() (the plan's), on the exchange's device.
+    direction[j] = direction_of(muon_state(piece.first), piece.first, *o).to(dev, static_cast<at::ScalarType>(plan.dtype));
     options[j] = o;
-    dev = piece.first.device();
   }
   if (plan.dtype < 0) return;  // no pieces anywhere
   const at::ScalarType dtype = static_cast<at::ScalarType>(plan.dtype);

@@ -183,9 +183,10 @@ TEST(MuonDist, PlanAndCollectivesAsWorkedOutByHand) {
   }
 }
 
-// Refused on every rank: a piece outside the Muon groups (on one rank only), boxes leaving
-// a gap, ranks disagreeing on a shape; and at a step, a matrix with a gradient on some of its
-// holders only.
+// Refused on every rank: a piece outside the Muon groups (on one rank only), a parameter
+// given twice, ranks giving different schemes, boxes leaving a gap, ranks disagreeing on a
+// shape; and at a step, a bad gradient on one rank (before anything moves) and a matrix with
+// a gradient on some of its holders only.
 TEST(MuonDist, BadPiecesAreRefusedOnEveryRank) {
   auto w = hp::world();
   const int world = w->size(), rank = w->rank();
@@ -202,7 +203,10 @@ TEST(MuonDist, BadPiecesAreRefusedOnEveryRank) {
     auto opt = make();
     hp::test::expect_error(
         [&] { opt->distribute(w, {{rank == world - 1 ? v : m, "x", row_box(2 * world)}}); },
-        {"Muon::distribute"});
+        {rank == world - 1 ? "is not a parameter of a Muon group" : "failed on rank " + std::to_string(world - 1)});
+    auto twice = make();
+    hp::test::expect_error([&] { twice->distribute(w, {{m, "x", row_box(2 * world)}, {m, "y", row_box(2 * world)}}); },
+                           {"the parameter of 'y' is given twice"});
   }
   if (world > 1) {
     auto opt = make();
@@ -212,6 +216,13 @@ TEST(MuonDist, BadPiecesAreRefusedOnEveryRank) {
           opt->distribute(w, {{m, "x", hp::make_shard_spec({2 * world + 1, 3}, {{{"dp_shard", world + 1, rank}}, {}})}});
         },
         {"the pieces of 'x' cover", "of its"});
+    auto schemes = make();
+    hp::test::expect_error(
+        [&] {
+          schemes->distribute(w, {{m, "x", row_box(2 * world)}},
+                              rank == 0 ? ho::MuonScheme::kOwner : ho::MuonScheme::kGatherEverywhere);
+        },
+        {"the ranks give different schemes"});
     auto opt2 = make();
     hp::test::expect_error(
         [&] {
@@ -220,6 +231,16 @@ TEST(MuonDist, BadPiecesAreRefusedOnEveryRank) {
           opt2->distribute(w, {{m, "x", hp::make_shard_spec({rows, 3}, {{{"dp_shard", count, rank}}, {}})}});
         },
         {"disagree on the shape of 'x'"});
+  }
+  {
+    // A gradient of the wrong shape on the last rank: every rank raises, nothing moves.
+    auto opt = make();
+    opt->distribute(w, {{m, "x", row_box(2 * world)}});
+    const at::Tensor before = m.detach().clone();
+    m.mutable_grad() = rank == world - 1 ? at::randn({3, 2}, at::kDouble) : at::randn_like(m);
+    hp::test::expect_error([&] { opt->step(); },
+                           {rank == world - 1 ? "a gradient of shape [3, 2]" : "failed on another rank"});
+    EXPECT_TRUE(at::equal(m.detach(), before));
   }
   {
     auto opt = make();

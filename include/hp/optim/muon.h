@@ -111,7 +111,7 @@ struct MatrixPiece {
 // How the whole matrices of a distributed Muon are orthogonalized.
 enum class MuonScheme {
   // One rank per matrix, among those holding pieces of it, balanced by the iteration's cost
-  // (steps x s^2 x (2 l + s), s and l the smaller and larger dim): the pieces go to the owner
+  // per step (s^2 x (2 l + s), s and l the smaller and larger dim): the pieces go to the owner
   // (one all-to-all), the owner runs the iteration (same-shape matrices as one batch) and
   // sends each holder its box of the result (a second all-to-all). Each matrix is
   // orthogonalized once in the whole job, replicas included.
@@ -144,13 +144,17 @@ class Muon : public torch::optim::Optimizer {
 
   // Makes the Muon parameters in `pieces` pieces of larger matrices, orthogonalized whole
   // by `scheme` over `comm`. Collective over `comm`: every rank calls it, each with its own
-  // pieces (none is fine), and from then on every rank of `comm` calls step() together. Its
-  // one exchange of names and boxes is here; each step then runs one small all-reduce (which
-  // matrices have gradients: a matrix no holder has one for is skipped, as in one process)
-  // and the scheme's all-to-alls. Raises (on every rank) for a piece whose parameter is not
-  // in a Muon group or whose shape is not its box's lengths, a matrix whose boxes do not
-  // tile it exactly or whose ranks disagree on its shape. Muon parameters not in `pieces`
-  // stay whole matrices stepped where they are.
+  // pieces (none is fine, and so is an empty box), and from then on every rank of `comm`
+  // calls step() together. Its one exchange of names and boxes is here; each step then runs
+  // one small all-reduce before any parameter moves (errors anywhere; which matrices have
+  // gradients: a matrix no holder has one for is skipped, as in one process) and the
+  // scheme's all-to-alls, on the communicator's control device. Raises (on every rank) for a
+  // piece whose parameter is not in a Muon group or whose shape is not its box's lengths, a
+  // parameter or name given twice, ranks giving different schemes or iterating in different
+  // dtypes, a matrix whose boxes do not tile it exactly or whose ranks disagree on its
+  // shape. The iteration's dtype is fixed here; the holders of one matrix must share their
+  // group's options (not checked). Muon parameters not in `pieces` stay whole matrices
+  // stepped where they are.
   void distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, MuonScheme scheme = MuonScheme::kOwner);
   // This rank's part of the plan (zeros before distribute()).
   MuonPlanStats plan_stats() const;
@@ -158,7 +162,8 @@ class Muon : public torch::optim::Optimizer {
   struct Plan;  // internal
 
  private:
-  void step_distributed();
+  std::vector<bool> agree_on_step(const std::string& error);
+  void step_distributed(const std::vector<bool>& active);
   std::unique_ptr<Plan> plan_;
 };
 
