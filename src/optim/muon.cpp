@@ -11,6 +11,7 @@
 #include "adamw_step.h"
 #include "hp/comm/agree.h"
 #include "hp/core/error.h"
+#include "hp/core/pattern.h"
 #include "hp/optim/foreach_adamw.h"
 
 namespace hp::optim {
@@ -73,24 +74,7 @@ double muon_scale(MuonScale scale, int64_t rows, int64_t cols, double rms_target
 MuonOptions::MuonOptions(double lr) : lr_(lr) {}
 
 bool matches_pattern(const std::string& name, const std::string& pattern) {
-  // Greedy wildcard match with backtracking to the last '*'.
-  size_t n = 0, p = 0, star = std::string::npos, mark = 0;
-  while (n < name.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = n;
-    } else if (p < pattern.size() && pattern[p] == name[n]) {
-      ++p;
-      ++n;
-    } else if (star != std::string::npos) {
-      p = star + 1;
-      n = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
+  return wildcard_match(pattern, name, /*star_crosses_dot=*/true);
 }
 
 std::vector<bool> route_to_muon(const std::vector<std::pair<std::string, at::Tensor>>& named,

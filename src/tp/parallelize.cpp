@@ -12,6 +12,7 @@
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/core/weak_key_map.h"
+#include "hp/core/pattern.h"
 #include "hp/hooks/call.h"
 #include "hp/hooks/recompute.h"
 
@@ -20,24 +21,7 @@ namespace hp::tp {
 // ---- name patterns ---------------------------------------------------------------------
 
 bool match_module_name(const std::string& pattern, const std::string& name) {
-  // Backtracking over the last '*' seen: '*' never crosses a '.'.
-  size_t p = 0, n = 0, star = std::string::npos, mark = 0;
-  while (n < name.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = n;
-    } else if (p < pattern.size() && pattern[p] == name[n]) {
-      ++p;
-      ++n;
-    } else if (star != std::string::npos && name[mark] != '.') {
-      p = star + 1;
-      n = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
+  return wildcard_match(pattern, name, /*star_crosses_dot=*/false);
 }
 
 // ---- gradient sums ---------------------------------------------------------------------
