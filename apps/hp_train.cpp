@@ -39,6 +39,7 @@
 #include "hp/train/config.h"
 #include "hp/train/plan.h"
 #include "hp/train/report.h"
+#include "hp/train/run_folders.h"
 #include "hp/train/trainer.h"
 
 namespace {
@@ -105,6 +106,7 @@ int run(const Args& args, const hp::CommPtr& world) {
   RankMemory rm;
   std::shared_ptr<const TokenDataset> data, valid;
   std::unique_ptr<MetricsLog> metrics;
+  std::unique_ptr<RunFolders> folders;  // claimed (locked) for the run's life
   std::string error;
   try {
     c = load_config(args.config, args.overrides);
@@ -118,19 +120,20 @@ int run(const Args& args, const hp::CommPtr& world) {
         valid = make_validation_dataset(c);
         validation_batches(c, *valid);  // holds what an evaluation reads
       }
-      if (lead && !c.output_dir.empty()) {
-        std::filesystem::create_directories(c.output_dir);
-        // A previous run's curve must not sit beside this run's metrics.
-        std::filesystem::remove(c.output_dir + "/loss.svg");
-        metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl");
-      }
+      // Every folder the run writes, made and probed now, not at the first save; locked
+      // against a second run; an earlier run's checkpoints refused unless told otherwise.
+      folders = std::make_unique<RunFolders>(c, rank,
+                                             args.resume      ? EarlierRun::kContinue
+                                             : args.overwrite ? EarlierRun::kReplace
+                                                              : EarlierRun::kRefuse);
     }
   } catch (const std::exception& e) {
     error = e.what();
   }
   if (!all_ok(world, error.empty(), error)) return 1;
   if (!args.estimate) {
-    const std::string mismatch = settings_mismatch(world, resolved_settings(c));
+    const std::string mismatch =
+        settings_mismatch(world, resolved_settings(c), "configs", "every rank must run the same config and --set values");
     if (!all_ok(world, mismatch.empty(), mismatch)) return 1;
   }
 
@@ -145,6 +148,14 @@ int run(const Args& args, const hp::CommPtr& world) {
       (std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "") + ")");
   say(describe(c));
   say("memory estimate per rank (without activations): " + format_bytes(rm.estimate.total()));
+  for (const auto& note : folders->notes()) say(note);
+  error.clear();
+  try {
+    say(folders->replace_earlier());  // --overwrite, now that every rank's checks passed
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!all_ok(world, error.empty(), error)) return 1;
 
   // --verify: the single-process reference first, so each progress line can show its
   // difference. The other ranks wait in a barrier that sleeps.
@@ -197,10 +208,24 @@ int run(const Args& args, const hp::CommPtr& world) {
     if (!all_ok(world, error.empty(), error)) return 1;
     say("resumed from " + dir + " after step " + std::to_string(trainer.steps_done()));
     if (trainer.steps_done() == c.train_steps) {
-      say("nothing to train: the checkpoint is at train_steps=" + std::to_string(c.train_steps));
+      say("nothing to train: the checkpoint is at train_steps=" + std::to_string(c.train_steps) +
+          "; no file was changed");
       return 0;
     }
   }
+  // The metrics, once it is known that this run trains: a resumed run keeps the earlier
+  // run's lines up to its checkpoint.
+  error.clear();
+  try {
+    if (lead && !c.output_dir.empty()) {
+      // A previous run's curve must not sit beside this run's metrics.
+      std::remove((c.output_dir + "/loss.svg").c_str());
+      metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl", args.resume ? trainer.steps_done() : -1);
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!all_ok(world, error.empty(), error)) return 1;
 
   CheckpointManager checkpoints(CheckpointManager::options_of(c), world);
   LossComparison verify, verify_valid;
@@ -260,8 +285,19 @@ int run(const Args& args, const hp::CommPtr& world) {
     LossCurve curve;
     curve.loss = sum.losses;
     curve.first_step = sum.first_step;
+    // A resumed run draws the steps before its checkpoint too, where the metrics kept them all.
+    const auto& kept = metrics->kept_losses();
+    if (!kept.empty() && static_cast<int64_t>(kept.size()) == sum.first_step && kept.front().first == 1 &&
+        kept.back().first == sum.first_step) {
+      std::vector<double> all;
+      for (const auto& [step, loss] : kept) all.push_back(loss);
+      all.insert(all.end(), sum.losses.begin(), sum.losses.end());
+      curve.loss = all;
+      curve.first_step = 0;
+    }
     curve.reference = ref_loss;
-    curve.validation = valid_curve;
+    curve.validation = metrics->kept_evals();
+    curve.validation.insert(curve.validation.end(), valid_curve.begin(), valid_curve.end());
     write_loss_svg(c.output_dir + "/loss.svg", curve,
                    c.model.family().name() + " " + c.model.preset() + ", " + std::to_string(world->size()) + " rank(s)");
     say("wrote " + c.output_dir + "/metrics.jsonl and " + c.output_dir + "/loss.svg");
@@ -302,6 +338,12 @@ int main(int argc, char** argv) {
     std::_Exit(1);  // other ranks may be inside MPI's start-up: do not wait for them
   }
   try {
+    // Flags given to some ranks only (--resume, --verify) would send the ranks different
+    // ways: compared first, like the config after it.
+    const std::string differ =
+        hp::train::settings_mismatch(world, hp::train::command_line_settings(args), "command lines",
+                                     "every rank must be given the same arguments");
+    if (!all_ok(world, differ.empty(), differ)) return 1;
     if (!args.export_ckpt.empty()) {
       hp::ckpt::ExportOptions o;
       if (args.max_shard_bytes > 0) o.max_shard_bytes = args.max_shard_bytes;

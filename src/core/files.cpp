@@ -37,4 +37,24 @@ std::string remove_tree(const std::string& path) {
   return t_error;
 }
 
+std::string create_folders(const std::string& path) {
+  if (path.empty()) return "cannot create a folder with an empty name";
+  // Each prefix ending before a '/', then the whole path.
+  for (size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
+    const std::string part = end == std::string::npos ? path : path.substr(0, end);
+    struct stat st{};
+    if (!part.empty() && part.back() != '/' && ::stat(part.c_str(), &st) != 0) {
+      if (errno != ENOENT) return "cannot create '" + part + "': " + std::strerror(errno);
+      if (::mkdir(part.c_str(), 0777) != 0 && errno != EEXIST) {
+        return "cannot create '" + part + "': " + std::strerror(errno);
+      }
+      if (::stat(part.c_str(), &st) != 0) return "cannot create '" + part + "': " + std::strerror(errno);
+    }
+    if (!part.empty() && part.back() != '/' && !S_ISDIR(st.st_mode)) {
+      return "cannot create '" + path + "': '" + part + "' is not a folder";
+    }
+    if (end == std::string::npos) return "";
+  }
+}
+
 }  // namespace hp::files

@@ -1,4 +1,4 @@
-// Whether every rank of a run resolved the same config.
+// Whether every rank of a run resolved the same config (or was given the same flags).
 #include <ATen/ATen.h>
 
 #include <cstring>
@@ -11,7 +11,8 @@
 
 namespace hp::train {
 
-std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<std::string, std::string>>& mine) {
+std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<std::string, std::string>>& mine,
+                              const std::string& what, const std::string& remedy) {
   std::string text;
   for (const auto& [k, v] : mine) text += k + "=" + v + "\n";
   // One hash compared first: the whole text goes round only when some rank differs.
@@ -35,9 +36,8 @@ std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<
     auto it = on0.find(k);
     const std::string other = it == on0.end() ? "(not set)" : it->second;
     if (other != v) {
-      return "the ranks were started with different configs: " + k + "=" + v + " on rank " +
-             std::to_string(world->rank()) + " but " + k + "=" + other + " on rank 0; every rank must run the same " +
-             "config and --set values";
+      return "the ranks were started with different " + what + ": " + k + "=" + v + " on rank " +
+             std::to_string(world->rank()) + " but " + k + "=" + other + " on rank 0; " + remedy;
     }
   }
   return "";

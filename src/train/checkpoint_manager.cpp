@@ -122,4 +122,24 @@ void CheckpointManager::wait(Trainer& t) {
   raise_if_any_failed(world_, error, "the background save");
 }
 
+std::vector<std::string> CheckpointManager::entries_in(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    std::string stem = n;
+    for (const char* suffix : {".tmp", ".old"}) {
+      const std::string sfx = suffix;
+      if (stem.size() > sfx.size() && stem.compare(stem.size() - sfx.size(), sfx.size(), sfx) == 0) {
+        stem.resize(stem.size() - sfx.size());
+        break;
+      }
+    }
+    if (is_checkpoint_name(stem) || stem == "latest") out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 }  // namespace hp::train

@@ -14,7 +14,7 @@
 namespace hp::train {
 
 const char* const kUsage =
-    "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR]]\n"
+    "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR] | --overwrite]\n"
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
     "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
@@ -24,6 +24,8 @@ const char* const kUsage =
     "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
     "  --verify         also train in one process on the global batch and compare losses\n"
     "  --resume [DIR]   continue from a checkpoint: DIR, or the newest under save_dir\n"
+    "  --overwrite      start over where save_dir holds an earlier run's checkpoints,\n"
+    "                   deleting them (without it, or --resume, such a run is refused)\n"
     "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
     "                   and exit, allocating nothing (any size, deepseek_v3 included)\n"
     "  --world N        the number of ranks --estimate and --plan assume (default: this run's)\n"
@@ -103,6 +105,8 @@ Args parse_args(int argc, char** argv) {
     } else if (s.rfind("--resume=", 0) == 0) {
       a.resume = true;
       a.resume_dir = s.substr(9);
+    } else if (s == "--overwrite") {
+      a.overwrite = true;
     } else if (s == "--estimate") {
       a.estimate = true;
     } else if (s == "--world") {
@@ -164,7 +168,28 @@ Args parse_args(int argc, char** argv) {
            "hp-train: --plan only predicts: no --estimate, --verify, --resume or --export-hf with it");
   HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
   HP_CHECK(!(a.resume && a.estimate), "hp-train: --resume trains, --estimate only sizes: use one of them");
+  HP_CHECK(!(a.overwrite && a.resume), "hp-train: --resume continues the earlier run, --overwrite deletes it: use one "
+           "of them");
+  HP_CHECK(!a.overwrite || (!a.estimate && !a.plan && !exporting), "hp-train: --overwrite goes with a training run "
+           "only (not --estimate, --plan or --export-hf)");
   return a;
+}
+
+std::vector<std::pair<std::string, std::string>> command_line_settings(const Args& a) {
+  auto yes = [](bool b) { return std::string(b ? "yes" : "no"); };
+  return {{"--verify", yes(a.verify)},
+          {"--resume", yes(a.resume) + (a.resume_dir.empty() ? "" : " " + a.resume_dir)},
+          {"--overwrite", yes(a.overwrite)},
+          {"--estimate", yes(a.estimate)},
+          {"--world", std::to_string(a.world)},
+          {"--plan", yes(a.plan) + (a.plan_json ? " --json" : "")},
+          {"--ranks-per-node", std::to_string(a.ranks_per_node)},
+          {"--link", a.link},
+          {"--device-tflops", std::to_string(a.device_tflops)},
+          {"--memory-per-rank", std::to_string(a.memory_per_rank)},
+          {"--export-hf", a.export_ckpt + " " + a.export_out},
+          {"--dtype", a.export_dtype ? c10::toString(*a.export_dtype) : ""},
+          {"--max-shard-size", std::to_string(a.max_shard_bytes)}};
 }
 
 InitOptions init_options(const Args& a) {

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "hp/core/error.h"
 
 namespace hp::train {
@@ -105,10 +107,38 @@ void commit(const std::string& partial, const std::string& path) {
 }
 }  // namespace
 
-MetricsLog::MetricsLog(const std::string& path) : path_(path), partial_(path + ".partial") {
+MetricsLog::MetricsLog(const std::string& path, int64_t keep_through) : path_(path), partial_(path + ".partial") {
+  std::string kept;
+  if (keep_through >= 0) {
+    std::ifstream earlier(partial_);
+    if (!earlier.is_open()) earlier.open(path_);
+    for (std::string line; std::getline(earlier, line);) {
+      // Untrusted: a line that does not parse (torn by a kill) is dropped.
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_object()) continue;
+      const bool is_step = j.contains("step") && j["step"].is_number_integer();
+      const bool is_eval = j.contains("eval") && j["eval"].is_object() && j["eval"].contains("step") &&
+                           j["eval"]["step"].is_number_integer();
+      if (!is_step && !is_eval) continue;  // a summary: this run writes its own
+      const nlohmann::json& e = is_step ? j : j["eval"];
+      const int64_t step = e["step"].get<int64_t>();
+      if (step < 1 || step > keep_through) continue;
+      const double loss = e.contains("loss") && e["loss"].is_number() ? e["loss"].get<double>() : NAN;
+      (is_step ? kept_loss_ : kept_eval_).emplace_back(step, loss);
+      kept += line + "\n";
+    }
+  }
+  // A resumed run's kept lines go to a file of their own first: the earlier log stays whole
+  // until they are safely written.
+  const std::string first = keep_through >= 0 ? partial_ + ".new" : partial_;
   errno = 0;
-  f_.open(partial_, std::ios::trunc);
-  HP_CHECK(f_.good(), "cannot write the metrics file '", partial_, "': ", os_error());
+  f_.open(first, std::ios::trunc);
+  HP_CHECK(f_.good(), "cannot write the metrics file '", first, "': ", os_error());
+  if (keep_through < 0) return;
+  f_ << kept;
+  check("the lines kept from the run resumed");
+  commit(first, partial_);
+  std::remove(path_.c_str());  // its lines are in partial_ now
 }
 
 void MetricsLog::check(const char* what) {

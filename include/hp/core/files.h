@@ -12,4 +12,9 @@ namespace hp::files {
 // is not an error. Returns "" on success, else the error naming the path and the OS's reason.
 std::string remove_tree(const std::string& path);
 
+// Creates the folder `path` and its missing parents (an existing folder is fine). Returns ""
+// on success, else the error naming the first part that could not be made (a file in the
+// way, no permission) and the OS's reason.
+std::string create_folders(const std::string& path);
+
 }  // namespace hp::files

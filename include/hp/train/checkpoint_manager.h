@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "hp/comm/communicator.h"
 #include "hp/train/config.h"
@@ -45,6 +46,10 @@ class CheckpointManager {
   static std::string resolve(const std::string& dir);
   // The folder name of the checkpoint after `steps` steps ("step_00000042").
   static std::string name_of(int64_t steps);
+  // What this manager (and ckpt::save under it) writes in `dir`, sorted: step_<k> folders,
+  // committed or not (with their .tmp and .old forms), `latest` and `latest.tmp`. Empty for
+  // a missing folder.
+  static std::vector<std::string> entries_in(const std::string& dir);
 
   const Options& options() const { return o_; }
 

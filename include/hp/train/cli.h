@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/runtime.h"
@@ -19,6 +20,7 @@ struct Args {
   bool verify = false, list_keys = false, help = false, estimate = false;
   bool resume = false;
   std::string resume_dir;  // empty: save_dir's latest
+  bool overwrite = false;  // --overwrite: delete an earlier run's checkpoints in save_dir
   int world = 0;  // --world: the rank count --estimate and --plan assume (0 = this run's)
   // --plan [--ranks-per-node K] [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]
   bool plan = false, plan_json = false;
@@ -38,6 +40,10 @@ extern const char* const kUsage;
 // Parses argv; raises hp::Error naming the argument (with the usage text where it helps)
 // for an unknown argument, a missing or bad value, or options that do not go together.
 Args parse_args(int argc, char** argv);
+
+// The flags every rank of a run must be given alike, as (flag, value) for
+// settings_mismatch: all but --config and --set, whose resolved config is compared instead.
+std::vector<std::pair<std::string, std::string>> command_line_settings(const Args& a);
 
 // hp::init's options for the run `a` asks for: the nccl backend when it trains a config
 // that says device: cuda, unless HP_BACKEND names one. A config that cannot be read leaves

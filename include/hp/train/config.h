@@ -237,11 +237,13 @@ std::string describe(const TrainConfig& c);
 // a checkpoint keeps the model's.
 std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainConfig& c);
 
-// "" when every rank of `world` resolved the same `mine` (resolved_settings): mpirun's ':'
-// form can start ranks with different configs or --set values, which would train
-// differently or hang. Else, on each rank that differs from rank 0, the first differing key
-// with both values. Collective.
-std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<std::string, std::string>>& mine);
+// "" when every rank of `world` holds the same `mine` (resolved_settings, or
+// command_line_settings): mpirun's ':' form can start ranks with different configs, --set
+// values or flags, which would train differently or hang. Else, on each rank that differs
+// from rank 0: "the ranks were started with different <what>: k=v on rank r but k=w on rank
+// 0; <remedy>" for the first differing key. Collective.
+std::string settings_mismatch(const CommPtr& world, const std::vector<std::pair<std::string, std::string>>& mine,
+                              const std::string& what, const std::string& remedy);
 
 // The model that resolved_settings' model.* entries describe (as a checkpoint keeps them; the
 // other entries are ignored). Raises naming the key and `source` for a value that does not

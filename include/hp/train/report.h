@@ -54,7 +54,16 @@ std::string summary_line(const TrainSummary& s);
 // raises hp::Error naming the file and the OS error.
 class MetricsLog {
  public:
-  explicit MetricsLog(const std::string& path);  // raises naming the path
+  // A new log (raises naming the path). With `keep_through` >= 0, a run resumed after that
+  // many steps: the earlier run's lines of steps 1..keep_through and of the validations
+  // after them are carried over, from `path`.partial where a run was cut off, else from
+  // `path`; later steps (which this run trains again), summaries, restart records past
+  // the step and a torn last line are dropped. The earlier file is replaced only once the
+  // kept lines are safely in the new one.
+  explicit MetricsLog(const std::string& path, int64_t keep_through = -1);
+  // The training and validation losses carried over, by step (empty for a new log).
+  const std::vector<std::pair<int64_t, double>>& kept_losses() const { return kept_loss_; }
+  const std::vector<std::pair<int64_t, double>>& kept_evals() const { return kept_eval_; }
   void step(const StepStats& s, double ref_loss);
   // {"eval":{"step","loss","perplexity","tokens","seconds"[,"reference_loss"]}}
   void eval(const EvalStats& e, double ref_loss);
@@ -65,6 +74,7 @@ class MetricsLog {
   void check(const char* what);
   std::ofstream f_;
   std::string path_, partial_;
+  std::vector<std::pair<int64_t, double>> kept_loss_, kept_eval_;
 };
 
 // What the loss curve draws, by step.
