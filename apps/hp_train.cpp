@@ -93,6 +93,26 @@ int plan(const Args& args, const hp::CommPtr& world) {
   return all_ok(world, error.empty(), error) ? 0 : 1;
 }
 
+// --export-hf: every rank takes part (each writes its share); an error, which every rank
+// meets alike, is printed once.
+int export_checkpoint(const Args& args, const hp::CommPtr& world) {
+  std::string error;
+  try {
+    hp::ckpt::ExportOptions o;
+    if (args.max_shard_bytes > 0) o.max_shard_bytes = args.max_shard_bytes;
+    if (args.export_dtype) o.dtype = *args.export_dtype;
+    // A checkpoint, or a save_dir whose 'latest' names one.
+    std::string from = args.export_ckpt;
+    if (std::filesystem::exists(from + "/latest")) from = hp::train::CheckpointManager::resolve(from);
+    hp::train::export_hf(from, args.export_out, world, o);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!all_ok(world, error.empty(), "--export-hf: " + error)) return 1;
+  if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (a Hugging Face model folder)" << std::endl;
+  return 0;
+}
+
 int run(const Args& args, const hp::CommPtr& world) {
   using namespace hp::train;
   const int rank = world->rank();
@@ -343,19 +363,15 @@ int main(int argc, char** argv) {
     const std::string differ =
         hp::train::settings_mismatch(world, hp::train::command_line_settings(args), "command lines",
                                      "every rank must be given the same arguments");
-    if (!all_ok(world, differ.empty(), differ)) return 1;
-    if (!args.export_ckpt.empty()) {
-      hp::ckpt::ExportOptions o;
-      if (args.max_shard_bytes > 0) o.max_shard_bytes = args.max_shard_bytes;
-      if (args.export_dtype) o.dtype = *args.export_dtype;
-      // A checkpoint, or a save_dir whose 'latest' names one.
-      std::string from = args.export_ckpt;
-      if (std::filesystem::exists(from + "/latest")) from = hp::train::CheckpointManager::resolve(from);
-      hp::train::export_hf(from, args.export_out, world, o);
-      if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (a Hugging Face model folder)" << std::endl;
-      return 0;
+    int rc = 1;  // where the ranks' flags differ
+    if (!all_ok(world, differ.empty(), differ)) {
+    } else if (!args.export_ckpt.empty()) {
+      rc = export_checkpoint(args, world);
+    } else {
+      rc = args.plan ? plan(args, world) : run(args, world);
     }
-    return args.plan ? plan(args, world) : run(args, world);
+    hp::finalize();  // writes HP_TRACE's file: a failure there is this run's error
+    return rc;
   } catch (const std::exception& e) {
     // A failure after the agreed checks may leave other ranks inside a collective: exit at
     // once (mpirun then stops them) rather than finalize and wait.

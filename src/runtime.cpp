@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
@@ -151,7 +152,15 @@ CommPtr init(const InitOptions& o) {
     trace::enable(trace_dir);
   }
   if (!g_atexit_registered) {
-    std::atexit([] { finalize(); });
+    std::atexit([] {
+      try {
+        finalize();
+      } catch (const std::exception& e) {  // a program that did not call finalize() itself
+        std::fprintf(stderr, "hyperparallel: error at exit: %s\n", e.what());
+        std::fflush(nullptr);
+        std::_Exit(1);
+      }
+    });
     g_atexit_registered = true;
   }
   return g_world;
@@ -162,12 +171,18 @@ void finalize() {
   if (!g_world) return;
   g_world.reset();
   bool clean = detail::shutdown_all_communicators(std::chrono::milliseconds(5000));
-  if (trace::enabled()) trace::flush();  // after the workers recorded their last spans
+  std::string trace_error;
+  try {
+    if (trace::enabled()) trace::flush();  // after the workers recorded their last spans
+  } catch (const std::exception& e) {
+    trace_error = e.what();  // raised once the rest is shut down
+  }
 #if HP_HAVE_MPI
   if (g_we_initialized_mpi) detail::finalize_mpi(clean);
 #else
   (void)clean;
 #endif
+  HP_CHECK(trace_error.empty(), trace_error);
 }
 
 }  // namespace hp

@@ -6,7 +6,10 @@
 // oversubscribe the node's cores (the cores this process may run on / ranks on the node),
 // installs the counting CPU allocator, enables tracing when HP_TRACE is set, and returns
 // the world communicator. hp::finalize() (also run at exit) writes the trace, stops every
-// communicator's thread and finalizes MPI if hp::init initialized it.
+// communicator's thread and finalizes MPI if hp::init initialized it; a trace that could
+// not be written raises hp::Error once the rest is done (run at exit: the message goes to
+// stderr and the process exits with status 1), so call it before returning from main to
+// report it your own way.
 #pragma once
 
 #include <string>

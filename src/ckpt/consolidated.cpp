@@ -184,6 +184,16 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
                                               {"lengths", e->shape}}})}};
   }
   detail::load_boxes(items, dir, tensors, json::object(), /*convert=*/true, "the folder");
+  // A folder from elsewhere may hold damaged weights: a NaN or infinity would only show as
+  // a diverged first step, blamed on the learning rate.
+  for (const auto& it : items) {
+    if (!at::isFloatingType(it.local.scalar_type()) || it.local.numel() == 0) continue;
+    const int64_t bad = it.local.numel() - at::isfinite(it.local).sum().item<int64_t>();
+    const std::string& name = it.source.empty() ? it.name : it.source;
+    HP_CHECK(bad == 0, "load of '", dir, "': tensor '", name, "' (in '", where.at(name), "') holds ", bad,
+             bad == 1 ? " value that is" : " values that are", " not finite (NaN or infinity) among the ",
+             it.local.numel(), " this rank read: the folder's weights are damaged");
+  }
 }
 
 }  // namespace hp::ckpt

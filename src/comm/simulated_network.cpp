@@ -36,6 +36,20 @@ double number(const std::string& spec, const std::string& part, const char* what
   return x;
 }
 
+// A link no machine has (a latency of days, a bandwidth of bytes per hour or beyond any
+// wire) is a typo, not a model: it would only print step times hundreds of digits long.
+constexpr double kMaxLatencyUs = 1e7;                 // 10 s
+constexpr double kMinGBps = 1e-6, kMaxGBps = 1e6;     // 1 kB/s .. 1 PB/s
+
+LinkModel link(const std::string& spec, const std::string& latency, const std::string& bandwidth) {
+  const LinkModel l{number(spec, latency, "latency", false), number(spec, bandwidth, "bandwidth", true)};
+  HP_CHECK(l.alpha_us <= kMaxLatencyUs, "simulated network '", spec, "': latency '", latency,
+           "' us is beyond the ", kMaxLatencyUs, " us (10 s) a link is modelled up to");
+  HP_CHECK(l.gbytes_per_s >= kMinGBps && l.gbytes_per_s <= kMaxGBps, "simulated network '", spec, "': bandwidth '",
+           bandwidth, "' GB/s is outside the range a link is modelled in, [", kMinGBps, ", ", kMaxGBps, "] GB/s");
+  return l;
+}
+
 }  // namespace
 
 SimulatedNetwork SimulatedNetwork::parse(const std::string& spec) {
@@ -46,12 +60,12 @@ SimulatedNetwork SimulatedNetwork::parse(const std::string& spec) {
   const auto intra = split_on(links[0], ':');
   HP_CHECK(intra.size() == 2, "simulated network '", spec, "': the intra-node link '", links[0],
            "' is not ALPHA_US:GB_PER_S");
-  n.intra = {number(spec, intra[0], "latency", false), number(spec, intra[1], "bandwidth", true)};
+  n.intra = link(spec, intra[0], intra[1]);
   if (links.size() == 2) {
     const auto inter = split_on(links[1], ':');
     HP_CHECK(inter.size() == 3, "simulated network '", spec, "': the inter-node link '", links[1],
              "' is not INTER_ALPHA_US:INTER_GB_PER_S:RANKS_PER_NODE");
-    n.inter = {number(spec, inter[0], "latency", false), number(spec, inter[1], "bandwidth", true)};
+    n.inter = link(spec, inter[0], inter[1]);
     const double k = number(spec, inter[2], "ranks per node", true);
     HP_CHECK(k == std::floor(k) && k <= 1 << 24, "simulated network '", spec, "': ranks per node '", inter[2],
              "' is not a whole number");

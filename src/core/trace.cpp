@@ -3,6 +3,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -107,11 +109,23 @@ std::string flush() {
   std::lock_guard<std::mutex> g(s.mu);
   if (s.dir.empty()) return "";
   std::string path = s.dir + "/trace_rank" + std::to_string(s.rank) + ".json";
-  std::ofstream f(path);
-  HP_CHECK(f.good(), "cannot write trace file ", path);
+  // Written whole under a temporary name, every write checked, then renamed: a trace file
+  // under its own name is always complete, and a failure is an error naming it.
+  const std::string partial = path + ".partial";
+  errno = 0;
+  std::ofstream f(partial, std::ios::trunc);
+  HP_CHECK(f.good(), "cannot write the trace file '", partial, "': ", errno ? std::strerror(errno) : "unknown error");
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    f.close();
+    std::remove(partial.c_str());
+    HP_CHECK(false, what, " the trace file '", partial, "' failed: ", err ? std::strerror(err) : "unknown error",
+             " (removed; the run's other output is not affected)");
+  };
   f << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
   bool first = true;
   auto sep = [&] {
+    if (!f.good()) fail("writing");  // at once, while errno says why
     if (!first) f << ",\n";
     first = false;
   };
@@ -140,6 +154,12 @@ std::string flush() {
     }
   }
   f << "\n]}\n";
+  if (!f.good()) fail("writing");
+  f.flush();
+  if (!f.good()) fail("writing");
+  f.close();
+  if (f.fail()) fail("closing");
+  if (std::rename(partial.c_str(), path.c_str()) != 0) fail("renaming");
   return path;
 }
 

@@ -128,8 +128,10 @@ Args parse_args(int argc, char** argv) {
       } catch (const std::exception&) {
         used = 0;
       }
-      HP_CHECK(used == v.size() && a.device_tflops > 0 && std::isfinite(a.device_tflops), "hp-train: --device-tflops ",
-               v, ": expected a positive number (TFLOP/s of one device)");
+      // From a GFLOP/s to an EFLOP/s: outside it the figure is a typo (a unit slip), and the
+      // plan would print step times of hundreds of digits.
+      HP_CHECK(used == v.size() && a.device_tflops >= 1e-3 && a.device_tflops <= 1e6, "hp-train: --device-tflops ", v,
+               ": expected the TFLOP/s of one device, a number in [0.001, 1000000]");
     } else if (s == "--memory-per-rank") {
       a.memory_per_rank = parse_bytes(value(), "--memory-per-rank");
     } else if (s == "--export-hf") {
@@ -164,6 +166,8 @@ Args parse_args(int argc, char** argv) {
   HP_CHECK(a.plan || (!a.plan_json && a.ranks_per_node == 0 && a.link.empty() && a.device_tflops == 0 &&
                       a.memory_per_rank == 0),
            "hp-train: --json, --ranks-per-node, --link, --device-tflops and --memory-per-rank only go with --plan");
+  HP_CHECK(a.device_tflops == 0 || a.memory_per_rank > 0, "hp-train: --device-tflops plans for devices, whose memory "
+           "this machine cannot tell: give --memory-per-rank too (a device's memory, e.g. 80GB)");
   HP_CHECK(!(a.plan && (a.estimate || a.verify || a.resume || exporting)),
            "hp-train: --plan only predicts: no --estimate, --verify, --resume or --export-hf with it");
   HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");

@@ -283,7 +283,9 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       o.device ? 1.0 : std::max(1.0, static_cast<double>(per_node) * threads / static_cast<double>(cores));
   const bool overlap = fsdp_overlap_auto(o.device, cores, per_node, threads);
   int64_t memory = o.memory_per_rank;
-  if (memory == 0 && !o.device) memory = memory::available_bytes() / per_node;
+  HP_CHECK(memory > 0 || !o.device, "plan_layouts: a plan for devices (PlanOptions::device) needs memory_per_rank: "
+           "this machine's memory says nothing about a device's");
+  if (memory == 0) memory = memory::available_bytes() / per_node;
 
   const SimulatedNetwork& net = o.network;
   // The link of a group: the inter-node one when its ranks span nodes. The groups are the

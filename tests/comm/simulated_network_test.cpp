@@ -29,6 +29,13 @@ TEST(SimulatedNetwork, ParsesSpecsAndNamesWhatIsWrong) {
   EXPECT_TRUE(b.spans_nodes({3, 4}));
   hp::test::expect_error([] { hp::SimulatedNetwork::parse("5"); }, {"'5'", "ALPHA_US:GB_PER_S"});
   hp::test::expect_error([] { hp::SimulatedNetwork::parse("5:0"); }, {"bandwidth '0' is not a positive number"});
+  // Links no machine has: refused, not modelled into step times of hundreds of digits.
+  hp::test::expect_error([] { hp::SimulatedNetwork::parse("5:1e-300"); }, {"bandwidth '1e-300' GB/s is outside"});
+  hp::test::expect_error([] { hp::SimulatedNetwork::parse("5:2e6"); }, {"bandwidth '2e6' GB/s is outside"});
+  hp::test::expect_error([] { hp::SimulatedNetwork::parse("1e300:100"); }, {"latency '1e300' us is beyond"});
+  hp::test::expect_error([] { hp::SimulatedNetwork::parse("5:100,5:1e-9:4"); }, {"bandwidth '1e-9' GB/s is outside"});
+  EXPECT_EQ(hp::SimulatedNetwork::parse("1e7:1e-6").intra.alpha_us, 1e7) << "the limits themselves are allowed";
+  EXPECT_EQ(hp::SimulatedNetwork::parse("0:1e6").intra.gbytes_per_s, 1e6);
   hp::test::expect_error([] { hp::SimulatedNetwork::parse("x:1"); }, {"latency 'x'"});
   hp::test::expect_error([] { hp::SimulatedNetwork::parse("1:1,2:2"); }, {"RANKS_PER_NODE"});
   hp::test::expect_error([] { hp::SimulatedNetwork::parse("1:1,2:2:1.5"); }, {"'1.5' is not a whole number"});

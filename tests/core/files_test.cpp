@@ -50,3 +50,25 @@ TEST(Files, RemoveTreeRemovesEverythingBelowAndFollowsNoLink) {
     hp::files::remove_tree(root);
   }
 }
+
+// create_folders: every missing part made, an existing folder fine, a file in the way named.
+TEST(Files, CreateFoldersMakesEveryPartAndNamesAFileInTheWay) {
+  const std::string root = ::testing::TempDir() + "hp_files_create";
+  hp::files::remove_tree(root);
+  EXPECT_EQ(hp::files::create_folders(root + "/a/b//c/"), "");
+  struct stat st{};
+  ASSERT_EQ(::stat((root + "/a/b/c").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ(hp::files::create_folders(root + "/a/b"), "") << "an existing folder is not an error";
+  std::ofstream(root + "/file") << "x";
+  std::string error = hp::files::create_folders(root + "/file/sub");
+  EXPECT_EQ(error, "cannot create '" + root + "/file/sub': '" + root + "/file' is not a folder");
+  error = hp::files::create_folders(root + "/file");
+  EXPECT_EQ(error, "cannot create '" + root + "/file': '" + root + "/file' is not a folder");
+  EXPECT_NE(hp::files::create_folders(""), "");
+  std::ifstream f(root + "/file");
+  std::string text;
+  f >> text;
+  EXPECT_EQ(text, "x") << "the file in the way was changed";
+  hp::files::remove_tree(root);
+}

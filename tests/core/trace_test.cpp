@@ -3,10 +3,15 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
 #include <fstream>
 #include <thread>
 
 #include "hp/comm/communicator.h"
+#include "hp/core/files.h"
 #include "hp/core/trace.h"
 
 TEST(Trace, WritesChromeTraceWithComputeAndCommSpans) {
@@ -46,4 +51,41 @@ TEST(Trace, WritesChromeTraceWithComputeAndCommSpans) {
   EXPECT_EQ(compute, 1);
   EXPECT_EQ(comm_begin, 1);
   EXPECT_EQ(comm_end, 1);
+}
+
+// A trace that cannot be written is an error naming the file and the OS's reason, and no
+// file is left under the trace's name or half-written under the temporary one.
+TEST(Trace, AFailedWriteIsAnErrorAndLeavesNoFile) {
+  const std::string dir = ::testing::TempDir() + "hp_trace_fail_test";
+  hp::files::remove_tree(dir);  // a run before this one's leftovers
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  hp::trace::enable(dir);
+  hp::trace::set_rank(0);
+  hp::trace::clear();
+  { hp::trace::Span s("work"); }
+  const std::string path = dir + "/trace_rank0.json";
+  std::remove(path.c_str());
+  // A full disk: the temporary file is /dev/full.
+  ASSERT_EQ(::symlink("/dev/full", (path + ".partial").c_str()), 0);
+  try {
+    hp::trace::flush();
+    ADD_FAILURE() << "a trace written to a full disk raised nothing";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("trace_rank0.json.partial' failed: No space left on device"), std::string::npos)
+        << e.what();
+  }
+  struct stat st{};
+  EXPECT_NE(::lstat(path.c_str(), &st), 0) << "a trace file appeared under its name";
+  EXPECT_NE(::lstat((path + ".partial").c_str(), &st), 0) << "the temporary file was left";
+  // The folder removed while the run went on.
+  ASSERT_EQ(::rmdir(dir.c_str()), 0);
+  try {
+    hp::trace::flush();
+    ADD_FAILURE() << "a trace written to a removed folder raised nothing";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot write the trace file '" + path + ".partial': No such file or directory"),
+              std::string::npos)
+        << e.what();
+  }
+  hp::trace::disable();
 }

@@ -193,8 +193,28 @@ expect_knob_error HP_COMM_TIMEOUT_S=1e-9 "HP_COMM_TIMEOUT_S='1e-9' is out of ran
 expect_knob_error HP_NUM_THREADS=99999999999999999999 "HP_NUM_THREADS='99999999999999999999' is out of range: it must be in \[0, 1024\]"
 expect_knob_error HP_FSDP_OVERLAP=2 "HP_FSDP_OVERLAP='2' is not one of auto|0|1"
 expect_knob_error HP_SIM_NET=5:0 "simulated network '5:0': bandwidth '0' is not a positive number"
+expect_knob_error HP_SIM_NET=5:1e-300 "simulated network '5:1e-300': bandwidth '1e-300' GB/s is outside"
+# --plan with figures no device or link has, or for devices without their memory: refused.
+for bad in "--link 1e300:10" "--device-tflops 1e-300 --memory-per-rank 80GB" "--device-tflops 1e300 --memory-per-rank 80GB"; do
+  # shellcheck disable=SC2086  # $bad is a list of words on purpose
+  "$bin" --config "$cfg" --plan --world 4 $bad > "$work/out" 2>&1; rc=$?
+  [ $rc != 0 ] || fail "--plan $bad was accepted: $(head -3 "$work/out")"
+  grep -q "latency '1e300' us is beyond\|--device-tflops 1e-*300: expected the TFLOP/s of one device" "$work/out" ||
+    fail "--plan $bad not named: $(cat "$work/out")"
+done
+"$bin" --config "$cfg" --plan --world 4 --device-tflops 900 > "$work/out" 2>&1 && fail "--device-tflops without --memory-per-rank was accepted"
+grep -q -- "give --memory-per-rank too" "$work/out" || fail "--device-tflops without memory not explained: $(cat "$work/out")"
 expect_knob_error HP_RS_SEGMENT_BYTES=12 "HP_RS_SEGMENT_BYTES='12' is out of range"
 expect_knob_error HP_TRACE=/etc/hostname "HP_TRACE='/etc/hostname' is not a directory"
+# The trace, written as the run ends, on a full disk: exit 1 naming the file, nothing under
+# the trace's name (it was exit 0 with an empty file).
+mkdir -p "$work/trace_full" && ln -sf /dev/full "$work/trace_full/trace_rank0.json.partial"
+HP_TRACE="$work/trace_full" "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=1 --set lr_warmup_steps=0 \
+  --set output_dir= > "$work/out" 2>&1; rc=$?
+[ $rc = 1 ] || fail "a trace on a full disk: exit $rc: $(cat "$work/out")"
+grep -q "trace_rank0.json.partial' failed: No space left on device" "$work/out" || fail "the trace's full disk not named: $(cat "$work/out")"
+[ ! -e "$work/trace_full/trace_rank0.json" ] && [ ! -e "$work/trace_full/trace_rank0.json.partial" ] ||
+  fail "a trace file was left: $(ls -la "$work/trace_full")"
 if [ -n "$mpirun" ]; then
   HP_BACKEND=local run_np 2 --config "$cfg" --set train_steps=1 --set lr_warmup_steps=0 --set output_dir= > "$work/out" 2>&1 &&
     fail "HP_BACKEND=local under mpirun was accepted"

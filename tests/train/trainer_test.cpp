@@ -1085,28 +1085,45 @@ TEST(TrainDist, HuggingFaceInterchangeErrors) {
     if (at != std::string::npos) s.insert(at + 1, "\"quantization_config\": {\"quant_method\": \"bitsandbytes\"},");
   });
   hp::test::expect_error([&] { ht::Trainer t(quantized, w); }, {"quantization_config", "convert them to bf16 or fp32"});
-  ht::TrainConfig integer = c;
-  integer.init_from_hf = base + "_int";
-  if (w->rank() == 0) {
-    // The export's tensors in one model.safetensors, the final norm's as int64.
-    hp::files::remove_tree(integer.init_from_hf);
-    std::filesystem::create_directories(integer.init_from_hf);
-    std::filesystem::copy(base + "_out/config.json", integer.init_from_hf + "/config.json");
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& entry : std::filesystem::directory_iterator(base + "_out")) {
-      const std::string path = entry.path().string();
-      if (path.size() < 12 || path.compare(path.size() - 12, 12, ".safetensors") != 0) continue;
-      const auto h = hp::ckpt::read_header(path);
-      for (const auto& t : h.tensors) {
-        at::Tensor v = hp::ckpt::read_tensor(path, h, t.name);
-        tensors.emplace_back(t.name, t.name == "model.norm.weight" ? v.to(at::kLong) : v);
+  // The export's tensors in one model.safetensors in `folder`, the final norm's through `edit`.
+  auto norm_edited = [&](const std::string& folder, const std::function<at::Tensor(at::Tensor)>& edit) {
+    if (w->rank() == 0) {
+      hp::files::remove_tree(folder);
+      std::filesystem::create_directories(folder);
+      std::filesystem::copy(base + "_out/config.json", folder + "/config.json");
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      for (const auto& entry : std::filesystem::directory_iterator(base + "_out")) {
+        const std::string path = entry.path().string();
+        if (path.size() < 12 || path.compare(path.size() - 12, 12, ".safetensors") != 0) continue;
+        const auto h = hp::ckpt::read_header(path);
+        for (const auto& t : h.tensors) {
+          at::Tensor v = hp::ckpt::read_tensor(path, h, t.name);
+          tensors.emplace_back(t.name, t.name == "model.norm.weight" ? edit(v) : v);
+        }
       }
+      hp::ckpt::write_file(folder + "/model.safetensors", tensors, {{"format", "pt"}});
     }
-    hp::ckpt::write_file(integer.init_from_hf + "/model.safetensors", tensors, {{"format", "pt"}});
-  }
-  w->barrier().wait();
+    w->barrier().wait();
+    return folder;
+  };
+  ht::TrainConfig integer = c;
+  integer.init_from_hf = norm_edited(base + "_int", [](at::Tensor v) { return v.to(at::kLong); });
   hp::test::expect_error([&] { ht::Trainer t(integer, w); },
                          {"'model.norm.weight' (in model.safetensors) is I64", "not supported yet"});
+  // Damaged weights (NaN): refused naming the tensor, not trained into "diverged, try a
+  // lower lr". Every rank holding a part of the norm sees them; rank 0 holds one.
+  ht::TrainConfig damaged = c;
+  damaged.init_from_hf = norm_edited(base + "_nan", [](at::Tensor v) { return at::full_like(v, NAN); });
+  try {
+    ht::Trainer t(damaged, w);
+    ADD_FAILURE() << "weights holding NaN were imported";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    if (w->rank() == 0) {
+      EXPECT_NE(what.find("tensor 'model.norm.weight' (in 'model.safetensors') holds"), std::string::npos) << what;
+      EXPECT_NE(what.find("not finite (NaN or infinity)"), std::string::npos) << what;
+    }
+  }
   // A folder whose config.json says less than its weights hold (MLP biases it does not
   // mention): refused naming the first tensor left over, not imported without it.
   ht::TrainConfig biased = c;

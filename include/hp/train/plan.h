@@ -107,7 +107,7 @@ struct PlanOptions {
   int cores_per_node = 0;     // compute threads a node offers (0: this machine's usable cores)
   int threads_per_rank = 0;   // 0: cores / ranks on a node, at least 1 (as hp::init picks)
   bool device = false;        // ranks drive a GPU each (NCCL): overlap is on, no oversubscription
-  int64_t memory_per_rank = 0;  // bytes; 0: this machine's available memory / ranks on a node
+  int64_t memory_per_rank = 0;  // bytes; 0: this machine's available memory / ranks on a node (required with device)
 };
 
 struct PlanRow {
