@@ -261,6 +261,14 @@ for k in 2 4 6; do [ -e "$ca/step_0000000$k/metadata.json" ] || fail "async: ste
 "$bin" --config "$cfg" --set data_parallel=1 --set save_dir="$work/none" --resume > "$work/out" 2>&1 &&
   fail "--resume without a checkpoint was accepted"
 grep -q "no checkpoint to resume from in '$work/none'" "$work/out" || fail "missing checkpoint not named: $(cat "$work/out")"
+# An export error, which every rank meets: printed once, worded for the export.
+if [ -n "$mpirun" ]; then
+  mkdir -p "$work/noexport" && echo x > "$work/noexport/latest"
+  run_np 2 --export-hf "$work/noexport" "$work/exported" > "$work/out" 2>&1 && fail "an export of 'latest: x' was accepted"
+  [ "$(grep -c -- "--export-hf: '$work/noexport/latest' names 'x'" "$work/out")" = 1 ] ||
+    fail "the export error was not printed once: $(cat "$work/out")"
+  [ ! -e "$work/exported" ] || fail "a failed export left its folder"
+fi
 printf '# nothing here\n' > "$work/empty.yaml"
 "$bin" --config "$work/empty.yaml" > "$work/out" 2>&1; [ $? = 1 ] || fail "an empty config did not exit 1"
 grep -q "holds no settings" "$work/out" || fail "empty config not named: $(cat "$work/out")"
