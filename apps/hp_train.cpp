@@ -38,6 +38,7 @@
 #include "hp/train/cli.h"
 #include "hp/train/config.h"
 #include "hp/train/plan.h"
+#include "hp/train/preemption.h"
 #include "hp/train/report.h"
 #include "hp/train/run_folders.h"
 #include "hp/train/trainer.h"
@@ -140,10 +141,12 @@ int run(const Args& args, const hp::CommPtr& world) {
         valid = make_validation_dataset(c);
         validation_batches(c, *valid);  // holds what an evaluation reads
       }
+      HP_CHECK(!args.auto_resume || c.save_interval > 0, "--auto-resume: save_interval=0: this run saves no "
+               "checkpoint to resume from (set save_interval)");
       // Every folder the run writes, made and probed now, not at the first save; locked
       // against a second run; an earlier run's checkpoints refused unless told otherwise.
       folders = std::make_unique<RunFolders>(c, rank,
-                                             args.resume      ? EarlierRun::kContinue
+                                             args.resume || args.auto_resume ? EarlierRun::kContinue
                                              : args.overwrite ? EarlierRun::kReplace
                                                               : EarlierRun::kRefuse);
     }
@@ -214,16 +217,21 @@ int run(const Args& args, const hp::CommPtr& world) {
 
   Trainer trainer(c, world, data, valid);
   say("data: " + trainer.describe_data());
-  if (args.resume) {
+  // --auto-resume: where save_dir has a checkpoint (a relaunch after a failure), else from
+  // the start (a failure before the first save, or the first launch).
+  const bool resuming = args.resume || (args.auto_resume && std::filesystem::exists(c.save_dir + "/latest"));
+  std::string resumed_from;
+  if (resuming) {
     error.clear();
     std::string dir = args.resume_dir;
     try {
       dir = CheckpointManager::resolve(dir.empty() ? c.save_dir : dir);
+      resumed_from = dir;
       trainer.load(dir);
       HP_CHECK(trainer.steps_done() <= c.train_steps, "resume from ", dir, ": it is at step ", trainer.steps_done(),
                ", past train_steps=", c.train_steps);
     } catch (const std::exception& e) {
-      error = "--resume: " + std::string(e.what());
+      error = (args.resume ? "--resume: " : "--auto-resume: ") + std::string(e.what());
     }
     if (!all_ok(world, error.empty(), error)) return 1;
     say("resumed from " + dir + " after step " + std::to_string(trainer.steps_done()));
@@ -240,7 +248,18 @@ int run(const Args& args, const hp::CommPtr& world) {
     if (lead && !c.output_dir.empty()) {
       // A previous run's curve must not sit beside this run's metrics.
       std::remove((c.output_dir + "/loss.svg").c_str());
-      metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl", args.resume ? trainer.steps_done() : -1);
+      metrics = std::make_unique<MetricsLog>(c.output_dir + "/metrics.jsonl", resuming ? trainer.steps_done() : -1);
+      if (resuming) {
+        // What the earlier run had done beyond its checkpoint is trained again: lost.
+        const int64_t lost = std::max<int64_t>(0, metrics->last_step_seen() - trainer.steps_done());
+        const std::string cause = hp::env::get_string("HP_RESTART_CAUSE");
+        metrics->resumed(trainer.steps_done(), resumed_from, lost,
+                         !cause.empty() ? cause : args.resume ? "--resume" : "--auto-resume");
+        if (lost > 0) {
+          say(std::to_string(lost) + " step(s) lost: the earlier run had reached step " +
+              std::to_string(metrics->last_step_seen()) + "; they are trained again");
+        }
+      }
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -277,12 +296,27 @@ int run(const Args& args, const hp::CommPtr& world) {
   cb.on_save = [&](const std::string& dir, bool background) {
     say(background ? "saving " + dir + " in the background" : "saved " + dir);
   };
+  // SIGTERM / SIGUSR1 from here on: stop after the step in flight, save, exit 75.
+  PreemptionSignals signals;
+  cb.stop_requested = [] { return PreemptionSignals::received(); };
   TrainSummary sum;
   try {
     sum = trainer.train(&checkpoints, cb);
   } catch (const TrainingDiverged& e) {  // every rank raises it alike: report once, exit cleanly
     if (lead) std::cerr << "hp-train: error: " << e.what() << std::endl;
     return 1;
+  }
+  if (sum.stopped_by != 0) {
+    const int64_t step = trainer.steps_done();
+    const std::string signal = signal_name(sum.stopped_by);
+    say("stopped by " + signal + " (received first by rank " + std::to_string(sum.stop_rank) + ") after step " +
+        std::to_string(step) + ": " +
+        (sum.stop_saved.empty() ? std::string("nothing saved (the run saves nowhere: save_interval=0)")
+                                : "saved " + sum.stop_saved + "; continue with --resume") +
+        "; exit status " + std::to_string(kPreemptedExit));
+    // The metrics stay under their temporary name: the run is not finished.
+    if (metrics) metrics->stopped(step, signal, sum.stop_rank, sum.stop_saved);
+    return kPreemptedExit;
   }
 
   say(summary_line(sum));

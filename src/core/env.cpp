@@ -39,6 +39,9 @@ const std::vector<Knob>& knobs() {
       {"HP_NCCL_STORE", "",
        "nccl backend without MPI and more than one rank: a fresh directory all ranks see, through "
        "which rank 0 hands out the NCCL unique id"},
+      {"HP_RESTART_CAUSE", "",
+       "Set by scripts/launch.sh when it relaunches a failed run: why (the exit status), recorded by "
+       "hp-train in the resume record of metrics.jsonl; empty = a resume the user asked for"},
       {"HP_RS_SEGMENT_BYTES", "131072",
        "Segment size of the pipelined ring reduce-scatter of the mpi backend (1024 to 1073741824)", 1024,
        1073741824},

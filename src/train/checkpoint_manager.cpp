@@ -92,7 +92,9 @@ void CheckpointManager::commit(const Options& o_, const std::string& name) {
   }
 }
 
-std::string CheckpointManager::save(Trainer& t) {
+std::string CheckpointManager::save(Trainer& t) { return save(t, o_.async); }
+
+std::string CheckpointManager::save(Trainer& t, bool background) {
   HP_CHECK(!o_.dir.empty(), "save: no checkpoint folder (save_dir)");
   const std::string name = name_of(t.steps_done()), dir = o_.dir + "/" + name;
   fs::create_directories(o_.dir);
@@ -102,7 +104,7 @@ std::string CheckpointManager::save(Trainer& t) {
     ckpt::crash_point("latest", rank);
     if (rank == 0) commit(o, name);
   };
-  if (o_.async) {
+  if (background) {
     t.save_async(dir, then);
     return dir;
   }

@@ -14,7 +14,7 @@
 namespace hp::train {
 
 const char* const kUsage =
-    "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR] | --overwrite]\n"
+    "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR] | --auto-resume | --overwrite]\n"
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
     "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
@@ -24,6 +24,8 @@ const char* const kUsage =
     "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
     "  --verify         also train in one process on the global batch and compare losses\n"
     "  --resume [DIR]   continue from a checkpoint: DIR, or the newest under save_dir\n"
+    "  --auto-resume    continue from save_dir's newest checkpoint when there is one, else\n"
+    "                   start (what scripts/launch.sh passes when it relaunches a run)\n"
     "  --overwrite      start over where save_dir holds an earlier run's checkpoints,\n"
     "                   deleting them (without it, or --resume, such a run is refused)\n"
     "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
@@ -105,6 +107,8 @@ Args parse_args(int argc, char** argv) {
     } else if (s.rfind("--resume=", 0) == 0) {
       a.resume = true;
       a.resume_dir = s.substr(9);
+    } else if (s == "--auto-resume") {
+      a.auto_resume = true;
     } else if (s == "--overwrite") {
       a.overwrite = true;
     } else if (s == "--estimate") {
@@ -172,8 +176,12 @@ Args parse_args(int argc, char** argv) {
            "hp-train: --plan only predicts: no --estimate, --verify, --resume or --export-hf with it");
   HP_CHECK(!(a.verify && a.estimate), "hp-train: --verify trains, --estimate only sizes: use one of them");
   HP_CHECK(!(a.resume && a.estimate), "hp-train: --resume trains, --estimate only sizes: use one of them");
-  HP_CHECK(!(a.overwrite && a.resume), "hp-train: --resume continues the earlier run, --overwrite deletes it: use one "
+  HP_CHECK(!(a.overwrite && (a.resume || a.auto_resume)), "hp-train: --resume continues the earlier run, --overwrite "
+           "deletes it: use one of them");
+  HP_CHECK(!(a.auto_resume && a.resume), "hp-train: --auto-resume is --resume where there is a checkpoint: use one "
            "of them");
+  HP_CHECK(!a.auto_resume || (!a.estimate && !a.plan && !exporting), "hp-train: --auto-resume goes with a training "
+           "run only (not --estimate, --plan or --export-hf)");
   HP_CHECK(!a.overwrite || (!a.estimate && !a.plan && !exporting), "hp-train: --overwrite goes with a training run "
            "only (not --estimate, --plan or --export-hf)");
   return a;
@@ -184,6 +192,7 @@ std::vector<std::pair<std::string, std::string>> command_line_settings(const Arg
   return {{"--verify", yes(a.verify)},
           {"--resume", yes(a.resume) + (a.resume_dir.empty() ? "" : " " + a.resume_dir)},
           {"--overwrite", yes(a.overwrite)},
+          {"--auto-resume", yes(a.auto_resume)},
           {"--estimate", yes(a.estimate)},
           {"--world", std::to_string(a.world)},
           {"--plan", yes(a.plan) + (a.plan_json ? " --json" : "")},

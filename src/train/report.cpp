@@ -116,15 +116,24 @@ MetricsLog::MetricsLog(const std::string& path, int64_t keep_through) : path_(pa
       // Untrusted: a line that does not parse (torn by a kill) is dropped.
       const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (!j.is_object()) continue;
+      // A step's line, or a record {"eval"|"resume"|"stop": {"step": ...}}; a summary is
+      // not carried over (this run writes its own).
       const bool is_step = j.contains("step") && j["step"].is_number_integer();
-      const bool is_eval = j.contains("eval") && j["eval"].is_object() && j["eval"].contains("step") &&
-                           j["eval"]["step"].is_number_integer();
-      if (!is_step && !is_eval) continue;  // a summary: this run writes its own
-      const nlohmann::json& e = is_step ? j : j["eval"];
+      const char* record = nullptr;
+      for (const char* k : {"eval", "resume", "stop"}) {
+        if (j.size() == 1 && j.contains(k) && j[k].is_object() && j[k].contains("step") &&
+            j[k]["step"].is_number_integer()) {
+          record = k;
+        }
+      }
+      if (!is_step && record == nullptr) continue;
+      const nlohmann::json& e = is_step ? j : j[record];
       const int64_t step = e["step"].get<int64_t>();
-      if (step < 1 || step > keep_through) continue;
+      if (is_step) last_seen_ = std::max(last_seen_, step);
+      if (step < 0 || step > keep_through || (is_step && step < 1)) continue;
       const double loss = e.contains("loss") && e["loss"].is_number() ? e["loss"].get<double>() : NAN;
-      (is_step ? kept_loss_ : kept_eval_).emplace_back(step, loss);
+      if (is_step) kept_loss_.emplace_back(step, loss);
+      if (record != nullptr && std::strcmp(record, "eval") == 0) kept_eval_.emplace_back(step, loss);
       kept += line + "\n";
     }
   }
@@ -179,6 +188,22 @@ void MetricsLog::eval(const EvalStats& e, double ref_loss) {
   if (!std::isnan(ref_loss)) f_ << ",\"reference_loss\":" << json_number(ref_loss);
   f_ << "}}\n";
   check(("the validation after step " + std::to_string(e.step)).c_str());
+}
+
+namespace {
+std::string json_string(const std::string& s) { return nlohmann::json(s).dump(); }
+}  // namespace
+
+void MetricsLog::resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause) {
+  f_ << "{\"resume\":{\"step\":" << step << ",\"from\":" << json_string(from) << ",\"steps_lost\":" << steps_lost
+     << ",\"cause\":" << json_string(cause) << "}}\n";
+  check("the resume record");
+}
+
+void MetricsLog::stopped(int64_t step, const std::string& signal, int rank, const std::string& saved) {
+  f_ << "{\"stop\":{\"step\":" << step << ",\"signal\":" << json_string(signal) << ",\"rank\":" << rank
+     << ",\"saved\":" << json_string(saved) << "}}\n";
+  check("the stop record");
 }
 
 void MetricsLog::summary(const std::vector<std::pair<std::string, double>>& fields) {

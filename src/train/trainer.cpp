@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include "hp/comm/agree.h"
 #include "hp/config.h"
@@ -363,9 +364,23 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
       out.evals.push_back(evaluate());
       if (cb.on_eval) cb.on_eval(out.evals.back());
     }
+    std::string saved;
     if (checkpoints && checkpoints->due(st.step, c.train_steps)) {
-      const std::string dir = checkpoints->save(*this);
-      if (cb.on_save) cb.on_save(dir, checkpoints->options().async);
+      saved = checkpoints->save(*this);
+      if (cb.on_save) cb.on_save(saved, checkpoints->options().async);
+    }
+    if (cb.stop_requested && stop_agreed(cb.stop_requested(), &out)) {
+      if (checkpoints && checkpoints->options().interval > 0) {
+        if (saved.empty()) {
+          if (checkpoints->options().async) checkpoints->wait(*this);  // an earlier step's
+          saved = checkpoints->save(*this, /*background=*/false);
+          if (cb.on_save) cb.on_save(saved, false);
+        } else if (checkpoints->options().async) {
+          checkpoints->wait(*this);  // this step's, begun above: committed before the stop
+        }
+        out.stop_saved = saved;
+      }
+      break;
     }
   }
   if (checkpoints && checkpoints->options().async) checkpoints->wait(*this);
@@ -378,6 +393,23 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
   return out;
 }
 
+
+bool Trainer::stop_agreed(int mine, TrainSummary* out) const {
+  // One all-reduce of (the signal, -rank where asked): the largest signal and the lowest
+  // asking rank, the same on every rank.
+  const auto on = at::TensorOptions().dtype(at::kLong).device(control_device(impl_->world));
+  at::Tensor v = at::tensor({static_cast<int64_t>(mine), mine != 0 ? -static_cast<int64_t>(impl_->world->rank())
+                                                                    : std::numeric_limits<int64_t>::min()},
+                            at::kLong)
+                     .to(on.device());
+  impl_->world->all_reduce(v, {ReduceOp::MAX}).wait();
+  v = v.cpu();
+  const int64_t signo = v[0].item<int64_t>();
+  if (signo == 0) return false;
+  out->stopped_by = static_cast<int>(signo);
+  out->stop_rank = static_cast<int>(-v[1].item<int64_t>());
+  return true;
+}
 
 int64_t Trainer::steps_done() const { return impl_->steps; }
 std::vector<at::Tensor> Trainer::sharded_params() const { return impl_->params; }

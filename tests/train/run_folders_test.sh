@@ -24,6 +24,7 @@ for l in open(sys.argv[1]):
     j = json.loads(l)
     if 'step' in j: print('step', j['step'], j['loss'])
     elif 'eval' in j: print('eval', j['eval']['step'])
+    elif 'resume' in j: print('resume', j['resume']['step'], 'lost', j['resume']['steps_lost'], j['resume']['cause'])
     else: print('summary')" "$1"; }
 
 "$bin" "${args[@]}" > "$work/a" 2>&1 || fail "the first run failed: $(cat "$work/a")"
@@ -74,8 +75,12 @@ grep -q "took over the stale lock '$out/hp-train.lock' of pid $dead" "$work/d" |
 [ ! -e "$out/hp-train.lock" ] || fail "the resumed run left its lock"
 [ ! -e "$out/metrics.jsonl.partial" ] || fail "a partial metrics file is left"
 steps_of "$out/metrics.jsonl" > "$work/d.steps" || fail "the resumed metrics.jsonl does not parse"
-# Every step once, in order, with the straight run's losses; its eval and one summary.
-diff "$work/a.steps" "$work/d.steps" > /dev/null || fail "resumed metrics differ from the straight run's: $(diff "$work/a.steps" "$work/d.steps")"
+# Every step once, in order, with the straight run's losses; its eval and one summary; and
+# the resume recorded after step 4 (step 5 of the earlier run lost: its torn line does not count).
+grep -v '^resume' "$work/d.steps" | diff "$work/a.steps" - > /dev/null ||
+  fail "resumed metrics differ from the straight run's: $(diff "$work/a.steps" "$work/d.steps")"
+[ "$(grep '^resume' "$work/d.steps")" = "resume 4 lost 1 --resume" ] || fail "the resume record: $(cat "$work/d.steps")"
+[ "$(sed -n 5p "$work/d.steps")" = "resume 4 lost 1 --resume" ] || fail "the resume record is not after step 4: $(cat "$work/d.steps")"
 [ "$(head -n 4 "$out/metrics.jsonl")" = "$(head -n 4 "$work/a.metrics")" ] || fail "the lines of steps 1-4 were not kept as written"
 grep -q '<svg' "$out/loss.svg" || fail "no loss.svg after resuming"
 

@@ -38,6 +38,9 @@ class CheckpointManager {
   // `latest` and prunes (rank 0); with async, returns once the state is copied. Returns
   // the folder.
   std::string save(Trainer& t);
+  // The same, in the background or not whatever the options say (a save before a stop is
+  // synchronous).
+  std::string save(Trainer& t, bool background);
   // Waits for a background save; raises on every rank when it failed on any.
   void wait(Trainer& t);
   // The checkpoint a resume starts from: `dir` itself when it is a committed checkpoint,

@@ -21,6 +21,7 @@ struct Args {
   bool resume = false;
   std::string resume_dir;  // empty: save_dir's latest
   bool overwrite = false;  // --overwrite: delete an earlier run's checkpoints in save_dir
+  bool auto_resume = false;  // --auto-resume: save_dir's latest when there is one, else start
   int world = 0;  // --world: the rank count --estimate and --plan assume (0 = this run's)
   // --plan [--ranks-per-node K] [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]
   bool plan = false, plan_json = false;

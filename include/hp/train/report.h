@@ -55,15 +55,24 @@ std::string summary_line(const TrainSummary& s);
 class MetricsLog {
  public:
   // A new log (raises naming the path). With `keep_through` >= 0, a run resumed after that
-  // many steps: the earlier run's lines of steps 1..keep_through and of the validations
-  // after them are carried over, from `path`.partial where a run was cut off, else from
-  // `path`; later steps (which this run trains again), summaries, restart records past
-  // the step and a torn last line are dropped. The earlier file is replaced only once the
+  // many steps: the earlier run's lines of steps 1..keep_through and its validation, resume
+  // and stop records of those steps are carried over, from `path`.partial where a run was
+  // cut off, else from `path`; later steps (which this run trains again), summaries and a
+  // torn last line are dropped. The earlier file is replaced only once the
   // kept lines are safely in the new one.
   explicit MetricsLog(const std::string& path, int64_t keep_through = -1);
   // The training and validation losses carried over, by step (empty for a new log).
   const std::vector<std::pair<int64_t, double>>& kept_losses() const { return kept_loss_; }
   const std::vector<std::pair<int64_t, double>>& kept_evals() const { return kept_eval_; }
+  // The last step the earlier log recorded (0: none): with keep_through, the steps lost
+  // are last_step_seen() - keep_through.
+  int64_t last_step_seen() const { return last_seen_; }
+  // {"resume":{"step","from","steps_lost","cause"}}: a run resumed after `step` steps from
+  // the checkpoint `from`; `cause` says why (a restart's exit status, or "--resume").
+  void resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause);
+  // {"stop":{"step","signal","rank","saved"}}: a run stopped after `step` by `signal`,
+  // received first by `rank`; `saved` the checkpoint written ("" for none).
+  void stopped(int64_t step, const std::string& signal, int rank, const std::string& saved);
   void step(const StepStats& s, double ref_loss);
   // {"eval":{"step","loss","perplexity","tokens","seconds"[,"reference_loss"]}}
   void eval(const EvalStats& e, double ref_loss);
@@ -75,6 +84,7 @@ class MetricsLog {
   std::ofstream f_;
   std::string path_, partial_;
   std::vector<std::pair<int64_t, double>> kept_loss_, kept_eval_;
+  int64_t last_seen_ = 0;
 };
 
 // What the loss curve draws, by step.

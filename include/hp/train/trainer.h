@@ -121,6 +121,11 @@ struct TrainCallbacks {
   std::function<void(const std::string& dir, bool background)> on_save;
   // After each evaluation (eval_interval).
   std::function<void(const EvalStats&)> on_eval;
+  // Polled on every rank after each step (its evaluation and save included): a non-zero
+  // value (a signal's number, PreemptionSignals::received) on any rank stops the run there,
+  // every rank agreeing in one all-reduce; the checkpoint manager then saves that step
+  // synchronously unless it already did. Unset: never polled, no collective.
+  std::function<int()> stop_requested;
 };
 
 // A run of Trainer::train.
@@ -132,6 +137,12 @@ struct TrainSummary {
   int64_t peak_bytes = 0;    // largest tensor-memory peak of any step on any rank
   std::vector<double> losses;
   std::vector<EvalStats> evals;
+  // A run stopped through stop_requested: the largest value any rank asked with, the
+  // lowest rank that asked, and the checkpoint that holds the last step ("" when the run
+  // saves nowhere).
+  int stopped_by = 0;
+  int stop_rank = -1;
+  std::string stop_saved;
 };
 
 class Trainer {
@@ -204,6 +215,10 @@ class Trainer {
   struct Impl;
 
  private:
+  // TrainCallbacks::stop_requested agreed over the world: true when any rank's `mine` is
+  // non-zero, filling out's stopped_by and stop_rank. Collective.
+  bool stop_agreed(int mine, TrainSummary* out) const;
+
   std::unique_ptr<Impl> impl_;
 };
 
