@@ -52,9 +52,9 @@ done
 
 say() { echo "launch.sh: $*" >&2; }
 cause_of() {  # an exit status in words
-  local rc=$1
-  if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then
-    echo "exit status $rc (a process killed by $(kill -l $((rc - 128)) 2> /dev/null || echo "signal $((rc - 128))"))"
+  local rc=$1 name
+  if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ] && name=$(kill -l $((rc - 128)) 2> /dev/null); then
+    echo "exit status $rc (a process killed by SIG$name)"
   else
     echo "exit status $rc"
   fi

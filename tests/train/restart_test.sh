@@ -48,6 +48,7 @@ if len(resumes) != int(sys.argv[3]):
     ok = False
     print("expected", sys.argv[3], "resume records, got", resumes)
 for r in resumes:
+    print("resumed after step %d, %d step(s) lost: %s" % (r["step"], r["steps_lost"], r["cause"]))
     if not r["from"].endswith("step_%08d" % r["step"]) or r["steps_lost"] < 0:
         ok, _ = False, print("a bad resume record:", r)
 sys.exit(0 if ok else 1)
