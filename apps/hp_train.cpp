@@ -170,6 +170,7 @@ int run(const Args& args, const hp::CommPtr& world) {
       ", " + std::to_string(at::get_num_threads()) + " compute thread(s) per rank (OMP_WAIT_POLICY=" +
       (std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "") + ")");
   say(describe(c));
+  if (c.optimizer != OptimizerKind::kAdamW) say(describe_optimizer(c));
   say("memory estimate per rank (without activations): " + format_bytes(rm.estimate.total()));
   for (const auto& note : folders->notes()) say(note);
   error.clear();

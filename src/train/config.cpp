@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "config_keys.h"
+#include "hp/optim/muon.h"
 #include "hp/core/error.h"
 
 namespace hp::train {
@@ -165,6 +166,24 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
 void TrainConfig::validate(int world_size) {
   const std::string& s = source;
   if (save_dir.empty() && !output_dir.empty()) save_dir = output_dir + "/checkpoints";
+  if (optimizer != OptimizerKind::kMuon) {
+    // A Muon setting other than its default would be ignored: named instead.
+    const auto mine = resolved_settings(*this), defaults = resolved_settings(TrainConfig{});
+    for (size_t i = 0; i < mine.size() && i < defaults.size(); ++i) {
+      const std::string& k = mine[i].first;
+      HP_CHECK(k.rfind("muon_", 0) != 0 || !given.count(k) || mine[i].second == defaults[i].second, s, ": ", k, "=",
+               mine[i].second, " is given but optimizer=adamw (set optimizer: muon to use it)");
+    }
+  }
+  if (muon_lr < 0) muon_lr = lr;
+  if (muon_weight_decay < 0) muon_weight_decay = weight_decay;
+  HP_CHECK(muon_ns_dtype == at::kBFloat16 || muon_ns_dtype == at::kFloat || muon_ns_dtype == at::kDouble, s,
+           ": muon_ns_dtype=", muon_ns_dtype, " is not supported yet (bfloat16, float32 or float64)");
+  try {
+    optim::ns_steps(muon_ns_coefficients, muon_ns_steps);
+  } catch (const std::exception& e) {
+    HP_CHECK(false, s, ": muon_ns_steps=", muon_ns_steps, ": ", e.what());
+  }
   HP_CHECK(save_interval == 0 || !save_dir.empty(), s, ": save_interval=", save_interval,
            " needs save_dir (or output_dir, whose checkpoints/ it defaults to)");
   HP_CHECK(init_from_hf.empty() || model->supports_hf(), s, ": init_from_hf is not supported yet for model.type=",
@@ -402,6 +421,13 @@ std::string describe(const TrainConfig& c) {
      << " micro-batch(es) of " << c.micro_batch_size() << " per rank; " << c.train_steps << " steps, lr " << c.lr
      << " (" << c.lr_warmup_steps << " warmup, " << to_string(c.lr_decay_style) << " to " << c.min_lr << "), clip_grad "
      << c.clip_grad << ", weight_decay " << c.weight_decay;
+  if (c.optimizer == OptimizerKind::kMuon) {
+    os << "\noptimizer: muon for the hidden matrices (lr " << c.muon_lr << ", momentum " << c.muon_momentum
+       << (c.muon_nesterov ? " nesterov" : "") << ", weight_decay " << c.muon_weight_decay << ", "
+       << to_string(c.muon_ns_coefficients) << " x " << optim::ns_steps(c.muon_ns_coefficients, c.muon_ns_steps).size()
+       << " in " << c10::toString(c.muon_ns_dtype) << ", " << to_string(c.muon_update_scale) << " scale, "
+       << to_string(c.muon_scheme) << " scheme), adamw for the rest";
+  }
   return os.str();
 }
 

@@ -58,6 +58,31 @@ const std::vector<std::pair<LrDecay, const char*>>& enum_names<LrDecay>() {
   return n;
 }
 template <>
+const std::vector<std::pair<OptimizerKind, const char*>>& enum_names<OptimizerKind>() {
+  static const std::vector<std::pair<OptimizerKind, const char*>> n = {{OptimizerKind::kAdamW, "adamw"},
+                                                                      {OptimizerKind::kMuon, "muon"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<optim::NsSchedule, const char*>>& enum_names<optim::NsSchedule>() {
+  static const std::vector<std::pair<optim::NsSchedule, const char*>> n = {
+      {optim::NsSchedule::kQuintic, "quintic"}, {optim::NsSchedule::kPerStep, "per_step"},
+      {optim::NsSchedule::kDeepSeekV4, "deepseek_v4"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<optim::MuonScale, const char*>>& enum_names<optim::MuonScale>() {
+  static const std::vector<std::pair<optim::MuonScale, const char*>> n = {{optim::MuonScale::kRms, "rms"},
+                                                                          {optim::MuonScale::kOriginal, "original"}};
+  return n;
+}
+template <>
+const std::vector<std::pair<optim::MuonScheme, const char*>>& enum_names<optim::MuonScheme>() {
+  static const std::vector<std::pair<optim::MuonScheme, const char*>> n = {
+      {optim::MuonScheme::kOwner, "owner"}, {optim::MuonScheme::kGatherEverywhere, "gather_everywhere"}};
+  return n;
+}
+template <>
 const std::vector<std::pair<Device, const char*>>& enum_names<Device>() {
   static const std::vector<std::pair<Device, const char*>> n = {{Device::kCpu, "cpu"}, {Device::kCuda, "cuda"}};
   return n;
@@ -411,6 +436,38 @@ const std::vector<Key>& keys() {
     k.push_back(float_key("adam_beta1", "AdamW beta1", HP_FIELD(adam_beta1), beta));
     k.push_back(float_key("adam_beta2", "AdamW beta2", HP_FIELD(adam_beta2), beta));
     k.push_back(float_key("adam_eps", "AdamW epsilon", HP_FIELD(adam_eps), positive));
+    k.push_back(enum_key<OptimizerKind>(
+        "optimizer",
+        "adamw, or muon: Muon for the hidden matrices (2-D weights other than the embedding and output head), "
+        "AdamW (the adam_* keys, lr, weight_decay) for the rest",
+        HP_FIELD(optimizer)));
+    k.push_back(derived(float_key("muon_lr", "Muon's peak learning rate (scheduled like lr)", HP_FIELD(muon_lr), positive),
+                        "lr"));
+    k.push_back(float_key("muon_momentum", "Muon's momentum", HP_FIELD(muon_momentum), beta));
+    k.push_back(bool_key("muon_nesterov", "Muon's Nesterov momentum", HP_FIELD(muon_nesterov)));
+    k.push_back(derived(float_key("muon_weight_decay", "Muon's decoupled weight decay (with the unscaled lr)",
+                                  HP_FIELD(muon_weight_decay), nonneg),
+                        "weight_decay"));
+    k.push_back(enum_key<optim::NsSchedule>(
+        "muon_ns_coefficients",
+        "the Newton-Schulz coefficients: quintic (3.4445, -4.7750, 2.0315) each step, per_step (five tuned triples), "
+        "deepseek_v4 (8 quintic steps, then 2 of (2, -1.5, 0.5))",
+        HP_FIELD(muon_ns_coefficients)));
+    k.push_back(int_key("muon_ns_steps", "Newton-Schulz steps; 0 = the coefficients' own (5, 5, 10); only quintic "
+                        "takes another count",
+                        HP_FIELD(muon_ns_steps), 0, 100));
+    k.push_back(dtype_key("muon_ns_dtype", "dtype of the Newton-Schulz iteration (bfloat16, float32 or float64)",
+                          HP_FIELD(muon_ns_dtype)));
+    k.push_back(enum_key<optim::MuonScale>(
+        "muon_update_scale",
+        "rms: 0.2 sqrt(max(rows, cols)), an update of AdamW's RMS (its lr carries over); original: "
+        "sqrt(max(1, rows / cols))",
+        HP_FIELD(muon_update_scale)));
+    k.push_back(enum_key<optim::MuonScheme>(
+        "muon_scheme",
+        "owner: each whole matrix orthogonalized by one rank holding a piece of it, balanced by cost; "
+        "gather_everywhere: by every rank holding a piece (the baseline)",
+        HP_FIELD(muon_scheme)));
     k.push_back(float_key("clip_grad", "global gradient-norm limit; 0 = no clipping", HP_FIELD(clip_grad), nonneg));
     k.push_back(int_key("train_steps", "optimizer steps", HP_FIELD(train_steps), 1, kMaxCount));
     k.push_back({"seed", "int", "initialization and data order",

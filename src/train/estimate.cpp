@@ -72,6 +72,15 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
     r.estimate.backward_peak_extra += e.backward_peak_extra;
     r.estimate.post_forward_shares += e.post_forward_shares;
   }
+  if (c.optimizer == OptimizerKind::kMuon) {
+    // Muon keeps one buffer (its momentum) where AdamW keeps two: the matrices it takes are
+    // all parameters but the token tables (the embedding and an untied head) and the norms
+    // and vectors, which are left out of this share (a fraction of a percent).
+    const double tables = static_cast<double>(c.model->vocab()) * static_cast<double>(c.model->dim()) *
+                          (c.model->tied_parameters().empty() ? 2.0 : 1.0);
+    const double f = std::clamp(1.0 - tables / static_cast<double>(c.model->num_params()), 0.0, 1.0);
+    r.estimate.optimizer_state = static_cast<int64_t>(static_cast<double>(r.estimate.optimizer_state) * (1.0 - f / 2));
+  }
   // Each rank builds the model without storage and materializes its shards one parameter at
   // a time: its shards plus the largest parameter in fp32 (and its low-precision cast).
   const double largest = 4.0 * static_cast<double>(c.model->largest_param());

@@ -63,7 +63,11 @@ ReferenceTrainer::ReferenceTrainer(const TrainConfig& cfg, std::shared_ptr<const
     ckpt::load_consolidated(items, c.init_from_hf);
     for (size_t i = 0; i < named.size(); ++i) s.model_params[i].copy_(stored[i]);
   }
-  s.opt = make_adamw(c, s.opt_params);
+  // The same routing by the whole model's names; every matrix whole here.
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  const auto model_named = s.model->root().named_parameters();
+  for (size_t i = 0; i < s.opt_params.size(); ++i) named.emplace_back(model_named[i].key(), s.opt_params[i]);
+  s.opt = make_optimizer(c, named, /*boxes=*/nullptr, nullptr);
   s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
@@ -101,7 +105,7 @@ StepStats ReferenceTrainer::step() {
   check_finite(st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
-  set_lr(*s.opt, st.lr);
+  set_lr(*s.opt, c, st.lr);
   s.opt->step();
   s.opt->zero_grad();
   {

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 
 #include "hp/comm/agree.h"
 #include "hp/core/error.h"
 #include "hp/optim/foreach_adamw.h"
+#include "hp/optim/muon.h"
 #include "trainer_impl.h"
 
 namespace hp::train {
@@ -102,8 +104,59 @@ void check_finite(int64_t step, const char* what, double x) {
   }
 }
 
-void set_lr(torch::optim::Optimizer& opt, double lr) {
-  for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+namespace {
+
+torch::optim::AdamWOptions adamw_options(const TrainConfig& c) {
+  return torch::optim::AdamWOptions(c.lr).betas({c.adam_beta1, c.adam_beta2}).eps(c.adam_eps).weight_decay(c.weight_decay);
+}
+
+optim::MuonOptions muon_options(const TrainConfig& c) {
+  return optim::MuonOptions(c.muon_lr)
+      .momentum(c.muon_momentum)
+      .nesterov(c.muon_nesterov)
+      .weight_decay(c.muon_weight_decay)
+      .ns(optim::ns_steps(c.muon_ns_coefficients, c.muon_ns_steps))
+      .ns_dtype(c.muon_ns_dtype)
+      .scale(c.muon_update_scale);
+}
+
+optim::MuonRouting muon_routing(const TrainConfig& c) {
+  optim::MuonRouting r;
+  r.to_adamw = c.model->token_tables();
+  return r;
+}
+
+}  // namespace
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c,
+                                                        const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                                        const std::vector<ShardSpec>* boxes, const CommPtr& world) {
+  if (c.optimizer == OptimizerKind::kAdamW) {
+    std::vector<at::Tensor> params;
+    for (const auto& [name, p] : named) params.push_back(p);
+    return make_adamw(c, params);
+  }
+  auto opt = optim::make_muon(named, muon_options(c), adamw_options(c), muon_routing(c));
+  if (boxes != nullptr) {
+    HP_INTERNAL_ASSERT(boxes->size() == named.size(), "make_optimizer: ", boxes->size(), " boxes for ", named.size(),
+                       " parameters");
+    // Each rank's Muon parameters as pieces of the whole model's matrices, named by it.
+    const std::vector<bool> muon = optim::route_to_muon(named, muon_routing(c));
+    std::vector<optim::MatrixPiece> pieces;
+    for (size_t i = 0; i < named.size(); ++i) {
+      if (muon[i]) pieces.push_back({named[i].second, named[i].first, (*boxes)[i]});
+    }
+    opt->distribute(world, pieces, c.muon_scheme);
+  }
+  return opt;
+}
+
+void set_lr(torch::optim::Optimizer& opt, const TrainConfig& c, double lr) {
+  // The schedule's lr for AdamW's groups; Muon's peak scaled by the same factor.
+  for (auto& g : opt.param_groups()) {
+    const bool muon = dynamic_cast<optim::MuonOptions*>(&g.options()) != nullptr;
+    g.options().set_lr(muon ? lr * c.muon_lr / c.lr : lr);
+  }
 }
 
 Validation open_validation(const TrainConfig& c, std::shared_ptr<const TokenDataset> given) {
@@ -133,5 +186,25 @@ at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, 
 
 
 }  // namespace internal
+
+std::string describe_optimizer(const TrainConfig& c) {
+  if (c.optimizer == OptimizerKind::kAdamW) return "optimizer: adamw for every parameter";
+  // The whole model without storage: its names and shapes are what is routed.
+  const std::unique_ptr<TrainModel> m = make_model(c, /*deferred=*/true);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& p : m->root().named_parameters()) {
+    if (p.value().requires_grad()) named.emplace_back(p.key(), p.value());
+  }
+  const std::vector<bool> muon = optim::route_to_muon(named, internal::muon_routing(c));
+  int64_t n[2] = {0, 0}, elements[2] = {0, 0};
+  for (size_t i = 0; i < named.size(); ++i) {
+    ++n[muon[i] ? 0 : 1];
+    elements[muon[i] ? 0 : 1] += named[i].second.numel();
+  }
+  std::ostringstream os;
+  os << "optimizer groups: muon " << n[0] << " matrices (" << elements[0] << " parameters), adamw " << n[1]
+     << " tensors (" << elements[1] << ": the embedding, output head, norms and vectors)";
+  return os.str();
+}
 
 }  // namespace hp::train

@@ -183,11 +183,27 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
                                               return last->loss_of_logits(out, y);
                                             });
   }
+  // The optimizer over the parameters that require grad (or their fp32 masters, in the same
+  // order), each named by the whole model's name, with its box for a distributed Muon.
+  std::vector<std::string> opt_names;
+  std::vector<ShardSpec> opt_boxes;
+  std::vector<at::Tensor> opt_params;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.params[i].requires_grad()) continue;
+    opt_names.push_back(s.names[i]);
+    opt_boxes.push_back(s.specs[i]);
+    opt_params.push_back(s.params[i]);
+  }
+  auto make = [&c, &s, opt_names, opt_boxes](const std::vector<at::Tensor>& params) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (size_t j = 0; j < params.size(); ++j) named.emplace_back(opt_names[j], params[j]);
+    return make_optimizer(c, named, &opt_boxes, s.world);
+  };
   if (c.fp32_master()) {
-    s.master = std::make_unique<FP32MasterOptimizer>(
-        s.handles, [&c](std::vector<at::Tensor> masters) { return make_adamw(c, masters); });
+    s.master = std::make_unique<FP32MasterOptimizer>(s.handles,
+                                                     [&make](std::vector<at::Tensor> masters) { return make(masters); });
   } else {
-    s.opt = make_adamw(c, s.params);
+    s.opt = make(opt_params);
   }
 
   s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
@@ -257,11 +273,11 @@ StepStats Trainer::step() {
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
   if (s.master) {
-    set_lr(s.master->inner(), st.lr);
+    set_lr(s.master->inner(), c, st.lr);
     s.master->step();
     s.master->zero_grad();
   } else {
-    set_lr(*s.opt, st.lr);
+    set_lr(*s.opt, c, st.lr);
     s.opt->step();
     s.opt->zero_grad();
   }

@@ -36,7 +36,17 @@ using Clock = std::chrono::steady_clock;
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const std::vector<at::Tensor>& params);
 // Raises TrainingDiverged for a loss or norm that is not finite.
 void check_finite(int64_t step, const char* what, double x);
-void set_lr(torch::optim::Optimizer& opt, double lr);
+// The config's optimizer over `named` (the parameters that require grad, by their names in
+// the whole model): AdamW, or Muon for the hidden matrices (routed by shape, the model's
+// token tables to AdamW) and AdamW for the rest. With `boxes` (each parameter's box of its
+// whole tensor) the Muon matrices are pieces distributed over `world` (collective); without,
+// each is whole on this process.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c,
+                                                        const std::vector<std::pair<std::string, at::Tensor>>& named,
+                                                        const std::vector<ShardSpec>* boxes, const CommPtr& world);
+// The learning rate of the schedule (lr_at) for AdamW's groups; Muon's groups get muon_lr
+// scaled by the same factor (lr / lr of the config).
+void set_lr(torch::optim::Optimizer& opt, const TrainConfig& c, double lr);
 // The validation set of `c` (`given`, or opened here), checked to hold the batches an
 // evaluation runs, and their order (DataSharder without shuffle). Null without validation.
 struct Validation {

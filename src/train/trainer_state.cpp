@@ -3,10 +3,12 @@
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <set>
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/core/error.h"
 #include "hp/optim/foreach_adamw.h"
+#include "hp/optim/muon.h"
 #include "trainer_impl.h"
 
 namespace hp::train {
@@ -36,6 +38,23 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const a
     it = states.emplace(key, std::move(st)).first;
   }
   return static_cast<torch::optim::AdamWParamState&>(*it->second);
+}
+
+// The parameters of `opt`'s Muon groups (none for AdamW).
+std::set<const c10::TensorImpl*> muon_params(torch::optim::Optimizer& opt) {
+  std::set<const c10::TensorImpl*> out;
+  for (auto& g : opt.param_groups()) {
+    if (dynamic_cast<optim::MuonOptions*>(&g.options()) == nullptr) continue;
+    for (const at::Tensor& p : g.params()) out.insert(p.unsafeGetTensorImpl());
+  }
+  return out;
+}
+
+// The step count of `p`'s state (made as the first step would where it has none): Muon's
+// or AdamW's.
+int64_t& state_step(torch::optim::Optimizer& opt, const std::set<const c10::TensorImpl*>& muon, const at::Tensor& p) {
+  if (muon.count(p.unsafeGetTensorImpl())) return static_cast<optim::Muon&>(opt).muon_state(p).step();
+  return adamw_state(opt, p).step();
 }
 
 }  // namespace
@@ -78,6 +97,7 @@ static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step,
                                            std::map<std::string, int64_t>* steps = nullptr) {
   std::vector<ckpt::Item> items;
   torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
+  const auto muon = muon_params(opt);
   size_t j = 0;  // index into the masters: the parameters that require grad
   *step = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
@@ -88,9 +108,15 @@ static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step,
       stepped = s.master->masters()[j++];
       items.push_back({s.names[i] + ".master", stepped.detach(), s.specs[i]});
     }
+    const int64_t n = state_step(opt, muon, stepped);
+    *step = std::max<int64_t>(*step, n);
+    if (steps) (*steps)[s.names[i]] = n;
+    if (muon.count(stepped.unsafeGetTensorImpl())) {  // Muon's momentum, resharded like the parameter
+      items.push_back({s.names[i] + ".momentum", static_cast<optim::Muon&>(opt).muon_state(stepped).momentum_buffer(),
+                       s.specs[i]});
+      continue;
+    }
     auto& st = adamw_state(opt, stepped);
-    *step = std::max<int64_t>(*step, st.step());
-    if (steps) (*steps)[s.names[i]] = st.step();
     items.push_back({s.names[i] + ".exp_avg", st.exp_avg(), s.specs[i]});
     items.push_back({s.names[i] + ".exp_avg_sq", st.exp_avg_sq(), s.specs[i]});
   }
@@ -117,6 +143,7 @@ static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, i
     if (!s.master && s.params[i].requires_grad() && s.params[i].grad().defined()) values["grad_held." + s.names[i]] = "1";
   }
   for (const auto& [k, v] : fixed_settings(s.c)) values["config." + k] = v;
+  values["optimizer"] = to_string(s.c.optimizer);  // its state's kind
   return values;
 }
 
@@ -184,6 +211,12 @@ void Trainer::load(const std::string& dir) {
              it == values.end() ? std::string("(not saved)") : it->second, " in the checkpoint but ", k, "=", v,
              " in this config (the model cannot change on resume)");
   }
+  // The optimizer's state is of its kind: AdamW's moments, or Muon's momentum.
+  auto saved_opt = values.find("optimizer");
+  const std::string theirs_opt = saved_opt == values.end() ? "adamw" : saved_opt->second;  // before it was saved
+  HP_CHECK(theirs_opt == to_string(s.c.optimizer), "resume from ", dir, ": optimizer=", theirs_opt,
+           " in the checkpoint but optimizer=", to_string(s.c.optimizer),
+           " in this config (changing the optimizer on resume is not supported yet)");
   int64_t unused = 0;
   auto items = state_items(s, &unused);
   {
@@ -200,13 +233,14 @@ void Trainer::load(const std::string& dir) {
   s.steps = number("steps");
   const int64_t opt_step = number("optimizer_step");
   torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
+  const auto muon = muon_params(opt);
   size_t j = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
     if (!s.params[i].requires_grad()) continue;
     // Each parameter's own count (the largest for a checkpoint that has none per parameter).
     auto it = values.find("optimizer_step." + s.names[i]);
     const int64_t n = it == values.end() ? opt_step : std::stoll(it->second);
-    adamw_state(opt, s.master ? s.master->masters()[j++] : s.params[i]).step(n);
+    state_step(opt, muon, s.master ? s.master->masters()[j++] : s.params[i]) = n;
     if (!s.master && values.count("grad_held." + s.names[i])) s.params[i].mutable_grad() = at::zeros_like(s.params[i]);
   }
 }

@@ -164,6 +164,10 @@ class ModelArgs {
   // Names (in the whole model) of parameters that a pipeline's first and last stage each
   // hold a copy of, to be summed after backward (Llama's tied embedding).
   virtual std::vector<std::string> tied_parameters() const { return {}; }
+  // Names (patterns with '*', in the whole model) of the 2-D parameters that are tables of
+  // tokens rather than linear maps (the embedding, the output head): under Muon they stay
+  // with AdamW. The reference families name theirs tok_emb and output.
+  virtual std::vector<std::string> token_tables() const { return {"tok_emb.weight", "output.weight"}; }
 
   // Builds the model (a pipeline stage's part: `slice`), in fp32, not initialized; every
   // block checkpointed with `recompute` when set.

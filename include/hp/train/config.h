@@ -27,6 +27,7 @@
 #include "hp/fsdp/mixed_precision.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/models/family.h"
+#include "hp/optim/muon_kinds.h"
 
 namespace hp::train {
 
@@ -78,6 +79,7 @@ enum class ShardStrategy { kOptimGradsParams, kOptimGrads };
 enum class Recompute { kNone, kFull, kSelective };
 enum class PipelineScheduleKind { kAuto, kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
 enum class LrDecay { kCosine, kLinear, kConstant };
+enum class OptimizerKind { kAdamW, kMuon };
 // Where each rank trains: the CPU, or the GPU of its local rank (the nccl backend).
 enum class Device { kCpu, kCuda };
 
@@ -165,6 +167,18 @@ struct TrainConfig {
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
+  // optimizer: muon trains the hidden matrices with Muon (hp/optim/muon.h) and the rest
+  // (embeddings, output head, norms, biases, vectors) with AdamW under the keys above.
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  double muon_lr = -1;            // < 0: lr (under the rms update scale AdamW's lr carries over)
+  double muon_momentum = 0.95;
+  bool muon_nesterov = true;
+  double muon_weight_decay = -1;  // < 0: weight_decay
+  optim::NsSchedule muon_ns_coefficients = optim::NsSchedule::kQuintic;
+  int64_t muon_ns_steps = 0;      // 0: the schedule's own count
+  at::ScalarType muon_ns_dtype = at::kBFloat16;
+  optim::MuonScale muon_update_scale = optim::MuonScale::kRms;
+  optim::MuonScheme muon_scheme = optim::MuonScheme::kOwner;
   double clip_grad = 1.0;  // global grad-norm limit; 0 = off
 
   int64_t train_steps = 20;

@@ -103,6 +103,11 @@ using TrainModel = models::Model;
 std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = false,
                                        const models::PipelineSlice& slice = {});
 
+// "optimizer groups: muon 14 matrices (98304 parameters), adamw 7 tensors (...)": how the
+// config's optimizer routes the whole model's parameters (built without storage), for the
+// start of a run; AdamW's one line otherwise.
+std::string describe_optimizer(const TrainConfig& c);
+
 // Parameters of each of the pipeline_parallel x interleave stages (before tensor
 // parallelism), from the config alone (the family's ModelArgs::stage_params).
 std::vector<int64_t> stage_params(const TrainConfig& c);
