@@ -59,28 +59,8 @@ std::vector<json> gather_json(const json& mine, const CommPtr& world) {
 }
 
 // Files are checksummed in blocks, so a load that reads a few byte ranges verifies only the
-// blocks under them (each once). The hash: 64-bit words folded by multiply and rotate, a
-// 64-bit FNV-style prime; not cryptographic, it catches flipped and lost bytes.
+// blocks under them (each once), with detail::block_hash.
 constexpr int64_t kChecksumBlock = int64_t(1) << 20;
-
-uint64_t block_hash(const uint8_t* p, size_t n) {
-  // Four independent lanes over 32-byte steps (so the multiplies overlap), then the tail.
-  constexpr uint64_t kPrime = 1099511628211ULL;
-  uint64_t h[4] = {1469598103934665603ULL ^ n, 0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL};
-  size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int l = 0; l < 4; ++l) {
-      uint64_t w;
-      std::memcpy(&w, p + i + 8 * l, 8);
-      h[l] = (h[l] ^ w) * kPrime;
-      h[l] ^= h[l] >> 29;
-    }
-  }
-  uint64_t out = h[0];
-  for (int l = 1; l < 4; ++l) out = (out ^ h[l]) * kPrime;
-  for (; i < n; ++i) out = (out ^ p[i]) * kPrime;
-  return out;
-}
 
 // Size and per-block checksums of a file, read back from disk.
 json file_checksums(const std::string& path) {
@@ -100,7 +80,7 @@ json file_checksums(const std::string& path) {
       got += r;
     }
     if (got == 0) break;
-    sums.push_back(std::to_string(block_hash(buf.data(), static_cast<size_t>(got))));
+    sums.push_back(std::to_string(detail::block_hash(buf.data(), static_cast<size_t>(got))));
     total += got;
     if (got < kChecksumBlock) break;
   }
@@ -111,16 +91,26 @@ json file_checksums(const std::string& path) {
 // block checked against its checksum the first time a read touches it.
 class CheckedFile {
  public:
-  CheckedFile(std::string path, const json& info) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  // `info`: the file's entry in the metadata (null: none, nothing to check). A link is
+  // refused (not followed) under FileLinks::kRefuse; anything but a regular file always (a
+  // FIFO would block the reader).
+  CheckedFile(std::string path, const json& info, detail::FileLinks links) : path_(std::move(path)) {
+    const int follow = links == detail::FileLinks::kRefuse ? O_NOFOLLOW : 0;
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | follow);
+    HP_CHECK(fd_ >= 0 || errno != ELOOP, "ckpt::load: '", path_,
+             "' is a symbolic link (a checkpoint's files are regular files in its folder; links are not followed)");
     HP_CHECK(fd_ >= 0, "ckpt::load: cannot open '", path_, "': ", std::strerror(errno));
     try {
+      struct stat st{};
+      HP_CHECK(::fstat(fd_, &st) == 0, "ckpt::load: cannot stat '", path_, "': ", std::strerror(errno));
+      HP_CHECK(S_ISREG(st.st_mode), "ckpt::load: '", path_, "' is not a regular file");
       check(info);
     } catch (...) {
       ::close(fd_);  // the destructor does not run for a constructor that throws
       throw;
     }
   }
+  // `info` as read_metadata checked it: its numbers in range, one checksum per block.
   void check(const json& info) {
     if (info.is_null()) return;  // a checkpoint written before checksums: nothing to check
     bytes_ = info["bytes"].get<int64_t>();
@@ -154,7 +144,7 @@ class CheckedFile {
         HP_CHECK(r > 0, "ckpt::load: reading '", path_, "' failed: ", r < 0 ? std::strerror(errno) : "the file is shorter");
         got += r;
       }
-      HP_CHECK(block_hash(buf.data(), buf.size()) == sums_[static_cast<size_t>(b)], "ckpt::load: '", path_,
+      HP_CHECK(detail::block_hash(buf.data(), buf.size()) == sums_[static_cast<size_t>(b)], "ckpt::load: '", path_,
                "' is corrupted: bytes ", begin, "-", begin + len, " do not match their checksum (", what, ")");
       verified_[static_cast<size_t>(b)] = true;
     }
@@ -313,7 +303,7 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   std::string commit_error;
   if (rank == 0) try {
     json meta;
-    meta["format"] = "hyperparallel-checkpoint-1";
+    meta["format"] = detail::kFormat;
     meta["values"] = values;
     json tensors = json::object();
     for (int r = 0; r < world->size(); ++r) {
@@ -340,6 +330,7 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
     json fj = json::object();
     for (const auto& f : files) fj[f["file"].get<std::string>()] = f["sums"];
     meta["files"] = fj;
+    meta["checksum"] = std::to_string(detail::metadata_checksum(meta));
     {
       std::ofstream f(tmp + "/metadata.json.partial");
       f << meta.dump(1);
@@ -373,9 +364,27 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
 
 namespace detail {
 
+uint64_t block_hash(const uint8_t* p, size_t n) {
+  // Four independent lanes over 32-byte steps (so the multiplies overlap), then the tail.
+  constexpr uint64_t kPrime = 1099511628211ULL;
+  uint64_t h[4] = {1469598103934665603ULL ^ n, 0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int l = 0; l < 4; ++l) {
+      uint64_t w;
+      std::memcpy(&w, p + i + 8 * l, 8);
+      h[l] = (h[l] ^ w) * kPrime;
+      h[l] ^= h[l] >> 29;
+    }
+  }
+  uint64_t out = h[0];
+  for (int l = 1; l < 4; ++l) out = (out ^ h[l]) * kPrime;
+  for (; i < n; ++i) out = (out ^ p[i]) * kPrime;
+  return out;
+}
 
 void load_boxes(const std::vector<Item>& items, const std::string& dir, const json& tensors, const json& files,
-                bool convert, const std::string& source) {
+                bool convert, const std::string& source, FileLinks links) {
   std::map<std::string, SafetensorsHeader> headers;
   std::map<std::string, std::unique_ptr<CheckedFile>> checked;
   for (const auto& it : items) {
@@ -390,6 +399,9 @@ void load_boxes(const std::vector<Item>& items, const std::string& dir, const js
     HP_CHECK(convert || saved_dtype == dtype_string(it.local.scalar_type()), "ckpt::load: tensor ", called,
              " was saved as ", saved_dtype, ", the model holds ", it.local.scalar_type());
     int64_t covered = 0;
+    // The parts of the box read so far, each chunk's (in the box's coordinates): a chunk that
+    // overlaps one would count elements twice and leave others unread.
+    std::vector<std::pair<BoxOverlap, std::string>> read;
     for (const auto& c : t["chunks"]) {
       ShardSpec chunk;
       chunk.global_shape = shape;
@@ -397,12 +409,23 @@ void load_boxes(const std::vector<Item>& items, const std::string& dir, const js
       chunk.lengths = c["lengths"].get<std::vector<int64_t>>();
       BoxOverlap o;
       if (!intersect(chunk, it.spec, &o)) continue;
+      const std::string where = c["file"].get<std::string>() + ":" + c["key"].get<std::string>();
+      for (const auto& [other, other_where] : read) {
+        bool overlap = true;
+        for (size_t d = 0; d < o.lengths.size(); ++d) {
+          overlap = overlap && o.offsets_in_b[d] < other.offsets_in_b[d] + other.lengths[d] &&
+                    other.offsets_in_b[d] < o.offsets_in_b[d] + o.lengths[d];
+        }
+        HP_CHECK(!overlap, "ckpt::load: tensor ", called, " in ", source, " '", dir, "': its chunks ", other_where, " and ",
+                 where, " overlap (each element is saved once)");
+      }
+      read.emplace_back(o, where);
       const std::string fname = c["file"].get<std::string>();
       const std::string file = dir + "/" + fname;
       auto cf = checked.find(file);
       if (cf == checked.end()) {
         const json info = files.contains(fname) ? files[fname] : json();
-        cf = checked.emplace(file, std::make_unique<CheckedFile>(file, info)).first;
+        cf = checked.emplace(file, std::make_unique<CheckedFile>(file, info, links)).first;
       }
       auto h = headers.find(file);
       if (h == headers.end()) {
@@ -435,21 +458,6 @@ void load_boxes(const std::vector<Item>& items, const std::string& dir, const js
     HP_CHECK(covered == it.spec.numel(), "ckpt::load: tensor ", called, ": the saved chunks cover ", covered,
              " of the ", it.spec.numel(), " elements of this rank's box ", it.spec.to_string());
   }
-}
-
-json read_metadata(const std::string& dir) {
-  const std::string mpath = dir + "/metadata.json";
-  std::ifstream mf(mpath);
-  HP_CHECK(mf.good(), "ckpt::load: '", dir, "' is not a committed checkpoint (no metadata.json)");
-  json meta;
-  try {
-    mf >> meta;
-  } catch (const std::exception& e) {
-    HP_CHECK(false, "ckpt::load: '", mpath, "' is not valid JSON: ", e.what());
-  }
-  HP_CHECK(meta.value("format", "") == "hyperparallel-checkpoint-1", "ckpt::load: '", mpath,
-           "' is not a hyperparallel checkpoint");
-  return meta;
 }
 
 }  // namespace detail

@@ -170,7 +170,7 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
     auto w = where.find(name);
     HP_CHECK(w != where.end(), "load of '", dir, "': tensor '", name, "' is not in it");
     const std::string& file = w->second;
-    HP_CHECK(file.find('/') == std::string::npos && !file.empty(), "'", index_path, "' maps '", name,
+    HP_CHECK(detail::is_plain_file_name(file), "'", index_path, "' maps '", name,
              "' to the file '", file, "' (a file name in the folder is expected)");
     auto h = headers.find(file);
     if (h == headers.end()) h = headers.emplace(file, read_header(dir + "/" + file)).first;
@@ -183,7 +183,8 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
                                               {"offsets", std::vector<int64_t>(e->shape.size(), 0)},
                                               {"lengths", e->shape}}})}};
   }
-  detail::load_boxes(items, dir, tensors, json::object(), /*convert=*/true, "the folder");
+  // The hub's cache links a snapshot's files to blobs elsewhere: links are followed here.
+  detail::load_boxes(items, dir, tensors, json::object(), /*convert=*/true, "the folder", detail::FileLinks::kFollow);
   // A folder from elsewhere may hold damaged weights: a NaN or infinity would only show as
   // a diverged first step, blamed on the learning rate.
   for (const auto& it : items) {

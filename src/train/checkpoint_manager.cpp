@@ -58,11 +58,17 @@ std::string CheckpointManager::resolve(const std::string& dir) {
   std::string name;
   HP_CHECK(f && std::getline(f, name) && !name.empty(), "no checkpoint to resume from in '", dir,
            "' (no 'latest' file: nothing was saved there yet)");
-  // The file is read back from disk: it must name a checkpoint folder of `dir` itself.
-  HP_CHECK(is_checkpoint_name(name), "'", dir, "/latest' names '", name,
+  // The file is read back from disk: it must name a checkpoint folder of `dir` itself (a
+  // child by a name this manager writes, so no path, and a real folder, not a link out).
+  const std::string shown = name.size() > 80 ? name.substr(0, 77) + "..." : name;
+  HP_CHECK(is_checkpoint_name(name), "'", dir, "/latest' names '", shown,
            "', which is not a checkpoint folder name (step_ and digits)");
   const std::string out = dir + "/" + name;
   HP_CHECK(committed(out), "'", dir, "/latest' names ", name, ", which is not a committed checkpoint (no metadata.json)");
+  std::error_code ec;
+  const std::string used = ckpt::committed_dir(out);
+  HP_CHECK(fs::symlink_status(used, ec).type() == fs::file_type::directory, "'", dir, "/latest' names ", name, ", but '",
+           used, "' is a symbolic link, not a folder (a checkpoint is a folder inside '", dir, "')");
   return out;
 }
 

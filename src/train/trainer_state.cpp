@@ -3,6 +3,7 @@
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <charconv>
 #include <set>
 
 #include "hp/ckpt/checkpoint.h"
@@ -14,6 +15,10 @@
 namespace hp::train {
 
 namespace {
+
+// The most steps a checkpoint may say were done: far past any run, and small enough that
+// the data position (steps x global batch) stays inside int64.
+constexpr int64_t kMaxSavedSteps = int64_t(1) << 40;
 
 // The settings a checkpoint cannot be resumed under a change of: the model's.
 std::vector<std::pair<std::string, std::string>> fixed_settings(const TrainConfig& c) {
@@ -217,6 +222,35 @@ void Trainer::load(const std::string& dir) {
   HP_CHECK(theirs_opt == to_string(s.c.optimizer), "resume from ", dir, ": optimizer=", theirs_opt,
            " in the checkpoint but optimizer=", to_string(s.c.optimizer),
            " in this config (changing the optimizer on resume is not supported yet)");
+  // The counts next, each parsed whole and range-checked, before any state changes: the steps
+  // fix the data position and the schedule, AdamW's counts its bias correction.
+  const std::string mpath = ckpt::committed_dir(dir) + "/metadata.json";
+  auto count = [&](const std::string& key, int64_t min, int64_t max, const int64_t* fallback) -> int64_t {
+    auto it = values.find(key);
+    if (it == values.end() && fallback) return *fallback;
+    HP_CHECK(it != values.end(), "resume from ", dir, ": '", mpath, "' has no value '", key,
+             "' (not a checkpoint hp-train wrote)");
+    int64_t x = 0;
+    const std::string& text = it->second;
+    const auto r = std::from_chars(text.data(), text.data() + text.size(), x);
+    const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    HP_CHECK(digits && r.ec == std::errc() && r.ptr == text.data() + text.size() && x >= min && x <= max,
+             "resume from ", dir, ": '", mpath, "' has ", key, " = \"", text.size() > 40 ? text.substr(0, 40) + "..." : text,
+             "\": expected a whole number from ", min, " to ", max);
+    return x;
+  };
+  const int64_t steps = count("steps", 0, kMaxSavedSteps, nullptr);
+  // One optimizer step per training step: the counts never exceed the steps.
+  const int64_t opt_step = count("optimizer_step", 0, steps, nullptr);
+  std::vector<int64_t> param_steps;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.params[i].requires_grad()) continue;
+    // Each parameter's own count (the largest for a checkpoint that has none per parameter).
+    param_steps.push_back(count("optimizer_step." + s.names[i], 0, opt_step, &opt_step));
+    auto held = values.find("grad_held." + s.names[i]);
+    HP_CHECK(held == values.end() || held->second == "1", "resume from ", dir, ": '", mpath, "' has grad_held.",
+             s.names[i], " = \"", held == values.end() ? "" : held->second, "\": expected \"1\" (or no entry)");
+  }
   int64_t unused = 0;
   auto items = state_items(s, &unused);
   {
@@ -225,22 +259,13 @@ void Trainer::load(const std::string& dir) {
     ckpt::load(items, dir);
     staged.put_back();
   }
-  auto number = [&](const char* key) {
-    auto it = values.find(key);
-    HP_CHECK(it != values.end(), "resume from ", dir, ": the checkpoint has no '", key, "' (not written by hp-train)");
-    return std::stoll(it->second);
-  };
-  s.steps = number("steps");
-  const int64_t opt_step = number("optimizer_step");
+  s.steps = steps;
   torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
   const auto muon = muon_params(opt);
-  size_t j = 0;
+  size_t j = 0, k = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
     if (!s.params[i].requires_grad()) continue;
-    // Each parameter's own count (the largest for a checkpoint that has none per parameter).
-    auto it = values.find("optimizer_step." + s.names[i]);
-    const int64_t n = it == values.end() ? opt_step : std::stoll(it->second);
-    state_step(opt, muon, s.master ? s.master->masters()[j++] : s.params[i]) = n;
+    state_step(opt, muon, s.master ? s.master->masters()[j++] : s.params[i]) = param_steps[k++];
     if (!s.master && values.count("grad_held." + s.names[i])) s.params[i].mutable_grad() = at::zeros_like(s.params[i]);
   }
 }

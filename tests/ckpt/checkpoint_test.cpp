@@ -1,6 +1,7 @@
 // Distributed checkpoints: saved from one layout, loaded into another, against slices of
 // the global tensors made here (the same on every rank); replicated boxes written once; a
-// folder without metadata is not a checkpoint; fully_shard's shards round-trip.
+// folder without metadata is not a checkpoint; fully_shard's shards round-trip; a damaged
+// or hostile metadata.json is refused naming the file, the key and the value.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -8,12 +9,14 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/files.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/runtime.h"
+#include "ckpt/metadata_edit.h"
 #include "test_util.h"
 
 namespace hc = hp::ckpt;
@@ -243,4 +246,227 @@ TEST(Checkpoint, FullyShardStateRoundTrips) {
   }
   auto pa = ha->parameters(), pb = hb->parameters();
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i], pb[i])) << i;
+}
+
+// Hostile metadata.json: what a load reads from disk is untrusted. One process (the edits are
+// made on its own folder); each edit is undone before the next.
+namespace {
+
+using json = nlohmann::json;
+
+struct Saved {
+  std::string dir, mpath, text;
+  json meta;
+  std::map<std::string, at::Tensor> g;
+};
+
+// a, b and c saved whole by the one process, with the value step = 10.
+Saved save_plain(const std::string& name) {
+  Saved s;
+  s.g = globals();
+  s.dir = dir_for(name);
+  hp::files::remove_tree(s.dir);
+  hc::save(items(s.g, {{"a", {}}, {"b", {}}, {"c", {}}}, true), s.dir, hp::world(), {{"step", "10"}});
+  s.mpath = s.dir + "/metadata.json";
+  s.text = hp::test::read_text(s.mpath);
+  s.meta = json::parse(s.text);
+  return s;
+}
+
+std::map<std::string, std::string> load_all(const Saved& s) {
+  auto back = items(s.g, {{"a", {}}, {"b", {}}, {"c", {}}}, false);
+  auto values = hc::load(back, s.dir);
+  for (const auto& it : back) EXPECT_TRUE(at::equal(it.local, s.g.at(it.name))) << it.name;
+  return values;
+}
+
+}  // namespace
+
+// metadata.json carries a checksum of its own (the block hash of its compact dump, written
+// here from docs/ckpt.md): a changed character is refused, also one that would be read
+// without complaint (a value), and a missing or malformed checksum.
+TEST(CheckpointHostile, MetadataChecksumCatchesDamage) {
+  if (hp::world()->size() != 1) GTEST_SKIP() << "edits the single rank's folder";
+  Saved s = save_plain("hostile_sum");
+  ASSERT_TRUE(s.meta.contains("checksum"));
+  EXPECT_EQ(s.meta["format"], "hyperparallel-checkpoint-2");
+  EXPECT_EQ(s.meta["checksum"], hp::test::doc_checksum(s.meta));
+  // Damage: the saved value "10" read back as "19", a dtype, a byte count.
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"step\": \"10\"", "\"step\": \"19\""}, {"\"F32\"", "\"F64\""}, {"\"bytes\": ", "\"bytes\": 1"}}) {
+    std::string text = s.text;
+    const size_t at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+    hp::test::write_text(s.mpath, text);
+    hp::test::expect_error([&] { load_all(s); }, {s.mpath, "was altered or damaged", "the checksum it was written with"});
+    hp::test::expect_error([&] { hc::saved_tensors(s.dir); }, {s.mpath, "was altered or damaged"});
+  }
+  json m = s.meta;
+  m["checksum"] = "123";
+  hp::test::write_text(s.mpath, m.dump(1));
+  hp::test::expect_error([&] { load_all(s); }, {s.mpath, "altered or damaged", "written with is 123"});
+  m["checksum"] = "-5";
+  hp::test::write_text(s.mpath, m.dump(1));
+  hp::test::expect_error([&] { load_all(s); }, {s.mpath, "checksum is \"-5\"", "decimal digits"});
+  m.erase("checksum");
+  hp::test::write_text(s.mpath, m.dump(1));
+  hp::test::expect_error([&] { load_all(s); }, {s.mpath, "checksum is missing"});
+  hp::test::write_text(s.mpath, s.text);
+  EXPECT_EQ(load_all(s).at("step"), "10");
+}
+
+// The schema, with the checksum recomputed after each edit (a consistent file, as a tool
+// could write): every type, count and range is checked, and the error names the file, the
+// key and the value. Before these checks a block of 0 raised SIGFPE, a missing member was
+// undefined behaviour, a value of another type a bare nlohmann message.
+TEST(CheckpointHostile, MetadataSchemaNamesTheKeyAndValue) {
+  if (hp::world()->size() != 1) GTEST_SKIP() << "edits the single rank's folder";
+  Saved s = save_plain("hostile_schema");
+  const std::string f = "files[\"rank0.safetensors\"]", a = "tensors[\"a\"]", c0 = a + "[\"chunks\"][0]";
+  struct Case {
+    std::function<void(json&)> edit;
+    std::vector<std::string> parts;
+  };
+  const std::vector<Case> cases = {
+      {[](json& m) { m["files"]["rank0.safetensors"]["block"] = 0; }, {f + "[\"block\"] is 0", "at least 1"}},
+      {[](json& m) { m["files"]["rank0.safetensors"]["block"] = -1048576; }, {f + "[\"block\"] is -1048576"}},
+      {[](json& m) { m["files"]["rank0.safetensors"].erase("block"); }, {f + "[\"block\"] is missing"}},
+      {[](json& m) { m["files"]["rank0.safetensors"]["bytes"] = "934"; }, {f + "[\"bytes\"] is \"934\"", "an integer"}},
+      {[](json& m) { m["files"]["rank0.safetensors"]["bytes"] = -1; }, {f + "[\"bytes\"] is -1", "at least 0"}},
+      {[](json& m) { m["files"]["rank0.safetensors"]["checksums"] = json::array(); }, {f + "[\"checksums\"] is []", "0 checksums"}},
+      {[](json& m) { m["files"]["rank0.safetensors"]["checksums"][0] = "12x"; }, {f + "[\"checksums\"][0] is \"12x\""}},
+      {[](json& m) { m["files"]["rank0.safetensors"]["checksums"][0] = 12; }, {f + "[\"checksums\"][0] is 12", "a string"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["offsets"] = {-1, 0}; }, {c0 + "[\"offsets\"][0] is -1", "at least 0"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["offsets"] = {5, 0}; }, {c0 + " is ", "runs past the tensor's shape [10, 6] in dim 0"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["offsets"] = {uint64_t(18446744073709551615ULL), 0}; },
+       {c0 + "[\"offsets\"][0] is 18446744073709551615", "at most"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["lengths"] = {0, 6}; }, {c0 + "[\"lengths\"][0] is 0", "at least 1"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["lengths"] = {10, 7}; }, {c0 + " is ", "in dim 1"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["lengths"] = {10}; }, {c0 + "[\"lengths\"] is [10]", "expected 2 entries"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["lengths"] = {10, 6.0}; }, {c0 + "[\"lengths\"][1] is 6.0", "an integer"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0].erase("key"); }, {c0 + "[\"key\"] is missing"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"][0]["file"] = "rank7.safetensors"; },
+       {c0 + "[\"file\"] is \"rank7.safetensors\"", "not listed under 'files'"}},
+      {[](json& m) { m["tensors"]["a"]["shape"] = {-10, 6}; }, {a + "[\"shape\"][0] is -10"}},
+      {[](json& m) { m["tensors"]["a"]["dtype"] = "F99"; }, {a + "[\"dtype\"] is \"F99\"", "not a safetensors dtype"}},
+      {[](json& m) { m["tensors"]["a"]["chunks"] = "none"; }, {a + "[\"chunks\"] is \"none\""}},
+      {[](json& m) { m["tensors"] = json::array(); }, {"tensors is []"}},
+      {[](json& m) { m["values"]["step"] = 10; }, {"values[\"step\"] is 10", "expected a string"}},
+      {[](json& m) { m["extra"] = 1; }, {"'extra' is not a member"}},
+      {[](json& m) { m["format"] = "hyperparallel-checkpoint-9"; }, {"format is \"hyperparallel-checkpoint-9\""}},
+  };
+  for (const auto& cs : cases) {
+    json m = s.meta;
+    cs.edit(m);
+    hp::test::write_metadata(s.dir, m);
+    try {
+      load_all(s);
+      ADD_FAILURE() << "loaded after the edit that should give '" << cs.parts[0] << "'";
+    } catch (const hp::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(s.mpath), std::string::npos) << what;
+      for (const auto& p : cs.parts) EXPECT_NE(what.find(p), std::string::npos) << "'" << what << "' lacks '" << p << "'";
+    }
+  }
+  hp::test::write_text(s.mpath, s.text);
+  EXPECT_EQ(load_all(s).at("step"), "10");
+}
+
+// A chunk's file is a name inside the checkpoint's folder: not a path to another checkpoint
+// (which loaded its bytes without a word), not an absolute path, not a symbolic link out.
+TEST(CheckpointHostile, ChunkFilesStayInTheFolder) {
+  if (hp::world()->size() != 1) GTEST_SKIP() << "edits the single rank's folder";
+  Saved s = save_plain("hostile_paths");
+  // Another checkpoint of the same layout, other values.
+  const std::string other = dir_for("hostile_paths_other");
+  hp::files::remove_tree(other);
+  std::map<std::string, at::Tensor> g2;
+  for (const auto& [n, t] : s.g) g2[n] = t + 1;
+  hc::save(items(g2, {{"a", {}}, {"b", {}}, {"c", {}}}, true), other, hp::world());
+  const json other_meta = json::parse(hp::test::read_text(other + "/metadata.json"));
+  const std::string rel = "../" + fs::path(other).filename().string() + "/rank0.safetensors";
+  const std::string abs = fs::absolute(other + "/rank0.safetensors").string();
+  for (const std::string& file : {rel, abs, std::string(".."), std::string("")}) {
+    // The chunks moved to the path, its checksums listed under it (what the old reader
+    // followed), and the chunks alone.
+    json m = s.meta;
+    for (auto& [name, t] : m["tensors"].items()) t["chunks"][0]["file"] = file;
+    json listed = m;
+    listed["files"] = {{file, other_meta["files"]["rank0.safetensors"]}};
+    hp::test::write_metadata(s.dir, listed);
+    hp::test::expect_error([&] { load_all(s); }, {s.mpath, "files[\"" + file + "\"] is \"" + file + "\"",
+                                                  "not a file name inside"});
+    hp::test::write_metadata(s.dir, m);
+    hp::test::expect_error([&] { load_all(s); }, {s.mpath, "[\"chunks\"][0][\"file\"] is \"" + file + "\"",
+                                                  "not a file name inside"});
+  }
+  hp::test::write_text(s.mpath, s.text);
+  // A symbolic link in the folder to the other checkpoint's file, its checksums copied (so
+  // the file checks would pass): refused, not followed.
+  const std::string mine = s.dir + "/rank0.safetensors";
+  fs::rename(mine, mine + ".set_aside");
+  fs::create_symlink(fs::absolute(other + "/rank0.safetensors"), mine);
+  json m = s.meta;
+  m["files"]["rank0.safetensors"] = other_meta["files"]["rank0.safetensors"];
+  hp::test::write_metadata(s.dir, m);
+  hp::test::expect_error([&] { load_all(s); }, {mine, "is a symbolic link"});
+  fs::remove(mine);
+  fs::rename(mine + ".set_aside", mine);
+  // metadata.json itself a link (to the other checkpoint's).
+  fs::remove(s.mpath);
+  fs::create_symlink(fs::absolute(other + "/metadata.json"), s.mpath);
+  hp::test::expect_error([&] { load_all(s); }, {s.mpath, "is a symbolic link"});
+  fs::remove(s.mpath);
+  hp::test::write_text(s.mpath, s.text);
+  EXPECT_EQ(load_all(s).at("step"), "10");
+}
+
+// Two chunks covering the same elements: counted twice, they hid elements never read (the
+// box kept whatever it held). Refused, naming both.
+TEST(CheckpointHostile, OverlappingChunksAreRefused) {
+  if (hp::world()->size() != 1) GTEST_SKIP() << "edits the single rank's folder";
+  at::manual_seed(5);
+  const at::Tensor a = at::randn({10, 6});
+  const std::string dir = dir_for("hostile_overlap");
+  hp::files::remove_tree(dir);
+  // The two halves of a's rows, as two ranks would hold them.
+  std::vector<hc::Item> halves;
+  for (int k = 0; k < 2; ++k) {
+    hp::ShardSpec sp = hp::make_shard_spec({10, 6}, {{{"world", 2, k}}});
+    halves.push_back({"a", box(a, sp).clone(), sp});
+  }
+  hc::save(halves, dir, hp::world());
+  json m = json::parse(hp::test::read_text(dir + "/metadata.json"));
+  ASSERT_EQ(m["tensors"]["a"]["chunks"].size(), 2u);
+  auto whole = [&] {
+    std::vector<hc::Item> it = {{"a", at::full({10, 6}, -7.0), hp::make_shard_spec({10, 6}, {})}};
+    hc::load(it, dir);
+    EXPECT_TRUE(at::equal(it[0].local, a));
+  };
+  whole();
+  m["tensors"]["a"]["chunks"][1] = m["tensors"]["a"]["chunks"][0];
+  hp::test::write_metadata(dir, m);
+  hp::test::expect_error(whole, {"tensor 'a'", "rank0.safetensors:a@0,0 and rank0.safetensors:a@0,0 overlap"});
+}
+
+// Checkpoints written before the checksum (format 1, no "checksum") still load: their owners
+// keep them. The schema applies to them the same.
+TEST(CheckpointHostile, Format1WithoutChecksumLoadsSchemaChecked) {
+  if (hp::world()->size() != 1) GTEST_SKIP() << "edits the single rank's folder";
+  Saved s = save_plain("hostile_v1");
+  json m = s.meta;
+  m["format"] = "hyperparallel-checkpoint-1";
+  m.erase("checksum");
+  hp::test::write_metadata(s.dir, m);
+  EXPECT_EQ(load_all(s).at("step"), "10");
+  EXPECT_EQ(hc::saved_tensors(s.dir).at("a").shape, (std::vector<int64_t>{10, 6}));
+  m["checksum"] = hp::test::doc_checksum(m);  // format 1 has none: a member it does not know
+  hp::test::write_metadata(s.dir, m);
+  hp::test::expect_error([&] { load_all(s); }, {s.mpath, "'checksum' is not a member"});
+  m.erase("checksum");
+  m["files"]["rank0.safetensors"]["block"] = 0;
+  hp::test::write_metadata(s.dir, m);
+  hp::test::expect_error([&] { load_all(s); }, {s.mpath, "files[\"rank0.safetensors\"][\"block\"] is 0"});
+  hp::test::write_text(s.mpath, s.text);
 }

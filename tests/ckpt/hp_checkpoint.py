@@ -5,12 +5,14 @@ library, so a test can hold what the library wrote against it.
   ckpt = Checkpoint(folder)          # reads metadata.json, verifies every file's checksums
   dtype, shape, data = ckpt.tensor(name)   # the whole tensor, row-major little-endian bytes
 
-The folder holds metadata.json (format "hyperparallel-checkpoint-1": per tensor its dtype,
+The folder holds metadata.json (format "hyperparallel-checkpoint-2": per tensor its dtype,
 global shape and chunks, each a box `offsets`/`lengths` stored under `key` in `file`; per
-file its size and 1 MiB block checksums) and rank<R>.safetensors files. Everything read is
-checked: the format tag, each file's size and block checksums, each chunk's dtype and shape
-in its file, and that a tensor's chunks cover it exactly once. A violation raises
-CheckpointError naming the file and tensor.
+file its size and 1 MiB block checksums; a checksum of the document itself) and
+rank<R>.safetensors files. Format "hyperparallel-checkpoint-1" (before the document's
+checksum) is read too. Everything read is checked: the format tag, the document's checksum,
+each file's size and block checksums, each chunk's dtype and shape in its file, and that a
+tensor's chunks cover it exactly once. A violation raises CheckpointError naming the file and
+tensor.
 
 python3 hp_checkpoint.py FOLDER prints each tensor's dtype, shape and chunk count.
 """
@@ -50,6 +52,14 @@ def block_hash(block):
     return out
 
 
+def metadata_checksum(meta):
+    """The checksum metadata.json carries under "checksum" (decimal text): block_hash of the
+    document without it, dumped compact with its keys sorted, UTF-8."""
+    rest = {k: v for k, v in meta.items() if k != "checksum"}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return block_hash(text.encode("utf-8"))
+
+
 def read_safetensors(path):
     """(header dict without __metadata__, the file's bytes, the data section's start)."""
     with open(path, "rb") as f:
@@ -74,11 +84,16 @@ def _numel(shape):
 class Checkpoint:
     def __init__(self, folder):
         self.folder = folder
-        with open(os.path.join(folder, "metadata.json"), encoding="utf-8") as f:
+        path = os.path.join(folder, "metadata.json")
+        with open(path, encoding="utf-8") as f:
             meta = json.load(f)
-        if meta.get("format") != "hyperparallel-checkpoint-1":
-            raise CheckpointError(f"'{folder}/metadata.json': format {meta.get('format')!r} is not "
-                                  "'hyperparallel-checkpoint-1'")
+        if meta.get("format") not in ("hyperparallel-checkpoint-1", "hyperparallel-checkpoint-2"):
+            raise CheckpointError(f"'{path}': format {meta.get('format')!r} is not "
+                                  "'hyperparallel-checkpoint-2' (or -1)")
+        if meta["format"] == "hyperparallel-checkpoint-2":
+            if metadata_checksum(meta) != int(meta["checksum"]):
+                raise CheckpointError(f"'{path}' was altered or damaged: its contents hash to "
+                                      f"{metadata_checksum(meta)}, its checksum is {meta['checksum']}")
         self.values = meta.get("values", {})
         self.tensors = meta["tensors"]
         self._files = {}
@@ -87,7 +102,11 @@ class Checkpoint:
             self._verify(name, info)
 
     def _verify(self, name, info):
+        if "/" in name or name in ("", ".", ".."):
+            raise CheckpointError(f"file '{name}' is not a file name inside the checkpoint")
         path = os.path.join(self.folder, name)
+        if os.path.islink(path):
+            raise CheckpointError(f"'{path}' is a symbolic link (a checkpoint's files are its own)")
         size = os.path.getsize(path)
         if info is None:
             return  # written before checksums
@@ -106,8 +125,10 @@ class Checkpoint:
 
     def _file(self, name):
         if name not in self._files:
-            if "/" in name or name.startswith("."):
+            if "/" in name or name.startswith(".") or not name:
                 raise CheckpointError(f"chunk file '{name}' is not a file name inside the checkpoint")
+            if os.path.islink(os.path.join(self.folder, name)):
+                raise CheckpointError(f"chunk file '{name}' is a symbolic link (a checkpoint's files are its own)")
             self._files[name] = read_safetensors(os.path.join(self.folder, name))
         return self._files[name]
 

@@ -258,6 +258,19 @@ run_np $n --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_war
 grep -q "^saving $ca/step_00000006 in the background" "$work/async" || fail "no background save line: $(cat "$work/async")"
 [ "$(cat "$ca/latest")" = step_00000006 ] || fail "async: latest names '$(cat "$ca/latest")'"
 for k in 2 4 6; do [ -e "$ca/step_0000000$k/metadata.json" ] || fail "async: step $k not committed"; done
+# The reader written from docs/ckpt.md alone verifies what was written: metadata.json's own
+# checksum, every file's block checksums, every chunk.
+python3 "$src/tests/ckpt/hp_checkpoint.py" "$ca/step_00000006" > "$work/out" 2>&1 ||
+  fail "hp_checkpoint.py cannot read step 6: $(cat "$work/out")"
+# A metadata.json edited by hand (the steps made -3, which once spun the data sampler
+# forever): the resume ends at once with the file named.
+cb=$work/ck_edited
+mkdir -p "$cb" && cp -r "$ca/step_00000006" "$cb/" && echo step_00000006 > "$cb/latest"
+sed -i 's/"steps": "6"/"steps": "-3"/' "$cb/step_00000006/metadata.json"
+grep -q '"steps": "-3"' "$cb/step_00000006/metadata.json" || fail "the edit of the steps did not apply"
+timeout 120 "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=6 --set save_dir="$cb" --resume > "$work/out" 2>&1 &&
+  fail "a resume from an edited metadata.json was accepted"
+grep -q "$cb/step_00000006/metadata.json' was altered or damaged" "$work/out" || fail "edited metadata.json not named: $(cat "$work/out")"
 "$bin" --config "$cfg" --set data_parallel=1 --set save_dir="$work/none" --resume > "$work/out" 2>&1 &&
   fail "--resume without a checkpoint was accepted"
 grep -q "no checkpoint to resume from in '$work/none'" "$work/out" || fail "missing checkpoint not named: $(cat "$work/out")"

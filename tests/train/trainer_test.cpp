@@ -23,6 +23,7 @@
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/files.h"
 #include "hp/runtime.h"
+#include "ckpt/metadata_edit.h"
 #include "fsdp/fsdp_test_util.h"
 #include "test_util.h"
 #include "toy_family.h"
@@ -643,6 +644,96 @@ TEST(TrainDist, CheckpointManagerDistrustsLatest) {
   write_latest("step_00000003\n");
   hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {"step_00000003", "not a committed checkpoint"});
   hp::test::expect_error([&] { ht::CheckpointManager::resolve(""); }, {"no checkpoint folder"});
+  // A committed checkpoint outside `dir` (a folder with metadata.json is one to resolve()).
+  const std::string outside = dir + "_outside";
+  hp::files::remove_tree(outside);
+  std::filesystem::create_directories(outside + "/step_00000001");
+  std::ofstream(outside + "/step_00000001/metadata.json") << "{}";
+  for (const std::string& name : {std::string("../x"), outside + "/step_00000001", std::string("step_1/../../x"),
+                                  std::string("step_00000003/../../") + std::filesystem::path(outside).filename().string() +
+                                      "/step_00000001"}) {
+    write_latest(name + "\n");
+    hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {"names '" + name + "'", "not a checkpoint folder name"});
+  }
+  // A checkpoint name that is a symbolic link to the folder outside: refused, not followed.
+  std::filesystem::create_directory_symlink(outside + "/step_00000001", dir + "/step_00000009");
+  write_latest("step_00000009\n");
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); },
+                         {"names step_00000009", dir + "/step_00000009' is a symbolic link"});
+  hp::files::remove_tree(dir);
+  hp::files::remove_tree(outside);
+}
+
+// The values a resume reads back (the steps, AdamW's counts, the held gradients) are parsed
+// whole and range-checked before any state changes, naming metadata.json, the key and the
+// text: "-3" steps made the data sampler spin forever, "abc" raised a bare stoll. Each edit
+// recomputes metadata.json's checksum (as a tool writing a consistent file would), so the
+// value check is what refuses it. One process (the values are read alike on every rank).
+TEST(TrainDist, ResumeRefusesBadSavedCounts) {
+  auto w = hp::world();
+  if (w->size() != 1) GTEST_SKIP() << "edits the single rank's checkpoint";
+  const std::string dir = ::testing::TempDir() + "hp_resume_counts";
+  ht::TrainConfig c = small_config("llama", 1);
+  {
+    ht::Trainer t(c, w);
+    t.step();
+    t.step();
+    t.save(dir);
+  }
+  const std::string mpath = dir + "/metadata.json", text = hp::test::read_text(mpath);
+  const nlohmann::json meta = nlohmann::json::parse(text);
+  ASSERT_EQ(meta["values"]["steps"], "2");
+  std::string param;  // a parameter with its own AdamW count
+  for (const auto& [k, v] : meta["values"].items()) {
+    if (k.rfind("optimizer_step.", 0) == 0) param = k.substr(15);
+  }
+  ASSERT_FALSE(param.empty());
+  struct Case {
+    std::string key, value;  // value "(erase)": the key removed
+    std::string want;
+  };
+  const std::string whole = "expected a whole number from 0 to ";
+  const std::vector<Case> cases = {
+      {"steps", "-3", whole},
+      {"steps", "abc", whole},
+      {"steps", "", whole},
+      {"steps", " 2", whole},
+      {"steps", "2.5", whole},
+      {"steps", "0x10", whole},
+      {"steps", "99999999999999999999", whole},
+      {"steps", "2199023255552", whole + "1099511627776"},  // 2^41: past any data position
+      {"steps", "(erase)", "has no value 'steps'"},
+      {"optimizer_step", "-1", whole},
+      {"optimizer_step", "3", whole + "2"},  // more optimizer steps than steps
+      {"optimizer_step", "(erase)", "has no value 'optimizer_step'"},
+      {"optimizer_step." + param, "-2", whole},
+      {"optimizer_step." + param, "7", whole + "2"},
+      {"grad_held." + param, "yes", "expected \"1\""},
+  };
+  for (const auto& cs : cases) {
+    nlohmann::json m = meta;
+    if (cs.value == "(erase)") {
+      m["values"].erase(cs.key);
+    } else {
+      m["values"][cs.key] = cs.value;
+    }
+    hp::test::write_metadata(dir, m);
+    ht::Trainer r(c, w);
+    std::vector<std::string> parts = {mpath, cs.want};
+    if (cs.value != "(erase)") parts.push_back(cs.key + " = \"" + cs.value + "\"");
+    try {
+      r.load(dir);
+      ADD_FAILURE() << cs.key << " = '" << cs.value << "' loaded (steps_done " << r.steps_done() << ")";
+    } catch (const hp::Error& e) {
+      const std::string what = e.what();
+      for (const auto& p : parts) EXPECT_NE(what.find(p), std::string::npos) << "'" << what << "' lacks '" << p << "'";
+      EXPECT_EQ(r.steps_done(), 0) << "a refused load changed the state";
+    }
+  }
+  hp::test::write_text(mpath, text);
+  ht::Trainer r(c, w);
+  r.load(dir);
+  EXPECT_EQ(r.steps_done(), 2);
   hp::files::remove_tree(dir);
 }
 

@@ -5,7 +5,8 @@
 // owns (a box held by several ranks, as HSDP replicas hold theirs, is written once, by one
 // of them chosen by the tensor's name so that the bytes spread over the holders); rank 0
 // writes `dir`/metadata.json: for every tensor its global shape, dtype, and chunks (file,
-// key, offsets, lengths), plus the caller's string values. Collective over `world`.
+// key, offsets, lengths), every file's size and block checksums, the caller's string
+// values, and a checksum of the document itself. Collective over `world`.
 // Crash-safe: everything goes to `dir`.tmp first, every file is fsynced, and after every
 // rank finished rank 0 renames the folder to `dir` (an existing `dir` is replaced only
 // then). A folder without metadata.json is not a checkpoint.
@@ -14,7 +15,9 @@
 // chunks that intersect its spec: each rank reads only those byte ranges, from any saved
 // layout (rank counts, shard dims) into any other. Raises naming the tensor for a tensor
 // missing from the checkpoint, a global shape or dtype that differs, or a box not covered
-// by the saved chunks.
+// by the saved chunks. metadata.json is untrusted input: its checksum, its schema (types,
+// ranges, boxes inside their tensors) and its file names (inside `dir`, no symbolic links)
+// are checked first, an error naming the file, the key and the value (docs/ckpt.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>

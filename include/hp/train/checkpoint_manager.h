@@ -45,7 +45,8 @@ class CheckpointManager {
   void wait(Trainer& t);
   // The checkpoint a resume starts from: `dir` itself when it is a committed checkpoint,
   // else the one dir/latest names. Raises naming the folder when there is none, or when
-  // `latest` is unreadable, names something outside `dir`, or names an uncommitted folder.
+  // `latest` is unreadable, names something outside `dir` (anything but a step_<digits>
+  // child: no path, no "..", no symbolic link), or names an uncommitted folder.
   static std::string resolve(const std::string& dir);
   // The folder name of the checkpoint after `steps` steps ("step_00000042").
   static std::string name_of(int64_t steps);
