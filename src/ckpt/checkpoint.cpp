@@ -144,8 +144,12 @@ class CheckedFile {
         HP_CHECK(r > 0, "ckpt::load: reading '", path_, "' failed: ", r < 0 ? std::strerror(errno) : "the file is shorter");
         got += r;
       }
+      // A block is checked whole: one read for the header may find a damaged byte of the
+      // data after it (and the reverse); the message says where the block's bytes are.
+      const bool wider = begin < offset || begin + len > offset + n;
       HP_CHECK(detail::block_hash(buf.data(), buf.size()) == sums_[static_cast<size_t>(b)], "ckpt::load: '", path_,
-               "' is corrupted: bytes ", begin, "-", begin + len, " do not match their checksum (", what, ")");
+               "' is corrupted: bytes ", begin, "-", begin + len, " do not match their checksum (found reading ", what,
+               wider ? "; the block also holds other bytes, and the damage may be anywhere in it" : "", ")");
       verified_[static_cast<size_t>(b)] = true;
     }
   }

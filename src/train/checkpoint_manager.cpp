@@ -56,8 +56,8 @@ std::string CheckpointManager::resolve(const std::string& dir) {
   if (committed(dir)) return dir;
   std::ifstream f(dir + "/latest");
   std::string name;
-  HP_CHECK(f && std::getline(f, name) && !name.empty(), "no checkpoint to resume from in '", dir,
-           "' (no 'latest' file: nothing was saved there yet)");
+  HP_CHECK(f && std::getline(f, name) && !name.empty(), "no checkpoint in '", dir,
+           "' (its 'latest' file is missing or empty: nothing was committed there yet)");
   // The file is read back from disk: it must name a checkpoint folder of `dir` itself (a
   // child by a name this manager writes, so no path, and a real folder, not a link out).
   const std::string shown = name.size() > 80 ? name.substr(0, 77) + "..." : name;

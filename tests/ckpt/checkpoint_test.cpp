@@ -217,6 +217,17 @@ TEST(Checkpoint, CorruptionIsNamed) {
   flip(20);  // in the JSON header
   hp::test::expect_error([&] { load_one("a"); }, {file, "is corrupted", "its header"});
   flip(20);
+  // In a's bytes in the header's block: the header's read finds it, and says the block
+  // holds more than the header (it named the header alone).
+  uint64_t hlen = 0;
+  {
+    std::ifstream f(file, std::ios::binary);
+    f.read(reinterpret_cast<char*>(&hlen), 8);
+  }
+  flip(static_cast<int64_t>(8 + hlen + 100));
+  hp::test::expect_error([&] { load_one("a"); },
+                         {file, "bytes 0-1048576 do not match", "its header; the block also holds other bytes"});
+  flip(static_cast<int64_t>(8 + hlen + 100));
   fs::resize_file(file, static_cast<uintmax_t>(size - 1));
   hp::test::expect_error([&] { load_one("a"); }, {file, "has " + std::to_string(size - 1) + " bytes",
                                                   "wrote " + std::to_string(size), "truncated"});

@@ -273,7 +273,7 @@ timeout 120 "$bin" --config "$cfg" --set data_parallel=1 --set train_steps=6 --s
 grep -q "$cb/step_00000006/metadata.json' was altered or damaged" "$work/out" || fail "edited metadata.json not named: $(cat "$work/out")"
 "$bin" --config "$cfg" --set data_parallel=1 --set save_dir="$work/none" --resume > "$work/out" 2>&1 &&
   fail "--resume without a checkpoint was accepted"
-grep -q "no checkpoint to resume from in '$work/none'" "$work/out" || fail "missing checkpoint not named: $(cat "$work/out")"
+grep -q -- "--resume: no checkpoint in '$work/none'" "$work/out" || fail "missing checkpoint not named: $(cat "$work/out")"
 # An export error, which every rank meets: printed once, worded for the export.
 if [ -n "$mpirun" ]; then
   mkdir -p "$work/noexport" && echo x > "$work/noexport/latest"
