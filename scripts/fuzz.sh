@@ -64,20 +64,21 @@ for name in "${names[@]}"; do
   mkdir -p "$corpus" "$findings" "$(dirname "$log")"
   [ -d "fuzz/corpus/$name" ] && cp -n fuzz/corpus/"$name"/* "$corpus"/ 2>/dev/null || true
   set +e
+  t0=$(date +%s)
   "$exe" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=2048 -max_len=65536 \
     -print_final_stats=1 -artifact_prefix="$findings/" "$corpus" > "$log" 2>&1
   status=$?
+  took=$(( $(date +%s) - t0 ))
   set -e
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
-  took=$(sed -n 's/.*Done \([0-9]*\) runs in \([0-9]*\) second.*/\2/p' "$log" | tail -1)
   if [ "$status" -eq 0 ]; then
     outcome="no finding"
   else
     outcome="FINDING (status $status): $(ls -t "$findings" | head -1) - see $log"
     failed+=("$name")
   fi
-  printf '%-20s %10s %10s %8s %s\n' "$name" "${execs:-?}" "${rate:-?}" "${took:-$seconds}" "$outcome"
+  printf '%-20s %10s %10s %8s %s\n' "$name" "${execs:-?}" "${rate:-?}" "$took" "$outcome"
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "fuzz.sh: findings in: ${failed[*]} (inputs under build-fuzz/findings/; replay: build-fuzz/fuzz/<name>_fuzz <input>)"
