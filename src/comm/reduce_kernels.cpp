@@ -54,7 +54,12 @@ struct Min {
 
 // __restrict__ is deliberately absent: out may alias a or b (elementwise, same index).
 // Each kernel is compiled for AVX2 and for the baseline; the loader picks one per CPU.
+// clang (the fuzz build, scripts/fuzz.sh) has no target_clones on templates: baseline only.
+#if defined(__clang__)
+#define HP_KERNEL
+#else
 #define HP_KERNEL __attribute__((target_clones("avx2", "default")))
+#endif
 
 template <typename T, typename Op>
 HP_KERNEL void plain(T* out, const T* a, const T* b, int64_t n, Op op) {
@@ -149,7 +154,11 @@ __attribute__((target("avx2,f16c"))) void fp16_f16c(c10::Half* out, const c10::H
 
 template <typename Op>
 void fp16(c10::Half* out, const c10::Half* a, const c10::Half* b, int64_t n, Op op) {
+#if defined(__clang__)  // clang 14 has no "f16c" to ask for; every AVX2 CPU has F16C
+  static const bool f16c = __builtin_cpu_supports("avx2");
+#else
   static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+#endif
   if (f16c) return fp16_f16c(out, a, b, n, op);
   fp16_scalar(out, a, b, n, op);
 }

@@ -10,6 +10,7 @@
 
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
+#include "hp/models/family.h"
 #include "hp/hooks/call.h"
 #include "hp/hooks/recompute.h"
 
@@ -79,6 +80,8 @@ void DeepSeekConfig::validate() const {
            " must be a finite number >= 0");
   HP_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor), "deepseek config: capacity_factor=",
            capacity_factor, " must be a finite number >= 0 (0: no limit)");
+  HP_CHECK(layers <= kMaxLayers, "deepseek config: layers=", layers, " is more than the ", kMaxLayers,
+           " blocks a model may have (a damaged config?)");
   HP_CHECK(dense_layers >= 0 && dense_layers <= layers, "deepseek config: dense_layers=", dense_layers,
            " must be in [0, layers=", layers, "]");
   HP_CHECK(experts_per_token >= 1 && experts_per_token <= experts, "deepseek config: experts_per_token=",

@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "hp/core/error.h"
+#include "hp/models/family.h"
 #include "hp/core/hash.h"
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
@@ -53,6 +54,8 @@ void LlamaConfig::validate() const {
   HP_CHECK(vocab > 0 && dim > 0 && layers > 0 && heads > 0 && kv_heads > 0 && max_seq > 0,
            "llama config: vocab, dim, layers, heads, kv_heads and max_seq must be positive (got vocab=", vocab,
            " dim=", dim, " layers=", layers, " heads=", heads, " kv_heads=", kv_heads, " max_seq=", max_seq, ")");
+  HP_CHECK(layers <= kMaxLayers, "llama config: layers=", layers, " is more than the ", kMaxLayers,
+           " blocks a model may have (a damaged config?)");
   HP_CHECK(explicit_head_dim >= 0, "llama config: head_dim=", explicit_head_dim, " must be positive (0: dim / heads)");
   HP_CHECK(explicit_head_dim > 0 || dim % heads == 0, "llama config: dim=", dim, " is not divisible by heads=", heads,
            " (or give head_dim)");

@@ -1,5 +1,6 @@
 #include "hp/train/config.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -83,6 +84,57 @@ void flatten(const YAML::Node& n, const std::string& prefix, const std::string& 
   }
 }
 
+// Counts the documents of a YAML text. yaml-cpp 0.7 (Debian's) has a parser that, on a token
+// it cannot place (a line starting with ',', jbeder/yaml-cpp#1040), returns an empty document
+// without consuming it: its LoadAll then loops forever, allocating (fixed upstream in 0.8 by
+// jbeder/yaml-cpp#1319). Here a document that starts where the one before it started is
+// that stall, and an error naming the place.
+class DocumentCounter : public YAML::EventHandler {
+ public:
+  explicit DocumentCounter(const std::string& source) : source_(source) {}
+  size_t count() const { return count_; }
+  void OnDocumentStart(const YAML::Mark& mark) override {
+    if (count_ > 0 && mark.pos == last_.pos) {
+      throw Error(detail::str_cat(source_, ": not valid YAML at line ", mark.line + 1, ", column ", mark.column + 1,
+                                  " (a token that cannot start a value, such as ',')"));
+    }
+    last_ = mark;
+    ++count_;
+  }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+
+ private:
+  std::string source_;
+  size_t count_ = 0;
+  YAML::Mark last_;
+};
+
+// The documents of `text` (in place of YAML::LoadAll, see DocumentCounter): how many, and the
+// first one when there is one. Raises YAML::Exception for text that is not YAML, hp::Error
+// (naming `source`) for the stall above.
+struct YamlDocuments {
+  size_t count = 0;
+  YAML::Node first;
+};
+YamlDocuments load_documents(const std::string& text, const std::string& source) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentCounter counter(source);
+  while (parser.HandleNextDocument(counter)) {
+  }
+  YamlDocuments docs;
+  docs.count = counter.count();
+  if (docs.count > 0) docs.first = YAML::Load(text);
+  return docs;
+}
+
 }  // namespace
 
 
@@ -90,9 +142,9 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
                          const std::string& source) {
   std::vector<Value> values;
   try {
-    std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text);
-    if (docs.size() > 1) throw Error(source + ": holds " + std::to_string(docs.size()) + " YAML documents; expected one");
-    YAML::Node root = docs.empty() ? YAML::Node() : docs[0];
+    const YamlDocuments docs = load_documents(yaml_text, source);
+    if (docs.count > 1) throw Error(source + ": holds " + std::to_string(docs.count) + " YAML documents; expected one");
+    YAML::Node root = docs.first;
     if (root.IsMap()) {
       flatten(root, "", source, values);
     } else if (!root.IsNull()) {
@@ -154,7 +206,9 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   // An empty (or comment-only) file is most likely the wrong file: it would train defaults.
   bool has_keys = false;
   try {
-    for (const YAML::Node& doc : YAML::LoadAll(ss.str())) has_keys = has_keys || (doc.IsMap() && doc.size() > 0);
+    const YamlDocuments docs = load_documents(ss.str(), path);
+    // More than one: parse_config names that.
+    has_keys = docs.count > 1 || (docs.first.IsMap() && docs.first.size() > 0);
   } catch (const YAML::Exception&) {
     has_keys = true;  // parse_config names the YAML error
   }

@@ -255,6 +255,23 @@ TEST(TrainConfig, EmptyOrCommentOnlyFileIsAnError) {
   }
 }
 
+// Found by fuzz/config_fuzz.cpp (its input is fuzz/corpus/config/stall-leading-comma.yaml):
+// a line starting with ',' (here a wrapped comment that lost its '#') made yaml-cpp 0.7's
+// LoadAll loop forever, allocating until the machine ran out of memory.
+TEST(TrainConfig, ATokenYamlCannotPassIsAnErrorNotAHang) {
+  for (const char* text : {",", ", dense) trained on the synthetic corpus\nseed: 1\n", "seed: 1\n---\n,\n"}) {
+    hp::test::expect_error([&] { ht::parse_config(text, {}, "c.yaml"); }, {"c.yaml", "YAML"});
+    const std::string path = ::testing::TempDir() + "/hp_comma_config.yaml";
+    {
+      std::ofstream f(path);
+      f << text;
+    }
+    hp::test::expect_error([&] { ht::load_config(path); }, {path, "YAML"});
+  }
+  // Documents are still counted.
+  hp::test::expect_error([] { ht::parse_config("seed: 1\n---\nseed: 2\n", {}, "c.yaml"); }, {"2 YAML documents"});
+}
+
 TEST(TrainConfig, UnreadableFileIsNamed) {
   for (std::string path : {"/nonexistent/x.yaml", "/tmp"}) {
     try {

@@ -38,6 +38,11 @@ namespace hp::models {
 
 class ModelFamily;
 
+// The most blocks a model may have: far beyond any real model's (Llama 3.1 405B has 126),
+// low enough that what is listed per block (Hugging Face names, plans) stays small for a
+// damaged config.json or a typo (a config naming 222222228 layers listed 2 billion names).
+constexpr int64_t kMaxLayers = 10000;
+
 // One MoE block's routing in the last step (Model::expert_load), summed over the
 // data-parallel ranks.
 struct ExpertLoad {
