@@ -221,8 +221,19 @@ void TrainConfig::validate(int world_size) {
   const std::string& s = source;
   if (save_dir.empty() && !output_dir.empty()) save_dir = output_dir + "/checkpoints";
   if (optimizer != OptimizerKind::kMuon) {
-    // A Muon setting other than its default would be ignored: named instead.
-    const auto mine = resolved_settings(*this), defaults = resolved_settings(TrainConfig{});
+    // A Muon setting other than what it would be unset would be ignored: named instead.
+    TrainConfig unset = *this;
+    const TrainConfig d;
+    unset.muon_lr = d.muon_lr;
+    unset.muon_momentum = d.muon_momentum;
+    unset.muon_nesterov = d.muon_nesterov;
+    unset.muon_weight_decay = d.muon_weight_decay;
+    unset.muon_ns_coefficients = d.muon_ns_coefficients;
+    unset.muon_ns_steps = d.muon_ns_steps;
+    unset.muon_ns_dtype = d.muon_ns_dtype;
+    unset.muon_update_scale = d.muon_update_scale;
+    unset.muon_scheme = d.muon_scheme;
+    const auto mine = resolved_settings(*this), defaults = resolved_settings(unset);
     for (size_t i = 0; i < mine.size() && i < defaults.size(); ++i) {
       const std::string& k = mine[i].first;
       HP_CHECK(k.rfind("muon_", 0) != 0 || !given.count(k) || mine[i].second == defaults[i].second, s, ": ", k, "=",

@@ -263,6 +263,11 @@ Key dtype_key(const char* name, const char* help, At at) {
   return {name, "dtype", help, [at](TrainConfig& c, const Value& v) { at(c) = as_dtype(v); },
           [at](const TrainConfig& c) { return dtype_text(at(const_cast<TrainConfig&>(c))); }, ""};
 }
+template <typename Get>
+Key with_getter(Key k, Get get) {
+  k.get = get;
+  return k;
+}
 Key derived(Key k, const char* how) {
   k.derived = how;
   return k;
@@ -441,12 +446,19 @@ const std::vector<Key>& keys() {
         "adamw, or muon: Muon for the hidden matrices (2-D weights other than the embedding and output head), "
         "AdamW (the adam_* keys, lr, weight_decay) for the rest",
         HP_FIELD(optimizer)));
-    k.push_back(derived(float_key("muon_lr", "Muon's peak learning rate (scheduled like lr)", HP_FIELD(muon_lr), positive),
+    // Derived from AdamW's until set (the field holds -1 then): the getter gives the value in
+    // effect, so that the settings text parses back before validate() resolves it too.
+    k.push_back(derived(with_getter(float_key("muon_lr", "Muon's peak learning rate (scheduled like lr)",
+                                              HP_FIELD(muon_lr), positive),
+                                    [](const TrainConfig& c) { return double_text(c.muon_lr < 0 ? c.lr : c.muon_lr); }),
                         "lr"));
     k.push_back(float_key("muon_momentum", "Muon's momentum", HP_FIELD(muon_momentum), beta));
     k.push_back(bool_key("muon_nesterov", "Muon's Nesterov momentum", HP_FIELD(muon_nesterov)));
-    k.push_back(derived(float_key("muon_weight_decay", "Muon's decoupled weight decay (with the unscaled lr)",
-                                  HP_FIELD(muon_weight_decay), nonneg),
+    k.push_back(derived(with_getter(float_key("muon_weight_decay", "Muon's decoupled weight decay (with the unscaled lr)",
+                                              HP_FIELD(muon_weight_decay), nonneg),
+                                    [](const TrainConfig& c) {
+                                      return double_text(c.muon_weight_decay < 0 ? c.weight_decay : c.muon_weight_decay);
+                                    }),
                         "weight_decay"));
     k.push_back(enum_key<optim::NsSchedule>(
         "muon_ns_coefficients",

@@ -297,4 +297,22 @@ TEST(MuonTrainer, ConfigErrors) {
   c.validate(1);
   EXPECT_EQ(c.muon_lr, 0.004) << "muon_lr defaults to lr";
   EXPECT_EQ(c.muon_weight_decay, 0.2) << "muon_weight_decay defaults to weight_decay";
+  // The optimizer's settings as text parse back to the same settings, before validate() and
+  // after, and validate (the fuzzer found muon_lr=-1 in the text before validate()); under
+  // adamw, Muon keys equal to what they would be unset are no error.
+  for (const std::string text : {"lr: 0.02\n", "optimizer: muon\nlr: 0.02\nmuon_weight_decay: 0.3\n"}) {
+    ht::TrainConfig a = ht::parse_config(text);
+    for (int validated = 0; validated < 2; ++validated) {
+      if (validated) a.validate(1);
+      std::vector<std::string> sets;
+      for (const auto& [k, v] : ht::resolved_settings(a)) {
+        if (k == "optimizer" || k == "lr" || k == "weight_decay" || k.rfind("muon_", 0) == 0) sets.push_back(k + "=" + v);
+      }
+      ht::TrainConfig b = ht::parse_config("", sets);
+      EXPECT_NO_THROW(b.validate(1)) << text;
+      ht::TrainConfig v = a;
+      if (!validated) v.validate(1);
+      EXPECT_EQ(ht::resolved_settings(b), ht::resolved_settings(v)) << text;
+    }
+  }
 }
