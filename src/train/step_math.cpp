@@ -80,6 +80,14 @@ double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double
 
 namespace internal {
 
+namespace {
+// AdamW's options of the config (lr, betas, eps, weight_decay): one place for both optimizers.
+torch::optim::AdamWOptions adamw_options(const TrainConfig& c) {
+  return torch::optim::AdamWOptions(c.lr).betas({c.adam_beta1, c.adam_beta2}).eps(c.adam_eps).weight_decay(c.weight_decay);
+}
+
+}  // namespace
+
 // AdamW (multi-tensor, same results as libtorch's) with weight decay on matrices
 // (dim >= 2) and none on norm scales and vectors.
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const std::vector<at::Tensor>& params) {
@@ -88,9 +96,7 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const 
     if (!p.requires_grad()) continue;
     (p.dim() >= 2 ? decay : plain).push_back(p);
   }
-  auto opts = [&](double wd) {
-    return torch::optim::AdamWOptions(c.lr).betas({c.adam_beta1, c.adam_beta2}).eps(c.adam_eps).weight_decay(wd);
-  };
+  auto opts = [&](double wd) { return adamw_options(c).weight_decay(wd); };
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (!decay.empty()) groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts(c.weight_decay)));
   if (!plain.empty()) groups.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(opts(0.0)));
@@ -105,10 +111,6 @@ void check_finite(int64_t step, const char* what, double x) {
 }
 
 namespace {
-
-torch::optim::AdamWOptions adamw_options(const TrainConfig& c) {
-  return torch::optim::AdamWOptions(c.lr).betas({c.adam_beta1, c.adam_beta2}).eps(c.adam_eps).weight_decay(c.weight_decay);
-}
 
 optim::MuonOptions muon_options(const TrainConfig& c) {
   return optim::MuonOptions(c.muon_lr)
