@@ -1,5 +1,6 @@
 #include "hp/train/run_folders.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "hp/core/error.h"
@@ -81,9 +83,42 @@ Holder parse_holder(const std::string& text) {
   return h;
 }
 
-// A process of this host that no longer exists. EPERM: it exists (another user's).
+// The state letter of a Linux task from its /proc stat file (the field after the command's
+// closing parenthesis), or '?' where it cannot be read.
+char task_state(const std::string& stat_path) {
+  const std::string text = read_small(stat_path);
+  const auto close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() ? text[close + 2] : '?';
+}
+
+// Whether every thread of `pid` has exited: a zombie its parent has not reaped yet. A job
+// launcher that exits as soon as its ranks die leaves them so for a moment (mpirun does),
+// and a relaunch at once must not take them for a live run. Linux only; elsewhere false.
+bool exited(long pid) {
+  const std::string proc = "/proc/" + std::to_string(pid);
+  if (task_state(proc + "/stat") != 'Z') return false;
+  std::unique_ptr<DIR, int (*)(DIR*)> tasks(::opendir((proc + "/task").c_str()), ::closedir);
+  if (!tasks) return errno == ENOENT;  // reaped meanwhile
+  while (const dirent* e = ::readdir(tasks.get())) {
+    if (e->d_name[0] == '.') continue;
+    const char s = task_state(proc + "/task/" + e->d_name + "/stat");
+    if (s != 'Z' && s != 'X' && s != '?') return false;  // '?': that thread is gone
+  }
+  return true;
+}
+
+// A process of this host that no longer runs. EPERM: it exists (another user's). A holder
+// whose main thread has exited while others are still exiting is waited for, 5 s at most.
 bool gone(const Holder& h) {
-  return h.host == host_name() && ::kill(static_cast<pid_t>(h.pid), 0) != 0 && errno == ESRCH;
+  if (h.host != host_name()) return false;
+  const auto pid = static_cast<pid_t>(h.pid);
+  for (int tries = 0; tries < 50; ++tries) {
+    if (::kill(pid, 0) != 0) return errno == ESRCH;
+    if (exited(h.pid)) return true;
+    if (task_state("/proc/" + std::to_string(h.pid) + "/stat") != 'Z') return false;  // running
+    ::usleep(100 * 1000);
+  }
+  return false;
 }
 
 // Creates `dir` (and its parents) and checks that this process can create a file in it.

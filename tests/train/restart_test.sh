@@ -13,7 +13,11 @@ bin=$1 src=$2 mpirun=$3 seed=${4:-$RANDOM}
 work=$(mktemp -d)
 killer=""
 trap '[ -n "$killer" ] && kill $killer 2> /dev/null; rm -rf "$work"' EXIT
-fail() { echo "FAIL (seed $seed): $*"; exit 1; }
+fail() {  # with the errors the jobs printed
+  echo "FAIL (seed $seed): $*"
+  grep -h "error\|launch.sh:" "$work"/*.log 2> /dev/null | tail -n 12
+  exit 1
+}
 RANDOM=$seed
 echo "seed $seed"
 # A simulated link of 2 ms per op slows a step to tens of ms (the bits do not change), so

@@ -50,8 +50,19 @@ printf 'host %s\npid %s\nsince 2026-01-01T00:00:00Z\n' "$(hostname)" $$ > "$out/
 grep -q "output_dir='$out' is in use by another run: pid $$ on host $(hostname) since 2026-01-01T00:00:00Z" "$work/c" ||
   fail "the lock's holder was not named: $(cat "$work/c")"
 grep -q "^step " "$work/c" && fail "the locked run trained"
+# A holder that has exited but is not yet reaped (a zombie: a launcher that exits as its
+# ranks die leaves them so for a moment, and a relaunch at once must not be refused).
+( sh -c 'exit 0' & echo $! > "$work/zombie"; exec sleep 30 ) & parent=$!
+for _ in $(seq 100); do [ "$(ps -o stat= -p "$(cat "$work/zombie" 2> /dev/null)" 2> /dev/null)" = Z ] && break; sleep 0.05; done
+zombie=$(cat "$work/zombie")
+[ "$(ps -o stat= -p "$zombie")" = Z ] || fail "no zombie process to test with"
+printf 'host %s\npid %s\nsince 2026-01-01T00:00:00Z\n' "$(hostname)" "$zombie" > "$out/hp-train.lock"
+"$bin" "${args[@]}" --resume > "$work/z" 2>&1; rc=$?
+kill $parent 2> /dev/null; wait $parent 2> /dev/null
+[ $rc = 0 ] || fail "an exited holder's lock refused the run (exit $rc): $(cat "$work/z")"
+grep -q "took over the stale lock '$out/hp-train.lock' of pid $zombie" "$work/z" || fail "exited holder: $(cat "$work/z")"
+[ ! -e "$out/hp-train.lock" ] || fail "the run after an exited holder left its lock"
 # Two real jobs at once: the second is refused while the first holds the folder.
-rm "$out/hp-train.lock"
 long=$work/long
 "$bin" --config "$cfg" --set train_steps=3000 --set eval_interval=0 --set output_dir="$long" > "$work/long.log" 2>&1 &
 first=$!
