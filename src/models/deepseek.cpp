@@ -159,6 +159,12 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   at::Tensor kv = hp::call(wkv_b, latent).view({B, T, H, c.qk_nope_dim + c.v_head_dim}).transpose(1, 2);
   at::Tensor k_nope = kv.narrow(-1, 0, c.qk_nope_dim);
   at::Tensor v = kv.narrow(-1, c.qk_nope_dim, c.v_head_dim);
+  if (context_parallel) {
+    at::Tensor qf = at::cat({q_nope, q_rope}, -1);
+    at::Tensor kf = at::cat({k_nope, k_rope.expand({B, H, T, c.qk_rope_dim})}, -1);
+    at::Tensor o = context_parallel->attention(qf, kf, v, cp::Mask::kCausal, 1.0 / std::sqrt(static_cast<double>(qk)));
+    return hp::call(wo, o.transpose(1, 2).reshape({B, T, H * c.v_head_dim}));
+  }
   at::Tensor scores = (q_nope.matmul(k_nope.transpose(-2, -1)) + q_rope.matmul(k_rope.transpose(-2, -1))) /
                       std::sqrt(static_cast<double>(qk));
   at::Tensor mask = at::ones({T, T}, at::TensorOptions(at::kBool).device(scores.device())).triu(1);
@@ -368,15 +374,27 @@ DeepSeekImpl::DeepSeekImpl(const DeepSeekConfig& c, const PipelineSlice& sl) : c
 }
 
 at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
-  const int64_t T = tok_emb ? x.size(1) : x.size(1) * stream_split;
+  const int64_t cp = context_parallel ? context_parallel->size() : 1;
+  const int64_t T = (tok_emb ? x.size(1) : x.size(1) * stream_split) * cp;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
-  auto [cos, sin] = rotary_tables(T, config.qk_rope_dim, config.rope_theta);
+  auto [cos, sin] = rotary_rows(rotary_tables(T, config.qk_rope_dim, config.rope_theta), context_parallel.get());
   cos = cos.to(x.device());
   sin = sin.to(x.device());
   at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!output) return h;
   return hp::call(output, hp::call(norm, h));
+}
+
+void context_parallel(DeepSeekImpl& model, std::shared_ptr<cp::ContextParallel> ctx) {
+  HP_CHECK(ctx != nullptr, "context_parallel: the context is null");
+  HP_CHECK(!model.context_parallel, "context_parallel: the model is already context-parallel");
+  if (model.config.aux_loss_coeff > 0) {
+    HP_NOT_SUPPORTED("context parallelism with the sequence-wise balance loss (model.aux_loss_coeff=",
+                     model.config.aux_loss_coeff, "): a CP rank holds part of each sequence");
+  }
+  model.context_parallel = ctx;
+  for (auto& b : model.blocks) b->attn->context_parallel = ctx;
 }
 
 at::Tensor DeepSeekImpl::loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const {

@@ -163,6 +163,10 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   at::Tensor k = apply_rotary(split(hp::call(wk, x)), cos, sin, RotaryPairs::kHalves);
   at::Tensor v = split(hp::call(wv, x));
   const int64_t local_heads = q.size(1);
+  if (context_parallel) {
+    at::Tensor o = context_parallel->attention(q, k, v, cp::Mask::kCausal, 1.0 / std::sqrt(static_cast<double>(head_dim)));
+    return hp::call(wo, o.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
+  }
   // Each group of heads / kv_heads query heads shares one key/value head.
   const int64_t group = heads / kv_heads;
   k = k.repeat_interleave(group, 1);
@@ -253,9 +257,10 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c, const PipelineSlice& sl) : config(c),
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& x) {
-  const int64_t T = slice.embedding ? x.size(1) : x.size(1) * stream_split;
+  const int64_t cp = context_parallel ? context_parallel->size() : 1;
+  const int64_t T = (slice.embedding ? x.size(1) : x.size(1) * stream_split) * cp;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
-  auto [cos, sin] = rotary_tables(T, config.head_dim(), config.rope());
+  auto [cos, sin] = rotary_rows(rotary_tables(T, config.head_dim(), config.rope()), context_parallel.get());
   cos = cos.to(x.device());
   sin = sin.to(x.device());
   at::Tensor h = slice.embedding ? hp::call(tok_emb, x) : x;
@@ -277,6 +282,19 @@ at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   pp::mark_weight_output(logits, {tok_emb->weight});
   if (vocab_parallel_loss) return logits;
   return tp::redistribute(logits, tied_head_tp, tp::Shard(-1), tp::Replicate(), /*grad=*/tp::Replicate(), ro);
+}
+
+void context_parallel(LlamaImpl& model, std::shared_ptr<cp::ContextParallel> ctx) {
+  HP_CHECK(ctx != nullptr, "context_parallel: the context is null");
+  HP_CHECK(!model.context_parallel, "context_parallel: the model is already context-parallel");
+  model.context_parallel = ctx;
+  for (auto& b : model.blocks) b->attn->context_parallel = ctx;
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_rows(std::pair<at::Tensor, at::Tensor> tables, const cp::ContextParallel* ctx) {
+  if (!ctx || ctx->size() == 1) return tables;
+  const at::Tensor rows = ctx->split_of(tables.first.size(0)).positions(ctx->rank());
+  return {tables.first.index_select(0, rows), tables.second.index_select(0, rows)};
 }
 
 at::Tensor LlamaImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {

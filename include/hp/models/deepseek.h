@@ -78,6 +78,9 @@ struct MLAImpl : torch::nn::Module {
   DeepSeekConfig c;
   torch::nn::Linear wq_a{nullptr}, wq_b{nullptr}, wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};
   RMSNorm q_norm{nullptr}, kv_norm{nullptr};
+  // Set by context_parallel(): attention over the whole sequence, on the decompressed
+  // per-head keys (the rotary key repeated for every head) and values.
+  std::shared_ptr<cp::ContextParallel> context_parallel;
 };
 TORCH_MODULE(MLA);
 
@@ -166,6 +169,8 @@ struct DeepSeekImpl : torch::nn::Module {
   CommPtr vocab_parallel_loss;
   // Set: each block is checkpointed with this policy (activations recomputed in backward).
   c10::optional<RecomputePolicy> recompute;
+  // Set by context_parallel() (as LlamaImpl::context_parallel).
+  std::shared_ptr<cp::ContextParallel> context_parallel;
   torch::nn::Embedding tok_emb{nullptr};  // null on a pipeline stage without the embedding
   std::vector<DeepSeekBlock> blocks;
   RMSNorm norm{nullptr};              // null on a stage without the head
@@ -183,6 +188,12 @@ TORCH_MODULE(DeepSeek);
 // picks the dispatcher (plain all-to-all or de-duplicating; the same results).
 void expert_parallel(MoEImpl& moe, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
 void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
+
+// Context parallelism, as for Llama (llama.h). The MoE routes each rank's own tokens (a
+// capacity limit counts them per rank, as under data parallelism). Raises "not supported
+// yet" for the sequence-wise balance loss (aux_loss_coeff > 0): it counts a whole
+// sequence's tokens, of which a CP rank holds a part.
+void context_parallel(DeepSeekImpl& model, std::shared_ptr<cp::ContextParallel> ctx);
 
 // Hugging Face interchange with transformers' DeepseekV3ForCausalLM, in the layout of the
 // published checkpoints (one tensor per routed expert and projection). hf_names: (ours,

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
+#include "hp/cp/context_parallel.h"
 #include "hp/hooks/recompute.h"
 
 namespace hp::models {
@@ -155,6 +156,9 @@ struct LlamaAttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
   int64_t heads, kv_heads, head_dim;
   torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  // Set by context_parallel(): x holds this rank's tokens of the sequence, and attention
+  // runs over the whole sequence through it.
+  std::shared_ptr<cp::ContextParallel> context_parallel;
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -193,6 +197,9 @@ struct LlamaImpl : torch::nn::Module {
   int64_t stream_split = 1;
   // Set: each block is checkpointed with this policy (activations recomputed in backward).
   c10::optional<RecomputePolicy> recompute;
+  // Set by context_parallel(): the input holds this CP rank's tokens (cp::shard), the
+  // rotary tables are taken at their positions, and attention spans the whole sequence.
+  std::shared_ptr<cp::ContextParallel> context_parallel;
   // Set (by parallelize_llama with loss parallel): the output head's logits are split on
   // the vocabulary over this group, and loss() reduces them without gathering.
   CommPtr vocab_parallel_loss;
@@ -210,6 +217,18 @@ struct LlamaImpl : torch::nn::Module {
   torch::nn::Linear output{nullptr};  // null when tied to tok_emb, or without the head
 };
 TORCH_MODULE(Llama);
+
+// Context parallelism (hp/cp/context_parallel.h): the model takes this CP rank's tokens of
+// each sequence (inputs and targets cut by cp::shard with ctx's split) and computes their
+// logits; its loss is the mean over those tokens, so the whole sequence's loss is the mean
+// over the CP ranks, and the gradients must be averaged over them (fully_shard over a group
+// spanning data x context ranks does it). Apply to every rank of ctx's group, before or
+// after tensor parallelism (attention then splits the local heads).
+void context_parallel(LlamaImpl& model, std::shared_ptr<cp::ContextParallel> ctx);
+
+// The rotary tables (rotary_tables' cos and sin, [seq, half]) at the positions this rank of
+// `ctx` holds of a sequence of `seq` tokens; the whole tables without ctx.
+std::pair<at::Tensor, at::Tensor> rotary_rows(std::pair<at::Tensor, at::Tensor> tables, const cp::ContextParallel* ctx);
 
 // Hugging Face interchange (transformers' LlamaForCausalLM, hp/ckpt/consolidated.h moves
 // the bytes). The model computes what LlamaForCausalLM computes (rotary on halves, RMSNorm
