@@ -10,6 +10,10 @@ void Model::expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) {
   throw Error("expert parallelism is not supported yet for this model family (it has no routed experts)");
 }
 
+void Model::context_parallel(std::shared_ptr<cp::ContextParallel> ctx) {
+  HP_NOT_SUPPORTED("context parallelism for this model family (its attention does not take a cp::ContextParallel)");
+}
+
 namespace {
 
 struct Registry {

@@ -35,6 +35,7 @@ class ModelOf : public Model {
     o.reduce_dtype = reduce_dtype;
     models::parallelize(m_, tp, o);
   }
+  void context_parallel(std::shared_ptr<cp::ContextParallel> ctx) override { models::context_parallel(*m_, std::move(ctx)); }
 
  protected:
   Holder m_;

@@ -301,16 +301,19 @@ void TrainConfig::validate(int world_size) {
   // Products checked step by step against the world size, so none can overflow.
   auto layout_error = [&] {
     return detail::str_cat(s, ": data_parallel=", data_parallel, " x data_parallel_shard=", data_parallel_shard,
+                           context_parallel > 1 ? detail::str_cat(" x context_parallel=", context_parallel) : "",
                            " x tensor_parallel=", tensor_parallel, " x pipeline_parallel=", pipeline_parallel,
                            " does not match the world of ", world_size, " ranks");
   };
   int64_t others = 1;
-  for (int64_t f : {data_parallel, tensor_parallel, pipeline_parallel}) {
+  for (int64_t f : {data_parallel, context_parallel, tensor_parallel, pipeline_parallel}) {
     HP_CHECK(f <= world_size / others, layout_error());
     others *= f;
   }
   if (data_parallel_shard == -1) {
-    HP_CHECK(world_size % others == 0, s, ": data_parallel=", data_parallel, " x tensor_parallel=", tensor_parallel,
+    HP_CHECK(world_size % others == 0, s, ": data_parallel=", data_parallel,
+             context_parallel > 1 ? detail::str_cat(" x context_parallel=", context_parallel) : "",
+             " x tensor_parallel=", tensor_parallel,
              " x pipeline_parallel=", pipeline_parallel, " = ", others, " does not divide the world size ", world_size,
              " (so data_parallel_shard=-1 has no value)");
     data_parallel_shard = world_size / others;
@@ -322,6 +325,24 @@ void TrainConfig::validate(int world_size) {
              to_string(data_parallel_shard_strategy), " keeps parameters gathered until backward)");
     HP_CHECK(data_parallel_shard % reshard_after_forward_group_size == 0, s, ": reshard_after_forward_group_size=",
              reshard_after_forward_group_size, " does not divide data_parallel_shard=", data_parallel_shard);
+  }
+  HP_CHECK(context_parallel_method == cp::Method::kRing || context_parallel > 1, s, ": context_parallel_method=",
+           cp::method_name(context_parallel_method), " needs context_parallel > 1 (context_parallel=", context_parallel, ")");
+  if (context_parallel > 1) {
+    const int64_t cp = context_parallel;
+    try {
+      cp::SequenceSplit(seq_length, static_cast<int>(cp));
+    } catch (const Error& e) {
+      throw Error(detail::str_cat(s, ": seq_length=", seq_length, " with context_parallel=", cp, ": ", e.what()));
+    }
+    // Built and tested in the library (hp/cp, the models); hp-train's other layouts with it
+    // are not yet.
+    HP_CHECK(tensor_parallel == 1, s, ": context_parallel=", cp, " with tensor_parallel=", tensor_parallel,
+             " is not supported yet in hp-train");
+    HP_CHECK(pipeline_parallel == 1, s, ": context_parallel=", cp, " with pipeline_parallel=", pipeline_parallel,
+             " is not supported yet in hp-train");
+    HP_CHECK(expert_parallel == 1, s, ": context_parallel=", cp, " with expert_parallel=", expert_parallel,
+             " is not supported yet");
   }
   HP_CHECK(moe_dispatcher == ep::DispatcherKind::kAllToAll || expert_parallel > 1, s, ": moe_dispatcher=",
            to_string(moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", expert_parallel, ")");
@@ -399,7 +420,20 @@ std::vector<MeshDim> layout_dims(const TrainConfig& c) {
   dims.push_back({"pp", c.pipeline_parallel});
   if (c.data_parallel > 1) dims.push_back({"dp_replicate", c.data_parallel});
   dims.push_back({"dp_shard", c.data_parallel_shard});
+  if (c.context_parallel > 1) dims.push_back({"cp", c.context_parallel});
   dims.push_back({"tp", c.tensor_parallel});
+  return dims;
+}
+
+std::vector<MeshDim> shard_layout_dims(const TrainConfig& c) {
+  std::vector<MeshDim> dims;
+  for (const MeshDim& d : layout_dims(c)) {
+    if (d.name == "cp") {
+      dims.back().size *= d.size;  // dp_shard, just before it
+      continue;
+    }
+    dims.push_back(d);
+  }
   return dims;
 }
 
@@ -430,7 +464,8 @@ std::vector<MeshDim> expert_layout_dims(const TrainConfig& c) {
 MeshLayout layout_mesh(const TrainConfig& c) {
   HP_CHECK(c.data_parallel_shard > 0, "layout_mesh: the config is not validated (data_parallel_shard=",
            c.data_parallel_shard, ")");
-  return MeshLayout(layout_dims(c), static_cast<int>(c.dp_size() * c.tensor_parallel * c.pipeline_parallel));
+  return MeshLayout(layout_dims(c),
+                    static_cast<int>(c.dp_size() * c.context_parallel * c.tensor_parallel * c.pipeline_parallel));
 }
 
 MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
@@ -454,6 +489,9 @@ std::string describe(const TrainConfig& c) {
              : std::string())
      << "\n";
   os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
+     << (c.context_parallel > 1 ? detail::str_cat(" x context_parallel ", c.context_parallel, " (",
+                                                  to_string(c.context_parallel_method), ", head-tail split)")
+                                : std::string())
      << (c.tensor_parallel > 1 ? detail::str_cat(" x tensor_parallel ", c.tensor_parallel) : std::string())
      << (c.pipeline_parallel > 1 ? detail::str_cat(" x pipeline_parallel ", c.pipeline_parallel) : std::string())
      << (c.data_parallel > 1 ? " (HSDP" : " (FSDP")

@@ -52,6 +52,14 @@ const std::vector<std::pair<ep::DispatcherKind, const char*>>& enum_names<ep::Di
   return n;
 }
 template <>
+const std::vector<std::pair<cp::Method, const char*>>& enum_names<cp::Method>() {
+  static const std::vector<std::pair<cp::Method, const char*>> n = {
+      {cp::Method::kRing, cp::method_name(cp::Method::kRing)},
+      {cp::Method::kAllGather, cp::method_name(cp::Method::kAllGather)},
+      {cp::Method::kUlysses, cp::method_name(cp::Method::kUlysses)}};
+  return n;
+}
+template <>
 const std::vector<std::pair<LrDecay, const char*>>& enum_names<LrDecay>() {
   static const std::vector<std::pair<LrDecay, const char*>> n = {
       {LrDecay::kCosine, "cosine"}, {LrDecay::kLinear, "linear"}, {LrDecay::kConstant, "constant"}};
@@ -412,6 +420,17 @@ const std::vector<Key>& keys() {
         "with expert_parallel > 1: all_to_all sends a row per (token, chosen expert), dedup one copy of a token per "
         "rank holding any of its experts (fewer bytes, two small all-to-alls more; the same results)",
         HP_FIELD(moe_dispatcher)));
+    k.push_back(int_key("context_parallel",
+                        "context-parallel size: each sequence split over this many ranks (seq_length a multiple of "
+                        "2 x context_parallel), attention over the whole sequence; fully_shard shards over "
+                        "data_parallel_shard x context_parallel",
+                        HP_FIELD(context_parallel), 1, kMaxRanks));
+    k.push_back(enum_key<cp::Method>(
+        "context_parallel_method",
+        "with context_parallel > 1: ring passes key/value blocks around the ranks (overlapped with the compute), "
+        "allgather gathers every rank's keys and values, ulysses exchanges heads for sequence by all-to-all (heads "
+        "and kv heads divisible by context_parallel)",
+        HP_FIELD(context_parallel_method)));
     k.push_back(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
                         HP_FIELD(pipeline_parallel), 1, kMaxRanks));
     k.push_back(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",

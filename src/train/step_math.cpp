@@ -181,8 +181,14 @@ EvalStats eval_stats(const TrainConfig& c, const Validation& v, int64_t step, do
   return ev;
 }
 
-at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked) {
+at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked,
+                           const cp::ContextParallel* cp) {
   at::Tensor x = batch.narrow(1, 0, seq), y = batch.narrow(1, 1, seq);
+  if (cp) {
+    const cp::SequenceSplit split = cp->split_of(seq);
+    x = cp::shard(x, 1, split, cp->rank());
+    y = cp::shard(y, 1, split, cp->rank());
+  }
   return m.loss_of_logits(m.forward(x, hooked), y);
 }
 

@@ -45,8 +45,9 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.c = cfg;
   s.world = std::move(world);
   const TrainConfig& c = s.c;
-  HP_CHECK(c.dp_size() * c.tensor_parallel * c.pipeline_parallel == s.world->size(), "Trainer: the config's layout (",
-           c.data_parallel, " x ", c.data_parallel_shard, " x tensor_parallel ", c.tensor_parallel,
+  HP_CHECK(c.dp_size() * c.context_parallel * c.tensor_parallel * c.pipeline_parallel == s.world->size(),
+           "Trainer: the config's layout (", c.data_parallel, " x ", c.data_parallel_shard, " x context_parallel ",
+           c.context_parallel, " x tensor_parallel ", c.tensor_parallel,
            " x pipeline_parallel ", c.pipeline_parallel, ") does not cover the world of ", s.world->size(),
            " (validate the config first)");
   s.device = training_device(c.device);
@@ -56,7 +57,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
                                        "HP_BACKEND names another)"
                                      : "");
   s.control = control_device(s.world);
-  s.mesh = std::make_shared<DeviceMesh>(s.world, layout_dims(c));
+  s.mesh = std::make_shared<DeviceMesh>(s.world, shard_layout_dims(c));
   s.dp = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard"}) : s.mesh->group("dp_shard");
   s.shards = s.mesh->group("dp_shard");
   s.tp = s.mesh->group("tp");
@@ -72,12 +73,19 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     }
   }
   s.dp_rank = s.dp->rank();
+  if (c.context_parallel > 1) {
+    s.cp_mesh = std::make_shared<DeviceMesh>(s.world, layout_dims(c));
+    s.dp_rank = (c.data_parallel > 1 ? s.cp_mesh->group({"dp_replicate", "dp_shard"}) : s.cp_mesh->group("dp_shard"))->rank();
+    s.context = std::make_shared<cp::ContextParallel>(s.cp_mesh->group("cp"),
+                                                      cp::ContextParallelOptions{c.context_parallel_method});
+  }
 
   // Built without storage: each rank materializes only its shards (plus one parameter at a
   // time), so a model larger than a rank's memory can be trained.
   auto shard_model = [&](TrainModel& m) {
     // Expert parallelism first: tensor parallelism then keeps the placed experts whole.
     if (s.ep) m.expert_parallel(s.ep, c.moe_dispatcher);
+    if (s.context) m.context_parallel(s.context);
     if (c.tensor_parallel > 1) {
       // Before fully_shard, which then shards each rank's pieces; the initializer reads each
       // piece's box of the global tensor.
@@ -231,7 +239,7 @@ StepStats Trainer::step() {
       throw Error(detail::str_cat("step ", s.steps + 1, ", micro-batch ", j + 1, ": ", e.what()));
     }
     if (s.pipe) continue;
-    at::Tensor loss = next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true);
+    at::Tensor loss = next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true, s.context.get());
     (loss / static_cast<double>(c.micro_batch_num)).backward();
     loss_sum += loss.item<double>();
     batches.clear();
@@ -339,7 +347,7 @@ EvalStats Trainer::evaluate() {
                                       ": ", e.what()));
         }
         if (s.pipe) continue;
-        sum += next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true).item<double>();
+        sum += next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true, s.context.get()).item<double>();
         batches.clear();
       }
       if (s.pipe) {

@@ -58,7 +58,10 @@ Validation open_validation(const TrainConfig& c, std::shared_ptr<const TokenData
 // An evaluation's figures after `step` steps: its mean `loss` over the set's batches.
 EvalStats eval_stats(const TrainConfig& c, const Validation& v, int64_t step, double loss, double seconds);
 // The mean next-token loss of a batch [B, seq + 1].
-at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked);
+// The mean next-token loss of batch [B, seq + 1]; with `cp`, of this CP rank's tokens (inputs
+// and targets cut alike by cp::shard).
+at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked,
+                           const cp::ContextParallel* cp = nullptr);
 // The Hugging Face name of each parameter of the config's model, after checking the
 // folder's config.json against it.
 std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::string& dir);
@@ -97,6 +100,12 @@ struct Trainer::Impl {
   // With expert_parallel > 1: the experts' mesh (expert_layout_dims) and its ep group.
   std::shared_ptr<DeviceMesh> expert_mesh;
   CommPtr ep;
+  // With context_parallel > 1: the layout's mesh with its cp dim (layout_dims; `mesh` folds
+  // cp into dp_shard) and the attention over the CP group. dp then spans the data and
+  // context ranks (losses and routing loads are averaged or summed over both); dp_rank is
+  // the data rank alone (which samples a rank reads).
+  std::shared_ptr<DeviceMesh> cp_mesh;
+  std::shared_ptr<cp::ContextParallel> context;
   std::unique_ptr<TrainModel> model;  // without pipeline parallelism
   // With it: this rank's stages (each a part of the model), run by `pipe`.
   std::vector<std::unique_ptr<TrainModel>> stages;

@@ -30,6 +30,7 @@
 
 #include "hp/comm/communicator.h"
 #include "hp/core/error.h"
+#include "hp/cp/context_parallel.h"
 #include "hp/ep/dispatch.h"
 #include "hp/hooks/recompute.h"
 #include "hp/models/llama.h"  // PipelineSlice
@@ -78,6 +79,10 @@ class Model {
   // rank's routed experts and sends tokens to the ranks holding the others (hp/ep). Raises
   // "not supported yet" for a family without routed experts.
   virtual void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind);
+  // Context parallelism through `ctx` (hp/cp): forward then takes this CP rank's tokens of
+  // each sequence (cp::shard) and attends over the whole sequence. Raises "not supported
+  // yet" for a family without it.
+  virtual void context_parallel(std::shared_ptr<cp::ContextParallel> ctx);
   // The modules holding routed experts (each a fully_shard unit of its own, sharded over the
   // ranks holding the same experts); none for a model without them.
   virtual std::vector<torch::nn::Module*> expert_modules() { return {}; }

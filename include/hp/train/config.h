@@ -136,6 +136,12 @@ struct TrainConfig {
   int64_t expert_parallel = 1;
   // How tokens reach their experts' ranks: one row per (token, expert) or one copy per rank.
   ep::DispatcherKind moe_dispatcher = ep::DispatcherKind::kAllToAll;
+  // Context parallelism: each sequence split over this many ranks (head-tail: load-balanced
+  // for the causal mask), attention over the whole of it by context_parallel_method. The
+  // world is data_parallel x data_parallel_shard x context_parallel x tensor_parallel x
+  // pipeline_parallel; fully_shard shards over data_parallel_shard x context_parallel.
+  int64_t context_parallel = 1;
+  cp::Method context_parallel_method = cp::Method::kRing;
   int64_t pipeline_parallel = 1;
   int64_t pipeline_parallel_interleave_num = 1;
   // auto: 1f1b, or interleaved with interleave_num > 1; validate() resolves it.
@@ -224,10 +230,14 @@ std::vector<KeyInfo> config_keys();
 c10::optional<RecomputePolicy> recompute_policy(Recompute r);
 
 // The mesh of a validated config's layout, outermost first: pp, dp_replicate (when
-// data_parallel > 1), dp_shard, tp (tensor parallel on consecutive ranks, pipeline stages
-// farthest apart). The Trainer builds its DeviceMesh from it and the planner places its
-// groups' links by it.
+// data_parallel > 1), dp_shard, cp (when context_parallel > 1), tp (tensor parallel on
+// consecutive ranks, pipeline stages farthest apart). The planner places its groups' links
+// by it, and the Trainer takes the CP group and the data rank from it.
 std::vector<MeshDim> layout_dims(const TrainConfig& c);
+// The same ranks with cp folded into dp_shard (dp_shard x cp, cp inner): the mesh fully_shard
+// shards over (and averages gradients over data and context ranks alike). layout_dims when
+// context_parallel is 1.
+std::vector<MeshDim> shard_layout_dims(const TrainConfig& c);
 MeshLayout layout_mesh(const TrainConfig& c);
 // The experts' mesh: the same ranks with dp_shard x tp regrouped into (dp_shard x tp /
 // expert_parallel, ep) and tp 1, ep inner: an EP group is expert_parallel consecutive ranks
