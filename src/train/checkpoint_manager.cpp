@@ -1,6 +1,12 @@
 #include "hp/train/checkpoint_manager.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -54,10 +60,7 @@ std::string CheckpointManager::name_of(int64_t steps) {
 std::string CheckpointManager::resolve(const std::string& dir) {
   HP_CHECK(!dir.empty(), "no checkpoint folder (set save_dir or output_dir, or name the checkpoint)");
   if (committed(dir)) return dir;
-  std::ifstream f(dir + "/latest");
-  std::string name;
-  HP_CHECK(f && std::getline(f, name) && !name.empty(), "no checkpoint in '", dir,
-           "' (its 'latest' file is missing or empty: nothing was committed there yet)");
+  const std::string name = latest_of(dir);
   // The file is read back from disk: it must name a checkpoint folder of `dir` itself (a
   // child by a name this manager writes, so no path, and a real folder, not a link out).
   const std::string shown = name.size() > 80 ? name.substr(0, 77) + "..." : name;
@@ -70,6 +73,39 @@ std::string CheckpointManager::resolve(const std::string& dir) {
   HP_CHECK(fs::symlink_status(used, ec).type() == fs::file_type::directory, "'", dir, "/latest' names ", name, ", but '",
            used, "' is a symbolic link, not a folder (a checkpoint is a folder inside '", dir, "')");
   return out;
+}
+
+std::string CheckpointManager::latest_of(const std::string& dir) {
+  const std::string path = dir + "/latest";
+  // O_NOFOLLOW: the link itself is refused, not what it points at (checked then opened, a
+  // link could be swapped in between); O_NONBLOCK: a FIFO is refused, not waited on.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  HP_CHECK(fd >= 0 || errno != ENOENT, "no checkpoint in '", dir,
+           "' (its 'latest' file is missing: nothing was committed there yet)");
+  HP_CHECK(fd >= 0 || errno != ELOOP, "'", path, "' is a symbolic link (this manager writes 'latest' as a ",
+           "regular file in '", dir, "'; a link could point anywhere, so it is not followed)");
+  HP_CHECK(fd >= 0, "cannot open '", path, "': ", std::strerror(errno));
+  struct stat st{};
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  char buf[kMaxLatest + 1];
+  ssize_t n = -1;
+  int read_errno = 0;
+  if (regular) {
+    do {
+      n = ::read(fd, buf, sizeof buf);
+    } while (n < 0 && errno == EINTR);
+    read_errno = errno;
+  }
+  ::close(fd);
+  HP_CHECK(regular, "'", path, "' is not a regular file (this manager writes 'latest' as one line in a regular file)");
+  HP_CHECK(n >= 0, "cannot read '", path, "': ", std::strerror(read_errno));
+  const std::string text(buf, static_cast<size_t>(n));
+  const size_t eol = text.find('\n');
+  HP_CHECK(eol != std::string::npos || n <= kMaxLatest, "'", path, "' is not a checkpoint name: its first line is longer than ",
+           kMaxLatest, " bytes (", text.substr(0, 40), "...)");
+  const std::string name = text.substr(0, eol);
+  HP_CHECK(!name.empty(), "no checkpoint in '", dir, "' (its 'latest' file is empty: nothing was committed there yet)");
+  return name;
 }
 
 void CheckpointManager::commit(const Options& o_, const std::string& name) {

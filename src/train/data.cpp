@@ -236,13 +236,16 @@ class FileDataset : public TokenDataset {
 // Megatron-LM's index (PREFIX.idx): the 9-byte magic "MMIDIDX\0\0", a uint64 version (1), a
 // uint8 dtype code, uint64 sequence and document-index counts, then int32 sequence lengths
 // (tokens), int64 sequence pointers (bytes into PREFIX.bin) and int64 document indices (the
-// first sequence of each document, then the sequence count). All little-endian.
+// first sequence of each document, then the sequence count). All little-endian. Read
+// against the .bin's size: the header's counts are bounded by its tokens before anything is
+// read by them (a sparse .idx of terabytes reads as zeros, valid empty sequences and
+// documents, for hours), and each sequence must end inside it (so their sum cannot overflow).
 struct MegatronIndex {
   TokenFormat format;
   int64_t sequences = 0, documents = 0, bin_bytes = 0;
 };
 
-MegatronIndex read_megatron_index(const std::string& idx, const std::string& key) {
+MegatronIndex read_megatron_index(const std::string& idx, const OpenFile& bin, const std::string& key) {
   OpenFile f(idx, key);
   constexpr int64_t kHeader = 9 + 8 + 1 + 8 + 8;
   const std::string where = key + ": Megatron index '" + idx + "'";
@@ -277,6 +280,12 @@ MegatronIndex read_megatron_index(const std::string& idx, const std::string& key
   // Bounded first, so the sizes below cannot overflow.
   HP_CHECK(seqs < (uint64_t(1) << 40) && docs < (uint64_t(1) << 40), where, ": ", seqs, " sequences and ", docs,
            " document entries cannot be right (a damaged header?)");
+  // Megatron's tools write no empty sequence, and an empty document per empty text: more of
+  // either than the .bin has tokens is no dataset they wrote.
+  const int64_t tokens = bin.size() / m.format.width;
+  HP_CHECK(seqs <= static_cast<uint64_t>(tokens) && docs <= static_cast<uint64_t>(tokens) + 1, where, ": ", seqs,
+           " sequences and ", docs, " document index entries, but ", bin.named(), " holds ", tokens, " tokens (",
+           bin.size(), " bytes of ", m.format.name, "): more than it has tokens (a damaged header?)");
   m.sequences = static_cast<int64_t>(seqs);
   const int64_t need = kHeader + 12 * m.sequences + 8 * static_cast<int64_t>(docs);
   HP_CHECK(f.size() != need + m.sequences || m.sequences == 0, where,
@@ -295,11 +304,17 @@ MegatronIndex read_megatron_index(const std::string& idx, const std::string& key
     f.read(lengths_at + 4 * i0, 4 * n, reinterpret_cast<uint8_t*>(len.data()));
     f.read(pointers_at + 8 * i0, 8 * n, reinterpret_cast<uint8_t*>(ptr.data()));
     for (int64_t k = 0; k < n; ++k) {
-      HP_CHECK(len[static_cast<size_t>(k)] >= 0, where, ": sequence ", i0 + k, " has length ", len[static_cast<size_t>(k)]);
-      HP_CHECK(ptr[static_cast<size_t>(k)] == expect, where, ": sequence ", i0 + k, " starts at byte ",
-               ptr[static_cast<size_t>(k)], " of the .bin, but the sequences before it end at ", expect,
+      const int64_t l = len[static_cast<size_t>(k)], p = ptr[static_cast<size_t>(k)], i = i0 + k;
+      HP_CHECK(l >= 0, where, ": sequence ", i, " has length ", l);
+      HP_CHECK(p >= 0 && p <= bin.size(), where, ": sequence ", i, " starts at byte ", p, ", past the end of ",
+               bin.named(), " (", bin.size(), " bytes)");
+      HP_CHECK(p == expect, where, ": sequence ", i, " starts at byte ", p,
+               " of the .bin, but the sequences before it end at ", expect,
                " (sequences not stored back to back, in order, are not supported yet)");
-      expect += len[static_cast<size_t>(k)] * m.format.width;
+      // expect <= bin.size(): what is left cannot go negative, nor the sum past it.
+      HP_CHECK(l <= (bin.size() - expect) / m.format.width, where, ": sequence ", i, " of ", l, " tokens (", m.format.name,
+               ") at byte ", p, " runs past the end of ", bin.named(), " (", bin.size(), " bytes)");
+      expect += l * m.format.width;
     }
   }
   m.bin_bytes = expect;
@@ -336,10 +351,11 @@ std::string megatron_prefix(const std::string& path) {
 std::unique_ptr<TokenDataset> megatron_dataset(const std::string& path, const std::string& key, int64_t seq,
                                                int64_t vocab) {
   const std::string prefix = megatron_prefix(path);
-  const MegatronIndex m = read_megatron_index(prefix + ".idx", key);
   const std::string bin = prefix + ".bin";
+  MegatronIndex m;
   {
     OpenFile f(bin, key);
+    m = read_megatron_index(prefix + ".idx", f, key);
     HP_CHECK(f.size() == m.bin_bytes, key, ": Megatron data '", bin, "' is ", f.size(), " bytes, but its index '",
              prefix, ".idx' describes ", m.bin_bytes, " (", m.sequences, " sequences of ", m.format.name, ")");
   }

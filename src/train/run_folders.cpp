@@ -196,8 +196,10 @@ RunFolders::RunFolders(const TrainConfig& c, int rank, EarlierRun earlier)
   earlier_ = CheckpointManager::entries_in(save_dir_);
   if (earlier_.empty() || earlier != EarlierRun::kRefuse) return;
   std::string newest;
-  std::ifstream latest(save_dir_ + "/latest");
-  std::getline(latest, newest);
+  try {
+    newest = CheckpointManager::latest_of(save_dir_);  // a link or a FIFO is not read
+  } catch (const Error&) {
+  }
   HP_CHECK(false, save_what, " holds the checkpoints of an earlier run (", earlier_.size(), " entries: ", earlier_.front(),
            earlier_.size() > 1 ? " ... " + earlier_.back() : std::string(),
            newest.empty() ? std::string() : "; latest: " + newest.substr(0, 64),

@@ -1,6 +1,8 @@
 // hp-train's data: the three sources read what the files hold, bad files are rejected
 // with the offending offset, and the sharder gives every sample exactly once per epoch.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -282,7 +284,9 @@ TEST(TrainData, BadMegatronFilesNameTheProblem) {
   m = good;
   m.bin.pop_back();
   m.bin.pop_back();
-  expect_error(m, m.idx(), "is 38 bytes, but its index");
+  expect_error(m, m.idx(), "sequence 4 of 6 tokens (uint16) at byte 28 runs past the end of data.path");
+  m.bin += "abcd";
+  expect_error(m, m.idx(), "is 42 bytes, but its index");
   // A token past the vocabulary, named with its offset in the .bin.
   m = good;
   m.bin[2 * 7] = static_cast<char>(0xff);  // token 7 becomes 0x..ff: far above 200
@@ -292,6 +296,76 @@ TEST(TrainData, BadMegatronFilesNameTheProblem) {
   const int32_t minus = -5;
   std::memcpy(&neg.bin[4 * 2], &minus, 4);
   expect_error(neg, neg.idx(), "token 2 is -5");
+}
+
+// An index's sequences must lie inside the .bin, checked as each is read (so their sum
+// cannot overflow): a length past the end, a pointer past the end, each named with the .bin
+// and its size.
+TEST(TrainData, MegatronSequencesStayInsideTheBin) {
+  ht::DataSpec d;
+  d.type = ht::DataType::kMegatron;
+  const MegatronFiles good = megatron_corpus<uint16_t>(8);  // 20 tokens, 40 bytes
+  auto expect_error = [&](const MegatronFiles& m, std::initializer_list<std::string> want) {
+    d.path = m.write("mega_past");
+    const std::string e = error_of(d, 4, 200);
+    for (const std::string& w : want) EXPECT_NE(e.find(w), std::string::npos) << "want '" << w << "' in: " << e;
+  };
+  MegatronFiles m = good;
+  m.lengths[4] = 2147483647;
+  expect_error(m, {"hp_data_test_mega_past.idx", "sequence 4 of 2147483647 tokens",
+                   "runs past the end of data.path '", "hp_data_test_mega_past.bin' (40 bytes)"});
+  m = good;
+  m.pointers[2] = int64_t(1) << 62;
+  expect_error(m, {"hp_data_test_mega_past.idx", "sequence 2 starts at byte 4611686018427387904",
+                   "past the end of data.path '", "hp_data_test_mega_past.bin' (40 bytes)"});
+}
+
+// A header's counts are bounded by the .bin before anything is read by them: an index can be
+// a sparse file of terabytes (a hole reads as zeros: empty sequences, empty documents, all
+// valid), which was read to its end (hours) before the .bin's size was looked at.
+TEST(TrainData, MegatronHeaderCountsBoundedByTheBin) {
+  ht::DataSpec d;
+  d.type = ht::DataType::kMegatron;
+  const MegatronFiles good = megatron_corpus<uint16_t>(8);  // 20 tokens
+  const std::string prefix = good.write("mega_sparse");
+  d.path = prefix;
+  // The header and `tail` at byte `at`, a hole between.
+  auto write_sparse = [&](const std::string& head, int64_t at, const std::string& tail) {
+    const int fd = ::open((prefix + ".idx").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd < 0) return false;
+    const bool ok = ::pwrite(fd, head.data(), head.size(), 0) == static_cast<ssize_t>(head.size()) &&
+                    ::pwrite(fd, tail.data(), tail.size(), at) == static_cast<ssize_t>(tail.size());
+    ::close(fd);
+    if (!ok) std::filesystem::remove(prefix + ".idx");
+    return ok;
+  };
+  auto header = [&](uint64_t seqs, uint64_t docs) {
+    std::string h = good.magic;
+    const uint64_t version = 1;
+    const uint8_t code = 8;
+    h.append(reinterpret_cast<const char*>(&version), 8);
+    h.append(reinterpret_cast<const char*>(&code), 1);
+    h.append(reinterpret_cast<const char*>(&seqs), 8);
+    h.append(reinterpret_cast<const char*>(&docs), 8);
+    return h;
+  };
+  // 2^38 sequences (3 TiB of lengths and pointers, all a hole), then the document index [0, 2^38].
+  const uint64_t many = uint64_t(1) << 38;
+  const std::vector<int64_t> docs = {0, static_cast<int64_t>(many)};
+  ASSERT_TRUE(write_sparse(header(many, 2), 34 + 12 * static_cast<int64_t>(many), raw(docs)))
+      << "this file system cannot hold a sparse file of 3 TiB";
+  std::string e = error_of(d, 4, 200);
+  EXPECT_NE(e.find("274877906944 sequences"), std::string::npos) << e;
+  EXPECT_NE(e.find("hp_data_test_mega_sparse.bin' holds 20 tokens"), std::string::npos) << e;
+  // 5 real sequences, then 2^38 document entries (2 TiB, a hole but the last).
+  std::string head = header(5, many);
+  head += raw(good.lengths) + raw(good.pointers);
+  ASSERT_TRUE(write_sparse(head, static_cast<int64_t>(head.size()) + 8 * static_cast<int64_t>(many - 1),
+                           raw(std::vector<int64_t>{5})));
+  e = error_of(d, 4, 200);
+  EXPECT_NE(e.find("274877906944 document index entries"), std::string::npos) << e;
+  EXPECT_NE(e.find("hp_data_test_mega_sparse.bin' holds 20 tokens"), std::string::npos) << e;
+  std::filesystem::remove(prefix + ".idx");
 }
 
 TEST(TrainData, SyntheticIsDeterministicAndLearnable) {

@@ -15,6 +15,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <sys/stat.h>
 
 #include <nlohmann/json.hpp>
 
@@ -685,6 +686,31 @@ TEST(TrainDist, CheckpointManagerDistrustsLatest) {
   write_latest("step_00000009\n");
   hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); },
                          {"names step_00000009", dir + "/step_00000009' is a symbolic link"});
+  // `latest` itself a symbolic link: refused, naming it, wherever it points; even to a file
+  // that names a committed checkpoint of `dir` (which a followed link would resume from).
+  std::filesystem::create_directories(dir + "/step_00000005");
+  std::ofstream(dir + "/step_00000005/metadata.json") << "{}";
+  std::ofstream(outside + "/latest_elsewhere") << "step_00000005\n";
+  std::filesystem::remove(dir + "/latest");
+  std::filesystem::create_symlink(outside + "/latest_elsewhere", dir + "/latest");
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {dir + "/latest' is a symbolic link"});
+  std::filesystem::remove(dir + "/latest");
+  std::filesystem::create_symlink("/etc/hostname", dir + "/latest");
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {dir + "/latest' is a symbolic link"});
+  // Not a regular file: a FIFO (which would block the reader) or a folder.
+  std::filesystem::remove(dir + "/latest");
+  ASSERT_EQ(::mkfifo((dir + "/latest").c_str(), 0600), 0);
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {dir + "/latest' is not a regular file"});
+  std::filesystem::remove(dir + "/latest");
+  std::filesystem::create_directory(dir + "/latest");
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {dir + "/latest' is not a regular file"});
+  std::filesystem::remove(dir + "/latest");
+  // A first line longer than any checkpoint name is refused unread, not read whole.
+  write_latest("step_" + std::string(1 << 20, '0'));
+  hp::test::expect_error([&] { ht::CheckpointManager::resolve(dir); }, {dir + "/latest'", "longer than"});
+  // The regular file still resolves.
+  write_latest("step_00000005\n");
+  EXPECT_EQ(ht::CheckpointManager::resolve(dir), dir + "/step_00000005");
   hp::files::remove_tree(dir);
   hp::files::remove_tree(outside);
 }

@@ -45,9 +45,16 @@ class CheckpointManager {
   void wait(Trainer& t);
   // The checkpoint a resume starts from: `dir` itself when it is a committed checkpoint,
   // else the one dir/latest names. Raises naming the folder when there is none, or when
-  // `latest` is unreadable, names something outside `dir` (anything but a step_<digits>
-  // child: no path, no "..", no symbolic link), or names an uncommitted folder.
+  // `latest` is unreadable or not a regular file of its own (latest_of), names something
+  // outside `dir` (anything but a step_<digits> child: no path, no "..", no symbolic link),
+  // or names an uncommitted folder.
   static std::string resolve(const std::string& dir);
+  // What dir/latest names, as written: its first line. Raises naming the file when it is
+  // missing or empty, a symbolic link (not followed, wherever it points), not a regular file
+  // (a FIFO would block the reader), or longer than kMaxLatest bytes without a line end.
+  // resolve() then checks the name.
+  static std::string latest_of(const std::string& dir);
+  static constexpr int64_t kMaxLatest = 256;
   // The folder name of the checkpoint after `steps` steps ("step_00000042").
   static std::string name_of(int64_t steps);
   // What this manager (and ckpt::save under it) writes in `dir`, sorted: step_<k> folders,
