@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
-#include <fstream>
 #include <memory>
 #include <sstream>
 
@@ -36,12 +35,19 @@ std::string now_utc() {
   return buf;
 }
 
-// The whole of a small file, or "" when it cannot be read.
+// The first 4 KiB of a regular file, or "" when it is not one (a symbolic link, a FIFO that
+// would block, a folder) or cannot be read.
 std::string read_small(const std::string& path) {
-  std::ifstream f(path);
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str().substr(0, 4096);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return "";
+  struct stat st {};
+  std::string out;
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    char buf[4096];
+    for (ssize_t n; out.size() < sizeof buf && (n = ::read(fd, buf, sizeof buf - out.size())) > 0;) out.append(buf, n);
+  }
+  ::close(fd);
+  return out;
 }
 
 // Writes `text` to the new file `path` (O_EXCL) and syncs it; "" or the OS's reason.

@@ -62,6 +62,12 @@ kill $parent 2> /dev/null; wait $parent 2> /dev/null
 [ $rc = 0 ] || fail "an exited holder's lock refused the run (exit $rc): $(cat "$work/z")"
 grep -q "took over the stale lock '$out/hp-train.lock' of pid $zombie" "$work/z" || fail "exited holder: $(cat "$work/z")"
 [ ! -e "$out/hp-train.lock" ] || fail "the run after an exited holder left its lock"
+# A lock that is not a regular file (a FIFO would block a reader): refused, naming it.
+mkfifo "$out/hp-train.lock"
+timeout 60 "$bin" "${args[@]}" --resume > "$work/fifo" 2>&1; rc=$?
+rm -f "$out/hp-train.lock"
+[ $rc = 1 ] || fail "a FIFO lock: exit $rc: $(cat "$work/fifo")"
+grep -q "is locked by '$out/hp-train.lock', which does not name its holder" "$work/fifo" || fail "FIFO lock: $(cat "$work/fifo")"
 # Two real jobs at once: the second is refused while the first holds the folder.
 long=$work/long
 "$bin" --config "$cfg" --set train_steps=3000 --set eval_interval=0 --set output_dir="$long" > "$work/long.log" 2>&1 &
