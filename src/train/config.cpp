@@ -335,14 +335,10 @@ void TrainConfig::validate(int world_size) {
     } catch (const Error& e) {
       throw Error(detail::str_cat(s, ": seq_length=", seq_length, " with context_parallel=", cp, ": ", e.what()));
     }
-    // Built and tested in the library (hp/cp, the models); hp-train's other layouts with it
-    // are not yet.
-    HP_CHECK(tensor_parallel == 1, s, ": context_parallel=", cp, " with tensor_parallel=", tensor_parallel,
-             " is not supported yet in hp-train");
-    HP_CHECK(pipeline_parallel == 1, s, ": context_parallel=", cp, " with pipeline_parallel=", pipeline_parallel,
-             " is not supported yet in hp-train");
-    HP_CHECK(expert_parallel == 1, s, ": context_parallel=", cp, " with expert_parallel=", expert_parallel,
-             " is not supported yet");
+    // Sequence parallelism splits each CP rank's tokens over the tp ranks.
+    HP_CHECK(!sequence_parallel || (seq_length / cp) % tensor_parallel == 0, s, ": seq_length=", seq_length,
+             " over context_parallel=", cp, " leaves ", seq_length / cp, " tokens per rank, not divisible by tensor_parallel=",
+             tensor_parallel, " (sequence_parallel splits them)");
   }
   HP_CHECK(moe_dispatcher == ep::DispatcherKind::kAllToAll || expert_parallel > 1, s, ": moe_dispatcher=",
            to_string(moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", expert_parallel, ")");
@@ -352,18 +348,23 @@ void TrainConfig::validate(int world_size) {
              model.family().name(), " has none)");
     HP_CHECK(experts % ep == 0, s, ": expert_parallel=", ep, " does not divide the ", experts,
              " routed experts (model.experts)");
+    // The ranks whose tokens differ inside a replica: dp_shard's, and cp's (each routes its
+    // own piece of the sequences); EP borrows from them.
+    const int64_t shard = data_parallel_shard * context_parallel;
+    const std::string shard_name =
+        context_parallel > 1 ? detail::str_cat("data_parallel_shard x context_parallel=", shard)
+                             : detail::str_cat("data_parallel_shard=", shard);
     if (tensor_parallel == 1) {
-      HP_CHECK(data_parallel_shard % ep == 0, s, ": expert_parallel=", ep, " does not divide data_parallel_shard=",
-               data_parallel_shard, " (expert parallelism borrows data_parallel_shard ranks)");
+      HP_CHECK(shard % ep == 0, s, ": expert_parallel=", ep, " does not divide ", shard_name,
+               " (expert parallelism borrows those ranks)");
     } else {
       // The EP group is tensor_parallel's ranks and ep / tensor_parallel of dp_shard's.
       HP_CHECK(sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=", tensor_parallel,
                " needs sequence_parallel=true (each tensor-parallel rank routes its piece of the sequence); "
                "without it is not supported yet");
-      HP_CHECK(ep % tensor_parallel == 0 && data_parallel_shard % (ep / tensor_parallel) == 0, s, ": expert_parallel=",
-               ep, " with tensor_parallel=", tensor_parallel, " must be tensor_parallel x a divisor of ",
-               "data_parallel_shard=", data_parallel_shard, " (expert parallelism borrows the tensor-parallel ranks ",
-               "and data_parallel_shard ones)");
+      HP_CHECK(ep % tensor_parallel == 0 && shard % (ep / tensor_parallel) == 0, s, ": expert_parallel=",
+               ep, " with tensor_parallel=", tensor_parallel, " must be tensor_parallel x a divisor of ", shard_name,
+               " (expert parallelism borrows the tensor-parallel ranks and those)");
     }
   }
   HP_CHECK(!apply_grad_on_fp32_main_grad || accumulate_allreduce_grads_in_fp32, s,
@@ -438,15 +439,14 @@ std::vector<MeshDim> shard_layout_dims(const TrainConfig& c) {
 }
 
 std::vector<MeshDim> expert_layout_dims(const TrainConfig& c) {
-  const int64_t tp = c.tensor_parallel, ep = c.expert_parallel;
-  HP_CHECK(c.data_parallel_shard > 0 && ep % (tp > 1 ? tp : 1) == 0 &&
-               (c.data_parallel_shard * tp) % ep == 0,
+  const int64_t tp = c.tensor_parallel, ep = c.expert_parallel, shard = c.data_parallel_shard * c.context_parallel;
+  HP_CHECK(c.data_parallel_shard > 0 && ep % (tp > 1 ? tp : 1) == 0 && (shard * tp) % ep == 0,
            "expert_layout_dims: the config is not validated (data_parallel_shard=", c.data_parallel_shard,
-           ", tensor_parallel=", tp, ", expert_parallel=", ep, ")");
-  // dp_shard x tp (tp innermost) regrouped as (dp_shard x tp / ep, ep): the EP group is the
-  // innermost ep ranks, the tensor-parallel ones included.
+           ", context_parallel=", c.context_parallel, ", tensor_parallel=", tp, ", expert_parallel=", ep, ")");
+  // dp_shard (x cp, folded) x tp (tp innermost) regrouped as (dp_shard x tp / ep, ep): the
+  // EP group is the innermost ep ranks, the tensor-parallel ones included.
   std::vector<MeshDim> dims;
-  for (const MeshDim& d : layout_dims(c)) {
+  for (const MeshDim& d : shard_layout_dims(c)) {
     if (d.name == "tp") {
       dims.push_back({"tp", 1});  // the experts are whole: no tensor-parallel split
       continue;
@@ -455,7 +455,7 @@ std::vector<MeshDim> expert_layout_dims(const TrainConfig& c) {
       dims.push_back(d);
       continue;
     }
-    dims.push_back({"dp_shard", c.data_parallel_shard * tp / ep});
+    dims.push_back({"dp_shard", shard * tp / ep});
     dims.push_back({"ep", ep});
   }
   return dims;

@@ -181,14 +181,16 @@ EvalStats eval_stats(const TrainConfig& c, const Validation& v, int64_t step, do
   return ev;
 }
 
+std::pair<at::Tensor, at::Tensor> inputs_and_targets(const at::Tensor& batch, int64_t seq, const cp::ContextParallel* cp) {
+  at::Tensor x = batch.narrow(1, 0, seq), y = batch.narrow(1, 1, seq);
+  if (!cp) return {x, y};
+  const cp::SequenceSplit split = cp->split_of(seq);
+  return {cp::shard(x, 1, split, cp->rank()), cp::shard(y, 1, split, cp->rank())};
+}
+
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked,
                            const cp::ContextParallel* cp) {
-  at::Tensor x = batch.narrow(1, 0, seq), y = batch.narrow(1, 1, seq);
-  if (cp) {
-    const cp::SequenceSplit split = cp->split_of(seq);
-    x = cp::shard(x, 1, split, cp->rank());
-    y = cp::shard(y, 1, split, cp->rank());
-  }
+  auto [x, y] = inputs_and_targets(batch, seq, cp);
   return m.loss_of_logits(m.forward(x, hooked), y);
 }
 

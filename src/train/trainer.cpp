@@ -114,7 +114,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       expert_o.mesh = s.expert_mesh;
       for (torch::nn::Module* e : m.expert_modules()) {
         s.handles.push_back(fully_shard(*e, expert_o));
-        s.handles.back()->set_gradient_divide_factor(static_cast<double>(c.dp_size()));
+        s.handles.back()->set_gradient_divide_factor(static_cast<double>(c.dp_size() * c.context_parallel));
       }
     }
     // Under tensor parallelism the experts an EP group spreads over the tp ranks differ
@@ -247,7 +247,8 @@ StepStats Trainer::step() {
   if (s.pipe) {
     // The micro-batches in order, one after the other: the pipeline splits them back.
     at::Tensor all = at::cat(batches);
-    at::Tensor mean = s.pipe->step(all.narrow(1, 0, c.seq_length), all.narrow(1, 1, c.seq_length));
+    auto [x, y] = inputs_and_targets(all, c.seq_length, s.context.get());
+    at::Tensor mean = s.pipe->step(x, y);
     // The mean is on the last stage's ranks: summed over pp (zeros elsewhere).
     at::Tensor l = at::full({1}, mean.defined() ? mean.item<double>() : 0.0, at::TensorOptions(at::kDouble).device(s.control));
     s.pp->all_reduce(l).wait();
@@ -352,7 +353,8 @@ EvalStats Trainer::evaluate() {
       }
       if (s.pipe) {
         at::Tensor all = at::cat(batches);
-        at::Tensor mean = s.pipe->evaluate(all.narrow(1, 0, c.seq_length), all.narrow(1, 1, c.seq_length));
+        auto [x, y] = inputs_and_targets(all, c.seq_length, s.context.get());
+        at::Tensor mean = s.pipe->evaluate(x, y);
         // On the last stage's ranks: summed over pp (zeros elsewhere).
         at::Tensor l = at::full({1}, mean.defined() ? mean.item<double>() : 0.0,
                                 at::TensorOptions(at::kDouble).device(s.control));

@@ -58,8 +58,10 @@ Validation open_validation(const TrainConfig& c, std::shared_ptr<const TokenData
 // An evaluation's figures after `step` steps: its mean `loss` over the set's batches.
 EvalStats eval_stats(const TrainConfig& c, const Validation& v, int64_t step, double loss, double seconds);
 // The mean next-token loss of a batch [B, seq + 1].
-// The mean next-token loss of batch [B, seq + 1]; with `cp`, of this CP rank's tokens (inputs
-// and targets cut alike by cp::shard).
+// The inputs and targets of batch [B, seq + 1]: its first and last seq tokens; with `cp`,
+// this CP rank's tokens of each (cut alike by cp::shard).
+std::pair<at::Tensor, at::Tensor> inputs_and_targets(const at::Tensor& batch, int64_t seq, const cp::ContextParallel* cp);
+// The mean next-token loss of batch [B, seq + 1] (of this CP rank's tokens with `cp`).
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked,
                            const cp::ContextParallel* cp = nullptr);
 // The Hugging Face name of each parameter of the config's model, after checking the

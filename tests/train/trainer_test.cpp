@@ -408,6 +408,17 @@ TEST(TrainDist, ContextParallelMatchesSingleProcess) {
   if (w == 4) {
     SCOPED_TRACE("llama context_parallel=4");
     expect_matches_naive("llama", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 4, M::kRing);
+    // context_parallel 2 x tensor_parallel 2 with sequence parallel: attention over this
+    // rank's heads, the norms over its part of its CP piece.
+    for (const char* type : {"llama", "deepseek"}) {
+      SCOPED_TRACE(std::string(type) + " context_parallel=2 x tensor_parallel=2");
+      expect_matches_naive(type, 2, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kRing);
+    }
+    // Inside pipeline stages (1F1B and interleaved): the stages pass each CP rank's hidden
+    // states of its tokens.
+    SCOPED_TRACE("llama context_parallel=2 x pipeline_parallel=2");
+    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kAllGather);
+    expect_matches_naive("deepseek", 1, 2, 2, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kRing);
   }
 }
 
@@ -829,6 +840,7 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     ht::Recompute recompute = ht::Recompute::kNone;
     double aux_loss_coeff = 0;  // the sequence-wise balance loss
     int64_t tp = 1;             // with sequence parallel; the EP group spans the tp ranks
+    int64_t cp = 1;             // context parallel: EP borrows the CP ranks too
   };
   // Under recompute the blocks' forward (and so the dispatch) runs again in backward; the
   // balancing load is counted once. Under tensor parallelism each tp rank routes its piece
@@ -838,14 +850,18 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
                                  {1, 2, K::kAllToAll, ht::Recompute::kNone, 0.05},
                                  {1, 2, K::kAllToAll, ht::Recompute::kNone, 0.05, 2},
                                  {1, 2, K::kDedup, ht::Recompute::kFull, 0, 2}};
+  if (w->size() == 2) layouts.push_back({1, 2, K::kAllToAll, ht::Recompute::kFull, 0, 1, 2});  // ep = the CP pair
   if (w->size() == 4) {
     layouts = {{1, 4, K::kAllToAll}, {1, 4, K::kDedup}, {1, 2, K::kAllToAll}, {2, 2, K::kDedup},
                {1, 4, K::kAllToAll, ht::Recompute::kFull}, {2, 2, K::kDedup, ht::Recompute::kFull, 0.05},
                {1, 4, K::kAllToAll, ht::Recompute::kNone, 0.05, 2}, {1, 2, K::kDedup, ht::Recompute::kNone, 0, 2},
-               {2, 2, K::kAllToAll, ht::Recompute::kFull, 0.05, 2}};
+               {2, 2, K::kAllToAll, ht::Recompute::kFull, 0.05, 2},
+               // context_parallel 2: ep 4 over dp_shard 2 x cp 2, ep 2 over a CP pair, and with tp 2
+               {1, 4, K::kDedup, ht::Recompute::kNone, 0, 1, 2}, {1, 2, K::kAllToAll, ht::Recompute::kFull, 0, 1, 2},
+               {1, 2, K::kAllToAll, ht::Recompute::kNone, 0, 2, 2}};
   }
   for (const Layout& l : layouts) {
-    ht::TrainConfig c = small_config("deepseek", w->size(), l.tp);
+    ht::TrainConfig c = small_config("deepseek", w->size(), l.tp, 1, 1, l.cp);
     c.data_parallel = l.data_parallel;
     c.data_parallel_shard = -1;
     c.expert_parallel = l.ep;
@@ -856,7 +872,8 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     c.eval_steps = 2;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
-    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " tp " + std::to_string(l.tp) +
+    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " cp " + std::to_string(l.cp) +
+                              " tp " + std::to_string(l.tp) +
                               " ep " + std::to_string(l.ep) +
                               " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute) +
                               " aux " + std::to_string(l.aux_loss_coeff);
