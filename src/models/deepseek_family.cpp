@@ -94,7 +94,15 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
               static_cast<double>(d.q_lora_rank + d.kv_lora_rank) + 4.0 * hidden +
               static_cast<double>(d.heads) * static_cast<double>(seq_length);
     a.head = static_cast<double>(d.vocab);
+    a.attention = static_cast<double>(d.heads) * static_cast<double>(seq_length);
     return a;
+  }
+  // Under context parallelism MLA exchanges the decompressed per-head keys and values.
+  AttentionWidths attention_widths() const override {
+    const DeepSeekConfig& d = config;
+    const double qk = static_cast<double>(d.qk_nope_dim + d.qk_rope_dim), v = static_cast<double>(d.v_head_dim);
+    const double h = static_cast<double>(d.heads);
+    return {h * (qk + v), h * (qk + v)};
   }
 
   // Keeps a dense first block and MoE blocks after it, where the model has those kinds.

@@ -55,7 +55,12 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
     a.block = 6.0 * static_cast<double>(l.dim) + 2.0 * kv + 4.0 * static_cast<double>(l.hidden_dim()) +
               static_cast<double>(l.heads) * static_cast<double>(seq_length);
     a.head = static_cast<double>(l.vocab);
+    a.attention = static_cast<double>(l.heads) * static_cast<double>(seq_length);
     return a;
+  }
+  AttentionWidths attention_widths() const override {
+    const LlamaConfig& l = config;
+    return {2.0 * static_cast<double>(l.kv_heads * l.head_dim()), 2.0 * static_cast<double>(l.heads * l.head_dim())};
   }
 
   void set_layers(int64_t layers) override { config.layers = layers; }

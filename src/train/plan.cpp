@@ -262,6 +262,7 @@ SimulatedNetwork measured_local_link() {
 std::string PlanRow::layout() const {
   std::string s = "dp_replicate=" + std::to_string(config.data_parallel) + " dp_shard=" +
                   std::to_string(config.data_parallel_shard);
+  if (config.context_parallel > 1) s += " cp=" + std::to_string(config.context_parallel);
   if (config.model->routed_experts() > 0) s += " ep=" + std::to_string(config.expert_parallel);
   s += " tp=" + std::to_string(config.tensor_parallel) + " pp=" + std::to_string(config.pipeline_parallel);
   if (config.pipeline_parallel > 1) {
@@ -297,23 +298,30 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     return ops * SimulatedNetwork::seconds(op, static_cast<int64_t>(bytes / ops), n, link);
   };
 
-  // Every layout: pp x dp_replicate x dp_shard x tp = N, and for a model with routed
-  // experts every expert_parallel dividing both dp_shard and the experts (tensor_parallel 1:
-  // expert parallelism beside tensor parallelism trains, but is not modelled here yet).
+  // Every layout: pp x dp_replicate x dp_shard x cp x tp = N (context_parallel for a
+  // family with it), and for a model with routed experts every expert_parallel dividing both
+  // dp_shard x cp and the experts (tensor_parallel 1: expert parallelism beside tensor
+  // parallelism trains, but is not modelled here yet).
   struct Layout {
-    int p, t, r, s, e;
+    int p, t, cpd, r, s, e;
   };
   const int64_t experts = base.model->routed_experts();
+  const models::AttentionWidths widths = base.model->attention_widths();
   std::vector<Layout> layouts;
   for (int p = 1; p <= N; ++p) {
     if (N % p) continue;
     for (int t = 1; t <= N / p; ++t) {
       if ((N / p) % t) continue;
-      for (int r = 1; r <= N / p / t; ++r) {
-        if ((N / p / t) % r) continue;
-        const int s = N / p / t / r;
-        for (int e = 1; e <= s; ++e) {
-          if (s % e == 0 && (e == 1 || (t == 1 && experts > 0 && experts % e == 0))) layouts.push_back({p, t, r, s, e});
+      for (int cpd = 1; cpd <= N / p / t; ++cpd) {
+        if ((N / p / t) % cpd || (cpd > 1 && widths.kv <= 0)) continue;
+        for (int r = 1; r <= N / p / t / cpd; ++r) {
+          if ((N / p / t / cpd) % r) continue;
+          const int s = N / p / t / cpd / r;
+          for (int e = 1; e <= s * cpd; ++e) {
+            if ((s * cpd) % e == 0 && (e == 1 || (t == 1 && experts > 0 && experts % e == 0))) {
+              layouts.push_back({p, t, cpd, r, s, e});
+            }
+          }
         }
       }
     }
@@ -321,12 +329,14 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
 
   std::vector<PlanRow> rows;
   for (const Layout& lay : layouts) {
-    const int p = lay.p, t = lay.t, r = lay.r, s = lay.s, e = lay.e;
+    const int p = lay.p, t = lay.t, cpd = lay.cpd, r = lay.r, s = lay.s, e = lay.e;
     PlanRow row;
     TrainConfig& c = row.config;
     c = base;
     c.data_parallel = r;
     c.data_parallel_shard = s;
+    c.context_parallel = cpd;
+    if (cpd == 1) c.context_parallel_method = cp::Method::kRing;
     c.tensor_parallel = t;
     c.pipeline_parallel = p;
     c.expert_parallel = e;
@@ -373,10 +383,10 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     const double slower = prof.contended ? 1.0 : oversubscribed;
     row.compute_source = prof.source;
     const double rank_params = static_cast<double>(row.memory.rank_params);
-    // The rank's shards: the experts' over dp_shard / ep, the rest over dp_shard.
+    // The rank's shards: the experts' over dp_shard x cp / ep, the rest over dp_shard x cp.
     const double optimizer = prof.optimizer_per_param *
                              (rank_params + static_cast<double>(row.memory.expert_params) * (e - 1)) /
-                             static_cast<double>(s);
+                             static_cast<double>(s * cpd);
     const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
     const double dim = static_cast<double>(c.model->dim());
     const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) * dim * act_elem;
@@ -435,19 +445,72 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       const int64_t per = c.model->block_expert_params();
       return per > 0 ? c.model->stage_expert_params(sl) / per : 0;
     };
-    const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t);
-    const double act_head = (prof.activations_first - prof.activations_layer) / t;
+    // Context parallelism: each rank computes 1/cp of every block's work (head-tail balances
+    // attention's) and keeps 1/cp of its activations, less attention's probabilities, which
+    // the block-wise attention does not keep (a log-sum-exp per head instead; under
+    // recompute, those of the block rerun), plus one (query chunk, key chunk) block's fp32
+    // scores while computing (3 copies: the scores, their exponentials, the product's
+    // workspace; chunks of seq / 2cp, Ulysses over heads / cp). Its
+    // exchanges, per block and micro-batch: the ring's cp-1 K/V blocks forward, cp-1 again
+    // and cp gradient blocks (fp32) backward, each overlapping a block's compute (what
+    // exceeds it is exposed); the all-gather's one gather forward, a gather and a
+    // reduce-scatter backward; Ulysses' 4 all-to-alls each way (not overlapped).
+    const double cp_scale = 1.0 / cpd;
+    const bool recomputed = c.recompute != Recompute::kNone;
+    double cp_act = 1.0, cp_probs = 0, cp_scores = 0;
+    double cp_forward = 0, cp_backward = 0, cp_exposed_forward = 0, cp_exposed_backward = 0;
+    if (cpd > 1) {
+      const models::ActivationCount a = c.model->activations_per_token(c.seq_length);
+      const double mb = static_cast<double>(c.micro_batch_size()), seq = static_cast<double>(c.seq_length);
+      cp_act = (recomputed ? 1.0 : 1.0 - a.attention / a.block) / cpd;
+      cp_probs = recomputed ? mb * seq * act_elem * a.attention : 0;
+      const double chunk = seq / (2.0 * cpd);
+      const double heads = a.attention / seq / t / (c.context_parallel_method == cp::Method::kUlysses ? cpd : 1);
+      cp_scores = mb * heads * chunk * chunk * 4.0 * 3.0;
+      const LinkModel cp_link = link_over({"cp"});
+      const double local_tokens = static_cast<double>(c.micro_batch_size() * (c.seq_length / cpd));
+      const double kv = local_tokens * widths.kv * act_elem, kv_grad = local_tokens * widths.kv * 4.0;
+      const double fwd_block = prof.forward_layer * tp_scale * cp_scale, bwd_block = prof.backward_layer * tp_scale * cp_scale;
+      auto send = [&](double bytes) { return SimulatedNetwork::seconds(CommOp::kSend, static_cast<int64_t>(bytes), 2, cp_link); };
+      switch (c.context_parallel_method) {
+        case cp::Method::kRing:
+          cp_forward = (cpd - 1) * send(kv);
+          cp_backward = (cpd - 1) * send(kv) + cpd * send(kv_grad);
+          cp_exposed_forward = std::max(0.0, cp_forward - fwd_block);
+          cp_exposed_backward = std::max(0.0, cp_backward - bwd_block);
+          break;
+        case cp::Method::kAllGather:
+          cp_forward = comm(CommOp::kAllGather, kv * cpd, cpd, cp_link, 1);
+          cp_backward = cp_forward + comm(CommOp::kReduceScatter, kv_grad * cpd, cpd, cp_link, 1);
+          cp_exposed_forward = cp_forward, cp_exposed_backward = cp_backward;
+          break;
+        case cp::Method::kUlysses:
+          cp_forward = comm(CommOp::kAllToAll, local_tokens * (widths.kv + widths.q_out) * act_elem, cpd, cp_link, 4);
+          cp_backward = cp_forward;
+          cp_exposed_forward = cp_forward, cp_exposed_backward = cp_backward;
+          break;
+      }
+      if (recomputed) {  // the forward's exchanges again in backward
+        cp_backward += cp_forward;
+        cp_exposed_backward += cp_exposed_forward;
+      }
+    }
+    const double act_layer = prof.activations_layer * (whole + (1.0 - whole) / t) * cp_act;
+    const double act_head =
+        std::max(0.0, prof.activations_first - prof.activations_layer - cp_probs) / t / cpd + cp_scores;
     int64_t rank_layers = L, rank_moe = moe_blocks(models::PipelineSlice{});
     if (p == 1) {
       const double fb = prof.forward_first + prof.backward_first +
                         static_cast<double>(L - 1) * (prof.forward_layer + prof.backward_layer);
-      row.compute_s = static_cast<double>(m) * fb * tp_scale + optimizer;
+      row.compute_s = static_cast<double>(m) * fb * tp_scale * cp_scale + optimizer;
       // One micro-batch at a time: its backward frees what its forward kept.
       row.activations = act_head + static_cast<double>(L) * act_layer;
       // Blocks, and the embedding and head (one more of each direction).
       row.tp_comm_s = static_cast<double>(m) * 2.0 * tp_block * static_cast<double>(L + 1);
       row.ep_comm_s = static_cast<double>(m) * (ep_forward + ep_backward) *
                       static_cast<double>(moe_blocks(models::PipelineSlice{}));
+      row.cp_comm_s = static_cast<double>(m * L) * (cp_forward + cp_backward);
+      row.exposed_s += static_cast<double>(m * L) * (cp_exposed_forward + cp_exposed_backward);
       row.compute_s *= slower;
     } else {
       const int v = static_cast<int>(c.pipeline_parallel_interleave_num), S = p * v;
@@ -457,6 +520,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       // (the first block's extra); tensor parallel's transfers of its blocks beside.
       std::vector<double> f(static_cast<size_t>(S)), b(static_cast<size_t>(S)), tpc(static_cast<size_t>(S));
       std::vector<double> epf(static_cast<size_t>(S)), epb(static_cast<size_t>(S));
+      std::vector<double> cpf(static_cast<size_t>(S)), cpb(static_cast<size_t>(S));
       std::vector<int64_t> layers_of_rank(static_cast<size_t>(p), 0), moe_of_rank(static_cast<size_t>(p), 0);
       for (int k = 0; k < S; ++k) {
         const auto& sl = slices[static_cast<size_t>(k)];
@@ -464,9 +528,13 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         layers_of_rank[static_cast<size_t>(sched.rank_of(k))] += n;
         const double extra = k == S - 1 ? 1 : 0;
         const auto K = static_cast<size_t>(k);
-        f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) * tp_scale;
-        b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) * tp_scale;
+        f[K] = (static_cast<double>(n) * prof.forward_layer + extra * (prof.forward_first - prof.forward_layer)) * tp_scale *
+               cp_scale;
+        b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) *
+               tp_scale * cp_scale;
         tpc[K] = tp_block * static_cast<double>(n + extra);
+        cpf[K] = cp_exposed_forward * static_cast<double>(n);
+        cpb[K] = cp_exposed_backward * static_cast<double>(n);
         const int64_t moe = moe_blocks(sl);
         moe_of_rank[static_cast<size_t>(sched.rank_of(k))] += moe;
         epf[K] = ep_forward * static_cast<double>(moe);
@@ -490,7 +558,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
           const double extra = with_comm ? tpc[k] + hop : 0;
           // The experts' all-to-alls belong to the input's gradient (the weights' own
           // gradients need none).
-          const double ep_f = with_comm ? epf[k] : 0, ep_b = with_comm ? epb[k] : 0;
+          const double ep_f = with_comm ? epf[k] + cpf[k] : 0, ep_b = with_comm ? epb[k] + cpb[k] : 0;
           pp::Costs one;
           one.forward = f[k] * free + extra + ep_f;
           one.backward = b[k] * free + extra + ep_b;
@@ -524,10 +592,11 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       row.tp_comm_s = 2.0 * tp_block * static_cast<double>(m) * static_cast<double>(rank_layers + 1);
       row.pp_comm_s = 2.0 * hop * static_cast<double>(m);
       row.ep_comm_s = (ep_forward + ep_backward) * static_cast<double>(m) * static_cast<double>(rank_moe);
+      row.cp_comm_s = (cp_forward + cp_backward) * static_cast<double>(m) * static_cast<double>(rank_layers);
       row.exposed_s += with_comm.makespan - alone.makespan;
     }
     if (p == 1) row.exposed_s += row.tp_comm_s + row.ep_comm_s;
-    if (s > 1) {
+    if (s * cpd > 1) {
       // fully_shard's collectives (fsdp's own count: once per micro-batch, or once a step
       // where a pipeline keeps its stages' parameters), one per group: every block and the
       // root, and with expert parallelism each MoE's experts over the dp_shard / ep ranks
@@ -560,9 +629,12 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
         return u;
       };
       const double rank_experts = static_cast<double>(row.memory.expert_params);
-      const Units dense = units(rank_params - rank_experts, rank_layers + 1, s, link_over({"dp_shard"}));
+      // Over dp_shard x cp (fully_shard's group under context parallelism).
+      const std::vector<std::string> shard_dims = cpd > 1 ? std::vector<std::string>{"dp_shard", "cp"}
+                                                         : std::vector<std::string>{"dp_shard"};
+      const Units dense = units(rank_params - rank_experts, rank_layers + 1, s * cpd, link_over(shard_dims));
       const Units expert =
-          e > 1 ? units(rank_experts, rank_moe, s / e, link_of(expert_mesh->group_ranks(0, {"dp_shard"}))) : Units{};
+          e > 1 ? units(rank_experts, rank_moe, s * cpd / e, link_of(expert_mesh->group_ranks(0, {"dp_shard"}))) : Units{};
       row.fsdp_comm_s = dense.all + expert.all;
       // Overlapped, one group's collectives stay exposed (the first gather, the last
       // reduction), and whatever exceeds the compute.
@@ -603,18 +675,19 @@ std::string format_plan(const std::vector<PlanRow>& rows) {
         << "; compute " << r.compute_source << "; mem/rank: the sharded state and activations (activ.)\n";
     break;
   }
-  std::snprintf(line, sizeof line, "%-4s %-50s %10s %10s %9s %9s %9s %9s %9s %9s %7s %10s\n", "#", "layout",
-                "mem/rank", "activ.", "compute", "fsdp", "tp", "pp", "ep", "exposed", "bubble", "step");
+  std::snprintf(line, sizeof line, "%-4s %-50s %10s %10s %9s %9s %9s %9s %9s %9s %9s %7s %10s\n", "#", "layout",
+                "mem/rank", "activ.", "compute", "fsdp", "tp", "pp", "ep", "cp", "exposed", "bubble", "step");
   out << line;
   int k = 0;
   for (const PlanRow& r : rows) {
     if (!r.feasible) continue;
     const auto total = static_cast<int64_t>(static_cast<double>(r.memory.estimate.total()) + r.activations);
     std::snprintf(line, sizeof line,
-                  "%-4d %-50s %10s %10s %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %6.1f%% %8.1fms\n", ++k,
+                  "%-4d %-50s %10s %10s %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %6.1f%% %8.1fms\n", ++k,
                   r.layout().c_str(), format_bytes(total).c_str(),
                   format_bytes(static_cast<int64_t>(r.activations)).c_str(), r.compute_s * 1e3, r.fsdp_comm_s * 1e3,
-                  r.tp_comm_s * 1e3, r.pp_comm_s * 1e3, r.ep_comm_s * 1e3, r.exposed_s * 1e3, r.bubble * 100,
+                  r.tp_comm_s * 1e3, r.pp_comm_s * 1e3, r.ep_comm_s * 1e3, r.cp_comm_s * 1e3, r.exposed_s * 1e3,
+                  r.bubble * 100,
                   r.step_s * 1e3);
     out << line;
   }
@@ -632,13 +705,14 @@ std::string plan_json(const std::vector<PlanRow>& rows) {
   std::ostringstream out;
   for (const PlanRow& r : rows) {
     out << "{\"dp_replicate\":" << r.config.data_parallel << ",\"dp_shard\":" << r.config.data_parallel_shard
-        << ",\"ep\":" << r.config.expert_parallel << ",\"tp\":" << r.config.tensor_parallel
+        << ",\"cp\":" << r.config.context_parallel << ",\"ep\":" << r.config.expert_parallel
+        << ",\"tp\":" << r.config.tensor_parallel
         << ",\"pp\":" << r.config.pipeline_parallel
         << ",\"feasible\":" << (r.feasible ? "true" : "false");
     if (r.feasible) {
       out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"activation_bytes\":" << r.activations
           << ",\"compute_s\":" << r.compute_s
-          << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s << ",\"ep_comm_s\":" << r.ep_comm_s
+          << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s << ",\"ep_comm_s\":" << r.ep_comm_s << ",\"cp_comm_s\":" << r.cp_comm_s
           << ",\"exposed_s\":" << r.exposed_s << ",\"bubble\":" << r.bubble << ",\"step_s\":" << r.step_s
           << ",\"threads\":" << r.threads << ",\"overlap\":" << (r.overlap ? "true" : "false");
     } else {

@@ -80,15 +80,15 @@ ht::PlanOptions options(int world, int cores) {
 TEST(Plan, EveryLayoutOfTheWorldOnceWithTheReasonOfEachInfeasibleOne) {
   FakeCompute fake;
   const auto rows = ht::plan_layouts(tiny(), options(4, 4), fake);
-  // 4 = r s t p: the ordered factorizations of 2^2 into four factors, C(5, 3) = 10.
-  ASSERT_EQ(rows.size(), 10u);
+  // 4 = r s cp t p: the ordered factorizations of 2^2 into five factors, C(6, 4) = 15.
+  ASSERT_EQ(rows.size(), 15u);
   std::set<std::vector<int64_t>> seen;
   for (const auto& row : rows) {
     const auto& c = row.config;
-    EXPECT_EQ(c.data_parallel * c.data_parallel_shard * c.tensor_parallel * c.pipeline_parallel, 4);
-    seen.insert({c.data_parallel, c.data_parallel_shard, c.tensor_parallel, c.pipeline_parallel});
+    EXPECT_EQ(c.data_parallel * c.data_parallel_shard * c.context_parallel * c.tensor_parallel * c.pipeline_parallel, 4);
+    seen.insert({c.data_parallel, c.data_parallel_shard, c.context_parallel, c.tensor_parallel, c.pipeline_parallel});
   }
-  EXPECT_EQ(seen.size(), 10u);
+  EXPECT_EQ(seen.size(), 15u);
   const auto& tp4 = find(rows, 1, 1, 4, 1);
   EXPECT_FALSE(tp4.feasible);
   EXPECT_NE(tp4.reason.find("kv_heads=2"), std::string::npos) << tp4.reason;
@@ -104,14 +104,14 @@ TEST(Plan, EveryLayoutOfTheWorldOnceWithTheReasonOfEachInfeasibleOne) {
       EXPECT_LE(rows[i - 1].step_s, rows[i].step_s);
     }
   }
-  EXPECT_EQ(feasible, 8u);
+  EXPECT_EQ(feasible, 13u);  // all but tp 4 and pp 4
   // A rank's micro-batch: 16 / (data-parallel ranks x 4 micro-batches) sequences.
   EXPECT_EQ(*fake.asked, (std::map<int64_t, int>{{1, 1}, {2, 1}, {4, 1}}));
 }
 
 TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
   const auto rows = ht::plan_layouts(tiny(), options(2, 2), FakeCompute{});
-  ASSERT_EQ(rows.size(), 4u);
+  ASSERT_EQ(rows.size(), 5u);  // r, s, cp, t, p: one of them 2
   const double world_sums = 3 * link(2.0 * 1 / 2, 16);  // gradient norm, loss, step time
   {
     // fully_shard over 2: each of 4 micro-batches runs 1 + 1 more blocks forward and back.
@@ -167,6 +167,31 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
     const auto& r = find(rows, 2, 1, 1, 1);
     ASSERT_TRUE(r.feasible) << r.reason;
     EXPECT_NEAR(r.fsdp_comm_s, 4 * link(1.0, 4 * kModel), 1e-9);
+  }
+  {
+    // Context parallel 2 (ring): half of every block's work, fully_shard over dp_shard x cp
+    // = 2 as dp_shard 2 would. A block's activations per token, by hand: 6 x 64 (norms),
+    // 2 x 32 (k, v), 4 x 192 (MLP), 4 x 64 (the 4 heads' probabilities over 64 positions):
+    // 1472; the ring keeps all but the probabilities, half the tokens: 400 x 1216 / 1472 / 2
+    // per block, and the head's 100 halved; while computing, one block of fp32 scores: 4
+    // sequences x 4 heads x 16 x 16 (chunks of 64 / 4) x 4 bytes, 3 copies. Per block and
+    // micro-batch of 4 x 32 local tokens
+    // the K/V block is 4 x 32 x 64 fp32 = 32768 bytes: one send forward, one and the two
+    // gradient blocks backward, each under a block's 2 ms of compute (not exposed).
+    const ht::PlanRow* cp = nullptr;
+    for (const auto& row : rows) {
+      if (row.config.context_parallel == 2) cp = &row;
+    }
+    ASSERT_NE(cp, nullptr);
+    const auto& r = *cp;
+    ASSERT_TRUE(r.feasible) << r.reason;
+    EXPECT_EQ(r.layout(), "dp_replicate=1 dp_shard=1 cp=2 tp=1 pp=1");
+    EXPECT_NEAR(r.compute_s, 4 * 0.042 / 2 + 1e-9 * kModel / 2, 1e-12);
+    EXPECT_NEAR(r.activations, 50 + 2 * 400 * 1216.0 / 1472 / 2 + 4 * 4 * 16 * 16 * 4 * 3, 1e-9);
+    EXPECT_NEAR(r.cp_comm_s, 4 * 2 * 4 * link(1.0, 32768), 1e-12);
+    const auto& fsdp = find(rows, 1, 2, 1, 1);
+    EXPECT_NEAR(r.fsdp_comm_s, fsdp.fsdp_comm_s, 1e-12);
+    EXPECT_NEAR(r.exposed_s, fsdp.exposed_s, 1e-12);
   }
 }
 
@@ -320,19 +345,20 @@ const ht::PlanRow& find_ep(const std::vector<ht::PlanRow>& rows, int64_t r, int6
 // yet), shown in the layout's name.
 TEST(Plan, ExpertParallelDegreesAreLayoutsOfTheirOwn) {
   const auto rows = ht::plan_layouts(deepseek_tiny(), options(4, 4), FakeCompute{});
-  // The 10 (r, s, t, p) of 4 ranks with ep 1, and with t = 1: s = 2 (p r = 2: 2 ways) ep 2,
-  // s = 4 ep 2 and ep 4.
-  ASSERT_EQ(rows.size(), 14u);
+  // The 15 (r, s, cp, t, p) of 4 ranks with ep 1, and with t = 1: s cp = 2 ((s, cp) 2 ways,
+  // p r = 2: 2 ways) ep 2, s cp = 4 ((s, cp) 3 ways) ep 2 and ep 4: 15 + 4 + 6.
+  ASSERT_EQ(rows.size(), 25u);
   std::set<std::vector<int64_t>> seen;
   for (const auto& row : rows) {
     const auto& c = row.config;
-    seen.insert({c.data_parallel, c.data_parallel_shard, c.expert_parallel, c.tensor_parallel, c.pipeline_parallel});
+    seen.insert({c.data_parallel, c.data_parallel_shard, c.context_parallel, c.expert_parallel, c.tensor_parallel,
+                 c.pipeline_parallel});
     if (c.expert_parallel > 1) {
       EXPECT_EQ(c.tensor_parallel, 1);
-      EXPECT_EQ(c.data_parallel_shard % c.expert_parallel, 0);
+      EXPECT_EQ(c.data_parallel_shard * c.context_parallel % c.expert_parallel, 0);
     }
   }
-  EXPECT_EQ(seen.size(), 14u);
+  EXPECT_EQ(seen.size(), 25u);
   EXPECT_EQ(find_ep(rows, 1, 4, 4, 1, 1).layout(), "dp_replicate=1 dp_shard=4 ep=4 tp=1 pp=1");
   // A model without experts names no ep.
   EXPECT_EQ(find(ht::plan_layouts(tiny(), options(2, 2), FakeCompute{}), 1, 2, 1, 1).layout(),

@@ -101,6 +101,15 @@ struct FlopCount {
 // (the logits, their fp32 copy and probabilities).
 struct ActivationCount {
   double block = 0, head = 0;
+  // Of block: attention's probabilities over the sequence (seq per head), which attention
+  // computed block by block (hp/cp) does not keep.
+  double attention = 0;
+};
+// Elements per token of one attention layer: its keys and values (what context
+// parallelism's ring and all-gather exchange) and its queries and output (what Ulysses
+// exchanges besides). Zeros: a family without context parallelism.
+struct AttentionWidths {
+  double kv = 0, q_out = 0;
 };
 
 // The value of one model field, as its key's kind says.
@@ -149,6 +158,7 @@ class ModelArgs {
   virtual std::string whole_under_tp() const = 0;
   virtual FlopCount flops_per_token(int64_t seq_length) const = 0;
   virtual ActivationCount activations_per_token(int64_t seq_length) const = 0;
+  virtual AttentionWidths attention_widths() const { return {}; }
 
   // The same model with `layers` blocks, keeping the kinds of block it has (the planner
   // times a model of 1 and 2 layers).

@@ -1,9 +1,10 @@
 // hp-train --plan: every layout of a config over a world of N ranks, with its per-rank
 // memory and a predicted step time, ranked.
 //
-// A layout is data_parallel x data_parallel_shard x tensor_parallel x pipeline_parallel = N
-// with, for a model with routed experts, an expert_parallel dividing data_parallel_shard and
-// the experts (tensor_parallel 1) (the config's other settings kept). Each is validated as a run would be (the reason shown
+// A layout is data_parallel x data_parallel_shard x context_parallel x tensor_parallel x
+// pipeline_parallel = N (context_parallel for a family with attention widths) with, for a
+// model with routed experts, an expert_parallel dividing data_parallel_shard x
+// context_parallel and the experts (tensor_parallel 1) (the config's other settings kept). Each is validated as a run would be (the reason shown
 // when it is not), sized with estimate_rank_memory(), and timed by a model:
 //
 //   compute   each rank's forward and backward of its micro-batches, from a ComputeProfile
@@ -23,7 +24,11 @@
 //             reduce-scatter with sequence parallel, all-reduce without), the pipeline's
 //             activation transfers; expert parallelism's all-to-alls per MoE block (the
 //             dispatcher's, forward and backward, again under recompute) over the EP group,
-//             and the experts' fully_shard collectives over dp_shard / ep.
+//             and the experts' fully_shard collectives over dp_shard / ep; context
+//             parallelism's per block (ring: cp-1 K/V blocks forward, 2cp-1 backward,
+//             overlapping the block's compute; all-gather: a gather forward, a gather
+//             and a reduce-scatter backward; Ulysses: 4 all-to-alls each way), its
+//             compute 1/cp of the block's, fully_shard over dp_shard x cp.
 //   exposed   tensor, pipeline and expert transfers always; fully_shard's all of it without
 //             overlap, else one block's gather and reduce-scatter plus what exceeds compute.
 //             Overlap follows HP_FSDP_OVERLAP=auto: on with a GPU (a given device), or when
@@ -31,7 +36,9 @@
 //
 // Memory: the sharded state (estimate_rank_memory; a pipeline's stages counted whole, as it
 // keeps them gathered through the step) plus the activations a rank holds at
-// its peak: one micro-batch's (the profile's, divided by tensor_parallel) without a
+// its peak: one micro-batch's (the profile's, divided by tensor_parallel, and by
+// context_parallel less attention's probabilities, which the block-wise attention of
+// context parallelism does not keep) without a
 // pipeline; with one, its stages' times the most micro-batches the schedule keeps in
 // flight on a rank (hp::pp::simulate).
 #pragma once
@@ -118,11 +125,12 @@ struct PlanRow {
   double activations = 0;  // bytes per rank at the peak (see above)
   int threads = 1;  // compute threads per rank (0: a device per rank)
   bool overlap = false;
-  double compute_s = 0, fsdp_comm_s = 0, tp_comm_s = 0, pp_comm_s = 0, ep_comm_s = 0, exposed_s = 0, bubble = 0;
+  double compute_s = 0, fsdp_comm_s = 0, tp_comm_s = 0, pp_comm_s = 0, ep_comm_s = 0, cp_comm_s = 0, exposed_s = 0,
+         bubble = 0;
   double step_s = 0;
   std::string compute_source;  // ComputeProfile::source
-  // "dp_replicate=1 dp_shard=2 tp=1 pp=1", with " ep=E" after dp_shard for a model with
-  // routed experts.
+  // "dp_replicate=1 dp_shard=2 tp=1 pp=1", with " cp=K" after dp_shard under context
+  // parallelism and " ep=E" for a model with routed experts.
   std::string layout() const;
 };
 
