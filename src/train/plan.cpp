@@ -15,6 +15,7 @@
 #include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/fsdp/memory_estimate.h"
+#include "hp/optim/muon.h"
 #include "hp/pp/schedule.h"
 #include "hp/runtime.h"
 #include "hp/train/report.h"
@@ -307,6 +308,18 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
   };
   const int64_t experts = base.model->routed_experts();
   const models::AttentionWidths widths = base.model->attention_widths();
+  // optimizer: muon. Its Newton-Schulz iteration: per step, s^2 (2 l + s) multiply-adds for
+  // a matrix of sides s <= l; the owner scheme spreads the matrices over the world (each
+  // computed once): a rank's share is the total over the world, at least the largest one.
+  double muon_flops_total = 0, muon_flops_largest = 0, muon_params = 0;
+  for (const auto& [rows, cols] : muon_matrix_shapes(base)) {
+    const double s = static_cast<double>(std::min(rows, cols)), l = static_cast<double>(std::max(rows, cols));
+    const double flops = 2.0 * s * s * (2.0 * l + s) * static_cast<double>(optim::ns_steps(base.muon_ns_coefficients,
+                                                                                            base.muon_ns_steps).size());
+    muon_flops_total += flops;
+    muon_flops_largest = std::max(muon_flops_largest, flops);
+    muon_params += s * l;
+  }
   std::vector<Layout> layouts;
   for (int p = 1; p <= N; ++p) {
     if (N % p) continue;
@@ -384,9 +397,23 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     row.compute_source = prof.source;
     const double rank_params = static_cast<double>(row.memory.rank_params);
     // The rank's shards: the experts' over dp_shard x cp / ep, the rest over dp_shard x cp.
-    const double optimizer = prof.optimizer_per_param *
-                             (rank_params + static_cast<double>(row.memory.expert_params) * (e - 1)) /
-                             static_cast<double>(s * cpd);
+    double optimizer = prof.optimizer_per_param *
+                       (rank_params + static_cast<double>(row.memory.expert_params) * (e - 1)) /
+                       static_cast<double>(s * cpd);
+    // Muon: the rank's share of the iterations at the block's matmul rate (the profile's:
+    // its matrix products' FLOPs over their time), and the owner scheme's two all-to-alls
+    // over the world (a rank's pieces, fp32, to their owners and back), on the critical
+    // path between backward and the next forward.
+    if (muon_params > 0) {
+      const double tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
+      const double rate = prof.matmul_forward_layer > 0
+                              ? c.model->flops_per_token(c.seq_length).block * tokens / prof.matmul_forward_layer
+                              : 0;
+      if (rate > 0) optimizer += std::max(muon_flops_total / N, muon_flops_largest) / rate;
+      const double pieces = muon_params / static_cast<double>(s * cpd * t * p);
+      const LinkModel world_link = N > per_node ? net.inter : net.intra;
+      row.optimizer_comm_s = 2 * SimulatedNetwork::seconds(CommOp::kAllToAll, static_cast<int64_t>(pieces * 4.0), N, world_link);
+    }
     const double act_elem = static_cast<double>(c10::elementSize(c.compute_dtype));
     const double dim = static_cast<double>(c.model->dim());
     const double act_bytes = static_cast<double>(c.micro_batch_size() * c.seq_length) * dim * act_elem;
@@ -645,6 +672,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
                         (p == 1 ? static_cast<double>(m) : 1.0);
       row.exposed_s += row.fsdp_comm_s;
     }
+    row.exposed_s += row.optimizer_comm_s;
     // The gradient norm, the loss and the step time: three small all-reduces over the world.
     row.exposed_s += 3 * SimulatedNetwork::seconds(CommOp::kAllReduce, 16, N, N > per_node ? net.inter : net.intra);
     row.step_s = row.compute_s + row.exposed_s;
@@ -712,7 +740,7 @@ std::string plan_json(const std::vector<PlanRow>& rows) {
     if (r.feasible) {
       out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"activation_bytes\":" << r.activations
           << ",\"compute_s\":" << r.compute_s
-          << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s << ",\"ep_comm_s\":" << r.ep_comm_s << ",\"cp_comm_s\":" << r.cp_comm_s
+          << ",\"fsdp_comm_s\":" << r.fsdp_comm_s << ",\"tp_comm_s\":" << r.tp_comm_s << ",\"pp_comm_s\":" << r.pp_comm_s << ",\"ep_comm_s\":" << r.ep_comm_s << ",\"cp_comm_s\":" << r.cp_comm_s << ",\"optimizer_comm_s\":" << r.optimizer_comm_s
           << ",\"exposed_s\":" << r.exposed_s << ",\"bubble\":" << r.bubble << ",\"step_s\":" << r.step_s
           << ",\"threads\":" << r.threads << ",\"overlap\":" << (r.overlap ? "true" : "false");
     } else {

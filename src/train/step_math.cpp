@@ -197,15 +197,43 @@ at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, 
 
 }  // namespace internal
 
+namespace {
+
+// The whole model's trained parameters (without storage: names and shapes are what is
+// routed) and which of them Muon takes.
+struct Routed {
+  std::unique_ptr<TrainModel> model;
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::vector<bool> muon;
+};
+
+Routed route(const TrainConfig& c) {
+  Routed r;
+  r.model = make_model(c, /*deferred=*/true);
+  for (const auto& p : r.model->root().named_parameters()) {
+    if (p.value().requires_grad()) r.named.emplace_back(p.key(), p.value());
+  }
+  r.muon = optim::route_to_muon(r.named, internal::muon_routing(c));
+  return r;
+}
+
+}  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> muon_matrix_shapes(const TrainConfig& c) {
+  if (c.optimizer != OptimizerKind::kMuon) return {};
+  const Routed r = route(c);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t i = 0; i < r.named.size(); ++i) {
+    if (r.muon[i]) out.emplace_back(r.named[i].second.size(0), r.named[i].second.size(1));
+  }
+  return out;
+}
+
 std::string describe_optimizer(const TrainConfig& c) {
   if (c.optimizer == OptimizerKind::kAdamW) return "optimizer: adamw for every parameter";
-  // The whole model without storage: its names and shapes are what is routed.
-  const std::unique_ptr<TrainModel> m = make_model(c, /*deferred=*/true);
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (const auto& p : m->root().named_parameters()) {
-    if (p.value().requires_grad()) named.emplace_back(p.key(), p.value());
-  }
-  const std::vector<bool> muon = optim::route_to_muon(named, internal::muon_routing(c));
+  const Routed r = route(c);
+  const auto& named = r.named;
+  const auto& muon = r.muon;
   int64_t n[2] = {0, 0}, elements[2] = {0, 0};
   for (size_t i = 0; i < named.size(); ++i) {
     ++n[muon[i] ? 0 : 1];

@@ -448,3 +448,29 @@ TEST(Plan, APipelineRankHoldsItsStagesWhole) {
   EXPECT_EQ(r.memory.rank_params, static_cast<int64_t>(stage1));
   EXPECT_EQ(r.memory.estimate.backward_peak_extra, static_cast<int64_t>(stage1 * 4 * 2 + kBlock * 4 + 2 * kBlock * 4));
 }
+
+// optimizer: muon. tiny's 14 Muon matrices (per block 2 of 64 x 64, 2 of 32 x 64 and 3 of
+// 64 x 192; the embedding and head go to AdamW): s^2 (2 l + s) = 786432, 163840 and 1835008
+// multiply-adds per Newton-Schulz step, 14,811,136 in all; 5 quintic steps of 2 FLOPs each:
+// 148,111,360 FLOPs, half per rank over 2 ranks, at the profile's matmul rate (a block's
+// 114,944 FLOPs a token, 2 x 2 x 49280 + 4 x 64 x 4 x 16, over 128 tokens in 2 ms). The
+// owner scheme: a rank's 98,304 / 2 elements in fp32 to their owners and back, two
+// all-to-alls (bus 1/2), exposed.
+TEST(Plan, MuonIterationsAndOwnerExchangesByHand) {
+  FakeCompute fake;
+  fake.matmul_forward_layer = 0.002;
+  const ht::TrainConfig adamw = tiny();
+  const ht::TrainConfig muon = ht::parse_config("model:\n  type: llama\nglobal_batch_size: 16\nmicro_batch_num: 4\n"
+                                                "seq_length: 64\noutput_dir: ''\noptimizer: muon\n",
+                                                {}, "plan.yaml");
+  const auto a_rows = ht::plan_layouts(adamw, options(2, 2), fake);
+  const auto m_rows = ht::plan_layouts(muon, options(2, 2), fake);
+  const auto& a = find(a_rows, 1, 2, 1, 1);
+  const auto& m = find(m_rows, 1, 2, 1, 1);
+  ASSERT_TRUE(a.feasible && m.feasible) << a.reason << m.reason;
+  const double rate = 114944.0 * 128 / 0.002;
+  EXPECT_NEAR(m.compute_s - a.compute_s, 148111360.0 / 2 / rate, 1e-12);
+  EXPECT_NEAR(m.optimizer_comm_s, 2 * link(0.5, 98304 / 2 * 4), 1e-12);
+  EXPECT_NEAR(m.exposed_s - a.exposed_s, m.optimizer_comm_s, 1e-12);
+  EXPECT_EQ(a.optimizer_comm_s, 0);
+}

@@ -29,6 +29,11 @@
 //             overlapping the block's compute; all-gather: a gather forward, a gather
 //             and a reduce-scatter backward; Ulysses: 4 all-to-alls each way), its
 //             compute 1/cp of the block's, fully_shard over dp_shard x cp.
+//   optimizer AdamW per parameter of the rank's shard (the profile's); with optimizer: muon,
+//             the Newton-Schulz iterations of a rank's share of the matrices (the world's
+//             total over its ranks, at least the largest matrix) at the profile's matmul
+//             rate, and the owner scheme's two all-to-alls of a rank's pieces (fp32) over
+//             the world, exposed.
 //   exposed   tensor, pipeline and expert transfers always; fully_shard's all of it without
 //             overlap, else one block's gather and reduce-scatter plus what exceeds compute.
 //             Overlap follows HP_FSDP_OVERLAP=auto: on with a GPU (a given device), or when
@@ -127,6 +132,7 @@ struct PlanRow {
   bool overlap = false;
   double compute_s = 0, fsdp_comm_s = 0, tp_comm_s = 0, pp_comm_s = 0, ep_comm_s = 0, cp_comm_s = 0, exposed_s = 0,
          bubble = 0;
+  double optimizer_comm_s = 0;  // Muon's owner scheme (its two all-to-alls), in exposed_s
   double step_s = 0;
   std::string compute_source;  // ComputeProfile::source
   // "dp_replicate=1 dp_shard=2 tp=1 pp=1", with " cp=K" after dp_shard under context

@@ -107,6 +107,9 @@ std::unique_ptr<TrainModel> make_model(const TrainConfig& c, bool deferred = fal
 // config's optimizer routes the whole model's parameters (built without storage), for the
 // start of a run; AdamW's one line otherwise.
 std::string describe_optimizer(const TrainConfig& c);
+// The [rows, columns] of every matrix optimizer: muon trains with Muon (routed as the
+// trainer routes them, the whole model's); none under adamw.
+std::vector<std::pair<int64_t, int64_t>> muon_matrix_shapes(const TrainConfig& c);
 
 // Parameters of each of the pipeline_parallel x interleave stages (before tensor
 // parallelism), from the config alone (the family's ModelArgs::stage_params).
