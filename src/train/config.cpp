@@ -233,6 +233,8 @@ void TrainConfig::validate(int world_size) {
     unset.muon_ns_dtype = d.muon_ns_dtype;
     unset.muon_update_scale = d.muon_update_scale;
     unset.muon_scheme = d.muon_scheme;
+    unset.muon_to_adamw = d.muon_to_adamw;
+    unset.muon_to_muon = d.muon_to_muon;
     const auto mine = resolved_settings(*this), defaults = resolved_settings(unset);
     for (size_t i = 0; i < mine.size() && i < defaults.size(); ++i) {
       const std::string& k = mine[i].first;

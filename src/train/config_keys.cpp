@@ -214,6 +214,37 @@ std::string list_text(const std::vector<int64_t>& l) {
   return "[" + out + "]";
 }
 
+// "[layers_*.attn.wq.weight, output.weight]" or "a,b" (empty: none): parameter-name patterns
+// of letters, digits, '_', '.' and '*'.
+std::vector<std::string> as_pattern_list(const Value& v) {
+  std::string t = v.text;
+  if (!t.empty() && t.front() == '[') {
+    if (t.back() != ']') v.fail("expected a list like [layers_*.mlp.*, output.weight]");
+    t = t.substr(1, t.size() - 2);
+  }
+  std::vector<std::string> out;
+  if (t.find_first_not_of(" \t") == std::string::npos) return out;
+  std::stringstream ss(t);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a == std::string::npos) v.fail("an empty entry in the list");
+    const std::string p = item.substr(a, b - a + 1);
+    for (char ch : p) {
+      if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '.' && ch != '*') {
+        v.fail("pattern '", p, "': only letters, digits, '_', '.' and '*' may appear in a parameter name pattern");
+      }
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+
+std::string list_text(const std::vector<std::string>& l) {
+  std::string out;
+  for (const std::string& p : l) out += (out.empty() ? "" : ", ") + p;
+  return "[" + out + "]";
+}
+
 // Upper bounds that keep every product of sizes far from int64 overflow.
 constexpr int64_t kMaxModelInt = int64_t(1) << 31;
 constexpr int64_t kMaxRanks = int64_t(1) << 24;
@@ -499,6 +530,16 @@ const std::vector<Key>& keys() {
         "owner: each whole matrix orthogonalized by one rank holding a piece of it, balanced by cost; "
         "gather_everywhere: by every rank holding a piece (the baseline)",
         HP_FIELD(muon_scheme)));
+    k.push_back({"muon_to_adamw", "list",
+                 "with optimizer: muon, parameter-name patterns (`*` any characters) trained by AdamW besides the "
+                 "token tables, e.g. [layers_*.attn.wo.weight]; each must match a parameter",
+                 [](TrainConfig& c, const Value& v) { c.muon_to_adamw = as_pattern_list(v); },
+                 [](const TrainConfig& c) { return list_text(c.muon_to_adamw); }, ""});
+    k.push_back({"muon_to_muon", "list",
+                 "with optimizer: muon, parameter-name patterns trained by Muon even if they are token tables, e.g. "
+                 "[output.weight] (2-D only); each must match a parameter, none one muon_to_adamw matches",
+                 [](TrainConfig& c, const Value& v) { c.muon_to_muon = as_pattern_list(v); },
+                 [](const TrainConfig& c) { return list_text(c.muon_to_muon); }, ""});
     k.push_back(float_key("clip_grad", "global gradient-norm limit; 0 = no clipping", HP_FIELD(clip_grad), nonneg));
     k.push_back(int_key("train_steps", "optimizer steps", HP_FIELD(train_steps), 1, kMaxCount));
     k.push_back({"seed", "int", "initialization and data order",

@@ -124,7 +124,13 @@ optim::MuonOptions muon_options(const TrainConfig& c) {
 
 optim::MuonRouting muon_routing(const TrainConfig& c) {
   optim::MuonRouting r;
-  r.to_adamw = c.model->token_tables();
+  for (const std::string& t : c.model->token_tables()) {
+    const bool taken = std::any_of(c.muon_to_muon.begin(), c.muon_to_muon.end(),
+                                   [&](const std::string& p) { return optim::matches_pattern(t, p); });
+    if (!taken) r.to_adamw.push_back(t);
+  }
+  r.to_adamw.insert(r.to_adamw.end(), c.muon_to_adamw.begin(), c.muon_to_adamw.end());
+  r.to_muon = c.muon_to_muon;
   return r;
 }
 
@@ -213,6 +219,29 @@ Routed route(const TrainConfig& c) {
   for (const auto& p : r.model->root().named_parameters()) {
     if (p.value().requires_grad()) r.named.emplace_back(p.key(), p.value());
   }
+  // The overrides against the whole model: a pattern matching nothing is a mistake (a
+  // typo would otherwise route nothing, silently), and so is one parameter in both lists.
+  auto matching = [&](const std::string& pattern) {
+    std::vector<std::string> names;
+    for (const auto& [name, p] : r.named) {
+      if (optim::matches_pattern(name, pattern)) names.push_back(name);
+    }
+    return names;
+  };
+  for (const auto& [key, patterns] : {std::make_pair("muon_to_adamw", &c.muon_to_adamw),
+                                      std::make_pair("muon_to_muon", &c.muon_to_muon)}) {
+    for (const std::string& p : *patterns) {
+      HP_CHECK(!matching(p).empty(), c.source, ": ", key, ": the pattern '", p, "' matches no parameter of the model");
+    }
+  }
+  for (const std::string& a : c.muon_to_adamw) {
+    for (const std::string& name : matching(a)) {
+      for (const std::string& m : c.muon_to_muon) {
+        HP_CHECK(!optim::matches_pattern(name, m), c.source, ": parameter '", name, "' matches both muon_to_adamw's '",
+                 a, "' and muon_to_muon's '", m, "'");
+      }
+    }
+  }
   r.muon = optim::route_to_muon(r.named, internal::muon_routing(c));
   return r;
 }
@@ -241,7 +270,11 @@ std::string describe_optimizer(const TrainConfig& c) {
   }
   std::ostringstream os;
   os << "optimizer groups: muon " << n[0] << " matrices (" << elements[0] << " parameters), adamw " << n[1]
-     << " tensors (" << elements[1] << ": the embedding, output head, norms and vectors)";
+     << " tensors (" << elements[1] << ": the embedding, output head, norms and vectors";
+  if (!c.muon_to_adamw.empty() || !c.muon_to_muon.empty()) {
+    os << ", as muon_to_adamw and muon_to_muon route them";
+  }
+  os << ")";
   return os.str();
 }
 

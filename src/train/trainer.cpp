@@ -51,6 +51,8 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
            " x pipeline_parallel ", c.pipeline_parallel, ") does not cover the world of ", s.world->size(),
            " (validate the config first)");
   s.device = training_device(c.device);
+  // Muon's routing overrides, checked against the whole model (a rank holds a part of it).
+  if (c.optimizer == OptimizerKind::kMuon) (void)muon_matrix_shapes(c);
   HP_CHECK(s.world->supports_device(s.device), "Trainer: device=", to_string(c.device), " needs a world whose backend ",
            "moves ", s.device.str(), " tensors, but its backend is ", s.world->backend(),
            c.device == Device::kCuda ? " (hp::init with the nccl backend: hp-train picks it for device: cuda unless "

@@ -539,3 +539,38 @@ TEST(TrainConfig, HuggingFaceTensorsAnImportPassesOver) {
   EXPECT_FALSE(d.model->hf_ignores("lm_head.weight"));
   EXPECT_TRUE(d.model->hf_ignores("model.layers.0.self_attn.rotary_emb.inv_freq"));
 }
+
+// optimizer: muon's routing overrides against llama_tiny's parameters (per block wq, wk, wv,
+// wo and the MLP's w1, w2, w3: 14 matrices over 2 blocks; the embedding and output head
+// go to AdamW): by count, by hand.
+TEST(TrainConfig, MuonRoutingOverrides) {
+  auto config = [](const std::vector<std::string>& extra) {
+    std::vector<std::string> o = {"optimizer=muon"};
+    o.insert(o.end(), extra.begin(), extra.end());
+    ht::TrainConfig c = ht::load_config(HP_SOURCE_DIR "/configs/llama_tiny.yaml", o);
+    c.validate(1);
+    return c;
+  };
+  EXPECT_EQ(ht::muon_matrix_shapes(config({})).size(), 14u);
+  // The MLP's 3 matrices of each block to AdamW; the output head (256 x 64) to Muon.
+  EXPECT_EQ(ht::muon_matrix_shapes(config({"muon_to_adamw=[layers_*.mlp.*]"})).size(), 8u);
+  const auto with_head = ht::muon_matrix_shapes(config({"muon_to_muon=[output.weight]"}));
+  ASSERT_EQ(with_head.size(), 15u);
+  EXPECT_NE(std::find(with_head.begin(), with_head.end(), std::make_pair<int64_t, int64_t>(256, 64)), with_head.end());
+  EXPECT_EQ(config({"muon_to_adamw=[layers_*.mlp.*]"}).muon_to_adamw, std::vector<std::string>{"layers_*.mlp.*"});
+  hp::test::expect_error([&] { ht::muon_matrix_shapes(config({"muon_to_adamw=[layers_*.mpl.*]"})); },
+                         {"muon_to_adamw: the pattern 'layers_*.mpl.*' matches no parameter"});
+  hp::test::expect_error(
+      [&] { ht::muon_matrix_shapes(config({"muon_to_adamw=[layers_0.*]", "muon_to_muon=[layers_0.attn.wq.weight]"})); },
+      {"'layers_0.attn.wq.weight' matches both muon_to_adamw's 'layers_0.*' and muon_to_muon's"});
+  hp::test::expect_error([&] { config({"muon_to_adamw=[a b]"}); }, {"pattern 'a b'", "only letters"});
+  hp::test::expect_error([&] { ht::muon_matrix_shapes(config({"muon_to_muon=[layers_0.attn_norm.weight]"})); },
+                         {"only matrices (2-D) are supported yet"});
+  // Under adamw a routing key is an error, not ignored.
+  hp::test::expect_error(
+      [] {
+        ht::TrainConfig c = ht::load_config(HP_SOURCE_DIR "/configs/llama_tiny.yaml", {"muon_to_muon=[output.weight]"});
+        c.validate(1);
+      },
+      {"muon_to_muon=[output.weight] is given but optimizer=adamw"});
+}

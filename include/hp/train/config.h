@@ -185,6 +185,11 @@ struct TrainConfig {
   at::ScalarType muon_ns_dtype = at::kBFloat16;
   optim::MuonScale muon_update_scale = optim::MuonScale::kRms;
   optim::MuonScheme muon_scheme = optim::MuonScheme::kOwner;
+  // Routing overrides (parameter-name patterns, `*` any run of characters): muon_to_adamw
+  // sends matching matrices to AdamW besides the token tables; muon_to_muon takes matching
+  // parameters with Muon, token tables included (they must be 2-D). Each pattern must match
+  // a parameter of the model, and no parameter both.
+  std::vector<std::string> muon_to_adamw, muon_to_muon;
   double clip_grad = 1.0;  // global grad-norm limit; 0 = off
 
   int64_t train_steps = 20;
