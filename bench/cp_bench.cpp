@@ -21,7 +21,8 @@
 //                                       backward per layer over a world with the
 //                                       simulated link SPEC (HP_SIM_NET's syntax) against
 //                                       the same over the plain world, interleaved; the
-//                                       exposed time is the difference (seq 4096)
+//                                       exposed time is the difference (seq
+//                                       CP_BENCH_SEQ, default 2048; CP_BENCH_REPS, default 5)
 //   mpirun -np N build/cp_bench bytes [seq]  bytes each rank sends per attention call
 //                                       (forward + backward), every method at cp 2..N,
 //                                       against the count derived here
@@ -256,30 +257,32 @@ void time_mode(int reps) {
             if (i > 0) ts.push_back(dt.item<double>());  // the first warms up
           }
           t = hp::bench::median(ts);
-          scores = ctx.stats().score_elements;
+          // Query x key pairs over every head this rank computes (Ulysses: heads / cp of them).
+          scores = ctx.stats().score_elements * (m == Method::kUlysses ? c.heads / cp : c.heads);
         }
         if (r == 0) report(cp, row_name(cp, m) + (cp > hp::usable_cores() ? " (oversubscribed)" : ""), t, scores);
       }
       w->barrier().wait();
     }
     // What one rank computes at cp 2, 4, 8 with no exchange: its query chunks against every
-    // rank's keys, laid out as the gathered pieces are (each rank's runs at its offset).
+    // rank's keys, one local call per source rank (the blocks the ring computes, outputs
+    // summed instead of merged through their log-sum-exp).
     if (r == 0) {
       for (int cp : {2, 4, 8}) {
         const hp::cp::SequenceSplit split(seq, cp, Split::kHeadTail);
-        std::vector<hp::cp::Run> all;
-        for (int j = 0; j < cp; ++j) {
-          for (hp::cp::Run run : split.runs(j)) {
-            run.offset += j * split.local();
-            all.push_back(run);
-          }
-        }
         at::manual_seed(30);
-        at::Tensor q = at::randn({1, c.heads, split.local(), hd}), k = at::randn({1, c.kv_heads, seq, hd}),
-                   v = at::randn({1, c.kv_heads, seq, hd}), go = at::randn({1, c.heads, split.local(), hd});
+        const int64_t T = split.local();
+        at::Tensor q = at::randn({1, c.heads, T, hd}), k = at::randn({1, c.kv_heads, cp * T, hd}),
+                   v = at::randn({1, c.kv_heads, cp * T, hd}), go = at::randn({1, c.heads, T, hd});
         const std::vector<hp::cp::Run> mine = split.runs(0);
         auto attend = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& d) {
-          return hp::cp::block_attention(a, b, d, mine, all, Mask::kCausal);
+          at::Tensor out;
+          for (int j = 0; j < cp; ++j) {
+            at::Tensor o = hp::cp::block_attention(a, b.narrow(2, j * T, T), d.narrow(2, j * T, T), mine,
+                                                   split.runs(j), Mask::kCausal);
+            out = j == 0 ? o : out + o;
+          }
+          return out;
         };
         std::vector<double> ts;
         for (int i = 0; i < reps + 1; ++i) {
@@ -288,11 +291,13 @@ void time_mode(int reps) {
         }
         int64_t scores = 0;
         for (const auto& qr : mine) {
-          for (const auto& kr : all) {
-            if (kr.start <= qr.start + qr.length - 1) scores += qr.length * kr.length;  // not skipped
+          for (int j = 0; j < cp; ++j) {
+            for (const auto& kr : split.runs(j)) {
+              if (kr.start <= qr.start + qr.length - 1) scores += qr.length * kr.length;  // not skipped
+            }
           }
         }
-        report(cp, "compute alone", hp::bench::median(ts), scores);
+        report(cp, "compute alone", hp::bench::median(ts), scores * c.heads);
       }
     }
     w->barrier().wait();
@@ -306,32 +311,31 @@ void overlap_mode(const std::vector<std::string>& specs, int reps) {
   const int n = w->size(), r = w->rank();
   HP_CHECK(n == 2, "cp_bench overlap runs at 2 ranks (cp 2), got ", n);
   hp::set_compute_threads(1);
-  const int64_t seq = 4096;
+  const int64_t seq = hp::bench::env_int("CP_BENCH_SEQ", 2048);
   const hp::models::LlamaConfig c = tiny_wide(seq);
   const int64_t T = seq / 2, hd = c.head_dim();
   const int64_t block_bytes = 2 * c.kv_heads * T * hd * 4;  // K and V, fp32, one rank's
   at::manual_seed(40 + r);
   at::Tensor q = at::randn({1, c.heads, T, hd}), k = at::randn({1, c.kv_heads, T, hd}),
              v = at::randn({1, c.kv_heads, T, hd}), go = at::randn({1, c.heads, T, hd});
-  // The compute the first transfer hides behind: this rank's queries on its own keys.
+  // The compute the first transfer hides behind: this rank's queries on its own keys
+  // (forward), timed in the same loop as the ring.
   const hp::cp::SequenceSplit split(seq, 2, Split::kHeadTail);
-  double own_fwd = 0;
-  {
-    std::vector<double> ts;
-    for (int i = 0; i < reps + 1; ++i) {
-      const double t0 = now_s();
-      at::Tensor o = hp::cp::block_attention(q, k, v, split.runs(r), split.runs(r), Mask::kCausal);
-      if (i > 0) ts.push_back(now_s() - t0);
-    }
-    own_fwd = hp::bench::median(ts);
-  }
+  std::vector<double> own;
+  auto own_block = [&] {
+    const double t0 = now_s();
+    at::Tensor o = hp::cp::block_attention(q, k, v, split.runs(r), split.runs(r), Mask::kCausal);
+    own.push_back(now_s() - t0);
+  };
   if (r == 0) {
     std::printf("cp_bench overlap: ring attention at cp 2 (2 ranks, 1 compute thread each), seq %lld (%lld tokens per "
-                "rank), heads %lld, kv_heads %lld, head dim %lld, fp32; one exchange carries %.2f MiB of K/V; rank 0's "
-                "own-block forward (what the first transfer hides behind) %.1f ms; median of %d, slowest rank\n",
+                "rank), heads %lld, kv_heads %lld, head dim %lld, fp32; one exchange carries %.2f MiB of K/V; own: "
+                "rank 0's queries on its own keys, forward (what the first transfer hides behind); median of %d, "
+                "slowest rank\n",
                 static_cast<long long>(seq), static_cast<long long>(T), static_cast<long long>(c.heads),
-                static_cast<long long>(c.kv_heads), static_cast<long long>(hd), mib(block_bytes), 1e3 * own_fwd, reps);
-    std::printf("%-14s %9s %9s %9s %9s %9s %9s %8s %8s %8s\n", "link", "xfer ms", "xfer/own", "fwd ms", "fwd sim",
+                static_cast<long long>(c.kv_heads), static_cast<long long>(hd), mib(block_bytes), reps);
+    std::printf("%-14s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s\n", "link", "xfer ms", "own ms", "xfer/own", "fwd ms",
+                "fwd sim",
                 "bwd ms", "bwd sim", "exp fwd", "exp bwd", "exp all");
   }
   for (const std::string& spec : specs) {
@@ -343,7 +347,11 @@ void overlap_mode(const std::vector<std::string>& specs, int reps) {
     const hp::SimulatedNetwork net = hp::SimulatedNetwork::parse(spec);
     const double xfer = hp::SimulatedNetwork::seconds(hp::CommOp::kBatchSendRecv, block_bytes, 2, net.intra);
     std::vector<double> fwd[2], bwd[2];
+    own.clear();
     for (int i = 0; i < reps + 1; ++i) {
+      w->barrier().wait();
+      own_block();
+      if (i == 0) own.clear();
       for (int s = 0; s < 2; ++s) {
         ContextParallel& ctx = s == 0 ? plain_ctx : sim_ctx;
         at::Tensor qi = q.detach().requires_grad_(true), ki = k.detach().requires_grad_(true),
@@ -365,8 +373,9 @@ void overlap_mode(const std::vector<std::string>& specs, int reps) {
     if (r == 0) {
       const double f0 = hp::bench::median(fwd[0]), f1 = hp::bench::median(fwd[1]);
       const double b0 = hp::bench::median(bwd[0]), b1 = hp::bench::median(bwd[1]);
-      std::printf("%-14s %9.1f %9.2f %9.1f %9.1f %9.1f %9.1f %7.1f%% %7.1f%% %7.1f%%\n", spec.c_str(), 1e3 * xfer,
-                  xfer / own_fwd, 1e3 * f0, 1e3 * f1, 1e3 * b0, 1e3 * b1, 100 * (f1 - f0) / f0, 100 * (b1 - b0) / b0,
+      const double own_fwd = hp::bench::median(own);
+      std::printf("%-14s %9.1f %9.1f %9.2f %9.1f %9.1f %9.1f %9.1f %7.1f%% %7.1f%% %7.1f%%\n", spec.c_str(), 1e3 * xfer,
+                  1e3 * own_fwd, xfer / own_fwd, 1e3 * f0, 1e3 * f1, 1e3 * b0, 1e3 * b1, 100 * (f1 - f0) / f0, 100 * (b1 - b0) / b0,
                   100 * (f1 + b1 - f0 - b0) / (f0 + b0));
     }
   }
@@ -433,7 +442,7 @@ int main(int argc, char** argv) {
   } else if (mode == "time") {
     time_mode(argc > 2 ? std::atoi(argv[2]) : 3);
   } else if (mode == "overlap" && argc > 2) {
-    overlap_mode(std::vector<std::string>(argv + 2, argv + argc), hp::bench::env_int("CP_BENCH_REPS", 3));
+    overlap_mode(std::vector<std::string>(argv + 2, argv + argc), hp::bench::env_int("CP_BENCH_REPS", 5));
   } else if (mode == "bytes") {
     bytes_mode(argc > 2 ? std::atoll(argv[2]) : 4096);
   } else {
