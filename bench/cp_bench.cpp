@@ -27,7 +27,6 @@
 //                                       (forward + backward), every method at cp 2..N,
 //                                       against the count derived here
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
 
 #include <algorithm>
@@ -145,7 +144,6 @@ void memory_mode(int64_t seq) {
         auto ctx = std::make_shared<ContextParallel>(g, ContextParallelOptions{m, Split::kHeadTail});
         const int64_t T = seq / cp, hd = c.head_dim();
         at::manual_seed(10 + g->rank());
-        // The attention call alone.
         // The attention call alone. Its inputs are made inside the measurement (as the
         // projections make them in a model), so what it keeps of them counts.
         at::Tensor q = at::randn({1, c.heads, T, hd}).requires_grad_(true);
