@@ -26,6 +26,12 @@
 //   mpirun -np N build/cp_bench bytes [seq]  bytes each rank sends per attention call
 //                                       (forward + backward), every method at cp 2..N,
 //                                       against the count derived here
+//   build/cp_bench mla                  DeepSeek-V3's MLA under the ring: exchanging the
+//                                       decompressed per-head K/V (what the layer does)
+//                                       against the compressed latent up-projected by every
+//                                       rank; bytes per token, and one received block's
+//                                       up-projection timed against its attention (fp32,
+//                                       one process) at chunks of 256, 512 and 1024 tokens
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
 
@@ -428,6 +434,47 @@ void bytes_mode(int64_t seq) {
   }
 }
 
+// One received block of `c` tokens under the ring, DeepSeek-V3's sizes (128 heads, keys of
+// 128 + 64, values of 128, a latent of 512 + 64): the decompressed exchange sends 128 x
+// (192 + 128) = 40,960 values a token; the latent one 576 and up-projects them, wkv_b's
+// 512 x 32,768, at every rank that receives them (2 x 512 x 32,768 FLOPs a token forward,
+// twice that backward). The block's attention: c x c x 128 x (192 + 128) x 2 FLOPs
+// forward. Timed here: the up-projection of c tokens, and the block's attention
+// (block_attention on c queries against c keys, no mask), fp32.
+void mla_mode() {
+  const int64_t heads = 128, nope = 128, rope = 64, vdim = 128, latent = 512;
+  const int64_t qk = nope + rope, per_token = heads * (qk + vdim), latent_token = latent + rope;
+  std::printf("cp_bench mla: DeepSeek-V3 attention under the ring; values per token exchanged: decompressed %lld, "
+              "latent %lld (%.1fx fewer)\n",
+              static_cast<long long>(per_token), static_cast<long long>(latent_token),
+              static_cast<double>(per_token) / static_cast<double>(latent_token));
+  std::printf("%6s %14s %14s %12s %12s %10s %10s\n", "chunk", "up-proj GFLOP", "attn GFLOP", "up-proj ms", "attn ms",
+              "FLOP ratio", "time ratio");
+  at::manual_seed(9);
+  const at::Tensor w = at::randn({heads * (nope + vdim), latent}) * 0.02;
+  for (int64_t c : {256, 512, 1024}) {
+    const at::Tensor lat = at::randn({1, c, latent});
+    const at::Tensor q = at::randn({1, heads, c, qk}), k = at::randn({1, heads, c, qk}), v = at::randn({1, heads, c, vdim});
+    const std::vector<hp::cp::Run> run = {hp::cp::Run{0, c, 0}};
+    auto best = [](const std::function<void()>& f) {
+      f();  // warm-up
+      double t = 1e30;
+      for (int i = 0; i < 3; ++i) {
+        const double t0 = now_s();
+        f();
+        t = std::min(t, now_s() - t0);
+      }
+      return t;
+    };
+    const double up = best([&] { (void)at::matmul(lat, w.t()).sum().item<float>(); });
+    const double attn = best([&] { (void)hp::cp::block_attention(q, k, v, run, run, Mask::kNone).sum().item<float>(); });
+    const double up_flops = 2.0 * static_cast<double>(c * latent * heads * (nope + vdim));
+    const double attn_flops = 2.0 * static_cast<double>(c * c * heads * (qk + vdim));
+    std::printf("%6lld %14.2f %14.2f %12.1f %12.1f %10.3f %10.3f\n", static_cast<long long>(c), up_flops / 1e9,
+                attn_flops / 1e9, up * 1e3, attn * 1e3, up_flops / attn_flops, up / attn);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -443,8 +490,10 @@ int main(int argc, char** argv) {
     overlap_mode(std::vector<std::string>(argv + 2, argv + argc), hp::bench::env_int("CP_BENCH_REPS", 5));
   } else if (mode == "bytes") {
     bytes_mode(argc > 2 ? std::atoll(argv[2]) : 4096);
+  } else if (mode == "mla") {
+    mla_mode();
   } else {
-    std::fprintf(stderr, "usage: cp_bench memory [seq] | time [reps] | overlap SPEC... | bytes [seq]\n");
+    std::fprintf(stderr, "usage: cp_bench memory [seq] | time [reps] | overlap SPEC... | bytes [seq] | mla\n");
     hp::finalize();
     return 2;
   }
