@@ -53,6 +53,9 @@ namespace {
 std::mutex g_registry_mu;
 std::vector<std::weak_ptr<CommShared>> g_registry;
 
+std::mutex g_wrapper_mu;
+TransportWrapper g_wrapper;  // set_transport_wrapper: tests only
+
 bool supported_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
@@ -502,7 +505,17 @@ CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string
     timeout = Timeout(static_cast<int64_t>(s * 1000));
   }
   if (!o.simulated_network.empty()) t = make_simulated_transport(std::move(t), SimulatedNetwork::parse(o.simulated_network));
+  {
+    std::lock_guard<std::mutex> g(g_wrapper_mu);
+    if (g_wrapper) t = g_wrapper(std::move(t), name);
+  }
   return std::make_shared<QueuedCommunicator>(std::move(t), name, timeout);
+}
+
+TransportWrapper set_transport_wrapper(TransportWrapper w) {
+  std::lock_guard<std::mutex> g(g_wrapper_mu);
+  std::swap(w, g_wrapper);
+  return w;
 }
 
 bool shutdown_all_communicators(std::chrono::milliseconds grace) {

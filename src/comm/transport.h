@@ -89,6 +89,16 @@ class Transport {
 // group split from it, held until the modelled link would have finished it.
 std::unique_ptr<Transport> make_simulated_transport(std::unique_ptr<Transport> inner, const SimulatedNetwork& net);
 
+// A test seam (the LevelDB fault-injection Env's idea): a function that wraps the
+// transport of every communicator created after it is set, given the communicator's name
+// (a group split from a wrapped one is wrapped again under its own name, once: a wrapper's
+// split and create_group return the inner transport's child unwrapped). Tests install a
+// fault-injecting decorator here (tests/comm/fault_injection.h); nothing in the library or
+// hp-train sets it, and no environment variable reaches it. Set it while no communicator
+// is being created (before the communicators it should see); returns the previous one.
+using TransportWrapper = std::function<std::unique_ptr<Transport>(std::unique_ptr<Transport>, const std::string& name)>;
+TransportWrapper set_transport_wrapper(TransportWrapper w);
+
 // Wraps a transport in the queued, validated, traced Communicator.
 CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string& name,
                                  const CommOptions& o);
