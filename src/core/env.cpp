@@ -118,7 +118,7 @@ void check_all() {
       while (start <= all.size()) {
         size_t bar = all.find('|', start);
         if (bar == std::string::npos) bar = all.size();
-        ok = ok || all.compare(start, bar - start, v) == 0 && bar - start == v.size();
+        ok = ok || (all.compare(start, bar - start, v) == 0 && bar - start == v.size());
         start = bar + 1;
       }
       HP_CHECK(ok, "environment variable ", k.name, "='", v, "' is not one of ", all);

@@ -322,7 +322,9 @@ void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const
     EXPECT_EQ(st.expert_load[i].mean, mean) << label << ": layer " << want[i].layer;
     const double dropped = want[i].dropped / want[i].tokens.sum().item<double>();
     EXPECT_EQ(st.expert_load[i].dropped, dropped) << label << ": layer " << want[i].layer;
-    if (d.capacity_factor == 0) EXPECT_EQ(dropped, 0) << label << ": nothing is dropped without a capacity";
+    if (d.capacity_factor == 0) {
+      EXPECT_EQ(dropped, 0) << label << ": nothing is dropped without a capacity";
+    }
   }
 }
 
