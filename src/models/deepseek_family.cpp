@@ -102,7 +102,7 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     const DeepSeekConfig& d = config;
     const double qk = static_cast<double>(d.qk_nope_dim + d.qk_rope_dim), v = static_cast<double>(d.v_head_dim);
     const double h = static_cast<double>(d.heads);
-    return {h * (qk + v), h * (qk + v)};
+    return {h * (qk + v), h * (qk + v), d.heads, d.heads};
   }
 
   // Keeps a dense first block and MoE blocks after it, where the model has those kinds.

@@ -60,7 +60,8 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
   }
   AttentionWidths attention_widths() const override {
     const LlamaConfig& l = config;
-    return {2.0 * static_cast<double>(l.kv_heads * l.head_dim()), 2.0 * static_cast<double>(l.heads * l.head_dim())};
+    return {2.0 * static_cast<double>(l.kv_heads * l.head_dim()), 2.0 * static_cast<double>(l.heads * l.head_dim()),
+            l.heads, l.kv_heads};
   }
 
   void set_layers(int64_t layers) override { config.layers = layers; }

@@ -337,6 +337,17 @@ void TrainConfig::validate(int world_size) {
     } catch (const Error& e) {
       throw Error(detail::str_cat(s, ": seq_length=", seq_length, " with context_parallel=", cp, ": ", e.what()));
     }
+    HP_CHECK(model->attention_widths().kv > 0, s, ": context_parallel=", cp, " is not supported yet for model.type=",
+             model.family().name(), " (its attention does not take a context-parallel group)");
+    if (context_parallel_method == cp::Method::kUlysses) {
+      // Ulysses trades the sequence for heads: each rank's (after tensor parallelism) query
+      // and key/value heads split over the CP ranks.
+      const models::AttentionWidths w = model->attention_widths();
+      const int64_t h = w.heads / tensor_parallel, kv = w.kv_heads / tensor_parallel;
+      HP_CHECK(h % cp == 0 && kv % cp == 0, s, ": context_parallel_method=ulysses needs the ", h, " query heads and ",
+               kv, " key/value heads of a rank", tensor_parallel > 1 ? " (after tensor_parallel)" : "",
+               " divisible by context_parallel=", cp, ": use ring or allgather");
+    }
     // Sequence parallelism splits each CP rank's tokens over the tp ranks.
     HP_CHECK(!sequence_parallel || (seq_length / cp) % tensor_parallel == 0, s, ": seq_length=", seq_length,
              " over context_parallel=", cp, " leaves ", seq_length / cp, " tokens per rank, not divisible by tensor_parallel=",

@@ -574,3 +574,30 @@ TEST(TrainConfig, MuonRoutingOverrides) {
       },
       {"muon_to_muon=[output.weight] is given but optimizer=adamw"});
 }
+
+// Context parallelism's settings, refused before training with the value named.
+TEST(TrainConfig, ContextParallelErrors) {
+  auto validated = [](const std::vector<std::string>& o, int world) {
+    ht::TrainConfig c = ht::load_config(HP_SOURCE_DIR "/configs/llama_tiny.yaml", o);
+    c.validate(world);
+    return c;
+  };
+  // llama_tiny: seq_length 64, 4 heads, 2 kv heads.
+  const ht::TrainConfig ok = validated({"context_parallel=2"}, 4);
+  EXPECT_EQ(ok.data_parallel_shard, 2);  // 4 ranks = dp_shard 2 x cp 2
+  hp::test::expect_error([&] { validated({"context_parallel=2", "seq_length=66"}, 2); },
+                         {"seq_length=66 with context_parallel=2", "not divisible by the 4 chunks"});
+  hp::test::expect_error([&] { validated({"context_parallel=3"}, 4); }, {"context_parallel=3", "does not divide the world size 4"});
+  hp::test::expect_error([&] { validated({"context_parallel=4", "context_parallel_method=ulysses"}, 4); },
+                         {"ulysses needs the 4 query heads and 2 key/value heads of a rank divisible by context_parallel=4"});
+  hp::test::expect_error([&] { validated({"context_parallel_method=allgather"}, 1); },
+                         {"context_parallel_method=allgather needs context_parallel > 1"});
+  hp::test::expect_error(
+      [&] {
+        validated({"context_parallel=2", "tensor_parallel=4", "sequence_parallel=true", "seq_length=20", "model.kv_heads=4"},
+                  8);
+      },
+      {"seq_length=20 over context_parallel=2 leaves 10 tokens per rank, not divisible by tensor_parallel=4"});
+  EXPECT_EQ(validated({"context_parallel=2", "context_parallel_method=ulysses"}, 2).context_parallel_method,
+            hp::cp::Method::kUlysses);
+}

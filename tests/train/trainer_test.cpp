@@ -331,9 +331,13 @@ void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const
 void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
                           ht::PipelineScheduleKind schedule = ht::PipelineScheduleKind::kAuto, const std::vector<int64_t>& stage_layers = {},
                           bool tie = false, bool per_submodule = false, bool head_dim_and_biases = false,
-                          int64_t cp = 1, hp::cp::Method cp_method = hp::cp::Method::kRing) {
+                          int64_t cp = 1, hp::cp::Method cp_method = hp::cp::Method::kRing, int64_t replicas = 0) {
   auto w = hp::world();
   ht::TrainConfig c = small_config(type, w->size(), tp, pp, v, cp, cp_method);
+  if (replicas > 0) {  // HSDP: data_parallel replicas, dp_shard the rest
+    c.data_parallel = replicas;
+    c.data_parallel_shard = -1;
+  }
   if (head_dim_and_biases) {  // Llama: heads of 24 (not dim / heads = 16), every bias
     auto& l = c.model.config<hp::models::LlamaConfig>();
     l.explicit_head_dim = 24;
@@ -410,6 +414,10 @@ TEST(TrainDist, ContextParallelMatchesSingleProcess) {
   if (w == 4) {
     SCOPED_TRACE("llama context_parallel=4");
     expect_matches_naive("llama", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 4, M::kRing);
+    // HSDP: data_parallel 2 x context_parallel 2 (fully_shard over dp_shard 1 x cp 2, the
+    // replicas' gradients all-reduced).
+    SCOPED_TRACE("deepseek data_parallel=2 x context_parallel=2");
+    expect_matches_naive("deepseek", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kUlysses, 2);
     // context_parallel 2 x tensor_parallel 2 with sequence parallel: attention over this
     // rank's heads, the norms over its part of its CP piece.
     for (const char* type : {"llama", "deepseek"}) {

@@ -110,6 +110,7 @@ struct ActivationCount {
 // exchanges besides). Zeros: a family without context parallelism.
 struct AttentionWidths {
   double kv = 0, q_out = 0;
+  int64_t heads = 0, kv_heads = 0;  // query heads, and key/value heads (MLA: heads)
 };
 
 // The value of one model field, as its key's kind says.
