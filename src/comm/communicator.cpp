@@ -53,8 +53,16 @@ namespace {
 std::mutex g_registry_mu;
 std::vector<std::weak_ptr<CommShared>> g_registry;
 
-std::mutex g_wrapper_mu;
-TransportWrapper g_wrapper;  // set_transport_wrapper: tests only
+// set_transport_wrapper's (tests only). Function-local statics: a test binary may set the
+// wrapper from a static initializer of another file, before this file's globals exist.
+std::mutex& wrapper_mu() {
+  static std::mutex mu;
+  return mu;
+}
+TransportWrapper& wrapper() {
+  static TransportWrapper w;
+  return w;
+}
 
 bool supported_dtype(at::ScalarType t) {
   switch (t) {
@@ -506,15 +514,15 @@ CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string
   }
   if (!o.simulated_network.empty()) t = make_simulated_transport(std::move(t), SimulatedNetwork::parse(o.simulated_network));
   {
-    std::lock_guard<std::mutex> g(g_wrapper_mu);
-    if (g_wrapper) t = g_wrapper(std::move(t), name);
+    std::lock_guard<std::mutex> g(wrapper_mu());
+    if (wrapper()) t = wrapper()(std::move(t), name);
   }
   return std::make_shared<QueuedCommunicator>(std::move(t), name, timeout);
 }
 
 TransportWrapper set_transport_wrapper(TransportWrapper w) {
-  std::lock_guard<std::mutex> g(g_wrapper_mu);
-  std::swap(w, g_wrapper);
+  std::lock_guard<std::mutex> g(wrapper_mu());
+  std::swap(w, wrapper());
   return w;
 }
 
