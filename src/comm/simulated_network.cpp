@@ -129,73 +129,11 @@ using Clock = std::chrono::steady_clock;
 // Runs every op on the wrapped transport, then holds its completion until the modelled
 // time since it started has passed. Methods are called on the communicator's worker: the
 // op's body (inside run_op) calls one of the op methods, which notes the model's time.
-class SimulatedTransport final : public Transport {
+class SimulatedTransport final : public TransportDecorator {
  public:
   SimulatedTransport(std::unique_ptr<Transport> inner, const SimulatedNetwork& net)
-      : inner_(std::move(inner)), net_(net), link_(net.spans_nodes(inner_->world_ranks()) ? net.inter : net.intra) {}
-
-  std::string backend() const override { return inner_->backend(); }
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::vector<int> world_ranks() const override { return inner_->world_ranks(); }
-  bool supports_device(const c10::Device& d) const override { return inner_->supports_device(d); }
-  c10::Device control_device() const override { return inner_->control_device(); }
-  bool copies_without_cpu() const override { return inner_->copies_without_cpu(); }
-
-  void all_gather(const at::Tensor& out, const at::Tensor& in) override {
-    model(CommOp::kAllGather, static_cast<int64_t>(out.nbytes()));
-    inner_->all_gather(out, in);
-  }
-  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
-    model(CommOp::kReduceScatter, static_cast<int64_t>(in.nbytes()));
-    inner_->reduce_scatter(out, in, op);
-  }
-  void all_reduce(const at::Tensor& t, ReduceOp op) override {
-    model(CommOp::kAllReduce, static_cast<int64_t>(t.nbytes()));
-    inner_->all_reduce(t, op);
-  }
-  void broadcast(const at::Tensor& t, int root) override {
-    model(CommOp::kBroadcast, static_cast<int64_t>(t.nbytes()));
-    inner_->broadcast(t, root);
-  }
-  void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_counts,
-                  const std::vector<int64_t>& in_counts, bool equal_splits) override {
-    model(CommOp::kAllToAll, static_cast<int64_t>(in.nbytes()));
-    inner_->all_to_all(out, in, out_counts, in_counts, equal_splits);
-  }
-  void send(const at::Tensor& t, int dst, int tag) override {
-    model(CommOp::kSend, static_cast<int64_t>(t.nbytes()));
-    inner_->send(t, dst, tag);
-  }
-  void recv(const at::Tensor& t, int src, int tag) override {
-    model(CommOp::kRecv, static_cast<int64_t>(t.nbytes()));
-    inner_->recv(t, src, tag);
-  }
-  void batch_send_recv(const std::vector<P2POp>& ops) override {
-    int64_t sent = 0, received = 0;
-    for (const auto& o : ops) (o.kind == P2POp::kSend ? sent : received) += static_cast<int64_t>(o.tensor.nbytes());
-    model(CommOp::kBatchSendRecv, std::max(sent, received));
-    inner_->batch_send_recv(ops);
-  }
-  void barrier() override {
-    model(CommOp::kBarrier, 0);
-    inner_->barrier();
-  }
-  std::unique_ptr<Transport> split(int color, int key) override {
-    auto child = inner_->split(color, key);
-    if (!child) return nullptr;
-    return std::make_unique<SimulatedTransport>(std::move(child), net_);
-  }
-  std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) override {
-    return std::make_unique<SimulatedTransport>(inner_->create_group(ranks), net_);
-  }
-  void abandon() override { inner_->abandon(); }
-  void note_started(uint64_t collective) override { inner_->note_started(collective); }
-  std::vector<int> behind(uint64_t collective, int* unknown) const override {
-    return inner_->behind(collective, unknown);
-  }
-  void on_enqueue() override { inner_->on_enqueue(); }
-  void skip_op() override { inner_->skip_op(); }
+      : TransportDecorator(std::move(inner)), net_(net),
+        link_(net.spans_nodes(inner_->world_ranks()) ? net.inter : net.intra) {}
 
   void run_op(const std::function<void()>& body) override {
     const Clock::time_point start = Clock::now();
@@ -212,9 +150,16 @@ class SimulatedTransport final : public Transport {
   }
 
  private:
-  void model(CommOp op, int64_t bytes) { model_s_ = SimulatedNetwork::seconds(op, bytes, size(), link_); }
+  // The op's modelled time (split and new_group: none; they are local here).
+  void before(CommOp op, int64_t bytes) override {
+    if (op == CommOp::kSplit || op == CommOp::kNewGroup) return;
+    model_s_ = SimulatedNetwork::seconds(op, bytes, size(), link_);
+  }
+  // Groups made from it are under the same network.
+  std::unique_ptr<Transport> wrap_child(std::unique_ptr<Transport> child) override {
+    return std::make_unique<SimulatedTransport>(std::move(child), net_);
+  }
 
-  std::unique_ptr<Transport> inner_;
   SimulatedNetwork net_;
   LinkModel link_;
   double model_s_ = 0;

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -83,6 +84,87 @@ class Transport {
   virtual void skip_op() {}
   // Extra fields for the trace span of the op run_op last ran (",\"key\":value..."), or "".
   virtual std::string trace_note() const { return ""; }
+};
+
+// The base of decorators (the simulated network, tests' fault injection): runs every op on
+// `inner` after calling before(op, bytes) (bytes: what the op moves, as the link model
+// counts them; split and new_group call it with 0), and forwards the rest. A split or group
+// is the inner transport's child, passed through wrap_child (default: returned as it is).
+class TransportDecorator : public Transport {
+ public:
+  explicit TransportDecorator(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+
+  std::string backend() const override { return inner_->backend(); }
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::vector<int> world_ranks() const override { return inner_->world_ranks(); }
+  bool supports_device(const c10::Device& d) const override { return inner_->supports_device(d); }
+  c10::Device control_device() const override { return inner_->control_device(); }
+  bool copies_without_cpu() const override { return inner_->copies_without_cpu(); }
+
+  void all_gather(const at::Tensor& out, const at::Tensor& in) override {
+    before(CommOp::kAllGather, static_cast<int64_t>(out.nbytes()));
+    inner_->all_gather(out, in);
+  }
+  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
+    before(CommOp::kReduceScatter, static_cast<int64_t>(in.nbytes()));
+    inner_->reduce_scatter(out, in, op);
+  }
+  void all_reduce(const at::Tensor& t, ReduceOp op) override {
+    before(CommOp::kAllReduce, static_cast<int64_t>(t.nbytes()));
+    inner_->all_reduce(t, op);
+  }
+  void broadcast(const at::Tensor& t, int root) override {
+    before(CommOp::kBroadcast, static_cast<int64_t>(t.nbytes()));
+    inner_->broadcast(t, root);
+  }
+  void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_counts,
+                  const std::vector<int64_t>& in_counts, bool equal_splits) override {
+    before(CommOp::kAllToAll, static_cast<int64_t>(in.nbytes()));
+    inner_->all_to_all(out, in, out_counts, in_counts, equal_splits);
+  }
+  void send(const at::Tensor& t, int dst, int tag) override {
+    before(CommOp::kSend, static_cast<int64_t>(t.nbytes()));
+    inner_->send(t, dst, tag);
+  }
+  void recv(const at::Tensor& t, int src, int tag) override {
+    before(CommOp::kRecv, static_cast<int64_t>(t.nbytes()));
+    inner_->recv(t, src, tag);
+  }
+  void batch_send_recv(const std::vector<P2POp>& ops) override {
+    int64_t sent = 0, received = 0;
+    for (const auto& o : ops) (o.kind == P2POp::kSend ? sent : received) += static_cast<int64_t>(o.tensor.nbytes());
+    before(CommOp::kBatchSendRecv, std::max(sent, received));
+    inner_->batch_send_recv(ops);
+  }
+  void barrier() override {
+    before(CommOp::kBarrier, 0);
+    inner_->barrier();
+  }
+  std::unique_ptr<Transport> split(int color, int key) override {
+    before(CommOp::kSplit, 0);
+    auto child = inner_->split(color, key);
+    return child ? wrap_child(std::move(child)) : nullptr;
+  }
+  std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) override {
+    before(CommOp::kNewGroup, 0);
+    return wrap_child(inner_->create_group(ranks));
+  }
+  void abandon() override { inner_->abandon(); }
+  void note_started(uint64_t collective) override { inner_->note_started(collective); }
+  std::vector<int> behind(uint64_t collective, int* unknown) const override {
+    return inner_->behind(collective, unknown);
+  }
+  void on_enqueue() override { inner_->on_enqueue(); }
+  void run_op(const std::function<void()>& body) override { inner_->run_op(body); }
+  void skip_op() override { inner_->skip_op(); }
+  std::string trace_note() const override { return inner_->trace_note(); }
+
+ protected:
+  virtual void before(CommOp op, int64_t bytes) {}
+  virtual std::unique_ptr<Transport> wrap_child(std::unique_ptr<Transport> child) { return child; }
+
+  std::unique_ptr<Transport> inner_;
 };
 
 // `inner` under a simulated network (hp/comm/simulated_network.h): every op, and every

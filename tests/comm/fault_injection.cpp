@@ -106,76 +106,16 @@ namespace {
 // The decorator: counts the communicator's ops as its worker runs them (run_op sees every
 // op that runs, in sequence order) and acts at the fault's point. Every method is called on
 // the communicator's worker, like the transport it wraps.
-class FaultTransport final : public detail::Transport {
+class FaultTransport final : public detail::TransportDecorator {
  public:
   FaultTransport(std::unique_ptr<Transport> inner, std::string name, std::shared_ptr<FaultInjection::State> s)
-      : inner_(std::move(inner)), name_(std::move(name)), s_(std::move(s)) {
+      : TransportDecorator(std::move(inner)), name_(std::move(name)), s_(std::move(s)) {
     const auto w = inner_->world_ranks();
     world_rank_ = inner_->rank() < static_cast<int>(w.size()) ? w[inner_->rank()] : inner_->rank();
     armed_ = (s_->fault.world_rank < 0 || s_->fault.world_rank == world_rank_) &&
              name_.find(s_->fault.group) != std::string::npos;
   }
 
-  std::string backend() const override { return inner_->backend(); }
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::vector<int> world_ranks() const override { return inner_->world_ranks(); }
-  bool supports_device(const c10::Device& d) const override { return inner_->supports_device(d); }
-  c10::Device control_device() const override { return inner_->control_device(); }
-  bool copies_without_cpu() const override { return inner_->copies_without_cpu(); }
-
-  void all_gather(const at::Tensor& out, const at::Tensor& in) override {
-    at(CommOp::kAllGather);
-    inner_->all_gather(out, in);
-  }
-  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
-    at(CommOp::kReduceScatter);
-    inner_->reduce_scatter(out, in, op);
-  }
-  void all_reduce(const at::Tensor& t, ReduceOp op) override {
-    at(CommOp::kAllReduce);
-    inner_->all_reduce(t, op);
-  }
-  void broadcast(const at::Tensor& t, int root) override {
-    at(CommOp::kBroadcast);
-    inner_->broadcast(t, root);
-  }
-  void all_to_all(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_counts,
-                  const std::vector<int64_t>& in_counts, bool equal_splits) override {
-    at(CommOp::kAllToAll);
-    inner_->all_to_all(out, in, out_counts, in_counts, equal_splits);
-  }
-  void send(const at::Tensor& t, int dst, int tag) override {
-    at(CommOp::kSend);
-    inner_->send(t, dst, tag);
-  }
-  void recv(const at::Tensor& t, int src, int tag) override {
-    at(CommOp::kRecv);
-    inner_->recv(t, src, tag);
-  }
-  void batch_send_recv(const std::vector<P2POp>& ops) override {
-    at(CommOp::kBatchSendRecv);
-    inner_->batch_send_recv(ops);
-  }
-  void barrier() override {
-    at(CommOp::kBarrier);
-    inner_->barrier();
-  }
-  // The child is returned unwrapped: make_queued_communicator wraps it under its own name.
-  std::unique_ptr<Transport> split(int color, int key) override {
-    at(CommOp::kSplit);
-    return inner_->split(color, key);
-  }
-  std::unique_ptr<Transport> create_group(const std::vector<int>& ranks) override {
-    at(CommOp::kNewGroup);
-    return inner_->create_group(ranks);
-  }
-  void abandon() override { inner_->abandon(); }
-  void note_started(uint64_t collective) override { inner_->note_started(collective); }
-  std::vector<int> behind(uint64_t collective, int* unknown) const override {
-    return inner_->behind(collective, unknown);
-  }
-  void on_enqueue() override { inner_->on_enqueue(); }
   void skip_op() override {
     ++seq_;  // a skipped op had its number too
     inner_->skip_op();
@@ -184,10 +124,11 @@ class FaultTransport final : public detail::Transport {
     ++seq_;
     inner_->run_op(body);
   }
-  std::string trace_note() const override { return inner_->trace_note(); }
 
  private:
-  void at(CommOp op) {
+  // Splits and groups are counted (make_queued_communicator wraps a child under its own
+  // name, so it is returned unwrapped).
+  void before(CommOp op, int64_t /*bytes*/) override {
     const uint64_t count = ++by_kind_[op];
     if (!armed_ || s_->fired.load()) return;
     const Fault& f = s_->fault;
@@ -220,7 +161,6 @@ class FaultTransport final : public detail::Transport {
     }
   }
 
-  std::unique_ptr<Transport> inner_;
   std::string name_;
   std::shared_ptr<FaultInjection::State> s_;
   int world_rank_ = 0;
