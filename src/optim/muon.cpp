@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <set>
 #include <tuple>
@@ -11,6 +12,7 @@
 #include "adamw_step.h"
 #include "hp/comm/agree.h"
 #include "hp/core/error.h"
+#include "hp/core/hash.h"
 #include "hp/core/pattern.h"
 #include "hp/optim/foreach_adamw.h"
 
@@ -212,6 +214,32 @@ std::vector<at::Tensor> orthogonalize(const std::vector<at::Tensor>& ds, const M
 
 }  // namespace
 
+namespace {
+
+// What a holder's options do to its piece (its momentum, the owner's iteration, its update),
+// as one number: the holders of a matrix must agree on it, or the whole matrix would not be
+// stepped as one process steps it. The learning rate is left out: schedulers set it per
+// step, the same on every rank.
+int64_t options_fingerprint(const MuonOptions& o) {
+  uint64_t h = kFnvOffset;
+  auto bits = [&](double x) {
+    uint64_t u = 0;
+    std::memcpy(&u, &x, sizeof u);
+    h = fnv1a_step(h, u);
+  };
+  bits(o.momentum());
+  h = fnv1a_step(h, o.nesterov() ? 1 : 0);
+  bits(o.weight_decay());
+  for (const NsStep& s : o.ns()) bits(s.a), bits(s.b), bits(s.c);
+  h = fnv1a_step(h, o.ns().size());
+  h = fnv1a_step(h, static_cast<uint64_t>(o.scale()));
+  bits(o.rms_target());
+  bits(o.eps());
+  return static_cast<int64_t>(h >> 1);  // non-negative
+}
+
+}  // namespace
+
 void Muon::distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, MuonScheme scheme) {
   HP_CHECK(comm != nullptr, "Muon::distribute: no communicator");
   auto plan = std::make_unique<Plan>();
@@ -243,7 +271,8 @@ void Muon::distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, Muon
                piece.param.sizes(), ", its box ", b.to_string());
       mine.push_back(static_cast<int64_t>(piece.name.size()));
       for (char ch : piece.name) mine.push_back(static_cast<unsigned char>(ch));
-      for (int64_t v : {b.global_shape[0], b.global_shape[1], b.offsets[0], b.offsets[1], b.lengths[0], b.lengths[1]}) {
+      for (int64_t v : {b.global_shape[0], b.global_shape[1], b.offsets[0], b.offsets[1], b.lengths[0], b.lengths[1],
+                        options_fingerprint(*o)}) {
         mine.push_back(v);
       }
     }
@@ -265,8 +294,9 @@ void Muon::distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, Muon
   comm->all_gather(all, padded.to(dev)).wait();
   const at::Tensor all_cpu = all.cpu().contiguous();
   const int64_t* data = all_cpu.data_ptr<int64_t>();
-  // Decode: per matrix, its shape and holders.
+  // Decode: per matrix, its shape and holders (and the first holder's options, to compare).
   std::map<std::string, Plan::Matrix> by_name;
+  std::map<std::string, std::pair<int64_t, int>> options_of;
   for (int r = 0; r < world; ++r) {
     const int64_t* d = data + r * longest;
     int64_t at_ = 0;
@@ -285,7 +315,12 @@ void Muon::distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, Muon
       for (int64_t i = 0; i < len; ++i) name.push_back(static_cast<char>(d[at_++]));
       const int64_t rows = d[at_], cols = d[at_ + 1];
       const Box box{d[at_ + 2], d[at_ + 3], d[at_ + 4], d[at_ + 5]};
-      at_ += 6;
+      const int64_t fingerprint = d[at_ + 6];
+      at_ += 7;
+      const auto first = options_of.emplace(name, std::make_pair(fingerprint, r)).first->second;
+      HP_CHECK(first.first == fingerprint, "Muon::distribute: the holders of '", name, "' step it with different Muon ",
+               "options (momentum, nesterov, weight decay, Newton-Schulz steps, update scale or eps): rank ",
+               first.second, "'s and rank ", r, "'s");
       Plan::Matrix& m = by_name[name];
       if (m.name.empty()) {
         m.name = name;

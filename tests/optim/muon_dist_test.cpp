@@ -126,12 +126,16 @@ TEST(MuonDist, PiecesMatchWholeMatricesInOneProcess) {
         }
         EXPECT_TRUE(at::equal(own.detach(), own_ref.detach())) << label;
       }
-      if (mine[2].numel() > 0) EXPECT_EQ(dist.muon_state(mine[2]).step(), 2) << label;
+      if (mine[2].numel() > 0) {
+        EXPECT_EQ(dist.muon_state(mine[2]).step(), 2) << label;
+      }
       // Each matrix computed once in the job under kOwner, by each holder otherwise.
       at::Tensor owned = at::full({1}, dist.plan_stats().owned, at::kLong);
       w->all_reduce(owned).wait();
       EXPECT_EQ(dist.plan_stats().matrices, 4) << label;
-      if (scheme == ho::MuonScheme::kOwner) EXPECT_EQ(owned.item<int64_t>(), 4) << label;
+      if (scheme == ho::MuonScheme::kOwner) {
+        EXPECT_EQ(owned.item<int64_t>(), 4) << label;
+      }
     }
   }
 }
@@ -184,8 +188,8 @@ TEST(MuonDist, PlanAndCollectivesAsWorkedOutByHand) {
 }
 
 // Refused on every rank: a piece outside the Muon groups (on one rank only), a parameter
-// given twice, ranks giving different schemes, boxes leaving a gap, ranks disagreeing on a
-// shape; and at a step, a bad gradient on one rank (before anything moves) and a matrix with
+// given twice, ranks giving different schemes, boxes leaving a gap, holders stepping with
+// different options, ranks disagreeing on a shape; and at a step, a bad gradient on one rank (before anything moves) and a matrix with
 // a gradient on some of its holders only.
 TEST(MuonDist, BadPiecesAreRefusedOnEveryRank) {
   auto w = hp::world();
@@ -223,6 +227,15 @@ TEST(MuonDist, BadPiecesAreRefusedOnEveryRank) {
                               rank == 0 ? ho::MuonScheme::kOwner : ho::MuonScheme::kGatherEverywhere);
         },
         {"the ranks give different schemes"});
+    // The last rank's group steps with momentum 0.9, the others' 0.95: one matrix would be
+    // stepped by two rules.
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(std::vector<at::Tensor>{m},
+                   std::make_unique<ho::MuonOptions>(options().momentum(rank == world - 1 ? 0.9 : 0.95)));
+    ho::Muon mixed(std::move(g));
+    hp::test::expect_error([&] { mixed.distribute(w, {{m, "x", row_box(2 * world)}}); },
+                           {"the holders of 'x' step it with different Muon options", "rank 0's and rank " +
+                                                                                        std::to_string(world - 1) + "'s"});
     auto opt2 = make();
     hp::test::expect_error(
         [&] {

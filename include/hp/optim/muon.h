@@ -126,8 +126,10 @@ class Muon : public torch::optim::Optimizer {
   // piece whose parameter is not in a Muon group or whose shape is not its box's lengths, a
   // parameter or name given twice, ranks giving different schemes or iterating in different
   // dtypes, a matrix whose boxes do not tile it exactly or whose ranks disagree on its
-  // shape. The iteration's dtype is fixed here; the holders of one matrix must share their
-  // group's options (not checked). Muon parameters not in `pieces` stay whole matrices
+  // shape, or whose holders' groups step it with different options (momentum, nesterov,
+  // weight decay, Newton-Schulz steps, update scale, eps; the learning rate is scheduled
+  // alike everywhere and not compared). The iteration's dtype is fixed here. Muon
+  // parameters not in `pieces` stay whole matrices
   // stepped where they are.
   void distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, MuonScheme scheme = MuonScheme::kOwner);
   // This rank's part of the plan (zeros before distribute()).
