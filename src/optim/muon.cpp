@@ -388,19 +388,29 @@ void Muon::distribute(CommPtr comm, const std::vector<MatrixPiece>& pieces, Muon
   }
   // The transfers, in one order every rank derives alike: matrices by name, their distinct
   // boxes in order, the computers by rank. A computer holding a box needs no copy of it;
-  // otherwise the box's lowest-ranked holder sends it.
+  // otherwise one of the box's holders sends it: of its replicas (HSDP), the one that has
+  // sent the fewest elements so far (ties: the lowest rank), so replicas share the sending.
+  std::vector<int64_t> sent(static_cast<size_t>(world), 0);
   for (size_t j = 0; j < plan->matrices.size(); ++j) {
     const Plan::Matrix& m = plan->matrices[j];
     std::map<Box, std::vector<int>> holders_of;
     for (const auto& h : m.holders) holders_of[h.second].push_back(h.first);
     for (const auto& [box, ranks] : holders_of) {
       for (int c : m.computers) {
-        if (std::find(ranks.begin(), ranks.end(), c) == ranks.end()) plan->gather.push_back({j, box, ranks.front(), c});
+        if (std::find(ranks.begin(), ranks.end(), c) != ranks.end()) continue;
+        int src = ranks.front();
+        for (int r : ranks) {
+          if (sent[static_cast<size_t>(r)] < sent[static_cast<size_t>(src)]) src = r;
+        }
+        sent[static_cast<size_t>(src)] += box.numel();
+        plan->gather.push_back({j, box, src, c});
       }
     }
     if (scheme == MuonScheme::kOwner) {
       for (const auto& h : m.holders) {
-        if (h.first != m.computers.front()) plan->give.push_back({j, h.second, m.computers.front(), h.first});
+        if (h.first == m.computers.front()) continue;
+        sent[static_cast<size_t>(m.computers.front())] += h.second.numel();
+        plan->give.push_back({j, h.second, m.computers.front(), h.first});
       }
     }
   }

@@ -266,3 +266,34 @@ TEST(MuonDist, BadPiecesAreRefusedOnEveryRank) {
     }
   }
 }
+
+namespace {
+
+// HSDP at 4 ranks: 4 matrices of [4, 6], rows split in halves over 2 ranks and replicated
+// twice (rank r holds half r % 2). Owners, one matrix each (equal costs, by name): m0 on
+// rank 0, m1 on 1, m2 on 2, m3 on 3. Each owner needs the half it lacks (12 elements),
+// held by two replicas, and gives its result's boxes to the 3 other holders (36). By hand,
+// the replica that has sent least sends: m0's half 1 from rank 1, m1's half 0 from rank 2,
+// m2's half 1 from rank 3, m3's half 0 from rank 0: every rank sends 48 elements. (The
+// lowest-ranked replica always sending gave ranks 0 and 1 60 and ranks 2 and 3 36.)
+TEST(MuonDist, ReplicasShareTheSends) {
+  auto w = hp::world();
+  if (w->size() != 4) GTEST_SKIP() << "worked out for 4 ranks";
+  const int rank = w->rank();
+  std::vector<at::Tensor> params;
+  std::vector<ho::MatrixPiece> pieces;
+  for (int i = 0; i < 4; ++i) {
+    params.push_back(at::zeros({2, 6}, at::kDouble).set_requires_grad(true));
+    pieces.push_back({params.back(), "m" + std::to_string(i),
+                      hp::make_shard_spec({4, 6}, {{{"dp_shard", 2, rank % 2}}, {}})});
+  }
+  std::vector<torch::optim::OptimizerParamGroup> g;
+  g.emplace_back(params, std::make_unique<ho::MuonOptions>(options()));
+  ho::Muon m(std::move(g));
+  m.distribute(w, pieces);
+  const ho::MuonPlanStats st = m.plan_stats();
+  EXPECT_EQ(st.owned, 1);
+  EXPECT_EQ(st.send_elements, 48);
+}
+
+}  // namespace
