@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "hp/core/memory.h"
 #include "hp/optim/muon.h"
 #include "test_util.h"
 
@@ -151,6 +152,26 @@ TEST(Muon, SingularValuesFollowTheScalarMapIntoTheScheduleBand) {
       if (x < band.at(name).first || x > band.at(name).second) break;
     }
   }
+}
+
+// A tall matrix is iterated transposed, on its short side's Gram matrix: the result is the
+// same either way (X p(XᵀX) = p(XXᵀ) X), so only the memory tells. For 3000 x 4 in float64
+// the short side's Gram is 4 x 4; the long side's would be 3000 x 3000 (72 MB). The peak
+// of tensor bytes during the iteration stays below 20 copies of the matrix (1.9 MB).
+TEST(Muon, TallMatricesIterateOnTheShortSide) {
+  hp::memory::install_counting_allocator();
+  const at::Tensor g = at::randn({3000, 4}, at::kDouble);
+  hp::memory::reset_peak();
+  const int64_t before = hp::memory::current_bytes();
+  const at::Tensor out = ho::newton_schulz(g, ho::ns_steps(ho::NsSchedule::kQuintic), at::kDouble);
+  const int64_t peak = hp::memory::peak_bytes() - before;
+  EXPECT_EQ(out.sizes(), g.sizes());
+  EXPECT_LT(peak, 20 * 3000 * 4 * 8) << "peak " << peak << " bytes: the long side's Gram matrix was formed";
+  // And the wide one alike.
+  hp::memory::reset_peak();
+  const int64_t before_t = hp::memory::current_bytes();
+  (void)ho::newton_schulz(g.t().contiguous(), ho::ns_steps(ho::NsSchedule::kQuintic), at::kDouble);
+  EXPECT_LT(hp::memory::peak_bytes() - before_t, 20 * 3000 * 4 * 8);
 }
 
 // bf16 (the default): computed and returned in bf16, close to the float64 iteration. Each
