@@ -294,8 +294,11 @@ grep -q '^1 .*dp_replicate=' "$work/out" || fail "--plan: no ranked layout: $(ca
 grep -q 'tp=4 pp=1: tensor_parallel=4: kv_heads=2 is not divisible' "$work/out" || fail "--plan: no reason for tp=4: $(cat "$work/out")"
 "$bin" --config "$src/configs/llama_tiny.yaml" --plan --world 4 --json --link 10:1 > "$work/out" 2>&1 ||
   fail "--plan --json failed: $(cat "$work/out")"
-[ "$(grep -c '"feasible":true' "$work/out")" = 8 ] && [ "$(grep -c '"feasible":false' "$work/out")" = 2 ] ||
-  fail "--plan --json: expected 8 feasible and 2 infeasible layouts: $(cat "$work/out")"
+# 15 layouts (dp_replicate x dp_shard x cp x tp x pp = 4), all but tp 4 and pp 4 feasible.
+[ "$(grep -c '"feasible":true' "$work/out")" = 13 ] && [ "$(grep -c '"feasible":false' "$work/out")" = 2 ] ||
+  fail "--plan --json: expected 13 feasible and 2 infeasible layouts: $(cat "$work/out")"
+grep -q '"cp":2,.*"cp_comm_s":[1-9]' "$work/out" || grep -q '"cp":2,.*"cp_comm_s":0\.[0-9]*[1-9]' "$work/out" ||
+  fail "--plan --json: no cp=2 layout with its exchanges: $(cat "$work/out")"
 python3 -c "import json,sys; [json.loads(l) for l in open(sys.argv[1])]" "$work/out" || fail "--plan --json is not JSON lines"
 "$bin" --config "$src/configs/llama_tiny.yaml" --plan --link 5:zero > "$work/out" 2>&1 && fail "a bad --link was accepted"
 grep -q "simulated network '5:zero'" "$work/out" || fail "bad --link not named: $(cat "$work/out")"
