@@ -328,7 +328,11 @@ int run(const Args& args, const hp::CommPtr& world) {
         {"steps", static_cast<double>(c.train_steps)}, {"seconds", sum.seconds},
         {"first_loss", sum.losses.front()},            {"final_loss", sum.losses.back()},
         {"tokens_per_s", sum.tokens_per_s},            {"peak_bytes", static_cast<double>(sum.peak_bytes)},
-        {"ranks", static_cast<double>(world->size())}};
+        {"ranks", static_cast<double>(world->size())},
+        {"optimizer_seconds", sum.optimizer_seconds},
+        {"comm_bytes_per_step", static_cast<double>(sum.comm_bytes) / static_cast<double>(std::max<int64_t>(1, sum.steps))},
+        {"optimizer_comm_bytes_per_step",
+         static_cast<double>(sum.optimizer_comm_bytes) / static_cast<double>(std::max<int64_t>(1, sum.steps))}};
     if (!sum.evals.empty()) fields.push_back({"final_valid_loss", sum.evals.back().loss});
     if (args.verify) {
       fields.push_back({"verify_max_abs_diff", verify.worst_abs});

@@ -197,10 +197,13 @@ bool stop_worker(CommShared& cs, std::chrono::milliseconds grace) {
   return true;
 }
 
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.nbytes()); }
+
 class QueuedCommunicator final : public Communicator {
  public:
-  QueuedCommunicator(std::unique_ptr<Transport> t, const std::string& name, Timeout timeout)
-      : cs_(std::make_shared<CommShared>()), timeout_(timeout) {
+  QueuedCommunicator(std::unique_ptr<Transport> t, const std::string& name, Timeout timeout,
+                     std::shared_ptr<TrafficAccount> account)
+      : cs_(std::make_shared<CommShared>()), timeout_(timeout), account_(std::move(account)) {
     cs_->rank = t->rank();
     cs_->size = t->size();
     world_ranks_ = t->world_ranks();
@@ -227,6 +230,7 @@ class QueuedCommunicator final : public Communicator {
   bool copies_without_cpu() const override { return cs_->transport->copies_without_cpu(); }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
   Timeout default_timeout() const override { return timeout_; }
+  CommTraffic traffic() const override { return {account_->ops.load(), account_->bytes_sent.load()}; }
 
   Work all_gather(at::Tensor out, at::Tensor in, const CollectiveOptions& o) override {
     const CommOp op = CommOp::kAllGather;
@@ -236,7 +240,7 @@ class QueuedCommunicator final : public Communicator {
     HP_CHECK(out.numel() == in.numel() * size(), where(op), "output has ", out.numel(),
              " elements but must have ", in.numel() * size(), " (input ", in.numel(), " x ",
              size(), " ranks)");
-    return enqueue(op, o.timeout, in.nbytes(), [t = transport(), out, in] {
+    return enqueue(op, o.timeout, in.nbytes(), nbytes(in) * (size() - 1), [t = transport(), out, in] {
       t->all_gather(out, in);
     });
   }
@@ -246,7 +250,8 @@ class QueuedCommunicator final : public Communicator {
     check_tensor(op, in, "input");
     HP_CHECK(make_out != nullptr, where(op), "no function to make the output");
     if (!in.device().is_cpu() || copies_without_cpu()) return all_gather(make_out(), in, o);
-    return enqueue(op, o.timeout, in.nbytes(), [t = transport(), make_out = std::move(make_out), in, n = size()] {
+    return enqueue(op, o.timeout, in.nbytes(), nbytes(in) * (size() - 1),
+                   [t = transport(), make_out = std::move(make_out), in, n = size()] {
       const at::Tensor out = make_out();
       HP_CHECK(out.defined() && out.scalar_type() == in.scalar_type() && out.device() == in.device() &&
                    out.is_contiguous() && out.numel() == in.numel() * n,
@@ -268,7 +273,7 @@ class QueuedCommunicator final : public Communicator {
              " x ", size(), " ranks)");
     ReduceOp rop = o.op;
     int n = size();
-    return enqueue(op, o.timeout, in.nbytes(), [t = transport(), out, in, rop, n] {
+    return enqueue(op, o.timeout, in.nbytes(), nbytes(in) * (n - 1) / n, [t = transport(), out, in, rop, n] {
       t->reduce_scatter(out, in, rop == ReduceOp::AVG ? ReduceOp::SUM : rop);
       if (rop == ReduceOp::AVG) out.div_(n);
     });
@@ -280,7 +285,7 @@ class QueuedCommunicator final : public Communicator {
     check_reduce_op(op, o.op, x);
     ReduceOp rop = o.op;
     int n = size();
-    return enqueue(op, o.timeout, x.nbytes(), [t = transport(), x, rop, n] {
+    return enqueue(op, o.timeout, x.nbytes(), nbytes(x) * 2 * (n - 1) / n, [t = transport(), x, rop, n] {
       t->all_reduce(x, rop == ReduceOp::AVG ? ReduceOp::SUM : rop);
       if (rop == ReduceOp::AVG) x.div_(n);
     });
@@ -290,7 +295,7 @@ class QueuedCommunicator final : public Communicator {
     const CommOp op = CommOp::kBroadcast;
     check_tensor(op, x, "tensor");
     check_peer(op, root, "root", /*allow_self=*/true);
-    return enqueue(op, o.timeout, x.nbytes(), [t = transport(), x, root] {
+    return enqueue(op, o.timeout, x.nbytes(), nbytes(x) * (size() - 1) / size(), [t = transport(), x, root] {
       t->broadcast(x, root);
     });
   }
@@ -328,7 +333,8 @@ class QueuedCommunicator final : public Communicator {
         out_counts.push_back(o.output_split_sizes[i] * row);
       }
     }
-    return enqueue(op, o.timeout, in.nbytes(), [t = transport(), out, in, out_counts, in_counts, equal_splits] {
+    const int64_t to_others = (in.numel() - in_counts[static_cast<size_t>(rank())]) * in.element_size();
+    return enqueue(op, o.timeout, in.nbytes(), to_others, [t = transport(), out, in, out_counts, in_counts, equal_splits] {
       t->all_to_all(out, in, out_counts, in_counts, equal_splits);
     });
   }
@@ -340,7 +346,7 @@ class QueuedCommunicator final : public Communicator {
     HP_CHECK(o.tag >= 0 && o.tag < (1 << 20), where(op), "tag ", o.tag,
              " out of range [0, 1048576)");
     int tag = o.tag;
-    return enqueue(op, o.timeout, x.nbytes(), [t = transport(), x, dst, tag] {
+    return enqueue(op, o.timeout, x.nbytes(), nbytes(x), [t = transport(), x, dst, tag] {
       t->send(x, dst, tag);
     });
   }
@@ -352,16 +358,17 @@ class QueuedCommunicator final : public Communicator {
     HP_CHECK(o.tag >= 0 && o.tag < (1 << 20), where(op), "tag ", o.tag,
              " out of range [0, 1048576)");
     int tag = o.tag;
-    return enqueue(op, o.timeout, x.nbytes(), [t = transport(), x, src, tag] {
+    return enqueue(op, o.timeout, x.nbytes(), 0, [t = transport(), x, src, tag] {
       t->recv(x, src, tag);
     });
   }
 
   Work batch_send_recv(std::vector<P2POp> ops, const CollectiveOptions& o) override {
     const CommOp op = CommOp::kBatchSendRecv;
-    int64_t bytes = 0;
+    int64_t bytes = 0, sent = 0;
     for (const auto& x : ops) {
       const bool send = x.kind == P2POp::kSend;
+      if (send) sent += nbytes(x.tensor);
       check_tensor(op, x.tensor, send ? "send tensor" : "receive tensor");
       check_peer(op, x.peer, send ? "destination" : "source", /*allow_self=*/false);
       HP_CHECK(x.tag >= 0 && x.tag < 32768, where(op), "tag ", x.tag, " out of range [0, 32768)");
@@ -375,24 +382,24 @@ class QueuedCommunicator final : public Communicator {
                where(op), "two ", ops[i].kind == P2POp::kSend ? "sends to" : "receives from", " rank ", ops[i].peer,
                " with tag ", ops[i].tag, " in one batch (their matching would be ambiguous)");
     }
-    return enqueue(op, o.timeout, bytes, [t = transport(), ops = std::move(ops)] {
+    return enqueue(op, o.timeout, bytes, sent, [t = transport(), ops = std::move(ops)] {
       if (!ops.empty()) t->batch_send_recv(ops);
     });
   }
 
   Work barrier(const CollectiveOptions& o) override {
-    return enqueue(CommOp::kBarrier, o.timeout, 0, [t = transport()] { t->barrier(); });
+    return enqueue(CommOp::kBarrier, o.timeout, 0, 0, [t = transport()] { t->barrier(); });
   }
 
   CommPtr split(int color, int key, const CommOptions& o) override {
     auto result = std::make_shared<std::unique_ptr<Transport>>();
-    enqueue(CommOp::kSplit, o.timeout, 0, [t = transport(), result, color, key] {
+    enqueue(CommOp::kSplit, o.timeout, 0, 0, [t = transport(), result, color, key] {
       *result = t->split(color, key);
     }).wait();
     if (!*result) return nullptr;
     std::string name = o.name.empty() ? str_cat(cs_->name, "/split", color) : o.name;
     return make_queued_communicator(std::move(*result), name,
-                                    CommOptions{o.timeout.count() > 0 ? o.timeout : timeout_, name});
+                                    CommOptions{o.timeout.count() > 0 ? o.timeout : timeout_, name}, account_);
   }
 
   CommPtr new_group(const std::vector<int>& ranks, const CommOptions& o) override {
@@ -408,7 +415,7 @@ class QueuedCommunicator final : public Communicator {
     HP_CHECK(member, where(op), "this rank (", rank(),
              ") is not in the rank list: only the listed ranks call new_group");
     auto result = std::make_shared<std::unique_ptr<Transport>>();
-    enqueue(op, o.timeout, 0, [t = transport(), result, ranks] {
+    enqueue(op, o.timeout, 0, 0, [t = transport(), result, ranks] {
       *result = t->create_group(ranks);
     }).wait();
     std::string name = o.name;
@@ -418,7 +425,7 @@ class QueuedCommunicator final : public Communicator {
       name += "]";
     }
     return make_queued_communicator(std::move(*result), name,
-                                    CommOptions{o.timeout.count() > 0 ? o.timeout : timeout_, name});
+                                    CommOptions{o.timeout.count() > 0 ? o.timeout : timeout_, name}, account_);
   }
 
  private:
@@ -475,7 +482,8 @@ class QueuedCommunicator final : public Communicator {
              t.size(0));
   }
 
-  Work enqueue(CommOp op, Timeout timeout, int64_t bytes, std::function<void()> fn) {
+  // `bytes`: the op's size for the trace; `sent`: what this rank sends (traffic()).
+  Work enqueue(CommOp op, Timeout timeout, int64_t bytes, int64_t sent, std::function<void()> fn) {
     HP_CHECK(timeout.count() >= 0, where(op), "timeout ", timeout.count(), " ms is negative");
     auto ws = std::make_shared<WorkState>();
     ws->op = op;
@@ -490,6 +498,10 @@ class QueuedCommunicator final : public Communicator {
     HP_CHECK(!cs_->stop, where(op), "the communicator was shut down (hp::finalize ran)");
     if (!cs_->worker.joinable()) cs_->worker = std::thread(worker_loop, cs_);
     cs_->transport->on_enqueue();
+    if (op != CommOp::kSplit && op != CommOp::kNewGroup) {
+      account_->ops.fetch_add(1, std::memory_order_relaxed);
+      account_->bytes_sent.fetch_add(sent, std::memory_order_relaxed);
+    }
     cs_->queue.push_back(ws);
     cs_->enqueued.fetch_add(1);
     cs_->work_cv.notify_one();
@@ -498,6 +510,7 @@ class QueuedCommunicator final : public Communicator {
 
   std::shared_ptr<CommShared> cs_;
   Timeout timeout_;
+  std::shared_ptr<TrafficAccount> account_;
   std::vector<int> world_ranks_;
   std::string backend_;
 };
@@ -505,7 +518,7 @@ class QueuedCommunicator final : public Communicator {
 }  // namespace
 
 CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string& name,
-                                 const CommOptions& o) {
+                                 const CommOptions& o, std::shared_ptr<TrafficAccount> account) {
   Timeout timeout = o.timeout;
   if (timeout.count() <= 0) {
     double s = env::get_double("HP_COMM_TIMEOUT_S");
@@ -517,7 +530,8 @@ CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string
     std::lock_guard<std::mutex> g(wrapper_mu());
     if (wrapper()) t = wrapper()(std::move(t), name);
   }
-  return std::make_shared<QueuedCommunicator>(std::move(t), name, timeout);
+  if (!account) account = std::make_shared<TrafficAccount>();
+  return std::make_shared<QueuedCommunicator>(std::move(t), name, timeout, std::move(account));
 }
 
 TransportWrapper set_transport_wrapper(TransportWrapper w) {

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -181,9 +182,17 @@ std::unique_ptr<Transport> make_simulated_transport(std::unique_ptr<Transport> i
 using TransportWrapper = std::function<std::unique_ptr<Transport>(std::unique_ptr<Transport>, const std::string& name)>;
 TransportWrapper set_transport_wrapper(TransportWrapper w);
 
-// Wraps a transport in the queued, validated, traced Communicator.
+// The account of a communicator's traffic (Communicator::traffic), shared with the groups
+// split or made from it.
+struct TrafficAccount {
+  std::atomic<int64_t> ops{0};
+  std::atomic<int64_t> bytes_sent{0};
+};
+
+// Wraps a transport in the queued, validated, traced Communicator. `account`: the parent's
+// for a split or group; null for a world (a new account).
 CommPtr make_queued_communicator(std::unique_ptr<Transport> t, const std::string& name,
-                                 const CommOptions& o);
+                                 const CommOptions& o, std::shared_ptr<TrafficAccount> account = nullptr);
 
 std::unique_ptr<Transport> make_local_transport();
 #if HP_HAVE_MPI

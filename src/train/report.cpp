@@ -166,7 +166,9 @@ void MetricsLog::finish() {
 void MetricsLog::step(const StepStats& s, double ref_loss) {
   f_ << "{\"step\":" << s.step << ",\"loss\":" << json_number(s.loss) << ",\"lr\":" << json_number(s.lr)
      << ",\"grad_norm\":" << json_number(s.grad_norm) << ",\"step_time_s\":" << json_number(s.step_time_s)
-     << ",\"tokens_per_s\":" << json_number(s.tokens_per_s) << ",\"peak_bytes\":" << s.peak_bytes;
+     << ",\"tokens_per_s\":" << json_number(s.tokens_per_s) << ",\"peak_bytes\":" << s.peak_bytes
+     << ",\"optimizer_time_s\":" << json_number(s.optimizer_time_s) << ",\"comm_bytes\":" << s.comm_bytes
+     << ",\"optimizer_comm_bytes\":" << s.optimizer_comm_bytes;
   if (!std::isnan(ref_loss)) f_ << ",\"reference_loss\":" << json_number(ref_loss);
   if (!s.expert_load.empty()) {
     f_ << ",\"expert_load\":[";
@@ -316,11 +318,17 @@ std::string LossComparison::line(int64_t count, const std::string& what, const s
 }
 
 std::string summary_line(const TrainSummary& s) {
-  char buf[512];
-  std::snprintf(buf, sizeof buf, "done: %lld steps in %s | loss %.4f -> %.4f | %s tok/s | peak %s per rank",
+  char buf[640];
+  const int64_t steps = std::max<int64_t>(1, s.steps);
+  const double rest = s.seconds - s.optimizer_seconds;
+  std::snprintf(buf, sizeof buf,
+                "done: %lld steps in %s | loss %.4f -> %.4f | %s tok/s | peak %s per rank | optimizer step %.1f%% of "
+                "the rest | sent %s/step (optimizer %s)",
                 static_cast<long long>(s.steps), format_duration(s.seconds).c_str(),
                 s.losses.empty() ? 0.0 : s.losses.front(), s.losses.empty() ? 0.0 : s.losses.back(),
-                format_rate(s.tokens_per_s).c_str(), format_bytes(s.peak_bytes).c_str());
+                format_rate(s.tokens_per_s).c_str(), format_bytes(s.peak_bytes).c_str(),
+                rest > 0 ? 100.0 * s.optimizer_seconds / rest : 0.0, format_bytes(s.comm_bytes / steps).c_str(),
+                format_bytes(s.optimizer_comm_bytes / steps).c_str());
   return buf;
 }
 

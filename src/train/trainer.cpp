@@ -232,6 +232,7 @@ StepStats Trainer::step() {
   const TrainConfig& c = s.c;
   memory::reset_peak(s.device);
   const auto t0 = Clock::now();
+  const CommTraffic sent_start = s.world->traffic();
   double loss_sum = 0;  // of the micro-batches' mean losses (on this data-parallel rank)
   std::vector<at::Tensor> batches;
   for (int64_t j = 0; j < c.micro_batch_num; ++j) {
@@ -283,6 +284,8 @@ StepStats Trainer::step() {
   check_finite(st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
+  const auto t_opt = Clock::now();
+  const CommTraffic sent_opt = s.world->traffic();
   if (s.master) {
     set_lr(s.master->inner(), c, st.lr);
     s.master->step();
@@ -292,6 +295,11 @@ StepStats Trainer::step() {
     s.opt->step();
     s.opt->zero_grad();
   }
+  const CommTraffic sent_end = s.world->traffic();
+  // A device runs the step's kernels after they are queued: wait for them (a scalar read
+  // back waits for the stream) so the time is the step's, not its launches'.
+  if (!s.device.is_cpu()) (void)at::zeros({1}, at::TensorOptions(at::kFloat).device(s.device)).item<float>();
+  const double opt_secs = std::chrono::duration<double>(Clock::now() - t_opt).count();
   if (s.model) s.model->after_step(s.routing);
   for (auto& m : s.stages) m->after_step(s.routing);
 
@@ -301,13 +309,17 @@ StepStats Trainer::step() {
   // The slowest rank's time, the largest peak and, per MoE block, its experts' load (known
   // on the ranks holding the block, 0 elsewhere): one MAX over the world.
   const int64_t L = c.model->routed_experts() > 0 ? c.model->layers() : 0;
-  std::vector<double> figures(static_cast<size_t>(2 + 3 * L), 0.0);
+  constexpr size_t kFigures = 5;  // then 3 per MoE block
+  std::vector<double> figures(kFigures + static_cast<size_t>(3 * L), 0.0);
   figures[0] = secs;
   figures[1] = static_cast<double>(memory::peak_bytes(s.device));
+  figures[2] = opt_secs;
+  figures[3] = static_cast<double>(s.world->traffic().bytes_sent - sent_start.bytes_sent);
+  figures[4] = static_cast<double>(sent_end.bytes_sent - sent_opt.bytes_sent);
   auto add_load = [&](const TrainModel& m) {
     for (const models::ExpertLoad& e : m.expert_load()) {
       HP_INTERNAL_ASSERT(e.layer >= 0 && e.layer < L, "expert load of layer ", e.layer, " in a model of ", L);
-      const auto first = static_cast<size_t>(2 + 3 * e.layer);
+      const auto first = kFigures + static_cast<size_t>(3 * e.layer);
       figures[first] = e.tokens.max().item<double>();
       figures[first + 1] = e.tokens.mean().item<double>();
       figures[first + 2] = e.dropped / std::max(1.0, e.tokens.sum().item<double>());
@@ -320,12 +332,16 @@ StepStats Trainer::step() {
   worst = worst.cpu();
   const double* w = worst.data_ptr<double>();
   for (int64_t l = 0; l < L; ++l) {
-    if (w[3 + 3 * l] > 0) st.expert_load.push_back({l, w[2 + 3 * l], w[3 + 3 * l], w[4 + 3 * l]});
+    const double* e = w + kFigures + 3 * l;
+    if (e[1] > 0) st.expert_load.push_back({l, e[0], e[1], e[2]});
   }
   st.loss = loss.item<double>();
   check_finite(st.step, "loss", st.loss);
   st.step_time_s = w[0];
   st.peak_bytes = static_cast<int64_t>(w[1]);
+  st.optimizer_time_s = w[2];
+  st.comm_bytes = static_cast<int64_t>(w[3]);
+  st.optimizer_comm_bytes = static_cast<int64_t>(w[4]);
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
   ++s.steps;
   return st;
@@ -387,6 +403,9 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
     out.seconds += st.step_time_s;
     if (out.steps++ == 0) first_s = st.step_time_s;
     out.peak_bytes = std::max(out.peak_bytes, st.peak_bytes);
+    out.optimizer_seconds += st.optimizer_time_s;
+    out.comm_bytes += st.comm_bytes;
+    out.optimizer_comm_bytes += st.optimizer_comm_bytes;
     if (cb.on_step) cb.on_step(st);
     if (eval_due(c, st.step)) {
       out.evals.push_back(evaluate());

@@ -536,6 +536,57 @@ TEST(Communicator, SplitByColorOrderedByKey) {
   EXPECT_EQ(x[0].item<int64_t>(), members.front());
 }
 
+// traffic(): each op's bytes worked out by hand from its sizes (fp32, 4 bytes an element),
+// counted on the world and on a group split from it, which share the account.
+TEST(Communicator, TrafficCountsWhatThisRankSends) {
+  auto w = world();
+  const int n = w->size(), r = w->rank();
+  const hp::CommTraffic before = w->traffic();
+  int64_t want = 0;
+  // all_gather of 6 elements a rank: (n - 1) x 24 bytes.
+  w->all_gather(at::zeros({6 * n}), at::zeros({6})).wait();
+  want += (n - 1) * 24;
+  // reduce_scatter of 12n elements: (n - 1)/n of 48n bytes.
+  w->reduce_scatter(at::zeros({12}), at::zeros({12 * n})).wait();
+  want += (n - 1) * 48;
+  // all_reduce of 10n elements: 2 (n - 1)/n of 40n bytes.
+  w->all_reduce(at::zeros({10 * n})).wait();
+  want += 2 * (n - 1) * 40;
+  // broadcast of 5n elements: (n - 1)/n of 20n bytes.
+  w->broadcast(at::zeros({5 * n}), 0).wait();
+  want += (n - 1) * 20;
+  // all_to_all: rank r sends r + j + 1 rows of 2 to rank j; its own rows stay.
+  hp::AllToAllOptions o;
+  int64_t in_rows = 0, out_rows = 0;
+  for (int j = 0; j < n; ++j) {
+    o.input_split_sizes.push_back(r + j + 1);
+    o.output_split_sizes.push_back(j + r + 1);
+    in_rows += r + j + 1;
+    out_rows += j + r + 1;
+    if (j != r) want += (r + j + 1) * 2 * 4;
+  }
+  w->all_to_all(at::zeros({out_rows, 2}), at::zeros({in_rows, 2}), o).wait();
+  w->barrier().wait();
+  int64_t ops = 6;
+  if (n > 1) {  // a ring: 3 elements to the next rank, 7 from the previous
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    std::vector<hp::P2POp> p2p = {{hp::P2POp::kSend, at::zeros({3}), next, 0},
+                                  {hp::P2POp::kRecv, at::zeros({3}), prev, 0}};
+    w->batch_send_recv(p2p).wait();
+    want += 12;
+    ++ops;
+  }
+  // A split group of the even and of the odd ranks, all_gather of 4 elements.
+  hp::CommPtr g = w->split(r % 2, r);
+  g->all_gather(at::zeros({4 * g->size()}), at::zeros({4})).wait();
+  want += (g->size() - 1) * 16;
+  ++ops;
+  const hp::CommTraffic after = w->traffic();
+  EXPECT_EQ(after.bytes_sent - before.bytes_sent, want);
+  EXPECT_EQ(after.ops - before.ops, ops);
+  EXPECT_EQ(g->traffic().bytes_sent, after.bytes_sent);
+}
+
 TEST(Communicator, RejectsBadInputBeforeSending) {
   auto w = world();
   const int n = w->size(), r = w->rank();

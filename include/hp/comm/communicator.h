@@ -81,6 +81,12 @@ struct CommOptions {
   std::string simulated_network = {};
 };
 
+// What one rank has sent over a communicator (Communicator::traffic).
+struct CommTraffic {
+  int64_t ops = 0;         // ops issued: collectives, point-to-point, barriers (not split, new_group)
+  int64_t bytes_sent = 0;  // bytes this rank sends to other ranks (below)
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -106,6 +112,15 @@ class Communicator {
   // The world rank of each member, indexed by rank in this communicator.
   virtual const std::vector<int>& world_ranks() const = 0;
   virtual Timeout default_timeout() const = 0;
+  // What this rank has sent on this communicator and on every group split or made from it
+  // (they share one account), counted as each op is issued (one that later fails counts
+  // too). The bytes are those this rank puts on its links under the bandwidth-optimal
+  // algorithms over a group of n: all_gather (n-1) x its input; reduce_scatter (n-1)/n of
+  // its input; all_reduce 2 (n-1)/n of the tensor; broadcast (n-1)/n of it (a chain's n-1
+  // forwards shared out over the ranks); all_to_all the rows it sends to other ranks; send
+  // and batch_send_recv's sends their tensors; recv and barrier none. A group of one sends
+  // nothing. A trainer reads it before and after a phase for that phase's bytes.
+  virtual CommTraffic traffic() const = 0;
 
   // out (size() * in.numel() elements, rank i's input at offset i * in.numel()).
   virtual Work all_gather(at::Tensor out, at::Tensor in, const CollectiveOptions& o = {}) = 0;

@@ -42,7 +42,10 @@ struct LossComparison {
   std::string line(int64_t count, const std::string& what, const std::string& unit) const;
 };
 
-// "done: 6 steps in 0:03 | loss 5.5588 -> 5.1116 | 19.3k tok/s | peak 20.1 MiB per rank"
+// "done: 6 steps in 0:03 | loss 5.5588 -> 5.1116 | 19.3k tok/s | peak 20.1 MiB per rank |
+// optimizer step 4.2% of the rest | sent 1.3 MiB/step (optimizer 0 B)": the optimizer's time
+// against the rest of the steps' (forward, backward, gradient norm), and the bytes the most
+// sending rank sent per step, in all and in the optimizer's step.
 std::string summary_line(const TrainSummary& s);
 
 // One JSON object per line: every step's figures (with "expert_load": [{"layer",

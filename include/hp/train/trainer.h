@@ -73,6 +73,12 @@ struct StepStats {
   double step_time_s = 0;     // slowest rank
   double tokens_per_s = 0;    // global batch tokens / step_time_s
   int64_t peak_bytes = 0;     // largest tensor-memory peak over ranks
+  double optimizer_time_s = 0;       // the optimizer's step (its communication included), slowest rank
+  // Bytes sent per rank (Communicator::traffic), the most any rank sent: in the whole step
+  // (gathers, reductions, pipeline and expert exchanges, the optimizer's), and in the
+  // optimizer's step alone (Muon's owner or gather exchanges; AdamW sends nothing).
+  int64_t comm_bytes = 0;
+  int64_t optimizer_comm_bytes = 0;
   // Per MoE block (a model with routed experts): the tokens its busiest routed expert got
   // this step and the mean over its experts, summed over the data-parallel ranks (the load
   // the balancing bias steers by). max / mean is the imbalance: 1 when perfectly even.
@@ -143,6 +149,9 @@ struct TrainSummary {
   double seconds = 0;        // their step times summed (each the slowest rank's)
   double tokens_per_s = 0;   // after the first step (allocations and caches warming up); one step: that one
   int64_t peak_bytes = 0;    // largest tensor-memory peak of any step on any rank
+  double optimizer_seconds = 0;    // the steps' optimizer_time_s summed
+  int64_t comm_bytes = 0;           // the steps' comm_bytes summed
+  int64_t optimizer_comm_bytes = 0; // ... and their optimizer_comm_bytes
   std::vector<double> losses;
   std::vector<EvalStats> evals;
   // A run stopped through stop_requested: the largest value any rank asked with, the
