@@ -6,8 +6,13 @@ Usage: scripts/compare_runs.py OUT.svg LABEL=RUN_DIR [LABEL=RUN_DIR ...] [--titl
 Each RUN_DIR holds an hp-train run's metrics.jsonl. Its training loss is drawn as a line (the
 mean of the last N steps with --smooth N, default 1: as logged), its validation losses as
 dots on a line of the same colour. Prints each run's last training loss (smoothed) and
-last validation loss. Lines that are not JSON objects with a "step" or "eval" record are
-skipped; a run without any step is an error naming its file.
+last validation loss; where the metrics have them, its median step time, optimizer step
+time (and its share of the rest of the step) and bytes sent per step, each over the steps
+after the first; and for every run after the first, the step at which its validation loss
+first reaches the first run's last one (linear between validations), as a fraction of the
+first run's steps: the share of its tokens needed for that loss at the same batch. Lines
+that are not JSON objects with a "step" or "eval" record are skipped; a run without any
+step is an error naming its file.
 """
 import json
 import math
@@ -17,8 +22,12 @@ import sys
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 
+FIGURES = ("step_time_s", "optimizer_time_s", "comm_bytes", "optimizer_comm_bytes")
+
+
 def read_run(path):
     steps, evals = [], []
+    figures = {k: [] for k in FIGURES}
     name = os.path.join(path, "metrics.jsonl")
     try:
         with open(name) as f:
@@ -31,13 +40,48 @@ def read_run(path):
                     continue
                 if "step" in j and isinstance(j.get("loss"), (int, float)):
                     steps.append((int(j["step"]), float(j["loss"])))
+                    for k in FIGURES:
+                        if isinstance(j.get(k), (int, float)) and int(j["step"]) > 1:
+                            figures[k].append(float(j[k]))
                 elif isinstance(j.get("eval"), dict) and isinstance(j["eval"].get("loss"), (int, float)):
                     evals.append((int(j["eval"]["step"]), float(j["eval"]["loss"])))
     except OSError as e:
         sys.exit("compare_runs.py: cannot read %s: %s" % (name, e.strerror))
     if not steps:
         sys.exit("compare_runs.py: %s holds no training step" % name)
-    return steps, evals
+    return steps, evals, figures
+
+
+def median(v):
+    v = sorted(v)
+    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
+
+
+def describe_figures(f):
+    """The step's time, the optimizer's and the bytes, or "" where the metrics lack them."""
+    out = []
+    if f["step_time_s"]:
+        out.append("median step %.1f ms" % (1e3 * median(f["step_time_s"])))
+    if f["optimizer_time_s"] and len(f["optimizer_time_s"]) == len(f["step_time_s"]):
+        share = [o / (t - o) for o, t in zip(f["optimizer_time_s"], f["step_time_s"]) if t > o]
+        out.append("optimizer step %.1f ms (%.1f%% of the rest)" % (1e3 * median(f["optimizer_time_s"]),
+                                                                   100 * median(share) if share else float("nan")))
+    if f["comm_bytes"]:
+        out.append("sent %.3f MiB/step (optimizer %.3f)" % (sum(f["comm_bytes"]) / len(f["comm_bytes"]) / 2**20,
+                                                            sum(f["optimizer_comm_bytes"]) / max(1, len(f["optimizer_comm_bytes"])) / 2**20))
+    return ", ".join(out)
+
+
+def first_reaching(evals, target):
+    """The step, linear between validations, at which `evals` first reaches `target`; None if never."""
+    prev = None
+    for k, v in evals:
+        if v <= target:
+            if prev is None or prev[1] == v:
+                return float(k)
+            return prev[0] + (k - prev[0]) * (prev[1] - target) / (prev[1] - v)
+        prev = (k, v)
+    return None
 
 
 def smooth(points, n):
@@ -79,8 +123,22 @@ def main(argv):
         sys.exit(__doc__)
     data = []
     for label, path in runs:
-        steps, evals = read_run(path)
+        steps, evals, figures = read_run(path)
         data.append((label, smooth(steps, n), evals))
+        text = describe_figures(figures)
+        if text:
+            print("%s: %s" % (label, text))
+    base_label, _, base_evals = data[0]
+    for label, s, e in data[1:]:
+        if not base_evals or not e:
+            continue
+        target, steps_done = base_evals[-1][1], base_evals[-1][0]
+        k = first_reaching(e, target)
+        if k is None:
+            print("%s: never reaches %s's last validation loss %.4f" % (label, base_label, target))
+        else:
+            print("%s: reaches %s's last validation loss %.4f at step %.0f of its %d: %.2f of the tokens" %
+                  (label, base_label, target, k, steps_done, k / steps_done))
     values = [v for _, s, e in data for _, v in s + e if math.isfinite(v)]
     steps = [k for _, s, e in data for k, _ in s + e]
     lo, hi = min(values), max(values)
