@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <algorithm>
 #include <cmath>
 
 #include "hp/core/error.h"
@@ -600,4 +601,35 @@ TEST(TrainConfig, ContextParallelErrors) {
       {"seq_length=20 over context_parallel=2 leaves 10 tokens per rank, not divisible by tensor_parallel=4"});
   EXPECT_EQ(validated({"context_parallel=2", "context_parallel_method=ulysses"}, 2).context_parallel_method,
             hp::cp::Method::kUlysses);
+}
+
+// The optimizer benchmark's model (BENCHMARKS.md, "Muon inside hp-train") is what the
+// benchmark says: its 74 Muon matrices, listed here from the config's sizes. Per layer MLA's
+// wq_a [q_lora, dim], wq_b [heads (nope + rope), q_lora], wkv_a [kv_lora + rope, dim],
+// wkv_b [heads (nope + v), kv_lora], wo [dim, heads v]; the dense block's w1, w3 [hidden,
+// dim] and w2 [dim, hidden]; each MoE block's 8 routed and 1 shared experts alike at hidden
+// 128, and its router [experts, dim].
+TEST(TrainConfig, TinyWideBenchmarkConfigHasItsMatrices) {
+  ht::TrainConfig c = ht::load_config(HP_SOURCE_DIR "/configs/deepseek_tiny_wide.yaml", {"optimizer=muon"});
+  c.validate(4);
+  std::vector<std::pair<int64_t, int64_t>> want;
+  for (int l = 0; l < 3; ++l) {
+    for (auto s : {std::pair<int64_t, int64_t>{128, 256}, {8 * 48, 128}, {96 + 16, 256}, {8 * 64, 96}, {256, 8 * 32}}) {
+      want.push_back(s);
+    }
+  }
+  for (auto s : {std::pair<int64_t, int64_t>{512, 256}, {512, 256}, {256, 512}}) want.push_back(s);
+  for (int l = 0; l < 2; ++l) {
+    for (int e = 0; e < 9; ++e) {
+      for (auto s : {std::pair<int64_t, int64_t>{128, 256}, {128, 256}, {256, 128}}) want.push_back(s);
+    }
+    want.emplace_back(8, 256);
+  }
+  std::vector<std::pair<int64_t, int64_t>> got = ht::muon_matrix_shapes(c);
+  std::sort(got.begin(), got.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(got, want);
+  int64_t elements = 0;
+  for (const auto& [r, k] : got) elements += r * k;
+  EXPECT_EQ(elements, 2842624);  // the startup line's "muon 74 matrices (2842624 parameters)"
 }
