@@ -222,13 +222,14 @@ int run(const Args& args, const hp::CommPtr& world) {
   // the start (a failure before the first save, or the first launch).
   const bool resuming = args.resume || (args.auto_resume && std::filesystem::exists(c.save_dir + "/latest"));
   std::string resumed_from;
+  ResumeReport report;
   if (resuming) {
     error.clear();
     std::string dir = args.resume_dir;
     try {
       dir = CheckpointManager::resolve(dir.empty() ? c.save_dir : dir);
       resumed_from = dir;
-      trainer.load(dir);
+      report = trainer.load(dir);
       HP_CHECK(trainer.steps_done() <= c.train_steps, "resume from ", dir, ": it is at step ", trainer.steps_done(),
                ", past train_steps=", c.train_steps);
     } catch (const std::exception& e) {
@@ -236,6 +237,7 @@ int run(const Args& args, const hp::CommPtr& world) {
     }
     if (!all_ok(world, error.empty(), error)) return 1;
     say("resumed from " + dir + " after step " + std::to_string(trainer.steps_done()));
+    if (const std::string line = resume_optimizer_line(report, c); !line.empty()) say(line);
     if (trainer.steps_done() == c.train_steps) {
       say("nothing to train: the checkpoint is at train_steps=" + std::to_string(c.train_steps) +
           "; no file was changed");

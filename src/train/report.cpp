@@ -332,4 +332,14 @@ std::string summary_line(const TrainSummary& s) {
   return buf;
 }
 
+std::string resume_optimizer_line(const ResumeReport& r, const TrainConfig& c) {
+  if (r.fresh_tensors == 0 && r.saved_optimizer == c.optimizer) return "";
+  std::ostringstream os;
+  os << "optimizer: " << to_string(r.saved_optimizer) << " in the checkpoint, " << to_string(c.optimizer)
+     << " in this config: " << r.fresh_tensors << " parameters (" << r.fresh_elements
+     << " elements) start a fresh optimizer state (theirs was the other optimizer's); " << r.kept_tensors
+     << " keep their state";
+  return os.str();
+}
+
 }  // namespace hp::train

@@ -248,6 +248,24 @@ Routed route(const TrainConfig& c) {
 
 }  // namespace
 
+namespace internal {
+
+std::vector<RoutedParam> routed_params(const TrainConfig& c) {
+  std::vector<RoutedParam> out;
+  if (c.optimizer == OptimizerKind::kAdamW) {
+    const auto model = make_model(c, /*deferred=*/true);
+    for (const auto& p : model->root().named_parameters()) {
+      if (p.value().requires_grad()) out.push_back({p.key(), p.value().numel(), false});
+    }
+    return out;
+  }
+  const Routed r = route(c);
+  for (size_t i = 0; i < r.named.size(); ++i) out.push_back({r.named[i].first, r.named[i].second.numel(), r.muon[i]});
+  return out;
+}
+
+}  // namespace internal
+
 std::vector<std::pair<int64_t, int64_t>> muon_matrix_shapes(const TrainConfig& c) {
   if (c.optimizer != OptimizerKind::kMuon) return {};
   const Routed r = route(c);

@@ -44,6 +44,14 @@ void check_finite(int64_t step, const char* what, double x);
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c,
                                                         const std::vector<std::pair<std::string, at::Tensor>>& named,
                                                         const std::vector<ShardSpec>* boxes, const CommPtr& world);
+// Every parameter of the whole model that requires grad, by name, with its element count
+// and whether the config's optimizer steps it with Muon (the trainer's routing).
+struct RoutedParam {
+  std::string name;
+  int64_t numel = 0;
+  bool muon = false;
+};
+std::vector<RoutedParam> routed_params(const TrainConfig& c);
 // The learning rate of the schedule (lr_at) for AdamW's groups; Muon's groups get muon_lr
 // scaled by the same factor (lr / lr of the config).
 void set_lr(torch::optim::Optimizer& opt, const TrainConfig& c, double lr);

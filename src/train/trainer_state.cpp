@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <set>
 
 #include "hp/ckpt/checkpoint.h"
@@ -196,7 +197,7 @@ void Trainer::save_async(const std::string& dir, std::function<void()> then) {
   });
 }
 
-void Trainer::load(const std::string& dir) {
+ResumeReport Trainer::load(const std::string& dir) {
   Impl& s = *impl_;
   // The saved settings first (the metadata alone): a changed model is named by its key,
   // not by the first tensor whose shape it changed.
@@ -219,9 +220,33 @@ void Trainer::load(const std::string& dir) {
   // The optimizer's state is of its kind: AdamW's moments, or Muon's momentum.
   auto saved_opt = values.find("optimizer");
   const std::string theirs_opt = saved_opt == values.end() ? "adamw" : saved_opt->second;  // before it was saved
-  HP_CHECK(theirs_opt == to_string(s.c.optimizer), "resume from ", dir, ": optimizer=", theirs_opt,
-           " in the checkpoint but optimizer=", to_string(s.c.optimizer),
-           " in this config (changing the optimizer on resume is not supported yet)");
+  ResumeReport report;
+  {
+    bool known = false;
+    for (const auto& [kind, name] : enum_names<OptimizerKind>()) {
+      if (theirs_opt == name) report.saved_optimizer = kind, known = true;
+    }
+    HP_CHECK(known, "resume from ", dir, ": optimizer=", theirs_opt, " in the checkpoint: not an optimizer hp-train knows");
+  }
+  // Which parameters' saved state is the other optimizer's (a switched optimizer, or a
+  // matrix routed the other way): those start their state afresh. Decided for the whole
+  // model alike on every rank, from the checkpoint's tensor names.
+  const std::map<std::string, ckpt::SavedTensor> saved_tensors = ckpt::saved_tensors(dir);
+  auto has = [&](const std::string& name) { return saved_tensors.count(name) > 0; };
+  std::set<std::string> fresh;
+  for (const internal::RoutedParam& p : internal::routed_params(s.c)) {
+    const char* mine = p.muon ? ".momentum" : ".exp_avg";
+    const char* other = p.muon ? ".exp_avg" : ".momentum";
+    if (has(p.name + mine)) {
+      ++report.kept_tensors;
+      continue;
+    }
+    HP_CHECK(has(p.name + other), "resume from ", dir, ": the checkpoint holds no optimizer state for '", p.name,
+             "' (neither ", p.name, ".momentum nor ", p.name, ".exp_avg)");
+    fresh.insert(p.name);
+    ++report.fresh_tensors;
+    report.fresh_elements += p.numel;
+  }
   // The counts next, each parsed whole and range-checked, before any state changes: the steps
   // fix the data position and the schedule, AdamW's counts its bias correction.
   const std::string mpath = ckpt::committed_dir(dir) + "/metadata.json";
@@ -253,6 +278,21 @@ void Trainer::load(const std::string& dir) {
   }
   int64_t unused = 0;
   auto items = state_items(s, &unused);
+  // A parameter starting afresh loads its value (and master) but not its optimizer state:
+  // state_items made it as the first step would (zeros).
+  if (!fresh.empty()) {
+    auto is_fresh_state = [&](const ckpt::Item& it) {
+      for (const char* suffix : {".momentum", ".exp_avg", ".exp_avg_sq"}) {
+        const size_t n = std::strlen(suffix);
+        if (it.name.size() > n && it.name.compare(it.name.size() - n, n, suffix) == 0 &&
+            fresh.count(it.name.substr(0, it.name.size() - n))) {
+          return true;
+        }
+      }
+      return false;
+    };
+    items.erase(std::remove_if(items.begin(), items.end(), is_fresh_state), items.end());
+  }
   {
     at::NoGradGuard ng;
     internal::HostStaging staged(items);
@@ -265,9 +305,11 @@ void Trainer::load(const std::string& dir) {
   size_t j = 0, k = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
     if (!s.params[i].requires_grad()) continue;
-    state_step(opt, muon, s.master ? s.master->masters()[j++] : s.params[i]) = param_steps[k++];
+    const int64_t n = param_steps[k++];
+    state_step(opt, muon, s.master ? s.master->masters()[j++] : s.params[i]) = fresh.count(s.names[i]) ? 0 : n;
     if (!s.master && values.count("grad_held." + s.names[i])) s.params[i].mutable_grad() = at::zeros_like(s.params[i]);
   }
+  return report;
 }
 
 

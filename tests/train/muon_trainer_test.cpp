@@ -22,6 +22,7 @@
 #include "hp/core/files.h"
 #include "hp/models/deepseek.h"
 #include "hp/runtime.h"
+#include "hp/train/report.h"
 #include "hp/train/trainer.h"
 
 namespace ht = hp::train;
@@ -88,8 +89,11 @@ struct Naive {
   int64_t muon_matrices = 0, muon_elements = 0, adamw_tensors = 0, adamw_elements = 0;
 };
 
-// The run in one process on the global batch, `steps` steps.
-Naive naive_run(const ht::TrainConfig& c, int64_t steps) {
+// The run in one process on the global batch, `steps` steps: the hidden matrices by Muon
+// under optimizer: muon, by AdamW under adamw, and the other way before step `switch_at`
+// (a run switched on resume: from then on the matrices' new optimizer starts from nothing,
+// while AdamW's state of the rest carries on).
+Naive naive_run(const ht::TrainConfig& c, int64_t steps, int64_t switch_at = 0) {
   Naive out;
   out.model = ht::make_model(c);
   auto data = ht::make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
@@ -116,6 +120,7 @@ Naive naive_run(const ht::TrainConfig& c, int64_t steps) {
   groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts(c.weight_decay)));
   groups.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(opts(0.0)));
   torch::optim::AdamW adamw(std::move(groups), opts(0));
+  torch::optim::AdamW adamw_matrices(muon, opts(c.weight_decay));  // the matrices under adamw
   std::vector<at::Tensor> momentum(muon.size());
   for (int64_t step = 0; step < steps; ++step) {
     for (auto& p : all) {
@@ -137,6 +142,13 @@ Naive naive_run(const ht::TrainConfig& c, int64_t steps) {
                                                : c.min_lr + (c.lr - c.min_lr) * 0.5 * (1 + std::cos(M_PI * progress));
     for (auto& g : adamw.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
     adamw.step();
+    const bool by_muon = (c.optimizer == ht::OptimizerKind::kMuon) == (step >= switch_at);
+    if (!by_muon) {
+      for (auto& g : adamw_matrices.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+      adamw_matrices.step();
+      out.model->after_step(nullptr);
+      continue;
+    }
     at::NoGradGuard ng;
     for (size_t i = 0; i < muon.size(); ++i) {
       at::Tensor& w = muon[i];
@@ -295,27 +307,56 @@ TEST(MuonTrainer, MomentumIsSavedAndResharded) {
     }
     EXPECT_LE(worst_param_difference(r, *naive.model, w), 1e-10);
   }
-  // An AdamW checkpoint under optimizer: muon: named, not loaded.
-  ht::TrainConfig adamw = c;
-  adamw.optimizer = ht::OptimizerKind::kAdamW;
-  const std::string adir = dir + "_adamw";
-  {
-    ht::Trainer t(adamw, w);
-    t.step();
-    t.save(adir);
+  if (w->rank() == 0) hp::files::remove_tree(dir);
+}
+
+// A run switched between the optimizers on resume, both ways: saved after 2 steps under one,
+// resumed under the other, against the same switch in one process (naive_run): every loss
+// and, after 4 steps, every parameter within 1e-10. The matrices' new optimizer starts from
+// nothing; AdamW's moments of the rest are the saved ones. The report counts the matrices
+// (fresh) and the rest (kept) as the test routes them.
+TEST(MuonTrainer, ResumeSwitchesTheOptimizer) {
+  auto w = hp::world();
+  for (const bool to_muon : {true, false}) {
+    SCOPED_TRACE(to_muon ? "adamw -> muon" : "muon -> adamw");
+    const std::string dir =
+        ::testing::TempDir() + "hp_muon_switch_" + std::to_string(w->size()) + (to_muon ? "_to_muon" : "_to_adamw");
+    ht::TrainConfig after = muon_config(Layout{"llama"}, w->size());
+    if (!to_muon) after.optimizer = ht::OptimizerKind::kAdamW;
+    ht::TrainConfig before = after;
+    before.optimizer = to_muon ? ht::OptimizerKind::kAdamW : ht::OptimizerKind::kMuon;
+    const Naive naive = naive_run(after, 4, /*switch_at=*/2);
+    {
+      ht::Trainer t(before, w);
+      for (int s = 0; s < 2; ++s) {
+        EXPECT_NEAR(t.step().loss, naive.losses[static_cast<size_t>(s)], 1e-10 * naive.losses[static_cast<size_t>(s)]);
+      }
+      t.save(dir);
+    }
+    ht::Trainer r(after, w);
+    const ht::ResumeReport report = r.load(dir);
+    EXPECT_EQ(report.saved_optimizer, before.optimizer);
+    EXPECT_EQ(report.fresh_tensors, naive.muon_matrices);
+    EXPECT_EQ(report.fresh_elements, naive.muon_elements);
+    EXPECT_EQ(report.kept_tensors, naive.adamw_tensors);
+    for (int s = 2; s < 4; ++s) {
+      EXPECT_NEAR(r.step().loss, naive.losses[static_cast<size_t>(s)], 1e-10 * naive.losses[static_cast<size_t>(s)])
+          << "step " << s + 1;
+    }
+    EXPECT_LE(worst_param_difference(r, *naive.model, w), 1e-10);
+    const std::string line = ht::resume_optimizer_line(report, after);
+    const std::string want = std::string("optimizer: ") + (to_muon ? "adamw" : "muon") + " in the checkpoint, " +
+                             (to_muon ? "muon" : "adamw") + " in this config: " + std::to_string(naive.muon_matrices) +
+                             " parameters (" + std::to_string(naive.muon_elements) + " elements)";
+    EXPECT_EQ(line.rfind(want, 0), 0u) << line << "\nwant: " << want;
+    w->barrier().wait();
+    if (w->rank() == 0) hp::files::remove_tree(dir);
   }
-  ht::Trainer m(c, w);
-  try {
-    m.load(adir);
-    ADD_FAILURE() << "an AdamW checkpoint was loaded under optimizer: muon";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("optimizer=adamw in the checkpoint but optimizer=muon"), std::string::npos)
-        << e.what();
-  }
-  if (w->rank() == 0) {
-    hp::files::remove_tree(dir);
-    hp::files::remove_tree(adir);
-  }
+  // Nothing changed: no line.
+  ht::TrainConfig c = muon_config(Layout{"llama"}, w->size());
+  ht::ResumeReport same;
+  same.saved_optimizer = c.optimizer;
+  EXPECT_EQ(ht::resume_optimizer_line(same, c), "");
 }
 
 // muon_* keys under optimizer: adamw are named, not ignored; bad Muon settings are named.

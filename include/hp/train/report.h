@@ -47,6 +47,10 @@ struct LossComparison {
 // against the rest of the steps' (forward, backward, gradient norm), and the bytes the most
 // sending rank sent per step, in all and in the optimizer's step.
 std::string summary_line(const TrainSummary& s);
+// After a resume whose optimizer state changed kind for some parameters ("" otherwise):
+// "optimizer: adamw in the checkpoint, muon in this config: 28 parameters (786432 elements)
+// start a fresh optimizer state (theirs was the other optimizer's); 12 keep their state".
+std::string resume_optimizer_line(const ResumeReport& r, const TrainConfig& c);
 
 // One JSON object per line: every step's figures (with "expert_load": [{"layer",
 // "tokens_max", "tokens_mean"}, ...] for a model with routed experts), each validation's

@@ -162,6 +162,16 @@ struct TrainSummary {
   std::string stop_saved;
 };
 
+// What Trainer::load found: the optimizer whose state the checkpoint holds, and the
+// parameters of the whole model whose optimizer state starts afresh because the checkpoint
+// holds the other optimizer's for them (none when nothing changed).
+struct ResumeReport {
+  OptimizerKind saved_optimizer = OptimizerKind::kAdamW;
+  int64_t fresh_tensors = 0;
+  int64_t fresh_elements = 0;
+  int64_t kept_tensors = 0;  // those whose saved state was loaded
+};
+
 class Trainer {
  public:
   // `world` must have data_parallel x data_parallel_shard ranks; `c` validated. `data`:
@@ -210,8 +220,15 @@ class Trainer {
   // settings. load(dir) restores them into this trainer, from a checkpoint of any layout
   // (resharded on load); training then continues exactly where the saved one stopped.
   // Raises naming the key for model settings that differ from the checkpoint's.
+  // A checkpoint of the other optimizer (adamw <-> muon), or with matrices routed the other
+  // way (muon_to_adamw, muon_to_muon), resumes too: each parameter keeps its saved optimizer
+  // state where its optimizer is the same (AdamW's moments of the token tables, norms and
+  // vectors under both), and one now stepped by the other optimizer starts that one's state
+  // afresh (Muon's momentum zero, or AdamW's moments zero at step 0), as its first step
+  // would; the report says how many (hp-train prints it). Parameters, masters, the data
+  // position and the schedule continue as saved.
   void save(const std::string& dir) const;
-  void load(const std::string& dir);
+  ResumeReport load(const std::string& dir);
   // The same save in the background: the state is copied now (training may change it right
   // after this returns), then written and committed by a thread of this trainer over its
   // own communicator, so training goes on meanwhile; `then` runs on that thread after the
