@@ -278,8 +278,8 @@ ResumeReport Trainer::load(const std::string& dir) {
   }
   int64_t unused = 0;
   auto items = state_items(s, &unused);
-  // A parameter starting afresh loads its value (and master) but not its optimizer state:
-  // state_items made it as the first step would (zeros).
+  // A parameter starting afresh loads its value (and master) but not its optimizer state
+  // (zeroed below).
   if (!fresh.empty()) {
     auto is_fresh_state = [&](const ckpt::Item& it) {
       for (const char* suffix : {".momentum", ".exp_avg", ".exp_avg_sq"}) {
@@ -306,7 +306,17 @@ ResumeReport Trainer::load(const std::string& dir) {
   for (size_t i = 0; i < s.params.size(); ++i) {
     if (!s.params[i].requires_grad()) continue;
     const int64_t n = param_steps[k++];
-    state_step(opt, muon, s.master ? s.master->masters()[j++] : s.params[i]) = fresh.count(s.names[i]) ? 0 : n;
+    const at::Tensor& stepped = s.master ? s.master->masters()[j++] : s.params[i];
+    if (fresh.count(s.names[i])) {  // as its first step would find it, whatever this trainer did before
+      at::NoGradGuard ng;
+      if (muon.count(stepped.unsafeGetTensorImpl())) {
+        static_cast<optim::Muon&>(opt).muon_state(stepped).momentum_buffer().zero_();
+      } else {
+        adamw_state(opt, stepped).exp_avg().zero_();
+        adamw_state(opt, stepped).exp_avg_sq().zero_();
+      }
+    }
+    state_step(opt, muon, stepped) = fresh.count(s.names[i]) ? 0 : n;
     if (!s.master && values.count("grad_held." + s.names[i])) s.params[i].mutable_grad() = at::zeros_like(s.params[i]);
   }
   return report;

@@ -311,8 +311,9 @@ TEST(MuonTrainer, MomentumIsSavedAndResharded) {
 }
 
 // A run switched between the optimizers on resume, both ways: saved after 2 steps under one,
-// resumed under the other, against the same switch in one process (naive_run): every loss
-// and, after 4 steps, every parameter within 1e-10. The matrices' new optimizer starts from
+// resumed under the other (into a trainer that has stepped once already), against the same
+// switch in one process (naive_run): every loss and, after 4 steps, every parameter within
+// 1e-10. The matrices' new optimizer starts from
 // nothing; AdamW's moments of the rest are the saved ones. The report counts the matrices
 // (fresh) and the rest (kept) as the test routes them.
 TEST(MuonTrainer, ResumeSwitchesTheOptimizer) {
@@ -334,6 +335,7 @@ TEST(MuonTrainer, ResumeSwitchesTheOptimizer) {
       t.save(dir);
     }
     ht::Trainer r(after, w);
+    r.step();  // a trainer that has state of its own already: the load replaces all of it
     const ht::ResumeReport report = r.load(dir);
     EXPECT_EQ(report.saved_optimizer, before.optimizer);
     EXPECT_EQ(report.fresh_tensors, naive.muon_matrices);
