@@ -470,7 +470,6 @@ at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k, 
   plan->rank = rank();
   plan->q_runs = split.runs(rank());
   for (int r = 0; r < cp; ++r) plan->k_runs.push_back(split.runs(r));
-  if (cp == 1) plan->k_runs = {split.runs(0)};
   plan->mask = mask;
   plan->scale = s;
   plan->stats = stats_;
