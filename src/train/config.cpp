@@ -232,6 +232,7 @@ void TrainConfig::validate(int world_size) {
     unset.muon_ns_steps = d.muon_ns_steps;
     unset.muon_ns_dtype = d.muon_ns_dtype;
     unset.muon_update_scale = d.muon_update_scale;
+    unset.muon_update_rms = d.muon_update_rms;
     unset.muon_scheme = d.muon_scheme;
     unset.muon_to_adamw = d.muon_to_adamw;
     unset.muon_to_muon = d.muon_to_muon;
@@ -243,6 +244,9 @@ void TrainConfig::validate(int world_size) {
     }
   }
   if (muon_lr < 0) muon_lr = lr;
+  HP_CHECK(muon_update_scale == optim::MuonScale::kRms || !given.count("muon_update_rms"), s, ": muon_update_rms=",
+           muon_update_rms, " is given but muon_update_scale=", to_string(muon_update_scale),
+           " (it is the rms scale's target)");
   if (muon_weight_decay < 0) muon_weight_decay = weight_decay;
   HP_CHECK(muon_ns_dtype == at::kBFloat16 || muon_ns_dtype == at::kFloat || muon_ns_dtype == at::kDouble, s,
            ": muon_ns_dtype=", muon_ns_dtype, " is not supported yet (bfloat16, float32 or float64)");
@@ -541,8 +545,9 @@ std::string describe(const TrainConfig& c) {
     os << "\noptimizer: muon for the hidden matrices (lr " << c.muon_lr << ", momentum " << c.muon_momentum
        << (c.muon_nesterov ? " nesterov" : "") << ", weight_decay " << c.muon_weight_decay << ", "
        << to_string(c.muon_ns_coefficients) << " x " << optim::ns_steps(c.muon_ns_coefficients, c.muon_ns_steps).size()
-       << " in " << c10::toString(c.muon_ns_dtype) << ", " << to_string(c.muon_update_scale) << " scale, "
-       << to_string(c.muon_scheme) << " scheme), adamw for the rest";
+       << " in " << c10::toString(c.muon_ns_dtype) << ", " << to_string(c.muon_update_scale) << " scale";
+    if (c.muon_update_scale == optim::MuonScale::kRms) os << " (update RMS " << c.muon_update_rms << ")";
+    os << ", " << to_string(c.muon_scheme) << " scheme), adamw for the rest";
   }
   return os.str();
 }

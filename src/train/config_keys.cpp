@@ -525,6 +525,10 @@ const std::vector<Key>& keys() {
         "rms: 0.2 sqrt(max(rows, cols)), an update of AdamW's RMS (its lr carries over); original: "
         "sqrt(max(1, rows / cols))",
         HP_FIELD(muon_update_scale)));
+    k.push_back(float_key("muon_update_rms",
+                          "with muon_update_scale: rms, the RMS of Muon's update (0.2: about AdamW's, so that its lr "
+                          "carries over; the scale is this x sqrt(max(rows, cols)))",
+                          HP_FIELD(muon_update_rms), positive));
     k.push_back(enum_key<optim::MuonScheme>(
         "muon_scheme",
         "owner: each whole matrix orthogonalized by one rank holding a piece of it, balanced by cost; "

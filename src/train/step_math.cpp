@@ -119,7 +119,8 @@ optim::MuonOptions muon_options(const TrainConfig& c) {
       .weight_decay(c.muon_weight_decay)
       .ns(optim::ns_steps(c.muon_ns_coefficients, c.muon_ns_steps))
       .ns_dtype(c.muon_ns_dtype)
-      .scale(c.muon_update_scale);
+      .scale(c.muon_update_scale)
+      .rms_target(c.muon_update_rms);
 }
 
 optim::MuonRouting muon_routing(const TrainConfig& c) {

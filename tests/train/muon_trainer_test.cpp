@@ -156,7 +156,10 @@ Naive naive_run(const ht::TrainConfig& c, int64_t steps, int64_t switch_at = 0) 
       const at::Tensor g = w.grad();
       momentum[i] = momentum[i].defined() ? 0.95 * momentum[i] + g : g.clone();
       const at::Tensor o = naive_newton_schulz(g + 0.95 * momentum[i]);
-      const double scale = 0.2 * std::sqrt(static_cast<double>(std::max(w.size(0), w.size(1))));
+      const auto rows = static_cast<double>(w.size(0)), cols = static_cast<double>(w.size(1));
+      const double scale = c.muon_update_scale == hp::optim::MuonScale::kOriginal
+                               ? std::sqrt(std::max(1.0, rows / cols))
+                               : c.muon_update_rms * std::sqrt(std::max(rows, cols));
       w.mul_(1 - lr * c.weight_decay).add_(o, -lr * scale);
     }
     out.model->after_step(nullptr);
@@ -271,6 +274,29 @@ TEST(MuonTrainer, ReportedBytesAreTheOwnerSchemes) {
   }
 }
 
+// The update scale's keys reach the optimizer: muon_update_scale: original (sqrt(max(1,
+// rows / cols))) and the rms scale at another target, each 3 steps under fully_shard over
+// the world against one process computing the scale from its own formula.
+TEST(MuonTrainer, UpdateScaleKeys) {
+  auto w = hp::world();
+  for (const std::string& set : {std::string("muon_update_scale=original"), std::string("muon_update_rms=0.35")}) {
+    SCOPED_TRACE(set);
+    ht::TrainConfig c = muon_config(Layout{"llama"}, w->size());
+    if (set == "muon_update_scale=original") {
+      c.muon_update_scale = hp::optim::MuonScale::kOriginal;
+    } else {
+      c.muon_update_rms = 0.35;
+    }
+    c.train_steps = 3;
+    const Naive naive = naive_run(c, 3);
+    ht::Trainer t(c, w);
+    for (int64_t s = 0; s < 3; ++s) {
+      EXPECT_NEAR(t.step().loss, naive.losses[static_cast<size_t>(s)], 1e-10 * naive.losses[static_cast<size_t>(s)]);
+    }
+    EXPECT_LE(worst_param_difference(t, *naive.model, w), 1e-10);
+  }
+}
+
 // Saved after 2 steps and resumed: at the same layout bitwise the run never stopped; under
 // another layout of the world (FSDP over every rank <-> tensor parallel 2) within 1e-10 of
 // one process (the reduction order differs).
@@ -378,6 +404,10 @@ TEST(MuonTrainer, ConfigErrors) {
   expect_error("optimizer: muon\nmuon_ns_dtype: float16\n", "muon_ns_dtype=Half is not supported yet");
   expect_error("optimizer: muon\nmuon_momentum: 1\n", "muon_momentum");
   expect_error("optimizer: sgd\n", "optimizer=sgd: expected one of: adamw, muon");
+  expect_error("muon_update_rms: 0.3\n", "muon_update_rms=0.3 is given but optimizer=adamw");
+  expect_error("optimizer: muon\nmuon_update_scale: original\nmuon_update_rms: 0.3\n",
+               "muon_update_rms=0.3 is given but muon_update_scale=original");
+  expect_error("optimizer: muon\nmuon_update_rms: 0\n", "muon_update_rms");
   ht::TrainConfig c = ht::parse_config("optimizer: muon\nlr: 0.004\nweight_decay: 0.2\n");
   c.validate(1);
   EXPECT_EQ(c.muon_lr, 0.004) << "muon_lr defaults to lr";

@@ -184,6 +184,7 @@ struct TrainConfig {
   int64_t muon_ns_steps = 0;      // 0: the schedule's own count
   at::ScalarType muon_ns_dtype = at::kBFloat16;
   optim::MuonScale muon_update_scale = optim::MuonScale::kRms;
+  double muon_update_rms = 0.2;   // the rms scale's target: the RMS of Muon's update
   optim::MuonScheme muon_scheme = optim::MuonScheme::kOwner;
   // Routing overrides (parameter-name patterns, `*` any run of characters): muon_to_adamw
   // sends matching matrices to AdamW besides the token tables; muon_to_muon takes matching
