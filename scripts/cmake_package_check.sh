@@ -33,9 +33,14 @@ cmake --build "$work/pkg" > "$work/pkg-build.log"
 run "$work/pkg/consumer"
 echo "find_package consumer: ok"
 
-cmake -S "$src/tests/consumer" -B "$work/sub" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+# Its build folder sits beside build/ (one level under the checkout, as build/ is), so that
+# ccache, with CCACHE_BASEDIR the checkout, sees the library's sources under the same
+# relative paths as the main build's and reuses its objects where the flags are the same.
+sub="$src/build-consumer-sub.$$"
+trap 'rm -rf "$work" "$sub"' EXIT
+cmake -S "$src/tests/consumer" -B "$sub" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DHP_CONSUMER_SUBDIR="$src" ${torch_prefix:+-DCMAKE_PREFIX_PATH="$torch_prefix"} ${nccl_root:+-DNCCL_ROOT="$nccl_root"} \
   > "$work/sub.log"
-cmake --build "$work/sub" --target consumer -j "${HP_BUILD_JOBS:-2}" > "$work/sub-build.log"
-run "$work/sub/consumer"
+cmake --build "$sub" --target consumer -j "${HP_BUILD_JOBS:-2}" > "$work/sub-build.log"
+run "$sub/consumer"
 echo "add_subdirectory consumer: ok"
