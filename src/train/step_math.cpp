@@ -252,16 +252,12 @@ Routed route(const TrainConfig& c) {
 namespace internal {
 
 std::vector<RoutedParam> routed_params(const TrainConfig& c) {
+  const Routed r = route(c);  // Muon's routing; under adamw every parameter is AdamW's
+  const bool muon = c.optimizer == OptimizerKind::kMuon;
   std::vector<RoutedParam> out;
-  if (c.optimizer == OptimizerKind::kAdamW) {
-    const auto model = make_model(c, /*deferred=*/true);
-    for (const auto& p : model->root().named_parameters()) {
-      if (p.value().requires_grad()) out.push_back({p.key(), p.value().numel(), false});
-    }
-    return out;
+  for (size_t i = 0; i < r.named.size(); ++i) {
+    out.push_back({r.named[i].first, r.named[i].second.numel(), muon && r.muon[i]});
   }
-  const Routed r = route(c);
-  for (size_t i = 0; i < r.named.size(); ++i) out.push_back({r.named[i].first, r.named[i].second.numel(), r.muon[i]});
   return out;
 }
 
