@@ -152,12 +152,33 @@ DeviceMesh::DeviceMesh(CommPtr world, std::vector<MeshDim> dims)
   }
 }
 
+DeviceMesh::DeviceMesh(CommPtr whole, std::vector<MeshDim> dims, std::vector<CommPtr> groups)
+    : world_(non_null(whole)), layout_(std::move(dims), world_->size()) {
+  HP_CHECK(static_cast<int>(groups.size()) == ndim(), "DeviceMesh view: ", groups.size(), " communicators for ", ndim(),
+           " dims");
+  for (int i = 0; i < ndim(); ++i) {
+    const CommPtr& g = groups[static_cast<size_t>(i)];
+    HP_CHECK(g != nullptr && g->size() == layout_.sizes()[i], "DeviceMesh view: dim '", layout_.names()[i], "' has size ",
+             layout_.sizes()[i], " but its communicator ", g ? detail::str_cat("has ", g->size(), " ranks") : "is null");
+    coords_.push_back(g->rank());
+    groups_[{i}] = g;
+  }
+  HP_CHECK(layout_.rank_at(coords_) == world_->rank(), "DeviceMesh view: rank ", world_->rank(),
+           " of the whole is not at its coordinates in the dims' communicators (not row-major over them)");
+  std::vector<int> all(static_cast<size_t>(ndim()));
+  for (int i = 0; i < ndim(); ++i) all[static_cast<size_t>(i)] = i;
+  groups_[all] = world_;
+}
+
 CommPtr DeviceMesh::group(const std::string& dim) const {
   return group(std::vector<std::string>{dim});
 }
 
 CommPtr DeviceMesh::group(const std::vector<std::string>& dims) const {
-  return groups_.at(layout_.dims_of(dims));
+  const auto it = groups_.find(layout_.dims_of(dims));
+  HP_CHECK(it != groups_.end(), "this DeviceMesh is a view with a communicator per dim and one over all of them; it has "
+           "none over the ", dims.size(), " dims asked for");
+  return it->second;
 }
 
 }  // namespace hp

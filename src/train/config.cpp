@@ -304,27 +304,25 @@ void TrainConfig::validate(int world_size) {
              ": pipeline_schedule=", schedule, " with recompute=", to_string(recompute),
              " is not supported yet (the weight gradients are taken from the forward's graph)");
   }
-  // Products checked step by step against the world size, so none can overflow.
-  auto layout_error = [&] {
-    return detail::str_cat(s, ": data_parallel=", data_parallel, " x data_parallel_shard=", data_parallel_shard,
-                           context_parallel > 1 ? detail::str_cat(" x context_parallel=", context_parallel) : "",
-                           " x tensor_parallel=", tensor_parallel, " x pipeline_parallel=", pipeline_parallel,
-                           " does not match the world of ", world_size, " ranks");
-  };
-  int64_t others = 1;
-  for (int64_t f : {data_parallel, context_parallel, tensor_parallel, pipeline_parallel}) {
-    HP_CHECK(f <= world_size / others, layout_error());
-    others *= f;
+  HP_CHECK(moe_dispatcher == ep::DispatcherKind::kAllToAll || expert_parallel > 1, s, ": moe_dispatcher=",
+           to_string(moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", expert_parallel, ")");
+  if (expert_parallel > 1) {
+    const int64_t ep = expert_parallel, experts = model->routed_experts();
+    HP_CHECK(experts > 0, s, ": expert_parallel=", ep, " needs a model with routed experts (model.type=",
+             model.family().name(), " has none)");
+    HP_CHECK(experts % ep == 0, s, ": expert_parallel=", ep, " does not divide the ", experts,
+             " routed experts (model.experts)");
+    // The EP group is tensor_parallel's ranks and ep / tensor_parallel of dp_shard x cp's
+    // (ParallelDims checks that they divide).
+    HP_CHECK(tensor_parallel == 1 || sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=",
+             tensor_parallel, " needs sequence_parallel=true (each tensor-parallel rank routes its piece of the ",
+             "sequence); without it is not supported yet");
   }
-  if (data_parallel_shard == -1) {
-    HP_CHECK(world_size % others == 0, s, ": data_parallel=", data_parallel,
-             context_parallel > 1 ? detail::str_cat(" x context_parallel=", context_parallel) : "",
-             " x tensor_parallel=", tensor_parallel,
-             " x pipeline_parallel=", pipeline_parallel, " = ", others, " does not divide the world size ", world_size,
-             " (so data_parallel_shard=-1 has no value)");
-    data_parallel_shard = world_size / others;
+  try {
+    data_parallel_shard = ParallelDims(degrees(), world_size).dp_shard();
+  } catch (const Error& e) {
+    throw Error(detail::str_cat(s, ": ", e.what()));
   }
-  HP_CHECK(data_parallel_shard <= world_size / others && others * data_parallel_shard == world_size, layout_error());
   if (reshard_after_forward_group_size > 0) {
     HP_CHECK(data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams, s, ": reshard_after_forward_group_size=",
              reshard_after_forward_group_size, " needs data_parallel_shard_strategy=optim_grads_params (",
@@ -356,33 +354,6 @@ void TrainConfig::validate(int world_size) {
     HP_CHECK(!sequence_parallel || (seq_length / cp) % tensor_parallel == 0, s, ": seq_length=", seq_length,
              " over context_parallel=", cp, " leaves ", seq_length / cp, " tokens per rank, not divisible by tensor_parallel=",
              tensor_parallel, " (sequence_parallel splits them)");
-  }
-  HP_CHECK(moe_dispatcher == ep::DispatcherKind::kAllToAll || expert_parallel > 1, s, ": moe_dispatcher=",
-           to_string(moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", expert_parallel, ")");
-  if (expert_parallel > 1) {
-    const int64_t ep = expert_parallel, experts = model->routed_experts();
-    HP_CHECK(experts > 0, s, ": expert_parallel=", ep, " needs a model with routed experts (model.type=",
-             model.family().name(), " has none)");
-    HP_CHECK(experts % ep == 0, s, ": expert_parallel=", ep, " does not divide the ", experts,
-             " routed experts (model.experts)");
-    // The ranks whose tokens differ inside a replica: dp_shard's, and cp's (each routes its
-    // own piece of the sequences); EP borrows from them.
-    const int64_t shard = data_parallel_shard * context_parallel;
-    const std::string shard_name =
-        context_parallel > 1 ? detail::str_cat("data_parallel_shard x context_parallel=", shard)
-                             : detail::str_cat("data_parallel_shard=", shard);
-    if (tensor_parallel == 1) {
-      HP_CHECK(shard % ep == 0, s, ": expert_parallel=", ep, " does not divide ", shard_name,
-               " (expert parallelism borrows those ranks)");
-    } else {
-      // The EP group is tensor_parallel's ranks and ep / tensor_parallel of dp_shard's.
-      HP_CHECK(sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=", tensor_parallel,
-               " needs sequence_parallel=true (each tensor-parallel rank routes its piece of the sequence); "
-               "without it is not supported yet");
-      HP_CHECK(ep % tensor_parallel == 0 && shard % (ep / tensor_parallel) == 0, s, ": expert_parallel=",
-               ep, " with tensor_parallel=", tensor_parallel, " must be tensor_parallel x a divisor of ", shard_name,
-               " (expert parallelism borrows the tensor-parallel ranks and those)");
-    }
   }
   HP_CHECK(!apply_grad_on_fp32_main_grad || accumulate_allreduce_grads_in_fp32, s,
            ": apply_grad_on_fp32_main_grad=true needs accumulate_allreduce_grads_in_fp32=true (an fp32 main gradient ",
@@ -433,56 +404,11 @@ void TrainConfig::validate(int world_size) {
   }
 }
 
-std::vector<MeshDim> layout_dims(const TrainConfig& c) {
-  std::vector<MeshDim> dims;
-  dims.push_back({"pp", c.pipeline_parallel});
-  if (c.data_parallel > 1) dims.push_back({"dp_replicate", c.data_parallel});
-  dims.push_back({"dp_shard", c.data_parallel_shard});
-  if (c.context_parallel > 1) dims.push_back({"cp", c.context_parallel});
-  dims.push_back({"tp", c.tensor_parallel});
-  return dims;
-}
-
-std::vector<MeshDim> shard_layout_dims(const TrainConfig& c) {
-  std::vector<MeshDim> dims;
-  for (const MeshDim& d : layout_dims(c)) {
-    if (d.name == "cp") {
-      dims.back().size *= d.size;  // dp_shard, just before it
-      continue;
-    }
-    dims.push_back(d);
-  }
-  return dims;
-}
-
-std::vector<MeshDim> expert_layout_dims(const TrainConfig& c) {
-  const int64_t tp = c.tensor_parallel, ep = c.expert_parallel, shard = c.data_parallel_shard * c.context_parallel;
-  HP_CHECK(c.data_parallel_shard > 0 && ep % (tp > 1 ? tp : 1) == 0 && (shard * tp) % ep == 0,
-           "expert_layout_dims: the config is not validated (data_parallel_shard=", c.data_parallel_shard,
-           ", context_parallel=", c.context_parallel, ", tensor_parallel=", tp, ", expert_parallel=", ep, ")");
-  // dp_shard (x cp, folded) x tp (tp innermost) regrouped as (dp_shard x tp / ep, ep): the
-  // EP group is the innermost ep ranks, the tensor-parallel ones included.
-  std::vector<MeshDim> dims;
-  for (const MeshDim& d : shard_layout_dims(c)) {
-    if (d.name == "tp") {
-      dims.push_back({"tp", 1});  // the experts are whole: no tensor-parallel split
-      continue;
-    }
-    if (d.name != "dp_shard") {
-      dims.push_back(d);
-      continue;
-    }
-    dims.push_back({"dp_shard", shard * tp / ep});
-    dims.push_back({"ep", ep});
-  }
-  return dims;
-}
-
-MeshLayout layout_mesh(const TrainConfig& c) {
-  HP_CHECK(c.data_parallel_shard > 0, "layout_mesh: the config is not validated (data_parallel_shard=",
-           c.data_parallel_shard, ")");
-  return MeshLayout(layout_dims(c),
-                    static_cast<int>(c.dp_size() * c.context_parallel * c.tensor_parallel * c.pipeline_parallel));
+ParallelDims TrainConfig::parallel_dims() const {
+  HP_CHECK(data_parallel_shard > 0, "TrainConfig::parallel_dims: the config is not validated (data_parallel_shard=",
+           data_parallel_shard, ")");
+  const int64_t world = data_parallel * data_parallel_shard * context_parallel * tensor_parallel * pipeline_parallel;
+  return ParallelDims(degrees(), static_cast<int>(world));
 }
 
 MixedPrecisionPolicy mixed_precision(const TrainConfig& c) {
@@ -505,20 +431,20 @@ std::string describe(const TrainConfig& c) {
                                c.data.valid_path.empty() ? std::string("held-out synthetic samples") : c.data.valid_path)
              : std::string())
      << "\n";
-  os << "layout: data_parallel " << c.data_parallel << " x data_parallel_shard " << c.data_parallel_shard
-     << (c.context_parallel > 1 ? detail::str_cat(" x context_parallel ", c.context_parallel, " (",
-                                                  to_string(c.context_parallel_method), ", head-tail split)")
-                                : std::string())
-     << (c.tensor_parallel > 1 ? detail::str_cat(" x tensor_parallel ", c.tensor_parallel) : std::string())
-     << (c.pipeline_parallel > 1 ? detail::str_cat(" x pipeline_parallel ", c.pipeline_parallel) : std::string())
-     << (c.data_parallel > 1 ? " (HSDP" : " (FSDP")
+  // Also for a config not validated yet (data_parallel_shard -1: the rest of the world).
+  os << "layout: " << ParallelDims::describe(c.degrees()) << (c.data_parallel > 1 ? " (HSDP" : " (FSDP")
      << (c.tensor_parallel > 1 ? detail::str_cat(" + TP, sequence_parallel ", c.sequence_parallel ? "on" : "off",
                                                  ", loss parallel)")
                                : std::string(")"))
+     << (c.context_parallel > 1
+             ? detail::str_cat(", sequences over context_parallel ", c.context_parallel, " (",
+                               to_string(c.context_parallel_method), ", head-tail split)")
+             : std::string())
      << (c.expert_parallel > 1
-             ? detail::str_cat(", experts over expert_parallel ", c.expert_parallel, " x data_parallel_shard ",
-                               c.data_parallel_shard * c.tensor_parallel / c.expert_parallel, " (",
-                               to_string(c.moe_dispatcher), " dispatch)")
+             ? detail::str_cat(", experts over expert_parallel ", c.expert_parallel, " x ",
+                               c.data_parallel_shard > 0 ? std::to_string(c.parallel_dims().size(Group::kExpertShard))
+                                                         : std::string("(dp_shard x cp x tp / ep)"),
+                               " ranks holding the same ones (", to_string(c.moe_dispatcher), " dispatch)")
              : std::string())
      << ", " << to_string(c.data_parallel_shard_strategy)
      << (c.reshard_after_forward_group_size > 1

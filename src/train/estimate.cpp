@@ -45,7 +45,7 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
   if (ep == 1) {
     r.estimate = estimate_memory(r.rank_params, c.model->largest_block_params_per_tp_rank(c.tensor_parallel),
                                  c.params_dtype, mp,
-                                 // fully_shard shards over dp_shard x cp (shard_layout_dims)
+                                 // fully_shard shards over dp_shard x cp (ParallelDims kShard)
                                  {c.data_parallel, c.data_parallel_shard * c.context_parallel, group, pipeline});
   } else {
     // Two kinds of fully_shard unit: the rest of the model over dp_shard, and each MoE's

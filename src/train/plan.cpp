@@ -291,7 +291,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
 
   const SimulatedNetwork& net = o.network;
   // The link of a group: the inter-node one when its ranks span nodes. The groups are the
-  // trainer's own (layout_mesh), so their placement is the run's.
+  // trainer's own (ParallelDims), so their placement is the run's.
   auto link_of = [&](const std::vector<int>& ranks) { return net.spans_nodes(ranks) ? net.inter : net.intra; };
   // `ops` equal ops of `bytes` in all.
   auto comm = [](CommOp op, double bytes, int n, const LinkModel& link, double ops) {
@@ -380,13 +380,10 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       continue;
     }
     row.feasible = true;
-    const MeshLayout mesh = layout_mesh(c);
-    // The experts' mesh, with expert parallelism (its ep and dp_shard groups' links).
-    const c10::optional<MeshLayout> expert_mesh =
-        e > 1 ? c10::make_optional(MeshLayout(expert_layout_dims(c), N)) : c10::nullopt;
-    // Rank 0's group over `dims` (every group of a dim has the same shape).
-    auto link_over = [&](const std::vector<std::string>& dims) { return link_of(mesh.group_ranks(0, dims)); };
-    const LinkModel replicate_link = r > 1 ? link_over({"dp_replicate"}) : net.intra;
+    const ParallelDims dims = c.parallel_dims();
+    // Rank 0's group of kind `g` (every group of a kind has the same shape).
+    auto link_over = [&](Group g) { return link_of(dims.ranks(g, 0)); };
+    const LinkModel replicate_link = r > 1 ? link_over(Group::kDpReplicate) : net.intra;
 
     const int64_t m = c.micro_batch_num, L = c.model->layers();
     // Timed with the node's other ranks running beside (sharing caches and memory
@@ -433,7 +430,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     }
     // Tensor parallelism, per block and direction of one micro-batch: 2 all-gathers and 2
     // reduce-scatters of the activations with sequence parallel, else 2 all-reduces.
-    const LinkModel tp_link = link_over({"tp"});
+    const LinkModel tp_link = link_over(Group::kTp);
     const double tp_block = t == 1 ? 0
                             : c.sequence_parallel
                                 ? comm(CommOp::kAllGather, 2 * act_bytes, t, tp_link, 2) +
@@ -449,7 +446,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     // taken as balanced: every rank gets its share of the rows.
     double ep_forward = 0, ep_backward = 0;
     if (e > 1) {
-      const LinkModel ep_link = link_of(expert_mesh->group_ranks(0, {"ep"}));
+      const LinkModel ep_link = link_over(Group::kEp);
       const double tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
       const double k = static_cast<double>(c.model->experts_per_token()), E = static_cast<double>(experts);
       auto a2a = [&](double bytes) { return SimulatedNetwork::seconds(CommOp::kAllToAll, static_cast<int64_t>(bytes), e, ep_link); };
@@ -494,7 +491,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       const double chunk = seq / (2.0 * cpd);
       const double heads = a.attention / seq / t / (c.context_parallel_method == cp::Method::kUlysses ? cpd : 1);
       cp_scores = mb * heads * chunk * chunk * 4.0 * 3.0;
-      const LinkModel cp_link = link_over({"cp"});
+      const LinkModel cp_link = link_over(Group::kCp);
       const double local_tokens = static_cast<double>(c.micro_batch_size() * (c.seq_length / cpd));
       const double kv = local_tokens * widths.kv * act_elem, kv_grad = local_tokens * widths.kv * 4.0;
       const double fwd_block = prof.forward_layer * tp_scale * cp_scale, bwd_block = prof.backward_layer * tp_scale * cp_scale;
@@ -571,7 +568,7 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       rank_moe = *std::max_element(moe_of_rank.begin(), moe_of_rank.end());
       // Each stage's output (and its gradient back) crosses to the next stage's rank.
       // The first hop, stage 0's rank to stage 1's (as a stage's send to the next).
-      std::vector<int> first_hop = mesh.group_ranks(0, {"pp"});
+      std::vector<int> first_hop = dims.ranks(Group::kPp, 0);
       first_hop.resize(std::min<size_t>(first_hop.size(), 2));
       const double hop = SimulatedNetwork::seconds(CommOp::kSend, static_cast<int64_t>(act_bytes), 2,
                                                    link_of(first_hop));
@@ -657,11 +654,9 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       };
       const double rank_experts = static_cast<double>(row.memory.expert_params);
       // Over dp_shard x cp (fully_shard's group under context parallelism).
-      const std::vector<std::string> shard_dims = cpd > 1 ? std::vector<std::string>{"dp_shard", "cp"}
-                                                         : std::vector<std::string>{"dp_shard"};
-      const Units dense = units(rank_params - rank_experts, rank_layers + 1, s * cpd, link_over(shard_dims));
+      const Units dense = units(rank_params - rank_experts, rank_layers + 1, s * cpd, link_over(Group::kShard));
       const Units expert =
-          e > 1 ? units(rank_experts, rank_moe, s * cpd / e, link_of(expert_mesh->group_ranks(0, {"dp_shard"}))) : Units{};
+          e > 1 ? units(rank_experts, rank_moe, s * cpd / e, link_over(Group::kExpertShard)) : Units{};
       row.fsdp_comm_s = dense.all + expert.all;
       // Overlapped, one group's collectives stay exposed (the first gather, the last
       // reduction), and whatever exceeds the compute.

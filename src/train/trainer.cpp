@@ -45,7 +45,8 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
   s.c = cfg;
   s.world = std::move(world);
   const TrainConfig& c = s.c;
-  HP_CHECK(c.dp_size() * c.context_parallel * c.tensor_parallel * c.pipeline_parallel == s.world->size(),
+  HP_CHECK(c.data_parallel_shard > 0 &&
+               c.dp_size() * c.context_parallel * c.tensor_parallel * c.pipeline_parallel == s.world->size(),
            "Trainer: the config's layout (", c.data_parallel, " x ", c.data_parallel_shard, " x context_parallel ",
            c.context_parallel, " x tensor_parallel ", c.tensor_parallel,
            " x pipeline_parallel ", c.pipeline_parallel, ") does not cover the world of ", s.world->size(),
@@ -59,26 +60,16 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
                                        "HP_BACKEND names another)"
                                      : "");
   s.control = control_device(s.world);
-  s.mesh = std::make_shared<DeviceMesh>(s.world, shard_layout_dims(c));
-  s.dp = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard"}) : s.mesh->group("dp_shard");
-  s.shards = s.mesh->group("dp_shard");
-  s.tp = s.mesh->group("tp");
-  s.pp = s.mesh->group("pp");
-  s.routing = s.dp;
-  if (c.expert_parallel > 1) {
-    s.expert_mesh = std::make_shared<DeviceMesh>(s.world, expert_layout_dims(c));
-    s.ep = s.expert_mesh->group("ep");
-    // With tensor parallelism each tp rank routes its own piece of the sequence.
-    if (c.tensor_parallel > 1) {
-      s.routing = c.data_parallel > 1 ? s.mesh->group({"dp_replicate", "dp_shard", "tp"})
-                                      : s.mesh->group({"dp_shard", "tp"});
-    }
-  }
-  s.dp_rank = s.dp->rank();
+  s.mesh = std::make_unique<ParallelMesh>(c.parallel_dims(), s.world);
+  s.dp = s.mesh->group(Group::kData);
+  s.shards = s.mesh->group(Group::kShard);
+  s.tp = s.mesh->group(Group::kTp);
+  s.pp = s.mesh->group(Group::kPp);
+  s.routing = s.mesh->group(Group::kRouting);
+  if (c.expert_parallel > 1) s.ep = s.mesh->group(Group::kEp);
+  s.dp_rank = s.mesh->rank_in(Group::kBatch);
   if (c.context_parallel > 1) {
-    s.cp_mesh = std::make_shared<DeviceMesh>(s.world, layout_dims(c));
-    s.dp_rank = (c.data_parallel > 1 ? s.cp_mesh->group({"dp_replicate", "dp_shard"}) : s.cp_mesh->group("dp_shard"))->rank();
-    s.context = std::make_shared<cp::ContextParallel>(s.cp_mesh->group("cp"),
+    s.context = std::make_shared<cp::ContextParallel>(s.mesh->group(Group::kCp),
                                                       cp::ContextParallelOptions{c.context_parallel_method});
   }
 
@@ -96,7 +87,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
     FullyShardOptions o;
     o.param_init = models::parameter_initializer(m.root(), c.seed);
     o.device = s.device;  // the model is built on the host, without storage: its shards go there
-    o.mesh = s.mesh;
+    o.mesh = s.mesh->fsdp_mesh();
     o.reshard_after_forward = c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams;
     o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
     o.comm_fusion = c.comm_fusion;
@@ -113,7 +104,7 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
       // all-to-all), so it is divided by the whole data degree, not by that group's size
       // (nor by tp's: each tp rank's tokens are its own piece of the sequence).
       FullyShardOptions expert_o = o;
-      expert_o.mesh = s.expert_mesh;
+      expert_o.mesh = s.mesh->expert_fsdp_mesh();
       for (torch::nn::Module* e : m.expert_modules()) {
         s.handles.push_back(fully_shard(*e, expert_o));
         s.handles.back()->set_gradient_divide_factor(static_cast<double>(c.dp_size() * c.context_parallel));

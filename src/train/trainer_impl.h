@@ -102,19 +102,16 @@ struct Trainer::Impl {
   // Where the model, its state and the batches live, and where the world carries control
   // values (losses, figures): the CPU, or the device for nccl.
   c10::Device device = c10::kCPU, control = c10::kCPU;
-  CommPtr world, dp, shards, tp, pp;
-  // The ranks whose tokens differ (the balancing load is summed over them): dp, and tp's
-  // ranks too when each routes its own piece of the sequence (expert and tensor parallel).
+  CommPtr world;
+  // The layout's groups, each also held below under the name the step uses: dp (kData: the
+  // data and context ranks, over which losses and routing loads are averaged or summed),
+  // shards (fully_shard's dp_shard x cp), tp, pp.
+  std::unique_ptr<ParallelMesh> mesh;
+  CommPtr dp, shards, tp, pp;
+  // The ranks whose routed tokens differ (ParallelDims' kRouting).
   CommPtr routing;
-  std::shared_ptr<DeviceMesh> mesh;
-  // With expert_parallel > 1: the experts' mesh (expert_layout_dims) and its ep group.
-  std::shared_ptr<DeviceMesh> expert_mesh;
-  CommPtr ep;
-  // With context_parallel > 1: the layout's mesh with its cp dim (layout_dims; `mesh` folds
-  // cp into dp_shard) and the attention over the CP group. dp then spans the data and
-  // context ranks (losses and routing loads are averaged or summed over both); dp_rank is
-  // the data rank alone (which samples a rank reads).
-  std::shared_ptr<DeviceMesh> cp_mesh;
+  CommPtr ep;  // with expert_parallel > 1
+  // With context_parallel > 1: the attention over the CP group.
   std::shared_ptr<cp::ContextParallel> context;
   std::unique_ptr<TrainModel> model;  // without pipeline parallelism
   // With it: this rank's stages (each a part of the model), run by `pipe`.
@@ -124,7 +121,7 @@ struct Trainer::Impl {
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<DataSharder> sharder;
   internal::Validation validation;  // eval_interval > 0
-  int64_t dp_rank = 0;
+  int64_t dp_rank = 0;  // the data rank alone (kBatch): which samples this rank reads
   std::vector<at::Tensor> params;
   // Per params[i]: its name in the whole model and its box of the global tensor.
   std::vector<std::string> names;

@@ -198,43 +198,6 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
   }
 }
 
-// The experts' mesh splits dp_shard with ep inner (docs/ep.md's picture): 8 ranks,
-// expert_parallel 4 -> EP groups {0..3} {4..7}, experts sharded over {r, r+4}; with
-// expert_parallel 2 -> EP groups {0,1} {2,3}..., experts over {0,2,4,6} {1,3,5,7}.
-TEST(TrainConfig, ExpertMeshPutsExpertParallelInside) {
-  ht::TrainConfig c = ht::parse_config("expert_parallel: 4\nglobal_batch_size: 16\n", {}, "test.yaml");
-  c.validate(8);
-  hp::MeshLayout m(ht::expert_layout_dims(c), 8);
-  EXPECT_EQ(m.group_ranks(5, {"ep"}), (std::vector<int>{4, 5, 6, 7}));
-  EXPECT_EQ(m.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 5}));
-  c.expert_parallel = 2;
-  hp::MeshLayout m2(ht::expert_layout_dims(c), 8);
-  EXPECT_EQ(m2.group_ranks(5, {"ep"}), (std::vector<int>{4, 5}));
-  EXPECT_EQ(m2.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 3, 5, 7}));
-  // The rest of the mesh as the trainer's: HSDP's replicas outside.
-  ht::TrainConfig h = ht::parse_config("expert_parallel: 2\ndata_parallel: 2\nglobal_batch_size: 16\n", {}, "test.yaml");
-  h.validate(8);
-  hp::MeshLayout m3(ht::expert_layout_dims(h), 8);
-  EXPECT_EQ(m3.group_ranks(5, {"ep"}), (std::vector<int>{4, 5}));
-  EXPECT_EQ(m3.group_ranks(5, {"dp_shard"}), (std::vector<int>{5, 7}));
-  EXPECT_EQ(m3.group_ranks(5, {"dp_replicate"}), (std::vector<int>{1, 5}));
-  // With tensor parallelism 2 the EP group takes the tp pairs: expert_parallel 4 over
-  // dp_shard 4 x tp 2 -> EP groups {0..3} {4..7} (two tp pairs each), experts sharded over
-  // {r, r+4}; expert_parallel 2 -> the tp pairs, experts over {0,2,4,6} {1,3,5,7}.
-  ht::TrainConfig t = ht::parse_config("expert_parallel: 4\ntensor_parallel: 2\nsequence_parallel: true\n"
-                                       "global_batch_size: 16\n", {}, "test.yaml");
-  t.validate(8);
-  hp::MeshLayout m4(ht::expert_layout_dims(t), 8);
-  EXPECT_EQ(m4.group_ranks(5, {"ep"}), (std::vector<int>{4, 5, 6, 7}));
-  EXPECT_EQ(m4.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 5}));
-  hp::MeshLayout dense(ht::layout_dims(t), 8);
-  EXPECT_EQ(dense.group_ranks(5, {"tp"}), (std::vector<int>{4, 5}));
-  t.expert_parallel = 2;
-  hp::MeshLayout m5(ht::expert_layout_dims(t), 8);
-  EXPECT_EQ(m5.group_ranks(5, {"ep"}), (std::vector<int>{4, 5}));
-  EXPECT_EQ(m5.group_ranks(5, {"dp_shard"}), (std::vector<int>{1, 3, 5, 7}));
-}
-
 TEST(TrainConfig, PipelineStageLayersList) {
   ht::TrainConfig c = ht::parse_config("pipeline_parallel: 2\npipeline_stage_layers: [2, 1]\n");
   EXPECT_EQ(c.pipeline_stage_layers, (std::vector<int64_t>{2, 1}));

@@ -58,6 +58,11 @@ class DeviceMesh {
  public:
   // Collective over `world`: every rank constructs the mesh with the same dims.
   DeviceMesh(CommPtr world, std::vector<MeshDim> dims);
+  // A view over communicators made already (flattened dims of a larger mesh, say): `groups`
+  // holds one communicator per dim, in `dims`' order, and `whole` spans them all, its ranks
+  // row-major over the dims. Not collective. group() answers one dim or all of them; another
+  // combination raises.
+  DeviceMesh(CommPtr whole, std::vector<MeshDim> dims, std::vector<CommPtr> groups);
 
   const MeshLayout& layout() const { return layout_; }
   int ndim() const { return layout_.ndim(); }

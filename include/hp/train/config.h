@@ -25,9 +25,9 @@
 
 #include "hp/ep/dispatch.h"
 #include "hp/fsdp/mixed_precision.h"
-#include "hp/mesh/device_mesh.h"
 #include "hp/models/family.h"
 #include "hp/optim/muon_kinds.h"
+#include "hp/train/parallel_dims.h"
 
 namespace hp::train {
 
@@ -212,6 +212,12 @@ struct TrainConfig {
   void validate(int world_size);
 
   int64_t dp_size() const { return data_parallel * data_parallel_shard; }
+  // The layout's degrees as given (data_parallel_shard -1 until validate() resolves it).
+  ParallelDims::Degrees degrees() const {
+    return {data_parallel, data_parallel_shard, context_parallel, tensor_parallel, pipeline_parallel, expert_parallel};
+  }
+  // The layout's degrees, its mesh and groups (valid after validate()).
+  ParallelDims parallel_dims() const;
   // Samples one data-parallel rank runs per micro-batch (valid after validate()).
   int64_t micro_batch_size() const { return global_batch_size / (dp_size() * micro_batch_num); }
   // fp32 main gradients and fp32 master weights (low-precision params, fp32 accumulation).
@@ -234,23 +240,6 @@ std::vector<KeyInfo> config_keys();
 
 // The recompute policy of hooks/recompute.h for a Recompute choice (none: unset).
 c10::optional<RecomputePolicy> recompute_policy(Recompute r);
-
-// The mesh of a validated config's layout, outermost first: pp, dp_replicate (when
-// data_parallel > 1), dp_shard, cp (when context_parallel > 1), tp (tensor parallel on
-// consecutive ranks, pipeline stages farthest apart). The planner places its groups' links
-// by it, and the Trainer takes the CP group and the data rank from it.
-std::vector<MeshDim> layout_dims(const TrainConfig& c);
-// The same ranks with cp folded into dp_shard (dp_shard x cp, cp inner): the mesh fully_shard
-// shards over (and averages gradients over data and context ranks alike). layout_dims when
-// context_parallel is 1.
-std::vector<MeshDim> shard_layout_dims(const TrainConfig& c);
-MeshLayout layout_mesh(const TrainConfig& c);
-// The experts' mesh: the same ranks with dp_shard x tp regrouped into (dp_shard x tp /
-// expert_parallel, ep) and tp 1, ep inner: an EP group is expert_parallel consecutive ranks
-// (with tensor_parallel > 1, the tensor-parallel ranks and expert_parallel / tp dp_shard
-// ones), and each expert is whole and sharded over the dp_shard x tp / expert_parallel
-// ranks holding the same experts.
-std::vector<MeshDim> expert_layout_dims(const TrainConfig& c);
 
 // fully_shard's policy for the config: compute_dtype for forward/backward, fp32 reduction
 // (and fp32 main gradients for low-precision parameters) with
