@@ -42,14 +42,16 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
   const int64_t group =
       c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads ? 1 : c.reshard_after_forward_group_size;
   const bool pipeline = c.pipeline_parallel > 1;  // its stages stay whole through the step
+  // fully_shard's groups, as the trainer makes them: the dense parameters over dp_shard x
+  // cp, the routed experts over the expert_shard ranks holding the same experts.
+  const ParallelDims dims = c.parallel_dims();
+  const int64_t shard = dims.size(Group::kShard);
   if (ep == 1) {
     r.estimate = estimate_memory(r.rank_params, c.model->largest_block_params_per_tp_rank(c.tensor_parallel),
-                                 c.params_dtype, mp,
-                                 // fully_shard shards over dp_shard x cp (ParallelDims kShard)
-                                 {c.data_parallel, c.data_parallel_shard * c.context_parallel, group, pipeline});
+                                 c.params_dtype, mp, {c.data_parallel, shard, group, pipeline});
   } else {
-    // Two kinds of fully_shard unit: the rest of the model over dp_shard, and each MoE's
-    // experts (1/ep of them, whole) over the dp_shard x tp / ep ranks holding the same ones.
+    // Two kinds of fully_shard unit: the rest of the model over dp_shard x cp, and each MoE's
+    // experts (1/ep of them, whole) over the dp_shard x cp x tp / ep ranks holding the same ones.
     // A block's forward runs its experts inside it, so backward holds one of each at its
     // peak. The tensor-parallel share counted every expert split over tp; beside expert
     // parallelism the routed experts are placed whole and the shared ones replicated.
@@ -61,10 +63,10 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
     r.rank_params = dense + r.expert_params;
     const MemoryEstimate d =
         estimate_memory(dense, std::min(dense, c.model->largest_block_params_outside_experts()), c.params_dtype, mp,
-                        {c.data_parallel, c.data_parallel_shard, group, pipeline});
+                        {c.data_parallel, shard, group, pipeline});
     const MemoryEstimate e =
         estimate_memory(r.expert_params, std::min(r.expert_params, c.model->block_expert_params() / ep), c.params_dtype,
-                        mp, {c.data_parallel, c.data_parallel_shard * tp / ep, group, pipeline});
+                        mp, {c.data_parallel, dims.size(Group::kExpertShard), group, pipeline});
     r.estimate = d;
     r.estimate.params += e.params;
     r.estimate.sharded_params += e.sharded_params;
@@ -118,8 +120,8 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
   if (c.expert_parallel > 1) {
     os << "expert parallel " << c.expert_parallel << ": a rank holds " << rm.expert_params
        << " routed-expert parameters before fully_shard (1/" << c.expert_parallel << " of its stages', whole), sharded over "
-       << c.data_parallel_shard * c.tensor_parallel / c.expert_parallel << " ranks, and " << rm.rank_params - rm.expert_params
-       << " others, sharded over " << c.data_parallel_shard << "\n";
+       << c.parallel_dims().size(Group::kExpertShard) << " ranks, and " << rm.rank_params - rm.expert_params
+       << " others, sharded over " << c.parallel_dims().size(Group::kShard) << "\n";
   }
   if (c.pipeline_parallel > 1) {
     os << "pipeline: a rank's stages stay gathered (with their unsharded gradients) from their first micro-batch to "

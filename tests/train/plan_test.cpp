@@ -413,6 +413,32 @@ TEST(Plan, ExpertParallelMemoryAndAllToAllsAsWorkedOutByHand) {
   EXPECT_NEAR(r2.ep_comm_s, 4 * 2 * (forward2 + backward2), 1e-9);
 }
 
+// Context parallel ranks shard like data ranks under expert parallelism too, as the trainer
+// shards them: the rest of the model over dp_shard x cp, the experts over the dp_shard x cp /
+// ep ranks holding the same ones. dp_shard 2 x cp 2 with expert_parallel 2: a rank keeps 4
+// experts of each of the 2 MoE blocks, sharded over 2; the rest over 4 (fp32 parameters,
+// gradients and two moments). The estimate once divided the rest by dp_shard alone and the
+// experts by dp_shard / ep (seen failing: twice the rest, the experts whole).
+TEST(Plan, ContextParallelRanksShardLikeDataRanksUnderExpertParallelism) {
+  ht::TrainConfig c = deepseek_tiny("expert_parallel: 2\ncontext_parallel: 2\n");
+  c.validate(4);
+  ASSERT_EQ(c.data_parallel_shard, 2);
+  const ht::RankMemory m = ht::estimate_rank_memory(c);
+  const double dense = static_cast<double>(c.model->num_params()) - 2 * kExperts, held = 2 * kExperts / 2;
+  EXPECT_EQ(m.expert_params, static_cast<int64_t>(held));
+  const double shard = std::ceil(dense / 4) + held / 2;
+  EXPECT_EQ(m.estimate.sharded_params, static_cast<int64_t>(4 * shard));
+  EXPECT_EQ(m.estimate.optimizer_state, static_cast<int64_t>(2 * 4 * shard));
+  // The same as dp_shard 4 without context parallelism.
+  ht::TrainConfig d = deepseek_tiny("expert_parallel: 2\n");
+  d.validate(4);
+  EXPECT_EQ(ht::estimate_rank_memory(d).estimate.total(), m.estimate.total());
+  EXPECT_NE(ht::describe_estimate(c, m).find("sharded over 2 ranks, and " +
+                                             std::to_string(static_cast<int64_t>(dense)) + " others, sharded over 4"),
+            std::string::npos)
+      << ht::describe_estimate(c, m);
+}
+
 // The de-duplicating dispatcher sends a token once per rank holding some of its experts:
 // with 8 experts over 4 ranks and top-2, a rank misses both of a token's experts with
 // probability (6/8)(5/7), so a token reaches 4 (1 - 30/56) ranks; beside each copy its 2
