@@ -121,6 +121,43 @@ double SimulatedNetwork::seconds(CommOp op, int64_t bytes, int n, const LinkMode
   return link.alpha_us * 1e-6 + factor * static_cast<double>(bytes) / (link.gbytes_per_s * 1e9);
 }
 
+double bytes_sent(const CollectiveCost& c) {
+  const double n = c.ranks;
+  switch (c.op) {
+    case CommOp::kAllGather:
+    case CommOp::kReduceScatter:
+    case CommOp::kAllToAll:
+    case CommOp::kBroadcast:
+      return c.count * c.bytes * (n - 1) / n;
+    case CommOp::kAllReduce:
+      return c.count * c.bytes * 2 * (n - 1) / n;
+    case CommOp::kSend:
+      return c.count * c.bytes;
+    default:
+      throw Error(detail::str_cat("bytes_sent: no per-rank share for the op '", hp::to_string(c.op), "'"));
+  }
+}
+
+double bytes_sent(const std::vector<CollectiveCost>& cs) {
+  double b = 0;
+  for (const CollectiveCost& c : cs) b += bytes_sent(c);
+  return b;
+}
+
+double op_count(const std::vector<CollectiveCost>& cs) {
+  double n = 0;
+  for (const CollectiveCost& c : cs) n += c.count;
+  return n;
+}
+
+double seconds(const std::vector<CollectiveCost>& cs, const LinkModel& link) {
+  double s = 0;
+  for (const CollectiveCost& c : cs) {
+    s += c.count * SimulatedNetwork::seconds(c.op, static_cast<int64_t>(c.bytes), c.ranks, link);
+  }
+  return s;
+}
+
 namespace detail {
 namespace {
 

@@ -476,4 +476,28 @@ at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k, 
   return AttentionFunction::apply(q, k, v, plan);
 }
 
+AttentionCost attention_traffic(Method m, const AttentionShape& s) {
+  HP_CHECK(s.cp >= 1, "cp::attention_traffic: cp=", s.cp, " must be positive");
+  AttentionCost c;
+  if (s.cp == 1) return c;
+  const double kv = s.tokens * s.kv_width * s.elem_bytes, kv_grad = s.tokens * s.kv_width * s.grad_bytes;
+  switch (m) {
+    case Method::kRing:
+      c.forward = {{CommOp::kSend, kv, 2, s.cp - 1.0}};
+      c.backward = {{CommOp::kSend, kv, 2, s.cp - 1.0}, {CommOp::kSend, kv_grad, 2, static_cast<double>(s.cp)}};
+      break;
+    case Method::kAllGather:
+      c.forward = {{CommOp::kAllGather, kv * s.cp, s.cp, 1}};
+      c.backward = {{CommOp::kAllGather, kv * s.cp, s.cp, 1}, {CommOp::kReduceScatter, kv_grad * s.cp, s.cp, 1}};
+      break;
+    case Method::kUlysses: {
+      const double all = s.tokens * (s.kv_width + s.q_out_width) * s.elem_bytes;
+      c.forward = {{CommOp::kAllToAll, all / 4, s.cp, 4}};
+      c.backward = c.forward;
+      break;
+    }
+  }
+  return c;
+}
+
 }  // namespace hp::cp

@@ -314,6 +314,37 @@ std::shared_ptr<TokenDispatcher> make_dispatcher(DispatcherKind kind, const Comm
   throw Error("ep: unknown dispatcher kind");
 }
 
+ExchangeCost dispatch_traffic(DispatcherKind kind, const ExchangeShape& s) {
+  HP_CHECK(s.ep >= 1 && s.k >= 1 && s.experts >= 1, "ep::dispatch_traffic: ep=", s.ep, ", k=", s.k, ", experts=",
+           s.experts, " must be positive");
+  ExchangeCost c;
+  if (s.ep == 1) return c;
+  const double E = static_cast<double>(s.experts), k = static_cast<double>(s.k);
+  auto a2a = [&](double bytes, double count = 1) { return CollectiveCost{CommOp::kAllToAll, bytes, s.ep, count}; };
+  switch (kind) {
+    case DispatcherKind::kAllToAll: {
+      const double rows = s.tokens * k * s.row_bytes;
+      c.forward = {a2a(8.0 * E), a2a(rows, 2)};
+      c.backward = {a2a(rows, 2)};
+      break;
+    }
+    case DispatcherKind::kDedup: {
+      const double rows = s.copies * s.row_bytes;
+      c.forward = {a2a(8.0 * s.ep), a2a(rows), a2a(s.copies * k * 8.0), a2a(s.copies * k * s.weight_bytes), a2a(rows)};
+      c.backward = {a2a(rows, 2), a2a(s.copies * k * s.weight_bytes)};
+      break;
+    }
+  }
+  return c;
+}
+
+double expected_copies(double tokens, int64_t experts, int ep, int64_t k) {
+  const double E = static_cast<double>(experts);
+  double miss = 1;  // a rank holds none of the token's k experts
+  for (int i = 0; i < static_cast<int>(k); ++i) miss *= std::max(0.0, E - E / ep - i) / (E - i);
+  return tokens * ep * (1.0 - miss);
+}
+
 at::Tensor all_to_all_rows(const at::Tensor& x, const CommPtr& group, const std::vector<int64_t>& send_splits,
                            const std::vector<int64_t>& recv_splits) {
   HP_CHECK(group, "ep: all_to_all_rows needs a group");

@@ -437,31 +437,23 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
                                       comm(CommOp::kReduceScatter, 2 * act_bytes, t, tp_link, 2)
                                 : comm(CommOp::kAllReduce, 2 * act_bytes, t, tp_link, 2);
     // Expert parallelism, per MoE block and micro-batch: the dispatcher's all-to-alls over
-    // the EP group (src/ep/dispatch.cpp), on the critical path. Forward exchanges the
-    // per-expert counts, dispatches and combines; backward runs them reversed, after the
-    // forward's again under recompute. all_to_all sends a row per (token, chosen expert);
-    // dedup one per (token, destination rank), with its k local ids (int64) and weights
-    // (fp32) beside, where a token's k experts, drawn uniformly without replacement, reach
-    // D = ep (1 - C(E - E/ep, k) / C(E, k)) distinct ranks in expectation. Routing is
-    // taken as balanced: every rank gets its share of the rows.
+    // the EP group as the ep layer states them (ep::dispatch_traffic), on the critical path;
+    // under recompute backward runs forward's again. Routing is taken as balanced, and for
+    // the de-duplicating dispatcher uniform (ep::expected_copies).
     double ep_forward = 0, ep_backward = 0;
     if (e > 1) {
+      ep::ExchangeShape shape;
+      shape.ep = e;
+      shape.experts = experts;
+      shape.tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
+      shape.k = c.model->experts_per_token();
+      shape.row_bytes = dim * act_elem;
+      shape.weight_bytes = 4.0;  // the router's fp32 weights
+      shape.copies = ep::expected_copies(shape.tokens, experts, e, shape.k);
+      const ep::ExchangeCost x = ep::dispatch_traffic(c.moe_dispatcher, shape);
       const LinkModel ep_link = link_over(Group::kEp);
-      const double tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
-      const double k = static_cast<double>(c.model->experts_per_token()), E = static_cast<double>(experts);
-      auto a2a = [&](double bytes) { return SimulatedNetwork::seconds(CommOp::kAllToAll, static_cast<int64_t>(bytes), e, ep_link); };
-      const double counts = a2a(8.0 * E);
-      const double row = dim * act_elem;
-      if (c.moe_dispatcher == ep::DispatcherKind::kDedup) {
-        double miss = 1;  // a rank holds none of the token's k experts
-        for (int i = 0; i < static_cast<int>(k); ++i) miss *= std::max(0.0, E - E / e - i) / (E - i);
-        const double copies = tokens * e * (1.0 - miss);
-        ep_forward = counts + a2a(copies * row) + a2a(copies * k * 8.0) + a2a(copies * k * 4.0) + a2a(copies * row);
-        ep_backward = 2 * a2a(copies * row) + a2a(copies * k * 4.0);
-      } else {
-        ep_forward = counts + 2 * a2a(tokens * k * row);
-        ep_backward = 2 * a2a(tokens * k * row);
-      }
+      ep_forward = seconds(x.forward, ep_link);
+      ep_backward = seconds(x.backward, ep_link);
       if (c.recompute != Recompute::kNone) ep_backward += ep_forward;
     }
     // MoE blocks of a pipeline slice.
@@ -474,11 +466,8 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
     // the block-wise attention does not keep (a log-sum-exp per head instead; under
     // recompute, those of the block rerun), plus one (query chunk, key chunk) block's fp32
     // scores while computing (3 copies: the scores, their exponentials, the product's
-    // workspace; chunks of seq / 2cp, Ulysses over heads / cp). Its
-    // exchanges, per block and micro-batch: the ring's cp-1 K/V blocks forward, cp-1 again
-    // and cp gradient blocks (fp32) backward, each overlapping a block's compute (what
-    // exceeds it is exposed); the all-gather's one gather forward, a gather and a
-    // reduce-scatter backward; Ulysses' 4 all-to-alls each way (not overlapped).
+    // workspace; chunks of seq / 2cp, Ulysses over heads / cp). Its exchanges, per block
+    // and micro-batch, are the cp layer's own count (cp::attention_traffic).
     const double cp_scale = 1.0 / cpd;
     const bool recomputed = c.recompute != Recompute::kNone;
     double cp_act = 1.0, cp_probs = 0, cp_scores = 0;
@@ -492,27 +481,24 @@ std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o,
       const double heads = a.attention / seq / t / (c.context_parallel_method == cp::Method::kUlysses ? cpd : 1);
       cp_scores = mb * heads * chunk * chunk * 4.0 * 3.0;
       const LinkModel cp_link = link_over(Group::kCp);
-      const double local_tokens = static_cast<double>(c.micro_batch_size() * (c.seq_length / cpd));
-      const double kv = local_tokens * widths.kv * act_elem, kv_grad = local_tokens * widths.kv * 4.0;
-      const double fwd_block = prof.forward_layer * tp_scale * cp_scale, bwd_block = prof.backward_layer * tp_scale * cp_scale;
-      auto send = [&](double bytes) { return SimulatedNetwork::seconds(CommOp::kSend, static_cast<int64_t>(bytes), 2, cp_link); };
-      switch (c.context_parallel_method) {
-        case cp::Method::kRing:
-          cp_forward = (cpd - 1) * send(kv);
-          cp_backward = (cpd - 1) * send(kv) + cpd * send(kv_grad);
-          cp_exposed_forward = std::max(0.0, cp_forward - fwd_block);
-          cp_exposed_backward = std::max(0.0, cp_backward - bwd_block);
-          break;
-        case cp::Method::kAllGather:
-          cp_forward = comm(CommOp::kAllGather, kv * cpd, cpd, cp_link, 1);
-          cp_backward = cp_forward + comm(CommOp::kReduceScatter, kv_grad * cpd, cpd, cp_link, 1);
-          cp_exposed_forward = cp_forward, cp_exposed_backward = cp_backward;
-          break;
-        case cp::Method::kUlysses:
-          cp_forward = comm(CommOp::kAllToAll, local_tokens * (widths.kv + widths.q_out) * act_elem, cpd, cp_link, 4);
-          cp_backward = cp_forward;
-          cp_exposed_forward = cp_forward, cp_exposed_backward = cp_backward;
-          break;
+      cp::AttentionShape shape;
+      shape.cp = cpd;
+      shape.tokens = static_cast<double>(c.micro_batch_size() * (c.seq_length / cpd));
+      shape.kv_width = widths.kv;
+      shape.q_out_width = widths.q_out;
+      shape.elem_bytes = act_elem;
+      shape.grad_bytes = 4.0;  // float32 accumulation
+      const cp::AttentionCost x = cp::attention_traffic(c.context_parallel_method, shape);
+      cp_forward = seconds(x.forward, cp_link);
+      cp_backward = seconds(x.backward, cp_link);
+      // The ring's exchanges overlap the block's compute (what exceeds it is exposed); the
+      // others' are all exposed.
+      if (c.context_parallel_method == cp::Method::kRing) {
+        const double fwd_block = prof.forward_layer * tp_scale * cp_scale, bwd_block = prof.backward_layer * tp_scale * cp_scale;
+        cp_exposed_forward = std::max(0.0, cp_forward - fwd_block);
+        cp_exposed_backward = std::max(0.0, cp_backward - bwd_block);
+      } else {
+        cp_exposed_forward = cp_forward, cp_exposed_backward = cp_backward;
       }
       if (recomputed) {  // the forward's exchanges again in backward
         cp_backward += cp_forward;

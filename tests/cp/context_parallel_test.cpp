@@ -244,6 +244,42 @@ TEST(Communication, CollectivesPerCall) {
   }
 }
 
+// The exchanges' estimator (cp::attention_traffic, which the planner sums) against what the
+// communicator counts (Communicator::traffic: ops, and the bytes this rank sends), forward
+// and backward, for each method: float64 inputs (so float64 gradient accumulators), 8 query
+// heads over 4 key/value heads, MLA-like head sizes (6 for q and k, 4 for v).
+TEST(Communication, TrafficIsTheEstimators) {
+  auto world = hp::world();
+  const int cp = world->size();
+  if (cp == 1) GTEST_SKIP() << "one rank";
+  const Whole w = whole_sequence(24, Mask::kCausal);
+  for (Method m : {Method::kRing, Method::kAllGather, Method::kUlysses}) {
+    if (m == Method::kUlysses && 4 % cp != 0) continue;
+    SCOPED_TRACE(hp::cp::method_name(m));
+    ContextParallel ctx(world, {m, Split::kHeadTail});
+    const SequenceSplit s = ctx.split_of(24);
+    auto piece = [&](const at::Tensor& t) { return hp::cp::shard(t.detach(), 2, s, ctx.rank()).requires_grad_(true); };
+    at::Tensor q = piece(w.q), k = piece(w.k), v = piece(w.v);
+    const hp::CommTraffic start = world->traffic();
+    at::Tensor out = ctx.attention(q, k, v, Mask::kCausal);
+    const hp::CommTraffic mid = world->traffic();
+    torch::autograd::grad({out}, {q, k, v}, {hp::cp::shard(w.g, 2, s, ctx.rank())});
+    const hp::CommTraffic end = world->traffic();
+    hp::cp::AttentionShape shape;
+    shape.cp = cp;
+    shape.tokens = static_cast<double>(q.size(0) * q.size(2));
+    shape.kv_width = static_cast<double>(k.size(1) * k.size(3) + v.size(1) * v.size(3));
+    shape.q_out_width = static_cast<double>(q.size(1) * (q.size(3) + v.size(3)));
+    shape.elem_bytes = 8;
+    shape.grad_bytes = 8;
+    const hp::cp::AttentionCost cost = hp::cp::attention_traffic(m, shape);
+    EXPECT_EQ(static_cast<double>(mid.bytes_sent - start.bytes_sent), hp::bytes_sent(cost.forward));
+    EXPECT_EQ(static_cast<double>(mid.ops - start.ops), hp::op_count(cost.forward));
+    EXPECT_EQ(static_cast<double>(end.bytes_sent - mid.bytes_sent), hp::bytes_sent(cost.backward));
+    EXPECT_EQ(static_cast<double>(end.ops - mid.ops), hp::op_count(cost.backward));
+  }
+}
+
 // ---- bad input --------------------------------------------------------------------------------
 
 TEST(Errors, ClearBeforeAnythingIsSent) {

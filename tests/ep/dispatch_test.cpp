@@ -241,6 +241,54 @@ TEST_P(Dispatchers, BytesSentMatchACountByHand) {
   EXPECT_EQ(back.item<int64_t>(), received.item<int64_t>());
 }
 
+// The exchange's estimator (ep::dispatch_traffic, which the planner sums) against what the
+// communicator counts (Communicator::traffic: ops and the bytes a rank sends to the others),
+// forward and backward, with routing balanced over the ranks as the estimator takes it:
+// 4n tokens on every rank (their values and routing differ between ranks). Plain: token t's
+// j-th choice is expert (2t + j + rank) mod 8, so every expert gets n rows of each rank.
+// De-duplicating: the 2 choices sit on ranks (t + rank + j) mod n, 2 copies a token, n x 2
+// copies to each rank. Seen failing with dedup's counts estimated as the plain dispatcher's
+// (8 x experts bytes, where it exchanges a count per rank).
+TEST_P(Dispatchers, TrafficIsTheEstimators) {
+  auto world = hp::world();
+  const int n = world->size(), q = world->rank();
+  const bool dedup = GetParam() == Kind::kDedup;
+  if (n == 1) GTEST_SKIP() << "one rank: no exchange";
+  if (dedup && n < kTopK) GTEST_SKIP() << "a token's " << kTopK << " experts on distinct ranks needs " << kTopK;
+  auto disp = make(GetParam(), world);
+  const int64_t T = 4 * n, L = kExperts / n;
+  at::manual_seed(2000 + q);
+  at::Tensor ids = at::empty({T, kTopK}, at::kLong);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < kTopK; ++j) {
+      ids[t][j] = dedup ? ((t + q + j) % n) * L + t % L : (kTopK * t + j + q) % kExperts;
+    }
+  }
+  at::Tensor x = at::randn({T, kDim}, kF64).requires_grad_(true);
+  at::Tensor w = at::rand({T, kTopK}, kF64).requires_grad_(true);
+  const hp::CommTraffic start = world->traffic();
+  hp::ep::Dispatched d = disp->dispatch(x, ids, w);
+  at::Tensor out = disp->combine(d.rows * 2, d);
+  const hp::CommTraffic mid = world->traffic();
+  (out * at::randn({T, kDim}, kF64)).sum().backward();
+  const hp::CommTraffic end = world->traffic();
+
+  hp::ep::ExchangeShape shape;
+  shape.ep = n;
+  shape.experts = kExperts;
+  shape.tokens = static_cast<double>(T);
+  shape.k = kTopK;
+  shape.row_bytes = kDim * 8;
+  shape.weight_bytes = 8;
+  shape.copies = static_cast<double>(T * kTopK);  // every token on kTopK distinct ranks
+  const hp::ep::ExchangeCost cost =
+      hp::ep::dispatch_traffic(dedup ? hp::ep::DispatcherKind::kDedup : hp::ep::DispatcherKind::kAllToAll, shape);
+  EXPECT_EQ(static_cast<double>(mid.bytes_sent - start.bytes_sent), hp::bytes_sent(cost.forward));
+  EXPECT_EQ(static_cast<double>(mid.ops - start.ops), hp::op_count(cost.forward));
+  EXPECT_EQ(static_cast<double>(end.bytes_sent - mid.bytes_sent), hp::bytes_sent(cost.backward));
+  EXPECT_EQ(static_cast<double>(end.ops - mid.ops), hp::op_count(cost.backward));
+}
+
 INSTANTIATE_TEST_SUITE_P(Ep, Dispatchers, ::testing::Values(Kind::kPlain, Kind::kDedup),
                          [](const ::testing::TestParamInfo<Kind>& i) {
                            return std::string(i.param == Kind::kPlain ? "Plain" : "Dedup");

@@ -50,4 +50,27 @@ struct SimulatedNetwork {
   static double seconds(CommOp op, int64_t bytes, int n, const LinkModel& link);
 };
 
+// What a layer's estimator says it issues (ep::dispatch_traffic, ...): `count` ops of `op`
+// over groups of `ranks`, each of `bytes` as SimulatedNetwork::seconds takes them (an
+// all_gather's output, a reduce_scatter's or all_to_all's input, an all_reduce's, a
+// broadcast's or a send's tensor). The planner times them; each layer's test checks them
+// against what its runtime's communicator counts.
+struct CollectiveCost {
+  CommOp op = CommOp::kAllReduce;
+  double bytes = 0;
+  int ranks = 1;
+  double count = 1;
+};
+// The bytes one rank sends for them, as Communicator::traffic() counts them (the
+// bandwidth-optimal algorithms' shares: all_gather, reduce_scatter and broadcast (n-1)/n,
+// all_reduce 2(n-1)/n, all_to_all (n-1)/n with its rows split evenly, send all of them);
+// raises for an op without a share of its own (recv, batch_send_recv, barrier, split).
+double bytes_sent(const CollectiveCost& c);
+double bytes_sent(const std::vector<CollectiveCost>& cs);
+// The ops of them all.
+double op_count(const std::vector<CollectiveCost>& cs);
+// Their modelled seconds on `link`: count x SimulatedNetwork::seconds(op, bytes, ranks),
+// summed in order.
+double seconds(const std::vector<CollectiveCost>& cs, const LinkModel& link);
+
 }  // namespace hp

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
+#include "hp/comm/simulated_network.h"
 
 namespace hp::cp {
 
@@ -137,6 +138,30 @@ class ContextParallel {
   ContextParallelOptions options_;
   std::shared_ptr<AttentionStats> stats_;
 };
+
+// One attention call's exchanges on a rank, as each method issues them: what the planner
+// sums, stated beside the runtime.
+struct AttentionShape {
+  int cp = 1;
+  double tokens = 0;        // this rank's: batch x seq / cp
+  double kv_width = 0;      // a token's keys and values, elements (kv_heads x (d + dv))
+  double q_out_width = 0;   // a token's queries and output, elements (heads x (d + dv))
+  double elem_bytes = 4;    // q, k, v's dtype
+  double grad_bytes = 4;    // the K/V gradients' accumulation dtype (float32; float64 inputs: float64)
+};
+// Forward, and backward (its own; under recompute the planner adds forward's again):
+//   kRing       cp-1 sends of the packed K/V forward; backward cp-1 again and cp of the
+//               K/V gradient accumulators (each a send to the next rank, received from the
+//               previous one: one batch_send_recv);
+//   kAllGather  one all-gather of the packed K/V forward; backward the gather again and a
+//               reduce-scatter of their gradients;
+//   kUlysses    4 all-to-alls each way (q, k, v, and the output or its gradient), of
+//               q_out_width + kv_width in all, counted as 4 equal ones.
+// Nothing for a group of one.
+struct AttentionCost {
+  std::vector<CollectiveCost> forward, backward;
+};
+AttentionCost attention_traffic(Method m, const AttentionShape& s);
 
 // Attention of q over k and v in one process, the queries and keys at the positions their
 // runs give (a sequence in any order): the block computation every method runs,

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "hp/comm/communicator.h"
+#include "hp/comm/simulated_network.h"
 
 namespace hp::ep {
 
@@ -106,6 +107,38 @@ enum class DispatcherKind {
 };
 // The dispatcher of `kind` over `ep`; a group of one (or none): local_dispatcher.
 std::shared_ptr<TokenDispatcher> make_dispatcher(DispatcherKind kind, const CommPtr& ep, int64_t experts);
+
+// One MoE layer's token exchange over an EP group, for one micro-batch of a rank: what the
+// planner sums, stated beside the dispatchers that issue it.
+struct ExchangeShape {
+  int ep = 1;
+  int64_t experts = 0;
+  double tokens = 0;        // routed on this rank
+  int64_t k = 1;            // choices per token
+  double row_bytes = 0;     // a token's hidden state (the compute dtype)
+  double weight_bytes = 4;  // a routing weight
+  // The de-duplicating dispatcher's copies: tokens x the distinct ranks each token's experts
+  // sit on (expected_copies() under uniform routing). Unread by the all-to-all one.
+  double copies = 0;
+};
+// The all-to-alls of dispatch and combine (forward) and of their backward (combine's reverse
+// and dispatch's, with the weights' gradient for dedup), with the routing taken as balanced
+// (each rank sends every rank an equal share of its rows, its own included):
+//   all_to_all  forward: the per-expert counts (int64), the rows, the outputs back;
+//               backward: the outputs' gradient out, the rows' gradient back.
+//   dedup       forward: the per-rank counts (int64), the copies, their local expert ids
+//               (int64, k each), their weights (k each), the partial sums back;
+//               backward: the partial sums' gradient out, the copies' and the weights'
+//               gradients back.
+// Under recompute backward also runs forward's again: the planner adds that. Nothing for a
+// group of one.
+struct ExchangeCost {
+  std::vector<CollectiveCost> forward, backward;
+};
+ExchangeCost dispatch_traffic(DispatcherKind kind, const ExchangeShape& s);
+// tokens x ep x (1 - C(E - E/ep, k) / C(E, k)): the copies the de-duplicating dispatcher
+// sends when each token's k experts are drawn uniformly without replacement.
+double expected_copies(double tokens, int64_t experts, int ep, int64_t k);
 
 // Differentiable all-to-all of rows: send_splits[r] rows of `x` (in rank order) to rank r,
 // recv_splits[r] rows from it; the backward sends the gradient back the same way reversed.
