@@ -324,250 +324,278 @@ void beta(const Value& v, double x) {
   if (x < 0 || x >= 1) v.fail("must be in [0, 1)");
 }
 
+// The model's family, preset and Hugging Face source (its fields come from the family: model_keys()).
+void add_model_keys(std::vector<Key>& k) {
+  // model.type and model.preset are applied first, then the family's fields override the
+  // preset (model_keys()).
+  k.push_back({"model.type", "family", "model family (hp-train --list-keys shows each one's keys)",
+               [](TrainConfig& c, const Value& v) {
+                 std::string all;
+                 for (const models::ModelFamily* f : models::model_families()) {
+                   if (f->name() == v.text) {
+                     c.model = ModelSpec(v.text);
+                     return;
+                   }
+                   all += (all.empty() ? "" : ", ") + f->name();
+                 }
+                 v.fail("expected one of: ", all);
+               },
+               [](const TrainConfig& c) { return c.model.family().name(); }, ""});
+  k.push_back({"model.preset", "name", "base sizes the model's fields start from (each family's presets)",
+               [](TrainConfig& c, const Value& v) {
+                 const std::vector<std::string> presets = c.model.family().presets();
+                 if (std::find(presets.begin(), presets.end(), v.text) == presets.end()) {
+                   std::string all;
+                   for (const auto& p : presets) all += (all.empty() ? "" : ", ") + p;
+                   v.fail("expected one of: ", all, " (the presets of model.type ", c.model.family().name(), ")");
+                 }
+                 c.model = ModelSpec(c.model.family().name(), v.text);
+               },
+               [](const TrainConfig& c) { return c.model.preset(); }, ""});
+  k.push_back({"model.from_hf", "path",
+               "a Hugging Face model folder: the model's family and sizes read from its config.json (the other "
+               "model keys then override and are checked against it) and, unless init_from_hf says otherwise, its "
+               "weights",
+               [](TrainConfig& c, const Value& v) {
+                 if (v.text.empty()) return;  // as a checkpoint records it: the sizes are its other keys
+                 const std::string path = v.text + "/config.json";
+                 std::ifstream f(path);
+                 if (!f.good()) v.fail("no config.json there (not a Hugging Face model folder)");
+                 std::stringstream text;
+                 text << f.rdbuf();
+                 auto args = models::model_from_hf_config(text.str(), path);
+                 if (c.given.count("model.type") && &args->family() != &c.model.family()) {
+                   v.fail("its config.json describes a ", args->family().name(), " model, but model.type is ",
+                          c.model.family().name());
+                 }
+                 c.model = ModelSpec(std::move(args), v.text);
+                 if (!c.given.count("init_from_hf")) c.init_from_hf = v.text;
+               },
+               // Not recorded: a checkpoint (and a resumed run) holds the sizes as the other
+               // keys, and the folder may be gone by then.
+               [](const TrainConfig&) { return std::string(); }, ""});
+}
+
+// The data source.
+void add_data_keys(std::vector<Key>& k) {
+  k.push_back(enum_key<DataType>("data.type",
+                                 "synthetic corpus, a file of token ids, UTF-8 text (byte tokens), or Megatron-LM's "
+                                 "indexed dataset (data.path: the prefix of its .bin and .idx)",
+                                 HP_FIELD(data.type)));
+  k.push_back(path_key("data.path", "the binary or text file", HP_FIELD(data.path)));
+  k.push_back(path_key("data.valid_path",
+                       "the validation set, of data.type (eval_interval > 0; synthetic data holds out its own)",
+                       HP_FIELD(data.valid_path)));
+  k.push_back(enum_key<TokenDtype>("data.token_dtype", "token id width of a binary file", HP_FIELD(data.token_dtype)));
+  k.push_back(int_key("data.num_samples", "samples in the synthetic corpus", HP_FIELD(data.num_samples), 1, kMaxCount));
+  k.push_back(bool_key("data.shuffle", "a new sample order each epoch", HP_FIELD(data.shuffle)));
+}
+
+// Device, dtypes and the parallel layout.
+void add_precision_and_layout_keys(std::vector<Key>& k) {
+  k.push_back(enum_key<Device>("device",
+                               "where each rank trains: cpu, or cuda (the GPU of its local rank, collectives "
+                               "over nccl; a build with CUDA and NCCL)",
+                               HP_FIELD(device)));
+  k.push_back(dtype_key("params_dtype", "dtype of the (sharded) parameters", HP_FIELD(params_dtype)));
+  k.push_back(derived(dtype_key("compute_dtype", "dtype of forward/backward (the all-gather)", HP_FIELD(compute_dtype)),
+                      "params_dtype"));
+  k.push_back(bool_key("accumulate_allreduce_grads_in_fp32",
+                       "reduce gradients in fp32; with low-precision params, fp32 main grads and master weights",
+                       HP_FIELD(accumulate_allreduce_grads_in_fp32)));
+  k.push_back(bool_key("apply_grad_on_fp32_main_grad",
+                       "reduced gradients accumulate into an fp32 main gradient per shard, which the optimizer steps "
+                       "with (needs accumulate_allreduce_grads_in_fp32; implied for low-precision params)",
+                       HP_FIELD(apply_grad_on_fp32_main_grad)));
+  k.push_back(int_key("data_parallel", "replicas (HSDP dp_replicate)", HP_FIELD(data_parallel), 1, kMaxRanks));
+  {
+    Key shard = int_key("data_parallel_shard", "ranks a replica is sharded over; -1 = the rest",
+                        HP_FIELD(data_parallel_shard), -1, kMaxRanks);
+    Setter inner = shard.set;
+    shard.set = [inner](TrainConfig& c, const Value& v) {
+      inner(c, v);
+      if (c.data_parallel_shard == 0) v.fail("must be >= 1 or -1");
+    };
+    k.push_back(shard);
+  }
+  {
+    Key strategy = enum_key<ShardStrategy>("data_parallel_shard_strategy",
+                                           "ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters until backward)",
+                                           HP_FIELD(data_parallel_shard_strategy));
+    Setter inner = strategy.set;
+    strategy.set = [inner](TrainConfig& c, const Value& v) {
+      if (v.text == "optim") v.fail("sharding only the optimizer state (ZeRO-1) is not supported yet");
+      inner(c, v);
+    };
+    k.push_back(strategy);
+  }
+  k.push_back(int_key("reshard_after_forward_group_size",
+                      "with optim_grads_params: after forward keep parameters sharded over groups of this many "
+                      "data_parallel_shard ranks, gathered within the group for backward; 0 = over all of them",
+                      HP_FIELD(reshard_after_forward_group_size), 0, kMaxRanks));
+  k.push_back(bool_key("comm_fusion", "one fused all-gather/reduce-scatter per block", HP_FIELD(comm_fusion)));
+  k.push_back(bool_key("wait_per_submodule",
+                       "in forward, wait for each of a block's parameters when its layer is called, not for the "
+                       "whole block at its start (needs comm_fusion false)",
+                       HP_FIELD(wait_per_submodule)));
+  k.push_back(enum_key<Recompute>("recompute",
+                                  "activation recomputation of every block: full recomputes its activations in "
+                                  "backward, selective keeps its matmul outputs and recomputes the rest",
+                                  HP_FIELD(recompute)));
+  k.push_back(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
+                      HP_FIELD(tensor_parallel), 1, kMaxRanks));
+  k.push_back(bool_key("sequence_parallel", "sequence parallel (needs tensor_parallel > 1)", HP_FIELD(sequence_parallel)));
+  k.push_back(int_key("expert_parallel",
+                      "expert-parallel size: each MoE's routed experts split over this many consecutive "
+                      "data_parallel_shard ranks, which exchange tokens (must divide data_parallel_shard; with "
+                      "tensor_parallel > 1 and sequence_parallel: tensor_parallel x a divisor of it, the EP group "
+                      "taking the tp ranks)",
+                      HP_FIELD(expert_parallel), 1, kMaxRanks));
+  k.push_back(enum_key<ep::DispatcherKind>(
+      "moe_dispatcher",
+      "with expert_parallel > 1: all_to_all sends a row per (token, chosen expert), dedup one copy of a token per "
+      "rank holding any of its experts (fewer bytes, two small all-to-alls more; the same results)",
+      HP_FIELD(moe_dispatcher)));
+  k.push_back(int_key("context_parallel",
+                      "context-parallel size: each sequence split over this many ranks (seq_length a multiple of "
+                      "2 x context_parallel), attention over the whole sequence; fully_shard shards over "
+                      "data_parallel_shard x context_parallel",
+                      HP_FIELD(context_parallel), 1, kMaxRanks));
+  k.push_back(enum_key<cp::Method>(
+      "context_parallel_method",
+      "with context_parallel > 1: ring passes key/value blocks around the ranks (overlapped with the compute), "
+      "allgather gathers every rank's keys and values, ulysses exchanges heads for sequence by all-to-all (heads "
+      "and kv heads divisible by context_parallel)",
+      HP_FIELD(context_parallel_method)));
+  k.push_back(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
+                      HP_FIELD(pipeline_parallel), 1, kMaxRanks));
+  k.push_back(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",
+                      HP_FIELD(pipeline_parallel_interleave_num), 1, kMaxRanks));
+  k.push_back(enum_key<PipelineScheduleKind>(
+      "pipeline_schedule",
+      "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1; zbh1 = zero bubble "
+      "(backward split into input and weight gradients); zbv = zero bubble with 2 stages per rank in a V "
+      "(pipeline_parallel_interleave_num 2)",
+      HP_FIELD(pipeline_schedule)));
+  k.push_back(derived({"pipeline_stage_layers", "list",
+                       "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); "
+                       "empty = even",
+                       [](TrainConfig& c, const Value& v) { c.pipeline_stage_layers = as_int_list(v, 1, kMaxModelInt); },
+                       [](const TrainConfig& c) { return list_text(c.pipeline_stage_layers); }, ""},
+                      "[] (even)"));
+}
+
+// Batch, schedule and AdamW.
+void add_batch_and_adamw_keys(std::vector<Key>& k) {
+  k.push_back(int_key("micro_batch_num", "micro-batches per step (pipeline micro-batches, or gradient accumulation)",
+                      HP_FIELD(micro_batch_num), 1, kMaxRanks));
+  k.push_back(int_key("global_batch_size", "samples per optimizer step, all ranks together",
+                      HP_FIELD(global_batch_size), 1, kMaxRanks));
+  k.push_back(int_key("seq_length", "tokens per sample", HP_FIELD(seq_length), 1, kMaxModelInt));
+  k.push_back(float_key("lr", "peak learning rate", HP_FIELD(lr), positive));
+  k.push_back(float_key("min_lr", "learning rate at the end of the decay", HP_FIELD(min_lr), nonneg));
+  k.push_back(int_key("lr_warmup_steps", "steps of linear warmup", HP_FIELD(lr_warmup_steps), 0, kMaxCount));
+  k.push_back(enum_key<LrDecay>("lr_decay_style", "decay from lr to min_lr after warmup", HP_FIELD(lr_decay_style)));
+  k.push_back(float_key("weight_decay", "AdamW decoupled weight decay (matrices only)", HP_FIELD(weight_decay), nonneg));
+  k.push_back(float_key("adam_beta1", "AdamW beta1", HP_FIELD(adam_beta1), beta));
+  k.push_back(float_key("adam_beta2", "AdamW beta2", HP_FIELD(adam_beta2), beta));
+  k.push_back(float_key("adam_eps", "AdamW epsilon", HP_FIELD(adam_eps), positive));
+  k.push_back(enum_key<OptimizerKind>(
+      "optimizer",
+      "adamw, or muon: Muon for the hidden matrices (2-D weights other than the embedding and output head), "
+      "AdamW (the adam_* keys, lr, weight_decay) for the rest",
+      HP_FIELD(optimizer)));
+}
+
+// optimizer: muon's keys.
+void add_muon_keys(std::vector<Key>& k) {
+  // Derived from AdamW's until set (the field holds -1 then): the getter gives the value in
+  // effect, so that the settings text parses back before validate() resolves it too.
+  k.push_back(derived(with_getter(float_key("muon_lr", "Muon's peak learning rate (scheduled like lr)",
+                                            HP_FIELD(muon_lr), positive),
+                                  [](const TrainConfig& c) { return double_text(c.muon_lr < 0 ? c.lr : c.muon_lr); }),
+                      "lr"));
+  k.push_back(float_key("muon_momentum", "Muon's momentum", HP_FIELD(muon_momentum), beta));
+  k.push_back(bool_key("muon_nesterov", "Muon's Nesterov momentum", HP_FIELD(muon_nesterov)));
+  k.push_back(derived(with_getter(float_key("muon_weight_decay", "Muon's decoupled weight decay (with the unscaled lr)",
+                                            HP_FIELD(muon_weight_decay), nonneg),
+                                  [](const TrainConfig& c) {
+                                    return double_text(c.muon_weight_decay < 0 ? c.weight_decay : c.muon_weight_decay);
+                                  }),
+                      "weight_decay"));
+  k.push_back(enum_key<optim::NsSchedule>(
+      "muon_ns_coefficients",
+      "the Newton-Schulz coefficients: quintic (3.4445, -4.7750, 2.0315) each step, per_step (five tuned triples), "
+      "deepseek_v4 (8 quintic steps, then 2 of (2, -1.5, 0.5))",
+      HP_FIELD(muon_ns_coefficients)));
+  k.push_back(int_key("muon_ns_steps", "Newton-Schulz steps; 0 = the coefficients' own (5, 5, 10); only quintic "
+                      "takes another count",
+                      HP_FIELD(muon_ns_steps), 0, 100));
+  k.push_back(dtype_key("muon_ns_dtype", "dtype of the Newton-Schulz iteration (bfloat16, float32 or float64)",
+                        HP_FIELD(muon_ns_dtype)));
+  k.push_back(enum_key<optim::MuonScale>(
+      "muon_update_scale",
+      "rms: 0.2 sqrt(max(rows, cols)), an update of AdamW's RMS (its lr carries over); original: "
+      "sqrt(max(1, rows / cols))",
+      HP_FIELD(muon_update_scale)));
+  k.push_back(float_key("muon_update_rms",
+                        "with muon_update_scale: rms, the RMS of Muon's update (0.2: about AdamW's, so that its lr "
+                        "carries over; the scale is this x sqrt(max(rows, cols)))",
+                        HP_FIELD(muon_update_rms), positive));
+  k.push_back(enum_key<optim::MuonScheme>(
+      "muon_scheme",
+      "owner: each whole matrix orthogonalized by one rank holding a piece of it, balanced by cost; "
+      "gather_everywhere: by every rank holding a piece (the baseline)",
+      HP_FIELD(muon_scheme)));
+  k.push_back({"muon_to_adamw", "list",
+               "with optimizer: muon, parameter-name patterns (`*` any characters) trained by AdamW besides the "
+               "token tables, e.g. [layers_*.attn.wo.weight]; each must match a parameter",
+               [](TrainConfig& c, const Value& v) { c.muon_to_adamw = as_pattern_list(v); },
+               [](const TrainConfig& c) { return list_text(c.muon_to_adamw); }, ""});
+  k.push_back({"muon_to_muon", "list",
+               "with optimizer: muon, parameter-name patterns trained by Muon even if they are token tables, e.g. "
+               "[output.weight] (2-D only); each must match a parameter, none one muon_to_adamw matches",
+               [](TrainConfig& c, const Value& v) { c.muon_to_muon = as_pattern_list(v); },
+               [](const TrainConfig& c) { return list_text(c.muon_to_muon); }, ""});
+}
+
+// Clipping, steps, logging, validation, output and checkpoints.
+void add_run_keys(std::vector<Key>& k) {
+  k.push_back(float_key("clip_grad", "global gradient-norm limit; 0 = no clipping", HP_FIELD(clip_grad), nonneg));
+  k.push_back(int_key("train_steps", "optimizer steps", HP_FIELD(train_steps), 1, kMaxCount));
+  k.push_back({"seed", "int", "initialization and data order",
+               [](TrainConfig& c, const Value& v) { c.seed = static_cast<uint64_t>(as_int(v, 0)); },
+               [](const TrainConfig& c) { return std::to_string(c.seed); }, ""});
+  k.push_back(int_key("log_interval", "steps between progress lines", HP_FIELD(log_interval), 1, kMaxCount));
+  k.push_back(int_key("eval_interval",
+                      "validation loss every this many steps and after the last, without gradients; 0 = none",
+                      HP_FIELD(eval_interval), 0, kMaxCount));
+  k.push_back(int_key("eval_steps", "global batches of the validation set per evaluation; 0 = all of it",
+                      HP_FIELD(eval_steps), 0, kMaxCount));
+  k.push_back(path_key("output_dir", "metrics.jsonl and loss.svg go here; empty = none", HP_FIELD(output_dir)));
+  k.push_back(int_key("save_interval", "save a checkpoint every this many steps and after the last; 0 = never",
+                      HP_FIELD(save_interval), 0, kMaxModelInt));
+  k.push_back(derived(path_key("save_dir", "checkpoints go here (step_<k> folders and 'latest')", HP_FIELD(save_dir)),
+                      "output_dir/checkpoints"));
+  k.push_back(int_key("keep_last_n", "keep only the newest n checkpoints (older ones removed after a save); 0 = all",
+                      HP_FIELD(keep_last_n), 0, kMaxModelInt));
+  k.push_back(bool_key("async_save", "write checkpoints in the background (the state is copied first)",
+                       HP_FIELD(async_save)));
+  k.push_back(path_key("init_from_hf",
+                       "start from the weights of this Hugging Face model folder instead of the seed (a family "
+                       "with Hugging Face names: llama, deepseek; model.from_hf sets it)",
+                       HP_FIELD(init_from_hf)));
+}
+
 const std::vector<Key>& keys() {
   static const std::vector<Key> k = [] {
     std::vector<Key> k;
-    // model.type and model.preset are applied first, then the family's fields override the
-    // preset (model_keys()).
-    k.push_back({"model.type", "family", "model family (hp-train --list-keys shows each one's keys)",
-                 [](TrainConfig& c, const Value& v) {
-                   std::string all;
-                   for (const models::ModelFamily* f : models::model_families()) {
-                     if (f->name() == v.text) {
-                       c.model = ModelSpec(v.text);
-                       return;
-                     }
-                     all += (all.empty() ? "" : ", ") + f->name();
-                   }
-                   v.fail("expected one of: ", all);
-                 },
-                 [](const TrainConfig& c) { return c.model.family().name(); }, ""});
-    k.push_back({"model.preset", "name", "base sizes the model's fields start from (each family's presets)",
-                 [](TrainConfig& c, const Value& v) {
-                   const std::vector<std::string> presets = c.model.family().presets();
-                   if (std::find(presets.begin(), presets.end(), v.text) == presets.end()) {
-                     std::string all;
-                     for (const auto& p : presets) all += (all.empty() ? "" : ", ") + p;
-                     v.fail("expected one of: ", all, " (the presets of model.type ", c.model.family().name(), ")");
-                   }
-                   c.model = ModelSpec(c.model.family().name(), v.text);
-                 },
-                 [](const TrainConfig& c) { return c.model.preset(); }, ""});
-    k.push_back({"model.from_hf", "path",
-                 "a Hugging Face model folder: the model's family and sizes read from its config.json (the other "
-                 "model keys then override and are checked against it) and, unless init_from_hf says otherwise, its "
-                 "weights",
-                 [](TrainConfig& c, const Value& v) {
-                   if (v.text.empty()) return;  // as a checkpoint records it: the sizes are its other keys
-                   const std::string path = v.text + "/config.json";
-                   std::ifstream f(path);
-                   if (!f.good()) v.fail("no config.json there (not a Hugging Face model folder)");
-                   std::stringstream text;
-                   text << f.rdbuf();
-                   auto args = models::model_from_hf_config(text.str(), path);
-                   if (c.given.count("model.type") && &args->family() != &c.model.family()) {
-                     v.fail("its config.json describes a ", args->family().name(), " model, but model.type is ",
-                            c.model.family().name());
-                   }
-                   c.model = ModelSpec(std::move(args), v.text);
-                   if (!c.given.count("init_from_hf")) c.init_from_hf = v.text;
-                 },
-                 // Not recorded: a checkpoint (and a resumed run) holds the sizes as the other
-                 // keys, and the folder may be gone by then.
-                 [](const TrainConfig&) { return std::string(); }, ""});
-
-    k.push_back(enum_key<DataType>("data.type",
-                                   "synthetic corpus, a file of token ids, UTF-8 text (byte tokens), or Megatron-LM's "
-                                   "indexed dataset (data.path: the prefix of its .bin and .idx)",
-                                   HP_FIELD(data.type)));
-    k.push_back(path_key("data.path", "the binary or text file", HP_FIELD(data.path)));
-    k.push_back(path_key("data.valid_path",
-                         "the validation set, of data.type (eval_interval > 0; synthetic data holds out its own)",
-                         HP_FIELD(data.valid_path)));
-    k.push_back(enum_key<TokenDtype>("data.token_dtype", "token id width of a binary file", HP_FIELD(data.token_dtype)));
-    k.push_back(int_key("data.num_samples", "samples in the synthetic corpus", HP_FIELD(data.num_samples), 1, kMaxCount));
-    k.push_back(bool_key("data.shuffle", "a new sample order each epoch", HP_FIELD(data.shuffle)));
-
-    k.push_back(enum_key<Device>("device",
-                                 "where each rank trains: cpu, or cuda (the GPU of its local rank, collectives "
-                                 "over nccl; a build with CUDA and NCCL)",
-                                 HP_FIELD(device)));
-    k.push_back(dtype_key("params_dtype", "dtype of the (sharded) parameters", HP_FIELD(params_dtype)));
-    k.push_back(derived(dtype_key("compute_dtype", "dtype of forward/backward (the all-gather)", HP_FIELD(compute_dtype)),
-                        "params_dtype"));
-    k.push_back(bool_key("accumulate_allreduce_grads_in_fp32",
-                         "reduce gradients in fp32; with low-precision params, fp32 main grads and master weights",
-                         HP_FIELD(accumulate_allreduce_grads_in_fp32)));
-    k.push_back(bool_key("apply_grad_on_fp32_main_grad",
-                         "reduced gradients accumulate into an fp32 main gradient per shard, which the optimizer steps "
-                         "with (needs accumulate_allreduce_grads_in_fp32; implied for low-precision params)",
-                         HP_FIELD(apply_grad_on_fp32_main_grad)));
-    k.push_back(int_key("data_parallel", "replicas (HSDP dp_replicate)", HP_FIELD(data_parallel), 1, kMaxRanks));
-    {
-      Key shard = int_key("data_parallel_shard", "ranks a replica is sharded over; -1 = the rest",
-                          HP_FIELD(data_parallel_shard), -1, kMaxRanks);
-      Setter inner = shard.set;
-      shard.set = [inner](TrainConfig& c, const Value& v) {
-        inner(c, v);
-        if (c.data_parallel_shard == 0) v.fail("must be >= 1 or -1");
-      };
-      k.push_back(shard);
-    }
-    {
-      Key strategy = enum_key<ShardStrategy>("data_parallel_shard_strategy",
-                                             "ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters until backward)",
-                                             HP_FIELD(data_parallel_shard_strategy));
-      Setter inner = strategy.set;
-      strategy.set = [inner](TrainConfig& c, const Value& v) {
-        if (v.text == "optim") v.fail("sharding only the optimizer state (ZeRO-1) is not supported yet");
-        inner(c, v);
-      };
-      k.push_back(strategy);
-    }
-    k.push_back(int_key("reshard_after_forward_group_size",
-                        "with optim_grads_params: after forward keep parameters sharded over groups of this many "
-                        "data_parallel_shard ranks, gathered within the group for backward; 0 = over all of them",
-                        HP_FIELD(reshard_after_forward_group_size), 0, kMaxRanks));
-    k.push_back(bool_key("comm_fusion", "one fused all-gather/reduce-scatter per block", HP_FIELD(comm_fusion)));
-    k.push_back(bool_key("wait_per_submodule",
-                         "in forward, wait for each of a block's parameters when its layer is called, not for the "
-                         "whole block at its start (needs comm_fusion false)",
-                         HP_FIELD(wait_per_submodule)));
-    k.push_back(enum_key<Recompute>("recompute",
-                                    "activation recomputation of every block: full recomputes its activations in "
-                                    "backward, selective keeps its matmul outputs and recomputes the rest",
-                                    HP_FIELD(recompute)));
-    k.push_back(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
-                        HP_FIELD(tensor_parallel), 1, kMaxRanks));
-    k.push_back(bool_key("sequence_parallel", "sequence parallel (needs tensor_parallel > 1)", HP_FIELD(sequence_parallel)));
-    k.push_back(int_key("expert_parallel",
-                        "expert-parallel size: each MoE's routed experts split over this many consecutive "
-                        "data_parallel_shard ranks, which exchange tokens (must divide data_parallel_shard; with "
-                        "tensor_parallel > 1 and sequence_parallel: tensor_parallel x a divisor of it, the EP group "
-                        "taking the tp ranks)",
-                        HP_FIELD(expert_parallel), 1, kMaxRanks));
-    k.push_back(enum_key<ep::DispatcherKind>(
-        "moe_dispatcher",
-        "with expert_parallel > 1: all_to_all sends a row per (token, chosen expert), dedup one copy of a token per "
-        "rank holding any of its experts (fewer bytes, two small all-to-alls more; the same results)",
-        HP_FIELD(moe_dispatcher)));
-    k.push_back(int_key("context_parallel",
-                        "context-parallel size: each sequence split over this many ranks (seq_length a multiple of "
-                        "2 x context_parallel), attention over the whole sequence; fully_shard shards over "
-                        "data_parallel_shard x context_parallel",
-                        HP_FIELD(context_parallel), 1, kMaxRanks));
-    k.push_back(enum_key<cp::Method>(
-        "context_parallel_method",
-        "with context_parallel > 1: ring passes key/value blocks around the ranks (overlapped with the compute), "
-        "allgather gathers every rank's keys and values, ulysses exchanges heads for sequence by all-to-all (heads "
-        "and kv heads divisible by context_parallel)",
-        HP_FIELD(context_parallel_method)));
-    k.push_back(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
-                        HP_FIELD(pipeline_parallel), 1, kMaxRanks));
-    k.push_back(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",
-                        HP_FIELD(pipeline_parallel_interleave_num), 1, kMaxRanks));
-    k.push_back(enum_key<PipelineScheduleKind>(
-        "pipeline_schedule",
-        "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1; zbh1 = zero bubble "
-        "(backward split into input and weight gradients); zbv = zero bubble with 2 stages per rank in a V "
-        "(pipeline_parallel_interleave_num 2)",
-        HP_FIELD(pipeline_schedule)));
-    k.push_back(derived({"pipeline_stage_layers", "list",
-                         "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); "
-                         "empty = even",
-                         [](TrainConfig& c, const Value& v) { c.pipeline_stage_layers = as_int_list(v, 1, kMaxModelInt); },
-                         [](const TrainConfig& c) { return list_text(c.pipeline_stage_layers); }, ""},
-                        "[] (even)"));
-    k.push_back(int_key("micro_batch_num", "micro-batches per step (pipeline micro-batches, or gradient accumulation)",
-                        HP_FIELD(micro_batch_num), 1, kMaxRanks));
-    k.push_back(int_key("global_batch_size", "samples per optimizer step, all ranks together",
-                        HP_FIELD(global_batch_size), 1, kMaxRanks));
-    k.push_back(int_key("seq_length", "tokens per sample", HP_FIELD(seq_length), 1, kMaxModelInt));
-    k.push_back(float_key("lr", "peak learning rate", HP_FIELD(lr), positive));
-    k.push_back(float_key("min_lr", "learning rate at the end of the decay", HP_FIELD(min_lr), nonneg));
-    k.push_back(int_key("lr_warmup_steps", "steps of linear warmup", HP_FIELD(lr_warmup_steps), 0, kMaxCount));
-    k.push_back(enum_key<LrDecay>("lr_decay_style", "decay from lr to min_lr after warmup", HP_FIELD(lr_decay_style)));
-    k.push_back(float_key("weight_decay", "AdamW decoupled weight decay (matrices only)", HP_FIELD(weight_decay), nonneg));
-    k.push_back(float_key("adam_beta1", "AdamW beta1", HP_FIELD(adam_beta1), beta));
-    k.push_back(float_key("adam_beta2", "AdamW beta2", HP_FIELD(adam_beta2), beta));
-    k.push_back(float_key("adam_eps", "AdamW epsilon", HP_FIELD(adam_eps), positive));
-    k.push_back(enum_key<OptimizerKind>(
-        "optimizer",
-        "adamw, or muon: Muon for the hidden matrices (2-D weights other than the embedding and output head), "
-        "AdamW (the adam_* keys, lr, weight_decay) for the rest",
-        HP_FIELD(optimizer)));
-    // Derived from AdamW's until set (the field holds -1 then): the getter gives the value in
-    // effect, so that the settings text parses back before validate() resolves it too.
-    k.push_back(derived(with_getter(float_key("muon_lr", "Muon's peak learning rate (scheduled like lr)",
-                                              HP_FIELD(muon_lr), positive),
-                                    [](const TrainConfig& c) { return double_text(c.muon_lr < 0 ? c.lr : c.muon_lr); }),
-                        "lr"));
-    k.push_back(float_key("muon_momentum", "Muon's momentum", HP_FIELD(muon_momentum), beta));
-    k.push_back(bool_key("muon_nesterov", "Muon's Nesterov momentum", HP_FIELD(muon_nesterov)));
-    k.push_back(derived(with_getter(float_key("muon_weight_decay", "Muon's decoupled weight decay (with the unscaled lr)",
-                                              HP_FIELD(muon_weight_decay), nonneg),
-                                    [](const TrainConfig& c) {
-                                      return double_text(c.muon_weight_decay < 0 ? c.weight_decay : c.muon_weight_decay);
-                                    }),
-                        "weight_decay"));
-    k.push_back(enum_key<optim::NsSchedule>(
-        "muon_ns_coefficients",
-        "the Newton-Schulz coefficients: quintic (3.4445, -4.7750, 2.0315) each step, per_step (five tuned triples), "
-        "deepseek_v4 (8 quintic steps, then 2 of (2, -1.5, 0.5))",
-        HP_FIELD(muon_ns_coefficients)));
-    k.push_back(int_key("muon_ns_steps", "Newton-Schulz steps; 0 = the coefficients' own (5, 5, 10); only quintic "
-                        "takes another count",
-                        HP_FIELD(muon_ns_steps), 0, 100));
-    k.push_back(dtype_key("muon_ns_dtype", "dtype of the Newton-Schulz iteration (bfloat16, float32 or float64)",
-                          HP_FIELD(muon_ns_dtype)));
-    k.push_back(enum_key<optim::MuonScale>(
-        "muon_update_scale",
-        "rms: 0.2 sqrt(max(rows, cols)), an update of AdamW's RMS (its lr carries over); original: "
-        "sqrt(max(1, rows / cols))",
-        HP_FIELD(muon_update_scale)));
-    k.push_back(float_key("muon_update_rms",
-                          "with muon_update_scale: rms, the RMS of Muon's update (0.2: about AdamW's, so that its lr "
-                          "carries over; the scale is this x sqrt(max(rows, cols)))",
-                          HP_FIELD(muon_update_rms), positive));
-    k.push_back(enum_key<optim::MuonScheme>(
-        "muon_scheme",
-        "owner: each whole matrix orthogonalized by one rank holding a piece of it, balanced by cost; "
-        "gather_everywhere: by every rank holding a piece (the baseline)",
-        HP_FIELD(muon_scheme)));
-    k.push_back({"muon_to_adamw", "list",
-                 "with optimizer: muon, parameter-name patterns (`*` any characters) trained by AdamW besides the "
-                 "token tables, e.g. [layers_*.attn.wo.weight]; each must match a parameter",
-                 [](TrainConfig& c, const Value& v) { c.muon_to_adamw = as_pattern_list(v); },
-                 [](const TrainConfig& c) { return list_text(c.muon_to_adamw); }, ""});
-    k.push_back({"muon_to_muon", "list",
-                 "with optimizer: muon, parameter-name patterns trained by Muon even if they are token tables, e.g. "
-                 "[output.weight] (2-D only); each must match a parameter, none one muon_to_adamw matches",
-                 [](TrainConfig& c, const Value& v) { c.muon_to_muon = as_pattern_list(v); },
-                 [](const TrainConfig& c) { return list_text(c.muon_to_muon); }, ""});
-    k.push_back(float_key("clip_grad", "global gradient-norm limit; 0 = no clipping", HP_FIELD(clip_grad), nonneg));
-    k.push_back(int_key("train_steps", "optimizer steps", HP_FIELD(train_steps), 1, kMaxCount));
-    k.push_back({"seed", "int", "initialization and data order",
-                 [](TrainConfig& c, const Value& v) { c.seed = static_cast<uint64_t>(as_int(v, 0)); },
-                 [](const TrainConfig& c) { return std::to_string(c.seed); }, ""});
-    k.push_back(int_key("log_interval", "steps between progress lines", HP_FIELD(log_interval), 1, kMaxCount));
-    k.push_back(int_key("eval_interval",
-                        "validation loss every this many steps and after the last, without gradients; 0 = none",
-                        HP_FIELD(eval_interval), 0, kMaxCount));
-    k.push_back(int_key("eval_steps", "global batches of the validation set per evaluation; 0 = all of it",
-                        HP_FIELD(eval_steps), 0, kMaxCount));
-    k.push_back(path_key("output_dir", "metrics.jsonl and loss.svg go here; empty = none", HP_FIELD(output_dir)));
-    k.push_back(int_key("save_interval", "save a checkpoint every this many steps and after the last; 0 = never",
-                        HP_FIELD(save_interval), 0, kMaxModelInt));
-    k.push_back(derived(path_key("save_dir", "checkpoints go here (step_<k> folders and 'latest')", HP_FIELD(save_dir)),
-                        "output_dir/checkpoints"));
-    k.push_back(int_key("keep_last_n", "keep only the newest n checkpoints (older ones removed after a save); 0 = all",
-                        HP_FIELD(keep_last_n), 0, kMaxModelInt));
-    k.push_back(bool_key("async_save", "write checkpoints in the background (the state is copied first)",
-                         HP_FIELD(async_save)));
-    k.push_back(path_key("init_from_hf",
-                         "start from the weights of this Hugging Face model folder instead of the seed (a family "
-                         "with Hugging Face names: llama, deepseek; model.from_hf sets it)",
-                         HP_FIELD(init_from_hf)));
+    add_model_keys(k);
+    add_data_keys(k);
+    add_precision_and_layout_keys(k);
+    add_batch_and_adamw_keys(k);
+    add_muon_keys(k);
+    add_run_keys(k);
     return k;
   }();
   return k;
