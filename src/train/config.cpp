@@ -217,12 +217,14 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   return parse_config(ss.str(), overrides, path);
 }
 
-void TrainConfig::validate(int world_size) {
-  const std::string& s = source;
-  if (save_dir.empty() && !output_dir.empty()) save_dir = output_dir + "/checkpoints";
-  if (optimizer != OptimizerKind::kMuon) {
+namespace {
+
+// Muon's keys: none given under adamw; the derived ones resolved; the iteration's dtype and steps.
+void validate_optimizer(TrainConfig& c) {
+  const std::string& s = c.source;
+  if (c.optimizer != OptimizerKind::kMuon) {
     // A Muon setting other than what it would be unset would be ignored: named instead.
-    TrainConfig unset = *this;
+    TrainConfig unset = c;
     const TrainConfig d;
     unset.muon_lr = d.muon_lr;
     unset.muon_momentum = d.muon_momentum;
@@ -236,172 +238,204 @@ void TrainConfig::validate(int world_size) {
     unset.muon_scheme = d.muon_scheme;
     unset.muon_to_adamw = d.muon_to_adamw;
     unset.muon_to_muon = d.muon_to_muon;
-    const auto mine = resolved_settings(*this), defaults = resolved_settings(unset);
+    const auto mine = resolved_settings(c), defaults = resolved_settings(unset);
     for (size_t i = 0; i < mine.size() && i < defaults.size(); ++i) {
       const std::string& k = mine[i].first;
-      HP_CHECK(k.rfind("muon_", 0) != 0 || !given.count(k) || mine[i].second == defaults[i].second, s, ": ", k, "=",
+      HP_CHECK(k.rfind("muon_", 0) != 0 || !c.given.count(k) || mine[i].second == defaults[i].second, s, ": ", k, "=",
                mine[i].second, " is given but optimizer=adamw (set optimizer: muon to use it)");
     }
   }
-  if (muon_lr < 0) muon_lr = lr;
-  HP_CHECK(muon_update_scale == optim::MuonScale::kRms || !given.count("muon_update_rms"), s, ": muon_update_rms=",
-           muon_update_rms, " is given but muon_update_scale=", to_string(muon_update_scale),
+  if (c.muon_lr < 0) c.muon_lr = c.lr;
+  HP_CHECK(c.muon_update_scale == optim::MuonScale::kRms || !c.given.count("muon_update_rms"), s, ": muon_update_rms=",
+           c.muon_update_rms, " is given but muon_update_scale=", to_string(c.muon_update_scale),
            " (it is the rms scale's target)");
-  if (muon_weight_decay < 0) muon_weight_decay = weight_decay;
-  HP_CHECK(muon_ns_dtype == at::kBFloat16 || muon_ns_dtype == at::kFloat || muon_ns_dtype == at::kDouble, s,
-           ": muon_ns_dtype=", muon_ns_dtype, " is not supported yet (bfloat16, float32 or float64)");
+  if (c.muon_weight_decay < 0) c.muon_weight_decay = c.weight_decay;
+  HP_CHECK(c.muon_ns_dtype == at::kBFloat16 || c.muon_ns_dtype == at::kFloat || c.muon_ns_dtype == at::kDouble, s,
+           ": muon_ns_dtype=", c.muon_ns_dtype, " is not supported yet (bfloat16, float32 or float64)");
   try {
-    optim::ns_steps(muon_ns_coefficients, muon_ns_steps);
+    optim::ns_steps(c.muon_ns_coefficients, c.muon_ns_steps);
   } catch (const std::exception& e) {
-    HP_CHECK(false, s, ": muon_ns_steps=", muon_ns_steps, ": ", e.what());
+    HP_CHECK(false, s, ": muon_ns_steps=", c.muon_ns_steps, ": ", e.what());
   }
-  HP_CHECK(save_interval == 0 || !save_dir.empty(), s, ": save_interval=", save_interval,
+}
+
+// Checkpoints, Hugging Face import, fully_shard's waits, tensor and sequence parallelism.
+void validate_features(TrainConfig& c) {
+  const std::string& s = c.source;
+  HP_CHECK(c.save_interval == 0 || !c.save_dir.empty(), s, ": save_interval=", c.save_interval,
            " needs save_dir (or output_dir, whose checkpoints/ it defaults to)");
-  HP_CHECK(init_from_hf.empty() || model->supports_hf(), s, ": init_from_hf is not supported yet for model.type=",
-           model.family().name(), " (no Hugging Face names)");
-  HP_CHECK(!wait_per_submodule || !comm_fusion, s,
+  HP_CHECK(c.init_from_hf.empty() || c.model->supports_hf(), s, ": init_from_hf is not supported yet for model.type=",
+           c.model.family().name(), " (no Hugging Face names)");
+  HP_CHECK(!c.wait_per_submodule || !c.comm_fusion, s,
            ": wait_per_submodule=true needs comm_fusion=false (a fused all-gather per block leaves nothing to wait "
            "for per layer)");
-  HP_CHECK(!sequence_parallel || tensor_parallel > 1, s,
-           ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=", tensor_parallel, ")");
-  if (tensor_parallel > 1) {
+  HP_CHECK(!c.sequence_parallel || c.tensor_parallel > 1, s,
+           ": sequence_parallel=true needs tensor_parallel > 1 (tensor_parallel=", c.tensor_parallel, ")");
+  if (c.tensor_parallel > 1) {
     try {
-      model->check_tensor_parallel(tensor_parallel);
+      c.model->check_tensor_parallel(c.tensor_parallel);
     } catch (const Error& e) {
       throw Error(detail::str_cat(s, ": ", e.what()));
     }
-    HP_CHECK(!sequence_parallel || seq_length % tensor_parallel == 0, s, ": seq_length=", seq_length,
-             " is not divisible by tensor_parallel=", tensor_parallel, " (sequence_parallel splits the sequence)");
+    HP_CHECK(!c.sequence_parallel || c.seq_length % c.tensor_parallel == 0, s, ": seq_length=", c.seq_length,
+             " is not divisible by tensor_parallel=", c.tensor_parallel, " (sequence_parallel splits the sequence)");
   }
-  const int64_t pp = pipeline_parallel, v = pipeline_parallel_interleave_num;
+}
+
+// The pipeline schedule, resolved from auto, and its stages against the model.
+void validate_pipeline(TrainConfig& c) {
+  const std::string& s = c.source;
+  const int64_t pp = c.pipeline_parallel, v = c.pipeline_parallel_interleave_num;
   HP_CHECK(v == 1 || pp > 1, s, ": pipeline_parallel_interleave_num=", v,
            " needs pipeline_parallel > 1 (pipeline_parallel=", pp, ")");
   using P = PipelineScheduleKind;
-  if (pipeline_schedule == P::kAuto) pipeline_schedule = v > 1 ? P::kInterleaved : P::k1F1B;
-  const std::string schedule = to_string(pipeline_schedule);
-  HP_CHECK(pipeline_stage_layers.empty() || pp > 1, s, ": pipeline_stage_layers needs pipeline_parallel > 1 ",
+  if (c.pipeline_schedule == P::kAuto) c.pipeline_schedule = v > 1 ? P::kInterleaved : P::k1F1B;
+  const std::string schedule = to_string(c.pipeline_schedule);
+  HP_CHECK(c.pipeline_stage_layers.empty() || pp > 1, s, ": pipeline_stage_layers needs pipeline_parallel > 1 ",
            "(pipeline_parallel=", pp, ")");
-  HP_CHECK(v == 1 || pipeline_schedule == P::kInterleaved || pipeline_schedule == P::kZBV, s, ": pipeline_schedule=",
+  HP_CHECK(v == 1 || c.pipeline_schedule == P::kInterleaved || c.pipeline_schedule == P::kZBV, s, ": pipeline_schedule=",
            schedule, " runs one stage per rank, but pipeline_parallel_interleave_num=", v,
            " (use interleaved or zbv)");
-  HP_CHECK(pipeline_schedule != P::kZBV || v == 2, s, ": pipeline_schedule=zbv places two stages per rank: it needs ",
+  HP_CHECK(c.pipeline_schedule != P::kZBV || v == 2, s, ": pipeline_schedule=zbv places two stages per rank: it needs ",
            "pipeline_parallel_interleave_num=2, not ", v);
   if (pp > 1) {
-    HP_CHECK(pp * v <= model->layers(), s, ": pipeline_parallel=", pp, " x pipeline_parallel_interleave_num=", v,
-             " = ", pp * v, " stages, but the model has ", model->layers(),
+    HP_CHECK(pp * v <= c.model->layers(), s, ": pipeline_parallel=", pp, " x pipeline_parallel_interleave_num=", v,
+             " = ", pp * v, " stages, but the model has ", c.model->layers(),
              " layers (each stage needs at least one: more stages than layers)");
     // Interleaved runs the micro-batches in rounds of m / max(1, m / pp): that must divide.
-    const int64_t rounds = std::max<int64_t>(1, micro_batch_num / pp);
-    HP_CHECK(pipeline_schedule != P::kInterleaved || micro_batch_num % rounds == 0, s, ": micro_batch_num=",
-             micro_batch_num, " with the interleaved schedule over pipeline_parallel=", pp, " would run in ", rounds,
+    const int64_t rounds = std::max<int64_t>(1, c.micro_batch_num / pp);
+    HP_CHECK(c.pipeline_schedule != P::kInterleaved || c.micro_batch_num % rounds == 0, s, ": micro_batch_num=",
+             c.micro_batch_num, " with the interleaved schedule over pipeline_parallel=", pp, " would run in ", rounds,
              " rounds that do not divide it (not supported yet; a multiple of ", pp, " always works)");
     try {
-      models::split_layers(model->layers(), static_cast<int>(pp * v), pipeline_stage_layers);
+      models::split_layers(c.model->layers(), static_cast<int>(pp * v), c.pipeline_stage_layers);
     } catch (const Error& e) {
       throw Error(detail::str_cat(s, ": pipeline_stage_layers: ", e.what()));
     }
-    HP_CHECK((pipeline_schedule != P::kZBH1 && pipeline_schedule != P::kZBV) || recompute == Recompute::kNone, s,
-             ": pipeline_schedule=", schedule, " with recompute=", to_string(recompute),
+    HP_CHECK((c.pipeline_schedule != P::kZBH1 && c.pipeline_schedule != P::kZBV) || c.recompute == Recompute::kNone, s,
+             ": pipeline_schedule=", schedule, " with recompute=", to_string(c.recompute),
              " is not supported yet (the weight gradients are taken from the forward's graph)");
   }
-  HP_CHECK(moe_dispatcher == ep::DispatcherKind::kAllToAll || expert_parallel > 1, s, ": moe_dispatcher=",
-           to_string(moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", expert_parallel, ")");
-  if (expert_parallel > 1) {
-    const int64_t ep = expert_parallel, experts = model->routed_experts();
+}
+
+// Expert parallelism against the model, the degrees against the world (ParallelDims, which resolves
+// data_parallel_shard = -1), the reshard group, and context parallelism.
+void validate_layout(TrainConfig& c, int world_size) {
+  const std::string& s = c.source;
+  HP_CHECK(c.moe_dispatcher == ep::DispatcherKind::kAllToAll || c.expert_parallel > 1, s, ": moe_dispatcher=",
+           to_string(c.moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", c.expert_parallel, ")");
+  if (c.expert_parallel > 1) {
+    const int64_t ep = c.expert_parallel, experts = c.model->routed_experts();
     HP_CHECK(experts > 0, s, ": expert_parallel=", ep, " needs a model with routed experts (model.type=",
-             model.family().name(), " has none)");
+             c.model.family().name(), " has none)");
     HP_CHECK(experts % ep == 0, s, ": expert_parallel=", ep, " does not divide the ", experts,
              " routed experts (model.experts)");
     // The EP group is tensor_parallel's ranks and ep / tensor_parallel of dp_shard x cp's
     // (ParallelDims checks that they divide).
-    HP_CHECK(tensor_parallel == 1 || sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=",
-             tensor_parallel, " needs sequence_parallel=true (each tensor-parallel rank routes its piece of the ",
+    HP_CHECK(c.tensor_parallel == 1 || c.sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=",
+             c.tensor_parallel, " needs sequence_parallel=true (each tensor-parallel rank routes its piece of the ",
              "sequence); without it is not supported yet");
   }
   try {
-    data_parallel_shard = ParallelDims(degrees(), world_size).dp_shard();
+    c.data_parallel_shard = ParallelDims(c.degrees(), world_size).dp_shard();
   } catch (const Error& e) {
     throw Error(detail::str_cat(s, ": ", e.what()));
   }
-  if (reshard_after_forward_group_size > 0) {
-    HP_CHECK(data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams, s, ": reshard_after_forward_group_size=",
-             reshard_after_forward_group_size, " needs data_parallel_shard_strategy=optim_grads_params (",
-             to_string(data_parallel_shard_strategy), " keeps parameters gathered until backward)");
-    HP_CHECK(data_parallel_shard % reshard_after_forward_group_size == 0, s, ": reshard_after_forward_group_size=",
-             reshard_after_forward_group_size, " does not divide data_parallel_shard=", data_parallel_shard);
+  if (c.reshard_after_forward_group_size > 0) {
+    HP_CHECK(c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams, s, ": reshard_after_forward_group_size=",
+             c.reshard_after_forward_group_size, " needs data_parallel_shard_strategy=optim_grads_params (",
+             to_string(c.data_parallel_shard_strategy), " keeps parameters gathered until backward)");
+    HP_CHECK(c.data_parallel_shard % c.reshard_after_forward_group_size == 0, s, ": reshard_after_forward_group_size=",
+             c.reshard_after_forward_group_size, " does not divide data_parallel_shard=", c.data_parallel_shard);
   }
-  HP_CHECK(context_parallel_method == cp::Method::kRing || context_parallel > 1, s, ": context_parallel_method=",
-           cp::method_name(context_parallel_method), " needs context_parallel > 1 (context_parallel=", context_parallel, ")");
-  if (context_parallel > 1) {
-    const int64_t cp = context_parallel;
+  HP_CHECK(c.context_parallel_method == cp::Method::kRing || c.context_parallel > 1, s, ": context_parallel_method=",
+           cp::method_name(c.context_parallel_method), " needs context_parallel > 1 (context_parallel=", c.context_parallel, ")");
+  if (c.context_parallel > 1) {
+    const int64_t cp = c.context_parallel;
     try {
-      cp::SequenceSplit(seq_length, static_cast<int>(cp));
+      cp::SequenceSplit(c.seq_length, static_cast<int>(cp));
     } catch (const Error& e) {
-      throw Error(detail::str_cat(s, ": seq_length=", seq_length, " with context_parallel=", cp, ": ", e.what()));
+      throw Error(detail::str_cat(s, ": seq_length=", c.seq_length, " with context_parallel=", cp, ": ", e.what()));
     }
-    HP_CHECK(model->attention_widths().kv > 0, s, ": context_parallel=", cp, " is not supported yet for model.type=",
-             model.family().name(), " (its attention does not take a context-parallel group)");
-    if (context_parallel_method == cp::Method::kUlysses) {
+    HP_CHECK(c.model->attention_widths().kv > 0, s, ": context_parallel=", cp, " is not supported yet for model.type=",
+             c.model.family().name(), " (its attention does not take a context-parallel group)");
+    if (c.context_parallel_method == cp::Method::kUlysses) {
       // Ulysses trades the sequence for heads: each rank's (after tensor parallelism) query
       // and key/value heads split over the CP ranks.
-      const models::AttentionWidths w = model->attention_widths();
-      const int64_t h = w.heads / tensor_parallel, kv = w.kv_heads / tensor_parallel;
+      const models::AttentionWidths w = c.model->attention_widths();
+      const int64_t h = w.heads / c.tensor_parallel, kv = w.kv_heads / c.tensor_parallel;
       HP_CHECK(h % cp == 0 && kv % cp == 0, s, ": context_parallel_method=ulysses needs the ", h, " query heads and ",
-               kv, " key/value heads of a rank", tensor_parallel > 1 ? " (after tensor_parallel)" : "",
+               kv, " key/value heads of a rank", c.tensor_parallel > 1 ? " (after tensor_parallel)" : "",
                " divisible by context_parallel=", cp, ": use ring or allgather");
     }
     // Sequence parallelism splits each CP rank's tokens over the tp ranks.
-    HP_CHECK(!sequence_parallel || (seq_length / cp) % tensor_parallel == 0, s, ": seq_length=", seq_length,
-             " over context_parallel=", cp, " leaves ", seq_length / cp, " tokens per rank, not divisible by tensor_parallel=",
-             tensor_parallel, " (sequence_parallel splits them)");
+    HP_CHECK(!c.sequence_parallel || (c.seq_length / cp) % c.tensor_parallel == 0, s, ": seq_length=", c.seq_length,
+             " over context_parallel=", cp, " leaves ", c.seq_length / cp, " tokens per rank, not divisible by tensor_parallel=",
+             c.tensor_parallel, " (sequence_parallel splits them)");
   }
-  HP_CHECK(!apply_grad_on_fp32_main_grad || accumulate_allreduce_grads_in_fp32, s,
+}
+
+// Dtypes, batch, schedule, data and validation, and the model's own consistency.
+void validate_training(TrainConfig& c) {
+  const std::string& s = c.source;
+  HP_CHECK(!c.apply_grad_on_fp32_main_grad || c.accumulate_allreduce_grads_in_fp32, s,
            ": apply_grad_on_fp32_main_grad=true needs accumulate_allreduce_grads_in_fp32=true (an fp32 main gradient ",
-           "of a gradient reduced in ", c10::toString(compute_dtype), " would keep only its precision)");
-  HP_CHECK(params_dtype != at::kHalf, s, ": params_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
-  HP_CHECK(compute_dtype != at::kHalf, s, ": compute_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
-  HP_CHECK(global_batch_size % micro_batch_num == 0 && (global_batch_size / micro_batch_num) % dp_size() == 0, s, ": global_batch_size=", global_batch_size,
-           " must be a multiple of data-parallel ranks (", dp_size(), ") x micro_batch_num (", micro_batch_num, ")");
-  HP_CHECK(seq_length <= model->max_seq(), s, ": seq_length=", seq_length, " is longer than model.max_seq=",
-           model->max_seq());
-  HP_CHECK(min_lr <= lr, s, ": min_lr=", min_lr, " is above lr=", lr);
-  HP_CHECK(lr_warmup_steps <= train_steps, s, ": lr_warmup_steps=", lr_warmup_steps, " exceeds train_steps=",
-           train_steps);
-  if (data.type == DataType::kSynthetic) {
-    HP_CHECK(data.path.empty(), s, ": data.path='", data.path, "' is only read when data.type is binary, text or megatron");
+           "of a gradient reduced in ", c10::toString(c.compute_dtype), " would keep only its precision)");
+  HP_CHECK(c.params_dtype != at::kHalf, s, ": params_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
+  HP_CHECK(c.compute_dtype != at::kHalf, s, ": compute_dtype=float16 is not supported yet (needs loss scaling); use bfloat16");
+  HP_CHECK(c.global_batch_size % c.micro_batch_num == 0 && (c.global_batch_size / c.micro_batch_num) % c.dp_size() == 0, s, ": global_batch_size=", c.global_batch_size,
+           " must be a multiple of data-parallel ranks (", c.dp_size(), ") x micro_batch_num (", c.micro_batch_num, ")");
+  HP_CHECK(c.seq_length <= c.model->max_seq(), s, ": seq_length=", c.seq_length, " is longer than model.max_seq=",
+           c.model->max_seq());
+  HP_CHECK(c.min_lr <= c.lr, s, ": min_lr=", c.min_lr, " is above lr=", c.lr);
+  HP_CHECK(c.lr_warmup_steps <= c.train_steps, s, ": lr_warmup_steps=", c.lr_warmup_steps, " exceeds train_steps=",
+           c.train_steps);
+  if (c.data.type == DataType::kSynthetic) {
+    HP_CHECK(c.data.path.empty(), s, ": data.path='", c.data.path, "' is only read when data.type is binary, text or megatron");
   } else {
-    HP_CHECK(!data.path.empty(), s, ": data.type=", to_string(data.type), " needs data.path");
-    HP_CHECK(!given.count("data.num_samples"), s, ": data.num_samples=", data.num_samples,
+    HP_CHECK(!c.data.path.empty(), s, ": data.type=", to_string(c.data.type), " needs data.path");
+    HP_CHECK(!c.given.count("data.num_samples"), s, ": data.num_samples=", c.data.num_samples,
              " is only read for synthetic data (a file's samples are its tokens / seq_length)");
   }
-  if (eval_interval == 0) {
-    HP_CHECK(data.valid_path.empty(), s, ": data.valid_path='", data.valid_path,
+  if (c.eval_interval == 0) {
+    HP_CHECK(c.data.valid_path.empty(), s, ": data.valid_path='", c.data.valid_path,
              "' is only read when eval_interval > 0 (eval_interval=0: no validation)");
-  } else if (data.type == DataType::kSynthetic) {
-    HP_CHECK(data.valid_path.empty(), s, ": data.valid_path='", data.valid_path,
+  } else if (c.data.type == DataType::kSynthetic) {
+    HP_CHECK(c.data.valid_path.empty(), s, ": data.valid_path='", c.data.valid_path,
              "' is for files: synthetic data holds out its own validation samples");
-    HP_CHECK(eval_steps > 0, s, ": eval_steps=0 (all of the validation set) with synthetic data, whose held-out ",
+    HP_CHECK(c.eval_steps > 0, s, ": eval_steps=0 (all of the validation set) with synthetic data, whose held-out ",
              "set is eval_steps global batches: give eval_steps > 0");
     // The held-out samples are numbered after the training ones: num_samples + eval_steps x
     // global_batch_size must be countable.
-    HP_CHECK(global_batch_size <= 0 ||
-                 eval_steps <= (std::numeric_limits<int64_t>::max() - data.num_samples) / global_batch_size,
-             s, ": eval_steps=", eval_steps, " x global_batch_size=", global_batch_size,
-             " held-out samples after data.num_samples=", data.num_samples, " are too many to count");
+    HP_CHECK(c.global_batch_size <= 0 ||
+                 c.eval_steps <= (std::numeric_limits<int64_t>::max() - c.data.num_samples) / c.global_batch_size,
+             s, ": eval_steps=", c.eval_steps, " x global_batch_size=", c.global_batch_size,
+             " held-out samples after data.num_samples=", c.data.num_samples, " are too many to count");
   } else {
-    HP_CHECK(!data.valid_path.empty(), s, ": eval_interval=", eval_interval, " needs data.valid_path (the ",
-             "validation set, of data.type=", to_string(data.type), ")");
+    HP_CHECK(!c.data.valid_path.empty(), s, ": eval_interval=", c.eval_interval, " needs data.valid_path (the ",
+             "validation set, of data.type=", to_string(c.data.type), ")");
   }
-  HP_CHECK(data.type == DataType::kBinary || !given.count("data.token_dtype"), s, ": data.token_dtype=",
-           to_string(data.token_dtype),
+  HP_CHECK(c.data.type == DataType::kBinary || !c.given.count("data.token_dtype"), s, ": data.token_dtype=",
+           to_string(c.data.token_dtype),
            " is only read when data.type is binary (megatron's index says its own)");
-  HP_CHECK(data.type != DataType::kText || model->vocab() >= 256, s,
-           ": data.type=text uses byte tokens 0..255 but model.vocab=", model->vocab());
+  HP_CHECK(c.data.type != DataType::kText || c.model->vocab() >= 256, s,
+           ": data.type=text uses byte tokens 0..255 but model.vocab=", c.model->vocab());
   try {
-    model->validate();
+    c.model->validate();
   } catch (const Error& e) {
     throw Error(s + ": model: " + e.what());
   }
+}
+
+}  // namespace
+
+void TrainConfig::validate(int world_size) {
+  if (save_dir.empty() && !output_dir.empty()) save_dir = output_dir + "/checkpoints";
+  validate_optimizer(*this);
+  validate_features(*this);
+  validate_pipeline(*this);
+  validate_layout(*this, world_size);
+  validate_training(*this);
 }
 
 ParallelDims TrainConfig::parallel_dims() const {
