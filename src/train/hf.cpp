@@ -91,14 +91,14 @@ void Trainer::load_hf(const std::string& dir) {
     const auto sources = hf_sources(s.c, dir);
     std::vector<ckpt::Item> items;
     size_t j = 0;
-    for (size_t i = 0; i < s.params.size(); ++i) {
-      const std::string& hf = hf_source(sources, s.names[i]);
-      items.push_back({s.names[i], s.params[i].detach(), s.specs[i], hf});
-      if (s.master && s.params[i].requires_grad()) {
-        items.push_back({s.names[i] + ".master", s.master->masters()[j++].detach(), s.specs[i], hf});
+    for (size_t i = 0; i < s.sharded.params.size(); ++i) {
+      const std::string& hf = hf_source(sources, s.sharded.params[i].name);
+      items.push_back({s.sharded.params[i].name, s.sharded.params[i].param.detach(), s.sharded.params[i].box, hf});
+      if (s.master && s.sharded.params[i].param.requires_grad()) {
+        items.push_back({s.sharded.params[i].name + ".master", s.master->masters()[j++].detach(), s.sharded.params[i].box, hf});
       }
     }
-    for (torch::nn::Module* root : s.roots) add_hf_buffers(*root, sources, items);
+    for (torch::nn::Module* root : s.sharded.roots) add_hf_buffers(*root, sources, items);
     at::NoGradGuard ng;
     internal::HostStaging staged(items);
     ckpt::load_consolidated(items, dir);

@@ -13,6 +13,7 @@
 #include "hp/models/family.h"
 #include "hp/train/checkpoint_manager.h"
 #include "hp/tp/dtensor.h"
+#include "parallelize.h"
 #include "trainer_impl.h"
 
 #if HP_HAVE_CUDA
@@ -60,158 +61,98 @@ Trainer::Trainer(const TrainConfig& cfg, CommPtr world, std::shared_ptr<const To
                                        "HP_BACKEND names another)"
                                      : "");
   s.control = control_device(s.world);
-  s.mesh = std::make_unique<ParallelMesh>(c.parallel_dims(), s.world);
-  s.dp = s.mesh->group(Group::kData);
-  s.shards = s.mesh->group(Group::kShard);
-  s.tp = s.mesh->group(Group::kTp);
-  s.pp = s.mesh->group(Group::kPp);
-  s.routing = s.mesh->group(Group::kRouting);
-  if (c.expert_parallel > 1) s.ep = s.mesh->group(Group::kEp);
-  s.dp_rank = s.mesh->rank_in(Group::kBatch);
-  if (c.context_parallel > 1) {
-    s.context = std::make_shared<cp::ContextParallel>(s.mesh->group(Group::kCp),
-                                                      cp::ContextParallelOptions{c.context_parallel_method});
-  }
-
+  s.build_mesh();
   // Built without storage: each rank materializes only its shards (plus one parameter at a
   // time), so a model larger than a rank's memory can be trained.
-  auto shard_model = [&](TrainModel& m) {
-    // Expert parallelism first: tensor parallelism then keeps the placed experts whole.
-    if (s.ep) m.expert_parallel(s.ep, c.moe_dispatcher);
-    if (s.context) m.context_parallel(s.context);
-    if (c.tensor_parallel > 1) {
-      // Before fully_shard, which then shards each rank's pieces; the initializer reads each
-      // piece's box of the global tensor.
-      m.parallelize(s.tp, c.sequence_parallel, mixed_precision(c).reduce_dtype);
-    }
-    FullyShardOptions o;
-    o.param_init = models::parameter_initializer(m.root(), c.seed);
-    o.device = s.device;  // the model is built on the host, without storage: its shards go there
-    o.mesh = s.mesh->fsdp_mesh();
-    o.reshard_after_forward = c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams;
-    o.reshard_after_forward_group_size = static_cast<int>(c.reshard_after_forward_group_size);
-    o.comm_fusion = c.comm_fusion;
-    o.mp_policy = mixed_precision(c);
-    const size_t first = s.handles.size();
-    FullyShardOptions block_o = o;
-    // The blocks only: the root's gather is small, and a tied head on a pipeline's last
-    // stage reads the embedding's weight without the embedding's call (safe today only
-    // because the schedule gathers each stage's root before its micro-batches).
-    block_o.wait_per_submodule = c.wait_per_submodule;
-    if (s.ep) {
-      // Each MoE's experts: a unit of their own over the ranks holding the same experts. An
-      // expert's gradient already sums every EP rank's tokens (they came through the
-      // all-to-all), so it is divided by the whole data degree, not by that group's size
-      // (nor by tp's: each tp rank's tokens are its own piece of the sequence).
-      FullyShardOptions expert_o = o;
-      expert_o.mesh = s.mesh->expert_fsdp_mesh();
-      for (torch::nn::Module* e : m.expert_modules()) {
-        s.handles.push_back(fully_shard(*e, expert_o));
-        s.handles.back()->set_gradient_divide_factor(static_cast<double>(c.dp_size() * c.context_parallel));
-      }
-    }
-    // Under tensor parallelism the experts an EP group spreads over the tp ranks differ
-    // between them, as split pieces do: the gradient norm sums them over tp too.
-    const size_t experts_end = c.tensor_parallel > 1 ? s.handles.size() : first;
-    for (torch::nn::Module* b : m.blocks()) s.handles.push_back(fully_shard(*b, block_o));
-    s.handles.push_back(fully_shard(m.root(), o));
-    materialize_deferred_buffers(m.root(), s.device);
-    s.roots.push_back(&m.root());
-    for (size_t k = first; k < s.handles.size(); ++k) {
-      auto& h = s.handles[k];
-      // The module's name in the model ("layers_3."), for the whole model's parameter names.
-      std::string prefix;
-      for (const auto& item : m.root().named_modules("", /*include_self=*/false)) {
-        if (item.value().get() == &h->module()) prefix = item.key() + ".";
-      }
-      std::vector<at::Tensor> sharded = h->parameters();
-      std::vector<ShardedTensor> entries = h->state_dict();
-      auto module_params = h->module().named_parameters();
-      HP_INTERNAL_ASSERT(sharded.size() == entries.size(), "fully_shard handle: parameters and state_dict differ");
-      for (size_t i = 0; i < sharded.size(); ++i) {
-        if (tp::parameter_spec(module_params[entries[i].name]) || k < experts_end) {
-          s.tp_pieces.insert(sharded[i].unsafeGetTensorImpl());
-        }
-        s.params.push_back(sharded[i]);
-        s.names.push_back(prefix + entries[i].name);
-        s.specs.push_back(entries[i].spec);
-        s.main_grads_of.push_back(h->main_grads()[i]);
-        s.norm_skip.push_back(false);
-      }
-    }
-  };
   if (c.pipeline_parallel == 1) {
     s.model = make_model(c, /*deferred=*/true);
-    shard_model(*s.model);
+    parallelize(*s.model, c, *s.mesh, s.context, s.device, /*stage=*/-1, s.sharded);
   } else {
-    const int pp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
-    pp::Schedule schedule = pipeline_schedule(c);
-    const auto slices = models::split_layers(c.model->layers(), pp * v, c.pipeline_stage_layers);
-    std::vector<pp::PipelineStage> stages;
-    std::vector<int> stage_of;  // per params[i]: the stage holding it
-    for (int st : schedule.stages_of(s.pp->rank())) {
-      s.stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
-      TrainModel* mdl = s.stages.back().get();
-      shard_model(*mdl);
-      stage_of.resize(s.params.size(), st);
-      stages.push_back({st, [mdl](const at::Tensor& x) { return mdl->forward(x, /*hooked=*/true); }, &mdl->root()});
-    }
-    // The last stage's model (under ZBV on rank 0, with the first).
-    TrainModel* last = nullptr;
-    for (size_t k = 0; k < stages.size(); ++k) {
-      if (stages[k].stage == pp * v - 1) last = s.stages[k].get();
-    }
-    const std::vector<std::string> tied_names = c.model->tied_parameters();
-    HP_CHECK(tied_names.size() <= 1, "model family ", c.model.family().name(), ": ", tied_names.size(),
-             " tied parameters under pipeline parallelism is not supported yet (one is)");
-    if (!tied_names.empty()) {
-      // On two ranks, summed over a group of the two (split off the pp group by every rank);
-      // on one (ZBV puts the first and the last stage on rank 0), summed here.
-      const int first = schedule.rank_of(0), last_rank = schedule.rank_of(pp * v - 1);
-      if (first != last_rank && (s.pp->rank() == first || s.pp->rank() == last_rank)) {
-        s.tie_group = s.pp->new_group({first, last_rank});
-      }
-      // This rank's copies: on the first stage, and (skipped by the norm) on the last.
-      for (size_t i = 0; i < s.params.size(); ++i) {
-        if (s.names[i] != tied_names.front()) continue;
-        s.tied.push_back(i);
-        s.norm_skip[i] = stage_of[i] == pp * v - 1;
-      }
-    }
-    s.pipe = std::make_unique<pp::Pipeline>(schedule, std::move(stages), s.pp,
-                                            [last](const at::Tensor& out, const at::Tensor& y) {
-                                              HP_INTERNAL_ASSERT(last != nullptr, "a loss on a rank without the last stage");
-                                              return last->loss_of_logits(out, y);
-                                            });
+    s.build_pipeline();
   }
-  // The optimizer over the parameters that require grad (or their fp32 masters, in the same
-  // order), each named by the whole model's name, with its box for a distributed Muon.
-  std::vector<std::string> opt_names;
-  std::vector<ShardSpec> opt_boxes;
-  std::vector<at::Tensor> opt_params;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    if (!s.params[i].requires_grad()) continue;
-    opt_names.push_back(s.names[i]);
-    opt_boxes.push_back(s.specs[i]);
-    opt_params.push_back(s.params[i]);
-  }
-  auto make = [&c, &s, opt_names, opt_boxes](const std::vector<at::Tensor>& params) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (size_t j = 0; j < params.size(); ++j) named.emplace_back(opt_names[j], params[j]);
-    return make_optimizer(c, named, &opt_boxes, s.world);
-  };
-  if (c.fp32_master()) {
-    s.master = std::make_unique<FP32MasterOptimizer>(s.handles,
-                                                     [&make](std::vector<at::Tensor> masters) { return make(masters); });
-  } else {
-    s.opt = make(opt_params);
-  }
-
+  s.build_optimizer();
   s.data = data ? std::move(data) : make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);
   s.sharder = std::make_unique<DataSharder>(s.data->size(), c.global_batch_size, c.micro_batch_num, c.dp_size(),
                                             c.seed, c.data.shuffle);
   s.validation = open_validation(c, std::move(valid));
   if (!c.init_from_hf.empty()) load_hf(c.init_from_hf);
+}
+
+void Trainer::Impl::build_mesh() {
+  mesh = std::make_unique<ParallelMesh>(c.parallel_dims(), world);
+  dp = mesh->group(Group::kData);
+  shards = mesh->group(Group::kShard);
+  tp = mesh->group(Group::kTp);
+  pp = mesh->group(Group::kPp);
+  routing = mesh->group(Group::kRouting);
+  dp_rank = mesh->rank_in(Group::kBatch);
+  if (c.context_parallel > 1) {
+    context = std::make_shared<cp::ContextParallel>(mesh->group(Group::kCp),
+                                                    cp::ContextParallelOptions{c.context_parallel_method});
+  }
+}
+
+void Trainer::Impl::build_pipeline() {
+  const int npp = static_cast<int>(c.pipeline_parallel), v = static_cast<int>(c.pipeline_parallel_interleave_num);
+  const int last_stage = npp * v - 1;
+  pp::Schedule schedule = pipeline_schedule(c);
+  const auto slices = models::split_layers(c.model->layers(), npp * v, c.pipeline_stage_layers);
+  std::vector<pp::PipelineStage> run;
+  TrainModel* last = nullptr;  // the last stage's model (under ZBV on rank 0, with the first)
+  for (int st : schedule.stages_of(pp->rank())) {
+    stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
+    TrainModel* mdl = stages.back().get();
+    parallelize(*mdl, c, *mesh, context, device, st, sharded);
+    run.push_back({st, [mdl](const at::Tensor& x) { return mdl->forward(x, /*hooked=*/true); }, &mdl->root()});
+    if (st == last_stage) last = mdl;
+  }
+  const std::vector<std::string> tied_names = c.model->tied_parameters();
+  HP_CHECK(tied_names.size() <= 1, "model family ", c.model.family().name(), ": ", tied_names.size(),
+           " tied parameters under pipeline parallelism is not supported yet (one is)");
+  if (!tied_names.empty()) {
+    // On two ranks, summed over a group of the two (split off the pp group by every rank);
+    // on one (ZBV puts the first and the last stage on rank 0), summed here.
+    const int first = schedule.rank_of(0), last_rank = schedule.rank_of(last_stage);
+    if (first != last_rank && (pp->rank() == first || pp->rank() == last_rank)) {
+      tie_group = pp->new_group({first, last_rank});
+    }
+    // This rank's copies: on the first stage, and (skipped by the norm) on the last.
+    for (size_t i = 0; i < sharded.params.size(); ++i) {
+      if (sharded.params[i].name != tied_names.front()) continue;
+      tied.push_back(i);
+      sharded.params[i].norm_skip = sharded.params[i].stage == last_stage;
+    }
+  }
+  pipe = std::make_unique<pp::Pipeline>(schedule, std::move(run), pp,
+                                        [last](const at::Tensor& out, const at::Tensor& y) {
+                                          HP_INTERNAL_ASSERT(last != nullptr, "a loss on a rank without the last stage");
+                                          return last->loss_of_logits(out, y);
+                                        });
+}
+
+void Trainer::Impl::build_optimizer() {
+  // Over the parameters that require grad (or their fp32 masters, in the same order), each
+  // named by the whole model's name, with its box for a distributed Muon.
+  std::vector<std::string> opt_names;
+  std::vector<ShardSpec> opt_boxes;
+  std::vector<at::Tensor> opt_params;
+  for (const ShardedParam& r : sharded.params) {
+    if (!r.param.requires_grad()) continue;
+    opt_names.push_back(r.name);
+    opt_boxes.push_back(r.box);
+    opt_params.push_back(r.param);
+  }
+  auto make = [this, opt_names, opt_boxes](const std::vector<at::Tensor>& params) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (size_t j = 0; j < params.size(); ++j) named.emplace_back(opt_names[j], params[j]);
+    return make_optimizer(c, named, &opt_boxes, world);
+  };
+  if (c.fp32_master()) {
+    master = std::make_unique<FP32MasterOptimizer>(sharded.handles,
+                                                   [&make](std::vector<at::Tensor> masters) { return make(masters); });
+  } else {
+    opt = make(opt_params);
+  }
 }
 
 Trainer::~Trainer() {
@@ -373,7 +314,7 @@ EvalStats Trainer::evaluate() {
     }
   }
   // Nothing stays gathered (a shard strategy that keeps parameters for the backward would).
-  for (auto& h : s.handles) h->reshard();
+  for (auto& h : s.sharded.handles) h->reshard();
   at::Tensor loss = at::full({1}, sum / static_cast<double>(s.validation.batches * c.micro_batch_num),
                              at::TensorOptions(at::kDouble).device(s.control));
   s.dp->all_reduce(loss, {ReduceOp::AVG}).wait();
@@ -450,11 +391,23 @@ bool Trainer::stop_agreed(int mine, TrainSummary* out) const {
 }
 
 int64_t Trainer::steps_done() const { return impl_->steps; }
-std::vector<at::Tensor> Trainer::sharded_params() const { return impl_->params; }
+std::vector<at::Tensor> Trainer::sharded_params() const {
+  std::vector<at::Tensor> out;
+  for (const auto& r : impl_->sharded.params) out.push_back(r.param);
+  return out;
+}
 std::vector<at::Tensor> Trainer::sharded_grads() const { return impl_->grads(); }
-const std::vector<FSDPHandle>& Trainer::handles() const { return impl_->handles; }
-const std::vector<std::string>& Trainer::parameter_names() const { return impl_->names; }
-const std::vector<ShardSpec>& Trainer::parameter_specs() const { return impl_->specs; }
+const std::vector<FSDPHandle>& Trainer::handles() const { return impl_->sharded.handles; }
+std::vector<std::string> Trainer::parameter_names() const {
+  std::vector<std::string> out;
+  for (const auto& r : impl_->sharded.params) out.push_back(r.name);
+  return out;
+}
+std::vector<ShardSpec> Trainer::parameter_specs() const {
+  std::vector<ShardSpec> out;
+  for (const auto& r : impl_->sharded.params) out.push_back(r.box);
+  return out;
+}
 const CommPtr& Trainer::shard_group() const { return impl_->shards; }
 const CommPtr& Trainer::tp_group() const { return impl_->tp; }
 const CommPtr& Trainer::pp_group() const { return impl_->pp; }

@@ -24,6 +24,7 @@
 #include "hp/mesh/device_mesh.h"
 #include "hp/pp/pipeline.h"
 #include "hp/train/trainer.h"
+#include "parallelize.h"
 
 namespace hp::train {
 
@@ -110,32 +111,25 @@ struct Trainer::Impl {
   CommPtr dp, shards, tp, pp;
   // The ranks whose routed tokens differ (ParallelDims' kRouting).
   CommPtr routing;
-  CommPtr ep;  // with expert_parallel > 1
   // With context_parallel > 1: the attention over the CP group.
   std::shared_ptr<cp::ContextParallel> context;
   std::unique_ptr<TrainModel> model;  // without pipeline parallelism
   // With it: this rank's stages (each a part of the model), run by `pipe`.
   std::vector<std::unique_ptr<TrainModel>> stages;
   std::unique_ptr<pp::Pipeline> pipe;
-  std::vector<FSDPHandle> handles;
+  // The model or the stages laid out (internal::parallelize): a record per parameter this
+  // rank holds (its shard, name, box, tp piece, tied copy, main gradient), fully_shard's
+  // handles, the roots.
+  internal::ShardedModel sharded;
   std::shared_ptr<const TokenDataset> data;
   std::unique_ptr<DataSharder> sharder;
   internal::Validation validation;  // eval_interval > 0
   int64_t dp_rank = 0;  // the data rank alone (kBatch): which samples this rank reads
-  std::vector<at::Tensor> params;
-  // Per params[i]: its name in the whole model and its box of the global tensor.
-  std::vector<std::string> names;
-  std::vector<ShardSpec> specs;
-  std::vector<torch::nn::Module*> roots;  // the model, or this rank's stages
   // save_async: the thread writing the copied state, over its own communicator (split from
   // the world when first needed, so its collectives never interleave with training's).
   CommPtr ckpt_comm;
   std::thread saver;
   std::exception_ptr save_error;
-  // The sharded parameters that are shards of tensor-parallel pieces.
-  // Parameters whose elements differ between tp ranks: split pieces, and experts an EP group
-  // spreads over the tp ranks.
-  std::set<const c10::TensorImpl*> tp_pieces;
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::unique_ptr<FP32MasterOptimizer> master;
   int64_t steps = 0;
@@ -143,26 +137,30 @@ struct Trainer::Impl {
   // Tied embeddings under pipeline parallelism: the first and the last stage each hold a copy
   // of the embedding; their gradients are summed over `tie_group` (the pp ranks of the two
   // stages with this rank's dp/tp coordinates) after each backward, and the last stage's copy
-  // is left out of the gradient norm (counted once).
-  std::vector<size_t> tied;       // indices into params of this rank's copies
-  std::vector<bool> norm_skip;    // per params[i]: the duplicate copy
+  // is left out of the gradient norm (counted once: its record's norm_skip).
+  std::vector<size_t> tied;  // indices into sharded.params of this rank's copies
   CommPtr tie_group;
-  std::vector<at::Tensor> main_grads_of;  // per params[i]: its fp32 main gradient (with masters)
 
-  // The gradient the optimizer steps params[i] with (its main gradient with fp32 masters).
-  at::Tensor grad_of(size_t i) const { return master ? main_grads_of[i] : params[i].grad(); }
+  // The constructor's steps (trainer.cpp): the layout's groups; with pipeline_parallel > 1
+  // this rank's stages, laid out, the tied copies and the pipeline; the optimizer.
+  void build_mesh();
+  void build_pipeline();
+  void build_optimizer();
+
+  // The gradient the optimizer steps parameter i with (its main gradient with fp32 masters).
+  at::Tensor grad_of(size_t i) const { return master ? sharded.params[i].main_grad : sharded.params[i].param.grad(); }
 
   // The gradients to clip and step with; `split` (when given) says which are
   // tensor-parallel pieces, `skip` which are the duplicate copy of a tied parameter.
   std::vector<at::Tensor> grads(std::vector<bool>* split = nullptr, std::vector<bool>* skip = nullptr) const {
     std::vector<at::Tensor> out;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (!params[i].requires_grad()) continue;
+    for (size_t i = 0; i < sharded.params.size(); ++i) {
+      if (!sharded.params[i].param.requires_grad()) continue;
       at::Tensor g = grad_of(i);
       if (!g.defined()) continue;
       out.push_back(g);
-      if (split) split->push_back(tp_pieces.count(params[i].unsafeGetTensorImpl()) > 0);
-      if (skip) skip->push_back(!norm_skip.empty() && norm_skip[i]);
+      if (split) split->push_back(sharded.params[i].tp_piece);
+      if (skip) skip->push_back(sharded.params[i].norm_skip);
     }
     return out;
   }

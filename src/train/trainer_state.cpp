@@ -106,27 +106,27 @@ static std::vector<ckpt::Item> state_items(Trainer::Impl& s, int64_t* step,
   const auto muon = muon_params(opt);
   size_t j = 0;  // index into the masters: the parameters that require grad
   *step = 0;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    items.push_back({s.names[i], s.params[i].detach(), s.specs[i]});
-    if (!s.params[i].requires_grad()) continue;
-    at::Tensor stepped = s.params[i];
+  for (size_t i = 0; i < s.sharded.params.size(); ++i) {
+    items.push_back({s.sharded.params[i].name, s.sharded.params[i].param.detach(), s.sharded.params[i].box});
+    if (!s.sharded.params[i].param.requires_grad()) continue;
+    at::Tensor stepped = s.sharded.params[i].param;
     if (s.master) {
       stepped = s.master->masters()[j++];
-      items.push_back({s.names[i] + ".master", stepped.detach(), s.specs[i]});
+      items.push_back({s.sharded.params[i].name + ".master", stepped.detach(), s.sharded.params[i].box});
     }
     const int64_t n = state_step(opt, muon, stepped);
     *step = std::max<int64_t>(*step, n);
-    if (steps) (*steps)[s.names[i]] = n;
+    if (steps) (*steps)[s.sharded.params[i].name] = n;
     if (muon.count(stepped.unsafeGetTensorImpl())) {  // Muon's momentum, resharded like the parameter
-      items.push_back({s.names[i] + ".momentum", static_cast<optim::Muon&>(opt).muon_state(stepped).momentum_buffer(),
-                       s.specs[i]});
+      items.push_back({s.sharded.params[i].name + ".momentum", static_cast<optim::Muon&>(opt).muon_state(stepped).momentum_buffer(),
+                       s.sharded.params[i].box});
       continue;
     }
     auto& st = adamw_state(opt, stepped);
-    items.push_back({s.names[i] + ".exp_avg", st.exp_avg(), s.specs[i]});
-    items.push_back({s.names[i] + ".exp_avg_sq", st.exp_avg_sq(), s.specs[i]});
+    items.push_back({s.sharded.params[i].name + ".exp_avg", st.exp_avg(), s.sharded.params[i].box});
+    items.push_back({s.sharded.params[i].name + ".exp_avg_sq", st.exp_avg_sq(), s.sharded.params[i].box});
   }
-  for (torch::nn::Module* root : s.roots) {
+  for (torch::nn::Module* root : s.sharded.roots) {
     for (const auto& b : root->named_buffers()) {
       std::vector<int64_t> shape = b.value().sizes().vec();
       if (shape.empty()) shape = {1};
@@ -145,8 +145,8 @@ static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, i
   // Which parameters hold a (zeroed) gradient between steps: libtorch 1.x's zero_grad() keeps
   // one, and AdamW then steps the parameter even when it gets no gradient (an MoE expert no
   // token reached), where one that never had a gradient is skipped. Restored on load.
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    if (!s.master && s.params[i].requires_grad() && s.params[i].grad().defined()) values["grad_held." + s.names[i]] = "1";
+  for (size_t i = 0; i < s.sharded.params.size(); ++i) {
+    if (!s.master && s.sharded.params[i].param.requires_grad() && s.sharded.params[i].param.grad().defined()) values["grad_held." + s.sharded.params[i].name] = "1";
   }
   for (const auto& [k, v] : fixed_settings(s.c)) values["config." + k] = v;
   values["optimizer"] = to_string(s.c.optimizer);  // its state's kind
@@ -268,13 +268,13 @@ ResumeReport Trainer::load(const std::string& dir) {
   // One optimizer step per training step: the counts never exceed the steps.
   const int64_t opt_step = count("optimizer_step", 0, steps, nullptr);
   std::vector<int64_t> param_steps;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    if (!s.params[i].requires_grad()) continue;
+  for (size_t i = 0; i < s.sharded.params.size(); ++i) {
+    if (!s.sharded.params[i].param.requires_grad()) continue;
     // Each parameter's own count (the largest for a checkpoint that has none per parameter).
-    param_steps.push_back(count("optimizer_step." + s.names[i], 0, opt_step, &opt_step));
-    auto held = values.find("grad_held." + s.names[i]);
+    param_steps.push_back(count("optimizer_step." + s.sharded.params[i].name, 0, opt_step, &opt_step));
+    auto held = values.find("grad_held." + s.sharded.params[i].name);
     HP_CHECK(held == values.end() || held->second == "1", "resume from ", dir, ": '", mpath, "' has grad_held.",
-             s.names[i], " = \"", held == values.end() ? "" : held->second, "\": expected \"1\" (or no entry)");
+             s.sharded.params[i].name, " = \"", held == values.end() ? "" : held->second, "\": expected \"1\" (or no entry)");
   }
   int64_t unused = 0;
   auto items = state_items(s, &unused);
@@ -303,11 +303,11 @@ ResumeReport Trainer::load(const std::string& dir) {
   torch::optim::Optimizer& opt = s.master ? s.master->inner() : *s.opt;
   const auto muon = muon_params(opt);
   size_t j = 0, k = 0;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    if (!s.params[i].requires_grad()) continue;
+  for (size_t i = 0; i < s.sharded.params.size(); ++i) {
+    if (!s.sharded.params[i].param.requires_grad()) continue;
     const int64_t n = param_steps[k++];
-    const at::Tensor& stepped = s.master ? s.master->masters()[j++] : s.params[i];
-    if (fresh.count(s.names[i])) {  // as its first step would find it, whatever this trainer did before
+    const at::Tensor& stepped = s.master ? s.master->masters()[j++] : s.sharded.params[i].param;
+    if (fresh.count(s.sharded.params[i].name)) {  // as its first step would find it, whatever this trainer did before
       at::NoGradGuard ng;
       if (muon.count(stepped.unsafeGetTensorImpl())) {
         static_cast<optim::Muon&>(opt).muon_state(stepped).momentum_buffer().zero_();
@@ -316,8 +316,8 @@ ResumeReport Trainer::load(const std::string& dir) {
         adamw_state(opt, stepped).exp_avg_sq().zero_();
       }
     }
-    state_step(opt, muon, stepped) = fresh.count(s.names[i]) ? 0 : n;
-    if (!s.master && values.count("grad_held." + s.names[i])) s.params[i].mutable_grad() = at::zeros_like(s.params[i]);
+    state_step(opt, muon, stepped) = fresh.count(s.sharded.params[i].name) ? 0 : n;
+    if (!s.master && values.count("grad_held." + s.sharded.params[i].name)) s.sharded.params[i].param.mutable_grad() = at::zeros_like(s.sharded.params[i].param);
   }
   return report;
 }

@@ -174,8 +174,8 @@ double worst_param_difference(const ht::Trainer& t, ht::TrainModel& naive, const
   const auto params = t.sharded_params();
   double worst = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    const std::string& name = t.parameter_names()[i];
-    const hp::ShardSpec& box = t.parameter_specs()[i];
+    const std::string name = t.parameter_names()[i];
+    const hp::ShardSpec box = t.parameter_specs()[i];
     EXPECT_TRUE(want.contains(name)) << name;
     if (!want.contains(name)) continue;
     at::Tensor rows = want[name].detach().reshape(box.global_shape);

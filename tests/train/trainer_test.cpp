@@ -894,8 +894,8 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     const auto params = t.sharded_params();
     int64_t experts_held = 0;
     for (size_t i = 0; i < params.size(); ++i) {
-      const std::string& name = t.parameter_names()[i];
-      const hp::ShardSpec& box = t.parameter_specs()[i];
+      const std::string name = t.parameter_names()[i];
+      const hp::ShardSpec box = t.parameter_specs()[i];
       ASSERT_TRUE(want.contains(name)) << name;
       at::Tensor rows = want[name].detach().reshape(box.global_shape);
       for (size_t d = 0; d < box.offsets.size(); ++d) rows = rows.narrow(static_cast<int64_t>(d), box.offsets[d], box.lengths[d]);
@@ -926,7 +926,7 @@ std::map<std::string, at::Tensor> whole_params(const ht::Trainer& t, const ht::T
     at::Tensor full = at::zeros(item.value().sizes(), item.value().options());
     for (size_t i = 0; i < params.size(); ++i) {
       if (t.parameter_names()[i] != item.key()) continue;
-      const hp::ShardSpec& box = t.parameter_specs()[i];
+      const hp::ShardSpec box = t.parameter_specs()[i];
       at::Tensor dst = full.view(box.global_shape);
       for (size_t d = 0; d < box.offsets.size(); ++d) dst = dst.narrow(static_cast<int64_t>(d), box.offsets[d], box.lengths[d]);
       dst.copy_(params[i].detach().reshape(box.lengths));

@@ -200,8 +200,8 @@ class Trainer {
   std::vector<at::Tensor> sharded_params() const;
   std::vector<at::Tensor> sharded_grads() const;
   // Per sharded_params()[i]: its name in the whole model and its box of the global tensor.
-  const std::vector<std::string>& parameter_names() const;
-  const std::vector<ShardSpec>& parameter_specs() const;
+  std::vector<std::string> parameter_names() const;
+  std::vector<ShardSpec> parameter_specs() const;
   // fully_shard's handles: with expert_parallel, each MoE's experts' first; each block's,
   // then the root's.
   const std::vector<FSDPHandle>& handles() const;
