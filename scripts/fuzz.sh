@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets of fuzz/ with clang (ASan + UBSan + libFuzzer coverage) in
-# build-fuzz/, then runs each for SECONDS (default 30) on a copy of its seed corpus
-# (fuzz/corpus/<name>/; what the fuzzer adds stays in build-fuzz/corpus/<name>/).
+# build-fuzz/ (scripts/sanitized_build.sh, shared with scripts/sanitize.sh), then runs each
+# for SECONDS (default 30) on a copy of its seed corpus (fuzz/corpus/<name>/; what the
+# fuzzer adds stays in build-fuzz/corpus/<name>/).
 #
 # Usage: scripts/fuzz.sh [SECONDS] [NAME...]     e.g. scripts/fuzz.sh 600 config data
 #   NAME: run only these targets (config, safetensors_header, ...; default all).
@@ -10,7 +11,7 @@
 # target and keeps its input in build-fuzz/findings/<name>/; the script then exits 1 after
 # running the others. Without clang or libFuzzer it says so and exits 0, or 77 (ctest's
 # skip) with HP_FUZZ_SKIP_STATUS=77.
-# Environment: HP_BUILD_JOBS (default 2), CCACHE_DIR (as scripts/build.sh), HP_FUZZ_NO_BUILD=1
+# Environment: HP_BUILD_JOBS, CCACHE_DIR (as scripts/sanitized_build.sh), HP_FUZZ_NO_BUILD=1
 # (run what build-fuzz/ holds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,22 +26,12 @@ skip() {
 }
 
 if [ "${HP_FUZZ_NO_BUILD:-0}" != 1 ]; then
-  command -v clang++ >/dev/null 2>&1 || skip "clang++ is not installed (apt-get install clang)"
-  probe=$(mktemp -d)
-  trap 'rm -rf "$probe"' EXIT
-  printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' > "$probe/p.cpp"
-  clang++ -fsanitize=fuzzer,address,undefined "$probe/p.cpp" -o "$probe/p" >/dev/null 2>&1 ||
-    skip "clang++ cannot link a libFuzzer target with ASan and UBSan"
-  export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
-  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
-  if [ ! -f build-fuzz/build.ninja ]; then
-    cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
-      -DCMAKE_CXX_COMPILER=clang++ -DHP_BUILD_FUZZ=ON -DHP_BUILD_TESTS=OFF -DHP_BUILD_BENCH=OFF \
-      -DHP_INSTALL=OFF -DHP_WITH_MPI=OFF
-  fi
-  start=$(date +%s)
-  cmake --build build-fuzz -j "${HP_BUILD_JOBS:-2}" --target fuzz_targets
-  echo "fuzz.sh: build took $(( $(date +%s) - start )) s"
+  set +e
+  bash scripts/sanitized_build.sh fuzz_targets
+  status=$?
+  set -e
+  [ "$status" -eq 77 ] && skip "no clang build with libFuzzer (above)"
+  [ "$status" -eq 0 ] || { echo "fuzz.sh: the build failed"; exit "$status"; }
 fi
 
 names=("$@")

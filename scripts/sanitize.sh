@@ -1,28 +1,44 @@
 #!/usr/bin/env bash
-# The library and its tests built with AddressSanitizer and UndefinedBehaviorSanitizer
-# (libtorch and Open MPI stay uninstrumented) in build-sanitize/, then the unit tests and
-# the distributed tests at 1, 2 and 4 ranks.
+# The tests under AddressSanitizer and UndefinedBehaviorSanitizer (libtorch and Open MPI stay
+# uninstrumented), in the clang build the fuzz targets use (build-fuzz/, made by
+# scripts/sanitized_build.sh).
 #
-# Usage: scripts/sanitize.sh [ctest args...]    e.g. scripts/sanitize.sh -L unit
+# Usage: scripts/sanitize.sh --tier           the tier .ci/run runs (below)
+#        scripts/sanitize.sh                  the unit tests and the distributed tests at 1, 2
+#                                             and 4 ranks (about 2.5 hours here)
+#        scripts/sanitize.sh [ctest args...]  those entries, e.g. -L unit or -E 'np[348]|interop'
+# The tier (`tier` below): the unit tests (the gtest programs labelled unit), the 1- and
+# 2-rank entries of the expert-parallel, context-parallel and Muon layers and their 2-rank
+# entries with fully_shard's overlap off (Muon's inside the trainer), and the 4-rank check of
+# ParallelMesh's communicators.
 # Findings stop the test that makes them (halt_on_error). A finding inside libtorch or Open
 # MPI is suppressed in scripts/sanitize/*.supp with the reason beside it; the project's own
-# are fixed, never suppressed. Exits with ctest's status.
+# are fixed, never suppressed. Exits with ctest's status (0, saying why, where clang cannot
+# build it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/deps.sh
-export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
-export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
-
-flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
-if [ ! -f build-sanitize/build.ninja ]; then
-  cmake -S . -B build-sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHP_BUILD_BENCH=OFF \
-    -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
+tier=(core_test mesh_layout_test local_backend_test fault_injection_test fsdp_unit_test ckpt_unit_test
+      hooks_test optim_test pp_unit_test models_test ep_unit_test train_unit_test
+      ep_test.np1 ep_test.np2 ep_test.np2_overlap_off cp_test.np1 cp_test.np2 cp_test.np2_overlap_off
+      muon_dist_test.np1 muon_dist_test.np2 muon_trainer_test.np2_overlap_off parallel_mesh_test.np4)
+if [ "${1:-}" = --tier ]; then
+  # The programs behind the entries (each name before its first dot), and the entries exactly.
+  targets=$(printf '%s\n' "${tier[@]%%.*}" | sort -u | tr '\n' ' ')
+  set -- -R "^($(printf '%s|' "${tier[@]}" | sed 's/\./\\./g; s/|$//'))\$"
+else
+  targets=all
+  # 3 and 8 ranks are left to the plain suite (time); the interop tests need PyPI's packages.
+  if [ $# -eq 0 ]; then set -- -E 'np3|np8|interop'; fi
 fi
-# Time limits scaled for the sanitizers' slowdown (about 3-10x; more with several ranks per
-# core): ctest's TIMEOUT of each entry and its communicators' timeout (HP_TEST_TIMEOUT_SCALE).
-cmake -S . -B build-sanitize -DHP_TEST_TIMEOUT_SCALE="${HP_SANITIZE_TIMEOUT_SCALE:-8}" > /dev/null
-cmake --build build-sanitize -j "${HP_BUILD_JOBS:-2}"
+
+set +e
+# shellcheck disable=SC2086
+bash scripts/sanitized_build.sh $targets
+status=$?
+set -e
+if [ "$status" -eq 77 ]; then echo "sanitize.sh: skipped (above)"; exit 0; fi
+[ "$status" -eq 0 ] || { echo "sanitize.sh: the build failed"; exit "$status"; }
 
 supp="$PWD/scripts/sanitize"
 # Leaks are reported at exit; Open MPI's and libtorch's own allocations that live until
@@ -36,16 +52,13 @@ export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export OMPI_MCA_mca_base_component_disable_dlclose=1 PMIX_MCA_mca_base_component_disable_dlclose=1
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
 # Sanitized runs are slower: the communicator's timeouts get room (ctest entries set their
-# own, scaled above).
+# own, scaled by HP_SANITIZE_TIMEOUT_SCALE in scripts/sanitized_build.sh).
 export HP_COMM_TIMEOUT_S="${HP_COMM_TIMEOUT_S:-300}"
 
-cd build-sanitize
+cd build-fuzz
 set +e
-# 3 and 8 ranks are left to the plain suite (time); the interop tests need PyPI's packages.
-# Arguments replace the default selection (e.g. -E 'np[348]|interop' for the 1- and 2-rank
-# entries alone).
-if [ $# -eq 0 ]; then set -- -E 'np3|np8|interop'; fi
-ctest --output-on-failure -j1 "$@"
+# Two at a time where each needs one core (an entry of N ranks holds both: its PROCESSORS).
+ctest --output-on-failure -j2 "$@"
 status=$?
 set -e
 echo "sanitize.sh: ctest exited with status $status"

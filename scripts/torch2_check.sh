@@ -52,16 +52,24 @@ done
 
 step "CPU tests against libtorch $version"
 cd "$build"
-# The fast tier by default: every test at 1 and 2 ranks (the unit tests, each distributed
-# test's np1 and np2 entries, the program tests), which exercise every code path libtorch
-# 2.x could change. Left to the main suite (scripts/test.sh), which runs them against
-# libtorch 1.13: the 3-, 4- and 8-rank entries and the timing assertions (the same code
-# under more ranks); the communicator's np2 entry (byte moves over MPI, no libtorch op its
-# np1 entry does not make); and the tests of processes and files rather than tensors
-# (injected faults, the launcher, kills and restarts, the run folders' locks, the installed
-# CMake package): together about 6 minutes. All of them here: scripts/torch2_check.sh -LE gpu
+# The fast tier by default: what libtorch 2.x could change. Every libtorch op the project
+# makes runs in the unit tests and the 1-rank entries of the distributed tests (each layer,
+# each model, the trainer, the checkpoints); at 2 ranks fully_shard (its collectives on 2.x
+# tensors) and the trainer end to end; the Llama model against transformers
+# (hf_interop_test), the safetensors interchange and the data preparation. Left to the main
+# suite (scripts/test.sh), which runs them against libtorch 1.13:
+#   - the other 2-, 3-, 4- and 8-rank entries and the timing assertions: the same ops under
+#     more ranks and the communicator, whose MPI byte moves no libtorch version changes;
+#   - the tests against transformers 5 (hf_deepseek, hf_llama_rope, hf_llama_variants): they
+#     run there on this same virtual environment's PyTorch 2.11 and transformers, against the
+#     models whose every op the 1-rank entries here run on libtorch 2.11;
+#   - hp-train's command line, the seed configs and the Llama example (arguments, files and
+#     tokenizers; their training is the trainer's, run here);
+#   - the tests of processes and files rather than tensors (injected faults, the launcher,
+#     kills and restarts, the run folders' locks, the installed CMake package).
+# All of them here: scripts/torch2_check.sh -LE gpu
 if [ $# -eq 0 ]; then
   set -- -LE 'gpu|dist_timing|fuzz' \
-    -E '\.np[348]|^comm_test\.np2$|^fault_matrix_test$|^launcher_fault_test$|^restart_test$|^ckpt_kill_test$|^run_folders_test$|^cmake_package_test$'
+    -E '\.np[348]|^comm_test\.np2$|^fault_matrix_test$|^launcher_fault_test$|^restart_test$|^ckpt_kill_test$|^run_folders_test$|^cmake_package_test$|^hp_train_cli_test$|^hp_train_seed_config_test$|^llama_example_test$|^hf_deepseek_test$|^hf_llama_rope_test$|^hf_llama_variants_test$|^(comm_failure|deepseek_fsdp|deepseek_tp|deferred_init|fully_shard_composable|fully_shard_controls|fully_shard_errors|fully_shard_overlap|llama_fsdp|llama_tp|mesh|pp|tp|tp_checkpoint|simulated_network|ckpt|cp|ep|muon_dist|muon_trainer)_test\.np2(_overlap_off)?$|^train_test\.np2_overlap_off$'
 fi
 ctest --output-on-failure -j2 "$@"
