@@ -142,6 +142,12 @@ class Pipeline {
   void abandon();
   void check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  void run_forward(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  void run_backward(const Action& a);
+  void run_weight_backward(const Action& a);
+  // I's gradients of `input` (null: none) and of the recorded module outputs, from `out`
+  // (`grad_out` undefined: the last stage's loss).
+  void input_backward(const Key& k, const at::Tensor& out, const at::Tensor& grad_out, at::Tensor* input);
   void run_transfer(const Action& a);
   // Split backwards: records the output of every module of a stage owning trainable
   // parameters (called through hp::call) during forwards.
