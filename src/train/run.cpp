@@ -1,0 +1,218 @@
+// The parts of a training run (hp/train/run.h): the checks before it, the single-process
+// reference, the resume and what the run reports.
+#include "hp/train/run.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "hp/core/env.h"
+#include "hp/core/error.h"
+#include "hp/runtime.h"
+#include "hp/train/checkpoint_manager.h"
+#include "hp/train/preemption.h"
+
+namespace hp::train {
+namespace {
+
+constexpr double kNone = std::numeric_limits<double>::quiet_NaN();
+
+EarlierRun earlier_run(const Args& args) {
+  if (args.resume || args.auto_resume) return EarlierRun::kContinue;
+  return args.overwrite ? EarlierRun::kReplace : EarlierRun::kRefuse;
+}
+
+}  // namespace
+
+RunInputs prepare_run(const Args& args, int world_size, int rank) {
+  RunInputs in;
+  TrainConfig& c = in.config;
+  c = load_config(args.config, args.overrides);
+  c.validate(args.world > 0 ? args.world : world_size);
+  in.memory = estimate_rank_memory(c);
+  if (args.estimate) return in;
+  training_device(c.device);  // a device this process cannot use is named before anything starts
+  check_fits_node(c, in.memory, hp::local_world_size());
+  in.data = make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);  // checks the file
+  if (c.eval_interval > 0) {
+    in.valid = make_validation_dataset(c);
+    validation_batches(c, *in.valid);  // holds what an evaluation reads
+  }
+  HP_CHECK(!args.auto_resume || c.save_interval > 0, "--auto-resume: save_interval=0: this run saves no "
+           "checkpoint to resume from (set save_interval)");
+  // Every folder the run writes, made and probed now, not at the first save; locked against
+  // a second run; an earlier run's checkpoints refused unless told otherwise.
+  in.folders = std::make_unique<RunFolders>(c, rank, earlier_run(args));
+  return in;
+}
+
+double ReferenceLosses::at(int64_t step) const {
+  return step >= 1 && step <= static_cast<int64_t>(loss.size()) ? loss[static_cast<size_t>(step - 1)] : kNone;
+}
+
+double ReferenceLosses::valid_at(int64_t step) const {
+  auto it = valid.find(step);
+  return it != valid.end() ? it->second : kNone;
+}
+
+ReferenceLosses train_reference(const TrainConfig& c, std::shared_ptr<const TokenDataset> data,
+                                std::shared_ptr<const TokenDataset> valid) {
+  ReferenceLosses ref;
+  const int threads = at::get_num_threads();
+  hp::set_compute_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  try {
+    ReferenceTrainer trainer(c, std::move(data), std::move(valid));
+    for (int64_t s = 0; s < c.train_steps; ++s) {
+      const StepStats st = trainer.step();
+      ref.loss.push_back(st.loss);
+      ref.seconds += st.step_time_s;
+      if (eval_due(c, st.step)) {
+        const EvalStats ev = trainer.evaluate();
+        ref.valid[ev.step] = ev.loss;
+        ref.seconds += ev.seconds;
+      }
+    }
+  } catch (...) {
+    hp::set_compute_threads(threads);
+    throw;
+  }
+  hp::set_compute_threads(threads);
+  return ref;
+}
+
+std::string plan_output(const Args& args, int world_size) {
+  const TrainConfig c = load_config(args.config, args.overrides);
+  PlanOptions o;
+  o.world = args.world > 0 ? args.world : world_size;
+  const std::string spec = args.link.empty() ? hp::env::get_string("HP_SIM_NET") : args.link;
+  o.network = spec.empty() ? measured_local_link() : hp::SimulatedNetwork::parse(spec);
+  if (args.ranks_per_node > 0) o.network.ranks_per_node = args.ranks_per_node;
+  o.device = args.device_tflops > 0;
+  o.memory_per_rank = args.memory_per_rank;
+  const auto rows = plan_layouts(c, o, measured_compute(c, args.device_tflops));
+  if (args.plan_json) return plan_json(rows);
+  return "plan: " + args.config + " over " + std::to_string(o.world) + " rank(s)" +
+         (o.network.ranks_per_node > 0 ? ", " + std::to_string(o.network.ranks_per_node) + " per node"
+                                       : std::string(", one node")) +
+         "; links: " + (spec.empty() ? "this machine's shared memory (measured), " : "") + o.network.to_string() +
+         "\n" + format_plan(rows);
+}
+
+Resumed resume(Trainer& trainer, const TrainConfig& c, const std::string& dir) {
+  Resumed r;
+  r.dir = CheckpointManager::resolve(dir.empty() ? c.save_dir : dir);
+  r.report = trainer.load(r.dir);
+  HP_CHECK(trainer.steps_done() <= c.train_steps, "resume from ", r.dir, ": it is at step ", trainer.steps_done(),
+           ", past train_steps=", c.train_steps);
+  return r;
+}
+
+RunReport::RunReport(const TrainConfig& c, int world_size, bool lead, const ReferenceLosses* reference,
+                     std::function<void(const std::string&)> say)
+    : c_(c), world_size_(world_size), lead_(lead), reference_(reference), say_(std::move(say)), last_valid_(kNone) {}
+
+void RunReport::open_metrics(int64_t resumed_step, const std::string& from, const std::string& cause) {
+  if (!lead_ || c_.output_dir.empty()) return;
+  // A previous run's curve must not sit beside this run's metrics.
+  std::remove((c_.output_dir + "/loss.svg").c_str());
+  metrics_ = std::make_unique<MetricsLog>(c_.output_dir + "/metrics.jsonl", resumed_step);
+  if (resumed_step < 0) return;
+  // What the earlier run had done beyond its checkpoint is trained again: lost.
+  const int64_t lost = std::max<int64_t>(0, metrics_->last_step_seen() - resumed_step);
+  metrics_->resumed(resumed_step, from, lost, cause);
+  if (lost > 0) {
+    say_(std::to_string(lost) + " step(s) lost: the earlier run had reached step " +
+         std::to_string(metrics_->last_step_seen()) + "; they are trained again");
+  }
+}
+
+TrainCallbacks RunReport::callbacks(int64_t first_step) {
+  TrainCallbacks cb;
+  cb.on_step = [this, first_step](const StepStats& st) {
+    total_s_ += st.step_time_s;
+    const double ref = reference_ && lead_ ? reference_->at(st.step) : kNone;
+    verify_.add(st.step, st.loss, ref);
+    if (metrics_) metrics_->step(st, ref);
+    if (lead_ && (st.step % c_.log_interval == 0 || st.step == 1 || st.step == c_.train_steps)) {
+      const double eta =
+          total_s_ / static_cast<double>(st.step - first_step) * static_cast<double>(c_.train_steps - st.step);
+      say_(progress_line(st, c_.train_steps, eta, ref, last_valid_));
+    }
+  };
+  cb.on_eval = [this](const EvalStats& ev) {
+    const double ref = reference_ && lead_ ? reference_->valid_at(ev.step) : kNone;
+    verify_valid_.add(ev.step, ev.loss, ref);
+    last_valid_ = ev.loss;
+    valid_curve_.emplace_back(ev.step, ev.loss);
+    if (metrics_) metrics_->eval(ev, ref);
+    say_(eval_line(ev, c_.train_steps, ref));
+  };
+  cb.on_save = [this](const std::string& dir, bool background) {
+    say_(background ? "saving " + dir + " in the background" : "saved " + dir);
+  };
+  return cb;
+}
+
+void RunReport::stopped(const TrainSummary& s, int64_t step) {
+  const std::string signal = signal_name(s.stopped_by);
+  say_("stopped by " + signal + " (received first by rank " + std::to_string(s.stop_rank) + ") after step " +
+       std::to_string(step) + ": " +
+       (s.stop_saved.empty() ? std::string("nothing saved (the run saves nowhere: save_interval=0)")
+                             : "saved " + s.stop_saved + "; continue with --resume") +
+       "; exit status " + std::to_string(kPreemptedExit));
+  // The metrics stay under their temporary name: the run is not finished.
+  if (metrics_) metrics_->stopped(step, signal, s.stop_rank, s.stop_saved);
+}
+
+void RunReport::finished(const TrainSummary& s) {
+  say_(summary_line(s));
+  if (reference_) say_(verify_.line(c_.train_steps));
+  if (reference_ && verify_valid_.any) {
+    say_(verify_valid_.line(static_cast<int64_t>(s.evals.size()), "validation loss", "evaluations"));
+  }
+  if (!metrics_) return;
+  const auto per_step = [&](int64_t bytes) {
+    return static_cast<double>(bytes) / static_cast<double>(std::max<int64_t>(1, s.steps));
+  };
+  std::vector<std::pair<std::string, double>> fields = {
+      {"steps", static_cast<double>(c_.train_steps)}, {"seconds", s.seconds},
+      {"first_loss", s.losses.front()},               {"final_loss", s.losses.back()},
+      {"tokens_per_s", s.tokens_per_s},               {"peak_bytes", static_cast<double>(s.peak_bytes)},
+      {"ranks", static_cast<double>(world_size_)},    {"optimizer_seconds", s.optimizer_seconds},
+      {"comm_bytes_per_step", per_step(s.comm_bytes)},
+      {"optimizer_comm_bytes_per_step", per_step(s.optimizer_comm_bytes)}};
+  if (!s.evals.empty()) fields.push_back({"final_valid_loss", s.evals.back().loss});
+  if (reference_) {
+    fields.push_back({"verify_max_abs_diff", verify_.worst_abs});
+    fields.push_back({"verify_max_rel_diff", verify_.worst_rel});
+  }
+  if (reference_ && verify_valid_.any) fields.push_back({"verify_valid_max_abs_diff", verify_valid_.worst_abs});
+  metrics_->summary(fields);
+  metrics_->finish();
+  LossCurve curve;
+  curve.loss = s.losses;
+  curve.first_step = s.first_step;
+  // A resumed run draws the steps before its checkpoint too, where the metrics kept them all.
+  const auto& kept = metrics_->kept_losses();
+  if (!kept.empty() && static_cast<int64_t>(kept.size()) == s.first_step && kept.front().first == 1 &&
+      kept.back().first == s.first_step) {
+    std::vector<double> all;
+    for (const auto& [step, loss] : kept) all.push_back(loss);
+    all.insert(all.end(), s.losses.begin(), s.losses.end());
+    curve.loss = all;
+    curve.first_step = 0;
+  }
+  if (reference_) curve.reference = reference_->loss;
+  curve.validation = metrics_->kept_evals();
+  curve.validation.insert(curve.validation.end(), valid_curve_.begin(), valid_curve_.end());
+  write_loss_svg(c_.output_dir + "/loss.svg", curve,
+                 c_.model.family().name() + " " + c_.model.preset() + ", " + std::to_string(world_size_) + " rank(s)");
+  say_("wrote " + c_.output_dir + "/metrics.jsonl and " + c_.output_dir + "/loss.svg");
+}
+
+}  // namespace hp::train
