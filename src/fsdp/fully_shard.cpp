@@ -184,20 +184,10 @@ CommPtr post_forward_group(const CommPtr& shard, int g) {
 
 }  // namespace
 
-FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
-  const std::string label = describe(module);
-  purge_expired_forward_hooks();  // releases the handles of destroyed modules
-  static std::once_flag translator_once;
-  std::call_once(translator_once, [] { register_error_translator(translate_unallocated); });
-  {
-    std::lock_guard<std::mutex> g(g_mu);
-    // A handle outliving its module (the address reused by a new module) does not count.
-    bool applied = false;
-    if (auto* e = g_handles.find(&module)) {
-      if (auto h = e->owner.lock()) applied = !h->state().owner_gone();
-    }
-    HP_CHECK(!applied, "fully_shard was already applied to module ", label, "; apply it once per module");
-  }
+namespace {
+
+// The checks of the options alone, naming the module.
+void check_options(const FullyShardOptions& o, const std::string& label) {
   HP_CHECK(o.reshard_after_forward_group_size >= 0, "fully_shard(", label, "): reshard_after_forward_group_size=",
            o.reshard_after_forward_group_size, " must be positive (0: not set)");
   HP_CHECK(o.reshard_after_forward_group_size == 0 || o.reshard_after_forward, "fully_shard(", label,
@@ -206,47 +196,45 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   HP_CHECK(!(o.wait_per_submodule && o.comm_fusion), "fully_shard(", label,
            "): wait_per_submodule with comm_fusion is not supported yet (comm_fusion gathers the module's ",
            "parameters in one op, so there is nothing to wait for per submodule): set one of them false");
-  auto st = std::make_unique<detail::GroupState>();
-  st->module = &module;
-  try {
-    st->owner = module.shared_from_this();
-    st->owned = true;
-  } catch (const std::bad_weak_ptr&) {
-    // Not held by a shared_ptr: no liveness check.
-  }
-  st->label = label;
-  st->opts = o;
+}
+
+// The groups of `st` (shard, and replicate for HSDP) from the options' mesh (none: the
+// world); returns the group over both, which the signature check runs on.
+CommPtr place_groups(detail::GroupState& st, const FullyShardOptions& o, const std::string& label) {
   CommPtr world;
   if (!o.mesh) {
     world = hp::world();
-    st->shard = world;
+    st.shard = world;
   } else {
     const auto& names = o.mesh->names();
     auto has = [&](const char* d) { return std::find(names.begin(), names.end(), d) != names.end(); };
     if (has("dp_shard")) {
       // Named dims: shard over dp_shard, replicate over dp_replicate when there is one; other
       // dims (tp, pp) are not data-parallel, and fully_shard works within each of their groups.
-      st->shard_dim = "dp_shard";
-      st->shard = o.mesh->group("dp_shard");
-      if (has("dp_replicate")) st->replicate = o.mesh->group("dp_replicate");
-      world = has("dp_replicate") ? o.mesh->group({"dp_replicate", "dp_shard"}) : st->shard;
+      st.shard_dim = "dp_shard";
+      st.shard = o.mesh->group("dp_shard");
+      if (has("dp_replicate")) st.replicate = o.mesh->group("dp_replicate");
+      world = has("dp_replicate") ? o.mesh->group({"dp_replicate", "dp_shard"}) : st.shard;
     } else {
       HP_CHECK(o.mesh->ndim() == 1 || o.mesh->ndim() == 2, "fully_shard(", label,
                ") takes a mesh with a dp_shard dim (and optionally dp_replicate, tp, ...), or a 1-D mesh (the "
                "shard dim) or a 2-D mesh (replicate, shard); got ", o.mesh->ndim(), " dims without a dp_shard");
       if (o.mesh->ndim() == 1) {
-        st->shard = o.mesh->group(names[0]);
+        st.shard = o.mesh->group(names[0]);
       } else {
-        st->replicate = o.mesh->group(names[0]);
-        st->shard = o.mesh->group(names[1]);
+        st.replicate = o.mesh->group(names[0]);
+        st.shard = o.mesh->group(names[1]);
       }
-      st->shard_dim = names.back();
+      st.shard_dim = names.back();
       world = o.mesh->group(names);
     }
   }
+  return world;
+}
 
-  // The parameters this call manages: not ignored, not already managed by a nested call,
-  // each tensor once (shared parameters appear under several names).
+// The parameters one call manages: not ignored, not already managed by a nested call, each
+// tensor once (shared parameters appear under several names).
+std::vector<std::pair<std::string, at::Tensor>> managed_params(torch::nn::Module& module, const FullyShardOptions& o) {
   std::set<const c10::TensorImpl*> ignored;
   for (const auto& t : o.ignored_params) ignored.insert(t.unsafeGetTensorImpl());
   std::vector<std::pair<std::string, at::Tensor>> mine;
@@ -260,6 +248,15 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
       mine.emplace_back(item.key(), item.value());
     }
   }
+  return mine;
+}
+
+// The parameters checked alike on every rank of `world` and within the group (one dtype, one
+// device the group's communicators support); the group's device, dtypes and post-forward
+// group settled. Returns the parameters' dtype.
+at::ScalarType settle_group(detail::GroupState& st, torch::nn::Module& module, const CommPtr& world,
+                            const std::vector<std::pair<std::string, at::Tensor>>& mine, const FullyShardOptions& o,
+                            const std::string& label) {
   // The signature check runs on the CPU, or on the parameters' device for a backend that
   // moves only device tensors (nccl).
   c10::Device sig_dev = c10::kCPU;
@@ -280,26 +277,146 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
              "' on ", t.device(), ")");
   }
   if (o.device) {
-    st->device = *o.device;  // the parameters are copied there as they are sharded
+    st.device = *o.device;  // the parameters are copied there as they are sharded
   } else if (!mine.empty()) {
-    st->device = mine[0].second.device();
+    st.device = mine[0].second.device();
   }
-  HP_CHECK(st->shard->supports_device(st->device) && (!st->replicate || st->replicate->supports_device(st->device)),
+  HP_CHECK(st.shard->supports_device(st.device) && (!st.replicate || st.replicate->supports_device(st.device)),
            "fully_shard(", label, "): parameter '", mine.empty() ? std::string() : mine[0].first, "' is on ",
-           st->device, ", which the ", st->shard->backend(), " backend of communicator '", st->shard->name(),
+           st.device, ", which the ", st.shard->backend(), " backend of communicator '", st.shard->name(),
            "' does not support");
-  st->dt = resolve_dtypes(o.mp_policy, pdt);
+  st.dt = resolve_dtypes(o.mp_policy, pdt);
   if (o.reshard_after_forward_group_size > 0) {
-    const int g = o.reshard_after_forward_group_size, ns = st->shard->size();
+    const int g = o.reshard_after_forward_group_size, ns = st.shard->size();
     HP_CHECK(ns % g == 0, "fully_shard(", label, "): reshard_after_forward_group_size=", g, " does not divide the ",
-             ns, " ranks of group '", st->shard->name(), "'");
+             ns, " ranks of group '", st.shard->name(), "'");
     if (g == 1) {
-      st->opts.reshard_after_forward = false;  // each rank keeps all of it: no resharding
-    } else if (!st->aliased()) {
-      st->post_group = post_forward_group(st->shard, g);
+      st.opts.reshard_after_forward = false;  // each rank keeps all of it: no resharding
+    } else if (!st.aliased()) {
+      st.post_group = post_forward_group(st.shard, g);
     }
   }
+  return pdt;
+}
 
+// Parameter `t` sharded over the group's `n` ranks (this one `k`): its rows copied into this
+// rank's padded shard (a deferred parameter made whole on the scratch block first); the
+// module's tensor becomes the unsharded parameter.
+ParamInfo shard_param(detail::GroupState& st, const std::string& name, at::Tensor& t, at::ScalarType pdt, int n, int k,
+                      const FullyShardOptions& o, const std::string& label) {
+  ParamInfo p;
+  p.name = name;
+  p.param = detail::UnshardedParam(t);
+  p.shape = t.sizes().vec();
+  p.plan = plan_shard(p.shape, n, k);
+  p.requires_grad = t.requires_grad();
+  std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
+  shard_shape[0] = p.plan.rows_per_shard;
+  p.padded = OwnedBuffer::zeros(shard_shape, pdt, st.device);
+  at::Tensor full = t.detach();
+  if (memory::is_deferred(t.storage().data())) {
+    // Built without storage: this parameter's whole value, made on the scratch block that
+    // already holds the model's deferred tensors, then only this rank's rows are kept.
+    HP_CHECK(o.param_init, "fully_shard(", label, "): parameter '", name, "' was built under a ",
+             "DeferredAllocation (no storage); give FullyShardOptions::param_init to initialize it");
+    {
+      memory::DeferredAllocation on_scratch;
+      full = at::empty(p.shape, at::TensorOptions().dtype(pdt));
+    }
+    o.param_init(t, full);
+    HP_CHECK(full.sizes() == t.sizes() && full.scalar_type() == pdt, "fully_shard(", label,
+             "): param_init changed the shape or dtype of '", name, "'");
+  }
+  if (p.plan.rows > 0) {
+    at::Tensor src = full.reshape({p.plan.dim0, p.plan.row_numel});
+    p.padded.tensor().view({p.plan.rows_per_shard, p.plan.row_numel})
+        .narrow(0, 0, p.plan.rows)
+        .copy_(src.narrow(0, p.plan.row_offset, p.plan.rows));
+  }
+  p.sharded = p.padded.tensor().narrow(0, 0, p.plan.rows).detach();
+  p.sharded.set_requires_grad(p.requires_grad);
+  if (st.dt.main_grad) p.main_grad = OwnedBuffer::zeros(p.sharded.sizes(), at::kFloat, st.device);
+  // The module's tensor becomes the unsharded parameter: compute dtype, global shape,
+  // no storage until unshard. Its identity (module fields, autograd meta) is kept.
+  // With one shard in the parameters' dtype it simply aliases the shard.
+  if (st.aliased()) {
+    t.set_data(p.padded.tensor().view(p.shape));
+  } else {
+    // Made with no storage at all (not allocated whole, then freed: a rank never holds
+    // the whole parameter here).
+    at::Tensor unsharded = at::empty({0}, at::TensorOptions().dtype(st.dt.compute).device(st.device));
+    unsharded.storage().set_data_ptr(c10::DataPtr(nullptr, unsharded.device()));  // as a resharded one
+    unsharded.unsafeGetTensorImpl()->set_sizes_contiguous(p.shape);
+    t.set_data(unsharded);
+  }
+  if (t.grad().defined()) t.mutable_grad() = at::Tensor();
+  return p;
+}
+
+// The group's handle registered (its parameters managed, nested handles found) and its
+// forward hooks installed on `module`.
+void install_handle(const std::shared_ptr<FSDPModule>& handle, torch::nn::Module& module, const FullyShardOptions& o) {
+  detail::GroupState* s = &detail::FsdpAccess::state(*handle);
+  s->watch_gradients();
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (const auto& p : s->params) g_managed.assign(p.param.tensor().unsafeGetTensorImpl(), handle, true);
+    for (const auto& sub : module.modules(/*include_self=*/false)) {
+      if (auto* e = g_handles.find(sub.get())) {
+        if (auto h = e->owner.lock()) s->nested.push_back(&detail::FsdpAccess::state(*h));
+      }
+    }
+    g_handles.assign(&module, handle, true);
+  }
+  if (o.wait_per_submodule) watch_submodules(handle);
+  ForwardHooks hooks;
+  hooks.pre = [handle](torch::nn::Module&) { detail::FsdpAccess::state(*handle).pre_forward(); };
+  if (s->dt.input) {
+    at::ScalarType in_dt = *s->dt.input;
+    hooks.cast_input = [in_dt](torch::nn::Module&, const at::Tensor& x, size_t) {
+      return x.is_floating_point() && x.scalar_type() != in_dt ? x.to(in_dt) : x;
+    };
+  }
+  hooks.cast_output = [handle](torch::nn::Module&, const at::Tensor& out) {
+    return detail::FsdpAccess::state(*handle).on_output(out, handle);
+  };
+  hooks.post = [handle](torch::nn::Module&) { detail::FsdpAccess::state(*handle).post_forward(); };
+  hooks.on_error = [handle](torch::nn::Module&, const std::exception&) {
+    detail::FsdpAccess::state(*handle).on_forward_error();
+  };
+  register_forward_hooks(module, std::move(hooks));
+}
+
+}  // namespace
+
+FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
+  const std::string label = describe(module);
+  purge_expired_forward_hooks();  // releases the handles of destroyed modules
+  static std::once_flag translator_once;
+  std::call_once(translator_once, [] { register_error_translator(translate_unallocated); });
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    // A handle outliving its module (the address reused by a new module) does not count.
+    bool applied = false;
+    if (auto* e = g_handles.find(&module)) {
+      if (auto h = e->owner.lock()) applied = !h->state().owner_gone();
+    }
+    HP_CHECK(!applied, "fully_shard was already applied to module ", label, "; apply it once per module");
+  }
+  check_options(o, label);
+  auto st = std::make_unique<detail::GroupState>();
+  st->module = &module;
+  try {
+    st->owner = module.shared_from_this();
+    st->owned = true;
+  } catch (const std::bad_weak_ptr&) {
+    // Not held by a shared_ptr: no liveness check.
+  }
+  st->label = label;
+  st->opts = o;
+  const CommPtr world = place_groups(*st, o, label);
+  std::vector<std::pair<std::string, at::Tensor>> mine = managed_params(module, o);
+  const at::ScalarType pdt = settle_group(*st, module, world, mine, o, label);
   const int n = st->shard->size(), k = st->shard->rank();
   at::NoGradGuard no_grad;
   HP_CHECK(!memory::deferring(), "fully_shard(", label, ") inside a DeferredAllocation scope: end the scope ",
@@ -308,55 +425,7 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
     HP_CHECK(!memory::is_deferred(t.storage().data()), "fully_shard(", label, "): an ignored parameter ",
              t.sizes(), " was built under a DeferredAllocation; ignored parameters are not materialized");
   }
-  for (auto& [name, t] : mine) {
-    ParamInfo p;
-    p.name = name;
-    p.param = detail::UnshardedParam(t);
-    p.shape = t.sizes().vec();
-    p.plan = plan_shard(p.shape, n, k);
-    p.requires_grad = t.requires_grad();
-    std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
-    shard_shape[0] = p.plan.rows_per_shard;
-    p.padded = OwnedBuffer::zeros(shard_shape, pdt, st->device);
-    at::Tensor full = t.detach();
-    if (memory::is_deferred(t.storage().data())) {
-      // Built without storage: this parameter's whole value, made on the scratch block that
-      // already holds the model's deferred tensors, then only this rank's rows are kept.
-      HP_CHECK(o.param_init, "fully_shard(", label, "): parameter '", name, "' was built under a ",
-               "DeferredAllocation (no storage); give FullyShardOptions::param_init to initialize it");
-      {
-        memory::DeferredAllocation on_scratch;
-        full = at::empty(p.shape, at::TensorOptions().dtype(pdt));
-      }
-      o.param_init(t, full);
-      HP_CHECK(full.sizes() == t.sizes() && full.scalar_type() == pdt, "fully_shard(", label,
-               "): param_init changed the shape or dtype of '", name, "'");
-    }
-    if (p.plan.rows > 0) {
-      at::Tensor src = full.reshape({p.plan.dim0, p.plan.row_numel});
-      p.padded.tensor().view({p.plan.rows_per_shard, p.plan.row_numel})
-          .narrow(0, 0, p.plan.rows)
-          .copy_(src.narrow(0, p.plan.row_offset, p.plan.rows));
-    }
-    p.sharded = p.padded.tensor().narrow(0, 0, p.plan.rows).detach();
-    p.sharded.set_requires_grad(p.requires_grad);
-    if (st->dt.main_grad) p.main_grad = OwnedBuffer::zeros(p.sharded.sizes(), at::kFloat, st->device);
-    // The module's tensor becomes the unsharded parameter: compute dtype, global shape,
-    // no storage until unshard. Its identity (module fields, autograd meta) is kept.
-    // With one shard in the parameters' dtype it simply aliases the shard.
-    if (st->aliased()) {
-      t.set_data(p.padded.tensor().view(p.shape));
-    } else {
-      // Made with no storage at all (not allocated whole, then freed: a rank never holds
-      // the whole parameter here).
-      at::Tensor unsharded = at::empty({0}, at::TensorOptions().dtype(st->dt.compute).device(st->device));
-      unsharded.storage().set_data_ptr(c10::DataPtr(nullptr, unsharded.device()));  // as a resharded one
-      unsharded.unsafeGetTensorImpl()->set_sizes_contiguous(p.shape);
-      t.set_data(unsharded);
-    }
-    if (t.grad().defined()) t.mutable_grad() = at::Tensor();
-    st->params.push_back(std::move(p));
-  }
+  for (auto& [name, t] : mine) st->params.push_back(shard_param(*st, name, t, pdt, n, k, o, label));
   if (st->post_group) {
     for (const auto& p : st->params) {
       st->post_offsets.push_back(st->post_total);
@@ -367,37 +436,8 @@ FSDPHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& o) {
   for (const auto& p : st->params) plans.push_back(p.plan);
   st->layout = plan_fused(plans, std::max<int64_t>(1, kFusedAlignBytes / static_cast<int64_t>(c10::elementSize(st->dt.reduce))));
   // The all-gather buffer uses the same layout in its own dtype; offsets are in elements.
-
   auto handle = std::shared_ptr<FSDPModule>(new FSDPModule(std::move(st)));
-  detail::GroupState* s = &handle->state();
-  s->watch_gradients();
-  {
-    std::lock_guard<std::mutex> g(g_mu);
-    for (const auto& p : s->params) g_managed.assign(p.param.tensor().unsafeGetTensorImpl(), handle, true);
-    for (const auto& sub : module.modules(/*include_self=*/false)) {
-      if (auto* e = g_handles.find(sub.get())) {
-        if (auto h = e->owner.lock()) s->nested.push_back(&h->state());
-      }
-    }
-    g_handles.assign(&module, handle, true);
-  }
-  if (o.wait_per_submodule) watch_submodules(handle);
-  ForwardHooks hooks;
-  hooks.pre = [handle](torch::nn::Module&) { handle->state().pre_forward(); };
-  if (s->dt.input) {
-    at::ScalarType in_dt = *s->dt.input;
-    hooks.cast_input = [in_dt](torch::nn::Module&, const at::Tensor& x, size_t) {
-      return x.is_floating_point() && x.scalar_type() != in_dt ? x.to(in_dt) : x;
-    };
-  }
-  hooks.cast_output = [handle](torch::nn::Module&, const at::Tensor& out) {
-    return handle->state().on_output(out, handle);
-  };
-  hooks.post = [handle](torch::nn::Module&) { handle->state().post_forward(); };
-  hooks.on_error = [handle](torch::nn::Module&, const std::exception&) {
-    handle->state().on_forward_error();
-  };
-  register_forward_hooks(module, std::move(hooks));
+  install_handle(handle, module, o);
   return handle;
 }
 

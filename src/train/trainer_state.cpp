@@ -197,12 +197,12 @@ void Trainer::save_async(const std::string& dir, std::function<void()> then) {
   });
 }
 
-ResumeReport Trainer::load(const std::string& dir) {
-  Impl& s = *impl_;
-  // The saved settings first (the metadata alone): a changed model is named by its key,
-  // not by the first tensor whose shape it changed.
-  const std::map<std::string, std::string> values = ckpt::load({}, dir);
-  // Compared as values (the saved text is parsed as the config's would be), not as text.
+namespace {
+
+// Raises naming the first model setting of `c` that the checkpoint `dir` (its metadata
+// `values`) saved differently, or did not save. Compared as values (the saved text is parsed
+// as the config's would be), not as text.
+void check_same_model(const std::map<std::string, std::string>& values, const TrainConfig& c, const std::string& dir) {
   std::vector<std::pair<std::string, std::string>> saved;
   for (const auto& [k, v] : values) {
     if (k.rfind("config.model.", 0) == 0) saved.emplace_back(k.substr(7), v);
@@ -210,13 +210,23 @@ ResumeReport Trainer::load(const std::string& dir) {
   TrainConfig then;
   then.model = model_from_settings(saved, "resume from " + dir + ": the checkpoint's config");
   const auto theirs = fixed_settings(then);
-  for (const auto& [k, v] : fixed_settings(s.c)) {
+  for (const auto& [k, v] : fixed_settings(c)) {
     auto it = values.find("config." + k);
     auto parsed = std::find_if(theirs.begin(), theirs.end(), [&k = k](const auto& e) { return e.first == k; });
     HP_CHECK(it != values.end() && parsed != theirs.end() && parsed->second == v, "resume from ", dir, ": ", k, "=",
              it == values.end() ? std::string("(not saved)") : it->second, " in the checkpoint but ", k, "=", v,
              " in this config (the model cannot change on resume)");
   }
+}
+
+}  // namespace
+
+ResumeReport Trainer::load(const std::string& dir) {
+  Impl& s = *impl_;
+  // The saved settings first (the metadata alone): a changed model is named by its key,
+  // not by the first tensor whose shape it changed.
+  const std::map<std::string, std::string> values = ckpt::load({}, dir);
+  check_same_model(values, s.c, dir);
   // The optimizer's state is of its kind: AdamW's moments, or Muon's momentum.
   auto saved_opt = values.find("optimizer");
   const std::string theirs_opt = saved_opt == values.end() ? "adamw" : saved_opt->second;  // before it was saved
