@@ -328,28 +328,50 @@ void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const
   }
 }
 
-void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 1, int64_t v = 1,
-                          ht::PipelineScheduleKind schedule = ht::PipelineScheduleKind::kAuto, const std::vector<int64_t>& stage_layers = {},
-                          bool tie = false, bool per_submodule = false, bool head_dim_and_biases = false,
-                          int64_t cp = 1, hp::cp::Method cp_method = hp::cp::Method::kRing, int64_t replicas = 0) {
+// A layout of the parity cases, each setting named where a case changes it from the default
+// (one process's layout apart from the data-parallel ranks).
+struct Layout {
+  int64_t tp_ = 1, pp_ = 1, v_ = 1, cp_ = 1;
+  ht::PipelineScheduleKind schedule_ = ht::PipelineScheduleKind::kAuto;
+  std::vector<int64_t> stage_layers_;  // empty: the trainer's split
+  bool tie_ = false, per_submodule_ = false, head_dim_and_biases_ = false;
+  hp::cp::Method cp_method_ = hp::cp::Method::kRing;
+  int64_t replicas_ = 0;  // > 0: HSDP with this many data_parallel replicas, dp_shard the rest
+
+  Layout& tp(int64_t x) { tp_ = x; return *this; }
+  Layout& pp(int64_t x) { pp_ = x; return *this; }
+  Layout& v(int64_t x) { v_ = x; return *this; }  // virtual stages per pp rank
+  Layout& cp(int64_t x) { cp_ = x; return *this; }
+  Layout& cp_method(hp::cp::Method m) { cp_method_ = m; return *this; }
+  Layout& schedule(ht::PipelineScheduleKind s) { schedule_ = s; return *this; }
+  Layout& stage_layers(std::vector<int64_t> l) { stage_layers_ = std::move(l); return *this; }
+  Layout& tie() { tie_ = true; return *this; }  // Llama: the embedding tied to the output
+  // comm_fusion off, wait_per_submodule on.
+  Layout& per_submodule() { per_submodule_ = true; return *this; }
+  // Llama: heads of 24 (not dim / heads = 16), every bias.
+  Layout& head_dim_and_biases() { head_dim_and_biases_ = true; return *this; }
+  Layout& replicas(int64_t r) { replicas_ = r; return *this; }
+};
+
+void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   auto w = hp::world();
-  ht::TrainConfig c = small_config(type, w->size(), tp, pp, v, cp, cp_method);
-  if (replicas > 0) {  // HSDP: data_parallel replicas, dp_shard the rest
-    c.data_parallel = replicas;
+  ht::TrainConfig c = small_config(type, w->size(), l.tp_, l.pp_, l.v_, l.cp_, l.cp_method_);
+  if (l.replicas_ > 0) {  // HSDP: data_parallel replicas, dp_shard the rest
+    c.data_parallel = l.replicas_;
     c.data_parallel_shard = -1;
   }
-  if (head_dim_and_biases) {  // Llama: heads of 24 (not dim / heads = 16), every bias
+  if (l.head_dim_and_biases_) {  // Llama: heads of 24 (not dim / heads = 16), every bias
     auto& l = c.model.config<hp::models::LlamaConfig>();
     l.explicit_head_dim = 24;
     l.attention_bias = l.mlp_bias = true;
   }
-  c.pipeline_schedule = schedule;
-  if (per_submodule) {
+  c.pipeline_schedule = l.schedule_;
+  if (l.per_submodule_) {
     c.comm_fusion = false;
     c.wait_per_submodule = true;
   }
-  c.pipeline_stage_layers = stage_layers;
-  if (tie) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
+  c.pipeline_stage_layers = l.stage_layers_;
+  if (l.tie_) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
   c.eval_interval = 2;  // validation after steps 2, 4 and 5
   c.eval_steps = 2;
   c.validate(w->size());
@@ -358,10 +380,16 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
   ASSERT_EQ(static_cast<int64_t>(naive.losses.size()), c.train_steps);
 
   ht::Trainer t(c, w);
+  // The layout the case names is the one it runs (a setting of Layout lost on the way would
+  // leave a weaker case that still passes; seen failing with tp() setting nothing).
+  ASSERT_TRUE(c.tensor_parallel == l.tp_ && c.pipeline_parallel == l.pp_ && c.context_parallel == l.cp_ &&
+              c.context_parallel_method == l.cp_method_ && (l.replicas_ == 0 || c.data_parallel == l.replicas_) &&
+              c.pipeline_stage_layers == l.stage_layers_)
+      << type << ": the config's layout is not the case's";
   expect_steps_match(t, c, naive, type);
   // Under pipeline parallelism the losses and norms of every step (the norm over every
   // parameter of every stage) are the check here; pp_test compares its parameters.
-  if (pp > 1) return;
+  if (l.pp_ > 1) return;
   // Parameters, reassembled from the shards, against the naive model's.
   std::vector<at::Tensor> in_handle_order;
   for (torch::nn::Module* b : naive.model->blocks()) {
@@ -370,7 +398,7 @@ void expect_matches_naive(const std::string& type, int64_t tp = 1, int64_t pp = 
   for (const auto& item : naive.model->root().named_parameters()) {
     if (item.key().rfind("layers_", 0) != 0) in_handle_order.push_back(item.value().detach());
   }
-  if (tp == 1) {
+  if (l.tp_ == 1) {
     EXPECT_LE(hp::test::max_rel_to_reference(t.handles(), in_handle_order, t.shard_group()), 1e-10);
     return;
   }
@@ -408,27 +436,27 @@ TEST(TrainDist, ContextParallelMatchesSingleProcess) {
   for (M m : {M::kRing, M::kAllGather, M::kUlysses}) {
     for (const char* type : {"llama", "deepseek"}) {
       SCOPED_TRACE(std::string(type) + " context_parallel=2 " + hp::cp::method_name(m));
-      expect_matches_naive(type, 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, m);
+      expect_matches_naive(type, Layout().cp(2).cp_method(m));
     }
   }
   if (w == 4) {
     SCOPED_TRACE("llama context_parallel=4");
-    expect_matches_naive("llama", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 4, M::kRing);
+    expect_matches_naive("llama", Layout().cp(4).cp_method(M::kRing));
     // HSDP: data_parallel 2 x context_parallel 2 (fully_shard over dp_shard 1 x cp 2, the
     // replicas' gradients all-reduced).
     SCOPED_TRACE("deepseek data_parallel=2 x context_parallel=2");
-    expect_matches_naive("deepseek", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kUlysses, 2);
+    expect_matches_naive("deepseek", Layout().cp(2).cp_method(M::kUlysses).replicas(2));
     // context_parallel 2 x tensor_parallel 2 with sequence parallel: attention over this
     // rank's heads, the norms over its part of its CP piece.
     for (const char* type : {"llama", "deepseek"}) {
       SCOPED_TRACE(std::string(type) + " context_parallel=2 x tensor_parallel=2");
-      expect_matches_naive(type, 2, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kRing);
+      expect_matches_naive(type, Layout().tp(2).cp(2).cp_method(M::kRing));
     }
     // Inside pipeline stages (1F1B and interleaved): the stages pass each CP rank's hidden
     // states of its tokens.
     SCOPED_TRACE("llama context_parallel=2 x pipeline_parallel=2");
-    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kAllGather);
-    expect_matches_naive("deepseek", 1, 2, 2, ht::PipelineScheduleKind::kAuto, {}, false, false, false, 2, M::kRing);
+    expect_matches_naive("llama", Layout().pp(2).cp(2).cp_method(M::kAllGather));
+    expect_matches_naive("deepseek", Layout().pp(2).v(2).cp(2).cp_method(M::kRing));
   }
 }
 
@@ -441,8 +469,8 @@ TEST(TrainDist, MatchesSingleProcessWithOverlapOff) {
   expect_matches_naive("deepseek");
   expect_matches_naive("llama");
   if (w->size() % 2 == 0) {
-    expect_matches_naive("llama", 2);
-    expect_matches_naive("deepseek", 1, 2);
+    expect_matches_naive("llama", Layout().tp(2));
+    expect_matches_naive("deepseek", Layout().pp(2));
   }
   hp::reset_fsdp_overlap();
 }
@@ -454,25 +482,25 @@ TEST(TrainDist, ToyFamilyMatchesSingleProcess) {
   auto w = hp::world();
   expect_matches_naive("toy");
   if (w->size() % 2 == 0) {
-    expect_matches_naive("toy", 2);
-    expect_matches_naive("toy", 1, 2);
+    expect_matches_naive("toy", Layout().tp(2));
+    expect_matches_naive("toy", Layout().pp(2));
   }
-  if (w->size() == 4) expect_matches_naive("toy", 2, 2);
+  if (w->size() == 4) expect_matches_naive("toy", Layout().tp(2).pp(2));
 }
 // Each block waiting per layer in forward (wait_per_submodule): the MoE's experts that get
 // no tokens on a rank are never called, and their parameters are waited for at the end of
 // the block's forward.
 TEST(TrainDist, WaitPerSubmoduleMatchesSingleProcess) {
-  expect_matches_naive("llama", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, /*per_submodule=*/true);
-  expect_matches_naive("deepseek", 1, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, /*per_submodule=*/true);
+  expect_matches_naive("llama", Layout().per_submodule());
+  expect_matches_naive("deepseek", Layout().per_submodule());
   if (hp::world()->size() == 4) {
     // Under tensor parallelism (its hooks on the same layers) and over pipeline stages
     // with tied embeddings (the root, which reads the embedding outside its module, is left
     // out), each sharded over 2.
     SCOPED_TRACE("tensor_parallel=2");
-    expect_matches_naive("llama", 2, 1, 1, ht::PipelineScheduleKind::kAuto, {}, false, /*per_submodule=*/true);
+    expect_matches_naive("llama", Layout().tp(2).per_submodule());
     SCOPED_TRACE("pipeline_parallel=2, tied embeddings");
-    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true, /*per_submodule=*/true);
+    expect_matches_naive("llama", Layout().pp(2).tie().per_submodule());
   }
 }
 // An explicit head size and biases on every projection: FSDP (HSDP at 4 ranks), tensor
@@ -480,25 +508,25 @@ TEST(TrainDist, WaitPerSubmoduleMatchesSingleProcess) {
 // pipeline.
 TEST(TrainDist, LlamaHeadDimAndBiasesMatchSingleProcess) {
   const auto kAuto = ht::PipelineScheduleKind::kAuto;
-  expect_matches_naive("llama", 1, 1, 1, kAuto, {}, false, false, /*head_dim_and_biases=*/true);
+  expect_matches_naive("llama", Layout().head_dim_and_biases());
   if (hp::world()->size() % 2 != 0) return;
   SCOPED_TRACE("tensor_parallel=2");
-  expect_matches_naive("llama", 2, 1, 1, kAuto, {}, false, false, true);
+  expect_matches_naive("llama", Layout().tp(2).head_dim_and_biases());
   SCOPED_TRACE("pipeline_parallel=2");
-  expect_matches_naive("llama", 1, 2, 1, kAuto, {}, false, false, true);
+  expect_matches_naive("llama", Layout().pp(2).head_dim_and_biases());
 }
 // tensor_parallel 2 with sequence parallel (and loss parallel): alone at 2 ranks, under
 // FSDP over dp_shard 2 at 4.
 TEST(TrainDist, LlamaTensorParallelMatchesSingleProcess) {
   if (hp::world()->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
-  expect_matches_naive("llama", 2);
+  expect_matches_naive("llama", Layout().tp(2));
   // Tied embeddings: the vocabulary-parallel embedding's pieces are the head's columns.
   SCOPED_TRACE("tied embeddings");
-  expect_matches_naive("llama", 2, 1, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true);
+  expect_matches_naive("llama", Layout().tp(2).tie());
   if (hp::world()->size() % 4 == 0) {
     // And over two pipeline stages: each copy split by tp, their gradients summed over pp.
     SCOPED_TRACE("tied embeddings, pipeline_parallel=2");
-    expect_matches_naive("llama", 2, 2, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true);
+    expect_matches_naive("llama", Layout().tp(2).pp(2).tie());
   }
 }
 // Pipeline parallel 2 (1F1B, and interleaved with 2 stages per rank): alone at 2 ranks,
@@ -510,32 +538,32 @@ TEST(TrainDist, PipelineMatchesSingleProcess) {
   const int64_t tp = w == 8 ? 2 : 1;
   for (int64_t v : {1, 2}) {
     SCOPED_TRACE(v == 1 ? "1f1b" : "interleaved, 2 stages per rank");
-    expect_matches_naive("deepseek", tp, 2, v);
+    expect_matches_naive("deepseek", Layout().tp(tp).pp(2).v(v));
   }
   {
     SCOPED_TRACE("zbh1");
-    expect_matches_naive("deepseek", tp, 2, 1, ht::PipelineScheduleKind::kZBH1);
+    expect_matches_naive("deepseek", Layout().tp(tp).pp(2).schedule(ht::PipelineScheduleKind::kZBH1));
   }
   {
     SCOPED_TRACE("zbv");
-    expect_matches_naive("deepseek", tp, 2, 2, ht::PipelineScheduleKind::kZBV);
+    expect_matches_naive("deepseek", Layout().tp(tp).pp(2).v(2).schedule(ht::PipelineScheduleKind::kZBV));
   }
   {
     SCOPED_TRACE("explicit stage layers [3, 1]");
-    expect_matches_naive("deepseek", tp, 2, 1, ht::PipelineScheduleKind::k1F1B, {3, 1});
+    expect_matches_naive("deepseek", Layout().tp(tp).pp(2).schedule(ht::PipelineScheduleKind::k1F1B).stage_layers({3, 1}));
   }
   if (w != 8) {
-    expect_matches_naive("llama", 1, 2, 1);
+    expect_matches_naive("llama", Layout().pp(2));
     // Tied embeddings: a copy on the first and on the last stage, gradients summed, the norm
     // counting it once; each copy sharded by FSDP at 4 ranks, and stepped with fp32 masters.
     SCOPED_TRACE("llama, tied embeddings over the stages");
-    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kAuto, {}, /*tie=*/true);
+    expect_matches_naive("llama", Layout().pp(2).tie());
     // Under the split backward the head's product with the embedding's weight is a marked
     // weight output; ZBV puts both copies on rank 0, summed there.
     SCOPED_TRACE("llama, tied embeddings, zbh1");
-    expect_matches_naive("llama", 1, 2, 1, ht::PipelineScheduleKind::kZBH1, {}, /*tie=*/true);
+    expect_matches_naive("llama", Layout().pp(2).schedule(ht::PipelineScheduleKind::kZBH1).tie());
     SCOPED_TRACE("llama, tied embeddings, zbv");
-    expect_matches_naive("llama", 1, 2, 2, ht::PipelineScheduleKind::kZBV, {}, /*tie=*/true);
+    expect_matches_naive("llama", Layout().pp(2).v(2).schedule(ht::PipelineScheduleKind::kZBV).tie());
   }
 }
 // Resume is exact: 6 steps straight, against 3 steps, save (also in the background, while the
@@ -1369,7 +1397,7 @@ TEST(TrainDist, ParamsPerTensorParallelRankMatchTheSplitModel) {
 TEST(TrainDist, DeepSeekTensorParallelMatchesSingleProcess) {
   auto w = hp::world();
   if (w->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
-  expect_matches_naive("deepseek", 2);
+  expect_matches_naive("deepseek", Layout().tp(2));
   // The balance loss with the experts split over tp: every tp rank routes the same tokens
   // and adds the loss's gradient, which the router's and the input's reductions sum (with
   // and without sequence parallel).
