@@ -1,7 +1,6 @@
 #include "hp/ckpt/checkpoint.h"
 
 #include "hp/comm/agree.h"
-#include "hp/core/files.h"
 #include "hp/core/hash.h"
 
 #include <ATen/ATen.h>
@@ -11,13 +10,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <csignal>
-#include <cstdlib>
-#include <fstream>
+#include <functional>
 #include <memory>
 
 #include "hp/ckpt/safetensors.h"
@@ -224,46 +220,82 @@ void read_sub_box(CheckedFile& file, const std::string& path, const std::string&
   }
 }
 
-}  // namespace
-
-void fsync_path(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  HP_CHECK(fd >= 0, "ckpt: cannot open '", path, "' to sync it: ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  HP_CHECK(rc == 0, "ckpt: fsync of '", path, "' failed: ", std::strerror(errno));
-}
-
-namespace {
-std::atomic<int> g_saves{0};  // saves started by this process
-}  // namespace
-
-void crash_point(const char* point, int rank) {
-  const char* spec = std::getenv("HP_CKPT_CRASH");
-  if (spec == nullptr || *spec == 0) return;
-  std::string want = spec, who;
-  if (auto colon = want.find(':'); colon != std::string::npos) {
-    who = want.substr(colon + 1);
-    want = want.substr(0, colon);
+// metadata.json's document: every box gathered from the ranks (`boxes`), listed once as a
+// chunk of the file of the rank `writer_of` picks, the data files' checksums (`files`), the
+// values, and the document's own checksum.
+json build_metadata(const std::vector<json>& boxes, const std::vector<json>& files,
+                    const std::map<std::string, std::string>& values,
+                    const std::function<int(const std::string&, const std::vector<int64_t>&)>& writer_of) {
+  json meta;
+  meta["format"] = detail::kFormat;
+  meta["values"] = values;
+  json tensors = json::object();
+  for (size_t r = 0; r < boxes.size(); ++r) {
+    for (const auto& b : boxes[r]) {
+      const std::string name = b["name"];
+      const auto off = b["offsets"].get<std::vector<int64_t>>();
+      const auto len = b["lengths"].get<std::vector<int64_t>>();
+      json& t = tensors[name];
+      if (t.is_null()) {
+        t = {{"dtype", b["dtype"]}, {"shape", b["shape"]}, {"chunks", json::array()}};
+      }
+      HP_CHECK(t["dtype"] == b["dtype"] && t["shape"] == b["shape"], "ckpt::save: tensor '", name,
+               "' has another dtype or global shape on rank ", r);
+      int64_t n = 1;
+      for (int64_t l : len) n *= l;
+      if (n == 0 || writer_of(name, off) != static_cast<int>(r)) continue;
+      t["chunks"].push_back({{"file", "rank" + std::to_string(r) + ".safetensors"},
+                             {"key", box_key(name, off)},
+                             {"offsets", off},
+                             {"lengths", len}});
+    }
   }
-  const char* nth = std::getenv("HP_CKPT_CRASH_SAVE");
-  const int n = nth && *nth ? std::atoi(nth) : 1;
-  if (want != point || g_saves != n) return;
-  if (!who.empty() && std::atoi(who.c_str()) != rank) return;
-  std::raise(SIGKILL);
+  meta["tensors"] = tensors;
+  json fj = json::object();
+  for (const auto& f : files) fj[f["file"].get<std::string>()] = f["sums"];
+  meta["files"] = fj;
+  meta["checksum"] = std::to_string(detail::metadata_checksum(meta));
+  return meta;
 }
+
+// Rank 0's commit of the folder `tmp` holding every data file: metadata.json written into
+// it, then the folder renamed to `dir` in one step (an older `dir` set aside first, removed
+// after).
+void commit(const json& meta, const std::string& tmp, const std::string& dir, Storage& storage) {
+  write_atomically(storage, tmp + "/metadata.json", tmp + "/metadata.json.partial", meta.dump(1));
+  storage.reached(SavePoint::kCommit, 0);
+  // Killed between the two renames, `dir` is missing and `dir`.old is the previous commit,
+  // which committed_dir() then finds; an `dir`.old left so is kept until `dir` is back.
+  const std::string old = dir + ".old";
+  if (fs::exists(dir)) {
+    storage.remove_tree(old);
+    storage.rename(dir, old);
+  }
+  storage.reached(SavePoint::kSwap, 0);
+  storage.rename(tmp, dir);
+  try {
+    storage.remove_tree(old);  // committed: an old folder left behind is no failure of this save
+  } catch (const std::exception&) {
+  }
+  storage.sync(fs::absolute(dir).parent_path().string());
+}
+
+}  // namespace
 
 void save(const std::vector<Item>& items, const std::string& dir, const CommPtr& world,
-          const std::map<std::string, std::string>& values) {
+          const std::map<std::string, std::string>& values, Storage& storage) {
   const int rank = world->rank();
-  ++g_saves;
   const std::string tmp = dir + ".tmp";
   std::string problem = check_items(items);
   if (rank == 0 && problem.empty()) {
-    std::error_code ec;
-    files::remove_tree(tmp);
-    if (!fs::create_directories(tmp, ec) && !fs::is_directory(tmp)) {
-      problem = "ckpt::save: cannot create '" + tmp + "': " + ec.message();
+    try {
+      storage.remove_tree(tmp);
+    } catch (const std::exception&) {  // what is left there is overwritten or not listed
+    }
+    try {
+      storage.make_folders(tmp);
+    } catch (const std::exception& e) {
+      problem = std::string("ckpt::save: ") + e.what();
     }
   }
   raise_if_any_failed(world, problem, "ckpt::save to '" + dir + "'");  // also orders the folder's creation before any write
@@ -286,80 +318,21 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
   }
   const std::string file = "rank" + std::to_string(rank) + ".safetensors";
   std::string error;
-  crash_point("write", rank);
+  json sums;
   try {
-    write_file(tmp + "/" + file, mine);
+    storage.reached(SavePoint::kWrite, rank);
+    write_file(tmp + "/" + file, mine, {}, storage);
+    storage.reached(SavePoint::kWritten, rank);
+    sums = file_checksums(tmp + "/" + file);
   } catch (const std::exception& e) {
     error = e.what();
-  }
-  crash_point("written", rank);
-  json sums;
-  if (error.empty()) {
-    try {
-      sums = file_checksums(tmp + "/" + file);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
   }
   raise_if_any_failed(world, error.empty() ? error : "ckpt::save to '" + dir + "' failed: " + error,
                       "ckpt::save to '" + dir + "'");
   const std::vector<json> files = gather_json(json{{"file", file}, {"sums", sums}}, world);
   std::string commit_error;
   if (rank == 0) try {
-    json meta;
-    meta["format"] = detail::kFormat;
-    meta["values"] = values;
-    json tensors = json::object();
-    for (int r = 0; r < world->size(); ++r) {
-      for (const auto& b : boxes[r]) {
-        const std::string name = b["name"];
-        const auto off = b["offsets"].get<std::vector<int64_t>>();
-        const auto len = b["lengths"].get<std::vector<int64_t>>();
-        json& t = tensors[name];
-        if (t.is_null()) {
-          t = {{"dtype", b["dtype"]}, {"shape", b["shape"]}, {"chunks", json::array()}};
-        }
-        HP_CHECK(t["dtype"] == b["dtype"] && t["shape"] == b["shape"], "ckpt::save: tensor '", name,
-                 "' has another dtype or global shape on rank ", r);
-        int64_t n = 1;
-        for (int64_t l : len) n *= l;
-        if (n == 0 || writer_of(name, off) != r) continue;
-        t["chunks"].push_back({{"file", "rank" + std::to_string(r) + ".safetensors"},
-                               {"key", box_key(name, off)},
-                               {"offsets", off},
-                               {"lengths", len}});
-      }
-    }
-    meta["tensors"] = tensors;
-    json fj = json::object();
-    for (const auto& f : files) fj[f["file"].get<std::string>()] = f["sums"];
-    meta["files"] = fj;
-    meta["checksum"] = std::to_string(detail::metadata_checksum(meta));
-    {
-      std::ofstream f(tmp + "/metadata.json.partial");
-      f << meta.dump(1);
-      f.close();
-      HP_CHECK(f.good(), "ckpt::save: writing '", tmp, "/metadata.json' failed: ", std::strerror(errno));
-    }
-    fsync_path(tmp + "/metadata.json.partial");
-    fs::rename(tmp + "/metadata.json.partial", tmp + "/metadata.json");
-    fsync_path(tmp);
-    // Commit: the folder appears under its name in one rename (an older one is set aside
-    // first and removed after).
-    crash_point("commit", rank);
-    // Killed between the two renames, `dir` is missing and `dir`.old is the previous commit,
-    // which committed_dir() then finds; an `dir`.old left so is kept until `dir` is back.
-    const std::string old = dir + ".old";
-    if (fs::exists(dir)) {
-      const std::string error = files::remove_tree(old);
-      HP_CHECK(error.empty(), "ckpt::save: ", error);
-      fs::rename(dir, old);
-    }
-    crash_point("swap", rank);
-    fs::rename(tmp, dir);
-    files::remove_tree(old);
-    const fs::path parent = fs::absolute(dir).parent_path();
-    fsync_path(parent.string());
+    commit(build_metadata(boxes, files, values, writer_of), tmp, dir, storage);
   } catch (const std::exception& e) {
     commit_error = e.what();
   }
@@ -367,25 +340,6 @@ void save(const std::vector<Item>& items, const std::string& dir, const CommPtr&
 }
 
 namespace detail {
-
-uint64_t block_hash(const uint8_t* p, size_t n) {
-  // Four independent lanes over 32-byte steps (so the multiplies overlap), then the tail.
-  constexpr uint64_t kPrime = 1099511628211ULL;
-  uint64_t h[4] = {1469598103934665603ULL ^ n, 0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL};
-  size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int l = 0; l < 4; ++l) {
-      uint64_t w;
-      std::memcpy(&w, p + i + 8 * l, 8);
-      h[l] = (h[l] ^ w) * kPrime;
-      h[l] ^= h[l] >> 29;
-    }
-  }
-  uint64_t out = h[0];
-  for (int l = 1; l < 4; ++l) out = (out ^ h[l]) * kPrime;
-  for (; i < n; ++i) out = (out ^ p[i]) * kPrime;
-  return out;
-}
 
 void load_boxes(const std::vector<Item>& items, const std::string& dir, const json& tensors, const json& files,
                 bool convert, const std::string& source, FileLinks links) {
@@ -479,6 +433,17 @@ std::map<std::string, std::string> load(const std::vector<Item>& items, const st
   std::map<std::string, std::string> values;
   if (meta.contains("values")) values = meta["values"].get<std::map<std::string, std::string>>();
   return values;
+}
+
+void to_host(std::vector<Item>& items, bool copy) {
+  for (auto& it : items) {
+    if (!it.local.defined()) continue;
+    if (!it.local.device().is_cpu()) {
+      it.local = it.local.to(c10::kCPU);
+    } else if (copy) {
+      it.local = it.local.clone();
+    }
+  }
 }
 
 std::map<std::string, SavedTensor> saved_tensors(const std::string& dir) {

@@ -1,5 +1,4 @@
 #include "hp/ckpt/consolidated.h"
-#include "hp/core/files.h"
 
 #include <ATen/ATen.h>
 
@@ -28,18 +27,6 @@ std::string shard_name(size_t k, size_t n) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", k + 1, n);
   return buf;
-}
-
-// `text` written to `path` through a temporary name, fsynced.
-void write_text(const std::string& path, const std::string& text) {
-  {
-    std::ofstream f(path + ".partial");
-    f << text;
-    f.close();
-    HP_CHECK(f.good(), "writing '", path, "' failed: ", std::strerror(errno));
-  }
-  fsync_path(path + ".partial");
-  fs::rename(path + ".partial", path);
 }
 
 }  // namespace
@@ -78,9 +65,9 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
       plan.push_back(std::move(p));
     }
     if (rank == 0) {
-      std::error_code ec;
-      files::remove_tree(tmp);
-      HP_CHECK(fs::create_directories(tmp, ec), what, ": cannot create '", tmp, "': ", ec.message());
+      Storage& storage = *local_storage();
+      storage.remove_tree(tmp);
+      storage.make_folders(tmp);
     }
   } catch (const std::exception& e) {
     problem = e.what();
@@ -126,11 +113,11 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
       for (size_t i : files[k]) map[plan[i].name] = shard_name(k, files.size());
     }
     index["weight_map"] = map;
-    write_text(tmp + "/" + kIndex, index.dump(2) + "\n");
-    for (const auto& [name, text] : extra_files) write_text(tmp + "/" + name, text);
-    fsync_path(tmp);
-    fs::rename(tmp, out_dir);
-    fsync_path(fs::absolute(out_dir).parent_path().string());
+    Storage& storage = *local_storage();
+    write_atomically(storage, tmp + "/" + kIndex, tmp + "/" + kIndex + ".partial", index.dump(2) + "\n");
+    for (const auto& [name, text] : extra_files) write_atomically(storage, tmp + "/" + name, tmp + "/" + name + ".partial", text);
+    storage.rename(tmp, out_dir);
+    storage.sync(fs::absolute(out_dir).parent_path().string());
   } catch (const std::exception& e) {
     commit_error = e.what();
   }

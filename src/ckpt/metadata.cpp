@@ -1,4 +1,5 @@
-// metadata.json as read back from disk: untrusted input. Its checksum (format 2) catches a
+// metadata.json as read back from disk: untrusted input, and the checksum of its blocks and
+// of the data files (block_hash). Its checksum (format 2) catches a
 // damaged file; its schema check catches any value the readers could not use safely (a
 // consistent file with bad values, as a tool could write, passes the checksum). Every
 // refusal names the file, the key and the value.
@@ -212,6 +213,25 @@ void check_schema(const Schema& s, const json& meta, bool legacy) {
 bool is_plain_file_name(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
          name.find('\0') == std::string::npos;
+}
+
+uint64_t block_hash(const uint8_t* p, size_t n) {
+  // Four independent lanes over 32-byte steps (so the multiplies overlap), then the tail.
+  constexpr uint64_t kPrime = 1099511628211ULL;
+  uint64_t h[4] = {1469598103934665603ULL ^ n, 0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int l = 0; l < 4; ++l) {
+      uint64_t w;
+      std::memcpy(&w, p + i + 8 * l, 8);
+      h[l] = (h[l] ^ w) * kPrime;
+      h[l] ^= h[l] >> 29;
+    }
+  }
+  uint64_t out = h[0];
+  for (int l = 1; l < 4; ++l) out = (out ^ h[l]) * kPrime;
+  for (; i < n; ++i) out = (out ^ p[i]) * kPrime;
+  return out;
 }
 
 uint64_t metadata_checksum(const json& meta) {

@@ -355,7 +355,7 @@ SafetensorsHeader read_header(const std::string& path) {
 }
 
 void write_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                const std::map<std::string, std::string>& metadata) {
+                const std::map<std::string, std::string>& metadata, Storage& storage) {
   auto quote = [](const std::string& s) {
     std::string out = "\"";
     for (unsigned char c : s) {
@@ -401,27 +401,25 @@ void write_file(const std::string& path, const std::vector<std::pair<std::string
   json += "}";
   while ((8 + json.size()) % 8 != 0) json += ' ';  // the data section starts 8-byte aligned
   const std::string partial = path + ".partial";
-  errno = 0;
-  std::FILE* f = std::fopen(partial.c_str(), "wb");
-  HP_CHECK(f != nullptr, partial, ": cannot write: ", os_error());
   uint8_t len[8];
   uint64_t n = json.size();
   for (int k = 0; k < 8; ++k) len[k] = static_cast<uint8_t>(n >> (8 * k));
-  bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(json.data(), 1, json.size(), f) == json.size();
-  for (const auto& c : data) {
-    if (!ok) break;
-    // An empty tensor may have no storage (a null pointer, which fwrite must not get).
-    if (c.nbytes() > 0) ok = std::fwrite(c.data_ptr(), 1, c.nbytes(), f) == c.nbytes();
+  try {
+    auto f = storage.create(partial);
+    f->write(len, 8);
+    f->write(json.data(), json.size());
+    // An empty tensor may have no storage (a null pointer): nothing to write.
+    for (const auto& c : data) f->write(c.data_ptr(), c.nbytes());
+    f->sync();
+    f->close();
+  } catch (const std::exception& e) {
+    try {
+      storage.remove_tree(partial);
+    } catch (const std::exception&) {
+    }
+    HP_CHECK(false, partial, ": writing failed: ", e.what());
   }
-  ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
-  const std::string err = ok ? "" : os_error();
-  ok = std::fclose(f) == 0 && ok;
-  if (!ok) {
-    std::remove(partial.c_str());
-    HP_CHECK(false, partial, ": writing failed: ", err.empty() ? os_error() : err);
-  }
-  HP_CHECK(std::rename(partial.c_str(), path.c_str()) == 0, "cannot rename '", partial, "' to '", path, "': ",
-           os_error());
+  storage.rename(partial, path);
 }
 
 at::Tensor read_tensor(const std::string& path, const SafetensorsHeader& h, const std::string& name) {

@@ -9,14 +9,12 @@
 #include <cstring>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
+#include <utility>
 #include <vector>
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/comm/agree.h"
 #include "hp/core/error.h"
-#include "hp/core/files.h"
-#include "hp/train/trainer.h"
 
 namespace hp::train {
 
@@ -45,6 +43,11 @@ CheckpointManager::CheckpointManager(Options o, CommPtr world) : o_(std::move(o)
   HP_CHECK(o_.interval == 0 || !o_.dir.empty(), "checkpoints every ", o_.interval, " steps need a folder (save_dir)");
   HP_CHECK(o_.interval >= 0 && o_.keep_last_n >= 0, "checkpoint interval ", o_.interval, " and keep_last_n ",
            o_.keep_last_n, " must not be negative");
+  HP_CHECK(o_.storage != nullptr, "CheckpointManager: no storage given");
+}
+
+CheckpointManager::~CheckpointManager() {
+  if (saver_.joinable()) saver_.join();  // a save in flight completes
 }
 
 bool CheckpointManager::due(int64_t step, int64_t last_step) const {
@@ -109,17 +112,8 @@ std::string CheckpointManager::latest_of(const std::string& dir) {
 }
 
 void CheckpointManager::commit(const Options& o_, const std::string& name) {
-  const std::string tmp = o_.dir + "/latest.tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << name << "\n";
-    f.close();
-    HP_CHECK(f.good(), "could not write ", tmp);
-  }
   // Durable before it replaces the old pointer, and the rename durable after.
-  ckpt::fsync_path(tmp);
-  fs::rename(tmp, o_.dir + "/latest");
-  ckpt::fsync_path(o_.dir);
+  ckpt::write_atomically(*o_.storage, o_.dir + "/latest", o_.dir + "/latest.tmp", name + "\n");
   if (o_.keep_last_n <= 0) return;
   std::vector<std::string> saved;
   for (const auto& e : fs::directory_iterator(o_.dir)) {
@@ -129,41 +123,68 @@ void CheckpointManager::commit(const Options& o_, const std::string& name) {
   std::sort(saved.begin(), saved.end());  // zero-padded: oldest first
   for (size_t i = 0; i + static_cast<size_t>(o_.keep_last_n) < saved.size(); ++i) {
     if (saved[i] == name) continue;
-    const std::string error = files::remove_tree(o_.dir + "/" + saved[i]);
-    HP_CHECK(error.empty(), "keep_last_n: ", error);
+    try {
+      o_.storage->remove_tree(o_.dir + "/" + saved[i]);
+    } catch (const std::exception& e) {
+      HP_CHECK(false, "keep_last_n: ", e.what());
+    }
   }
 }
 
-std::string CheckpointManager::save(Trainer& t) { return save(t, o_.async); }
+std::string CheckpointManager::save(const ckpt::Checkpointable& state) { return save(state, o_.async); }
 
-std::string CheckpointManager::save(Trainer& t, bool background) {
+std::string CheckpointManager::save(const ckpt::Checkpointable& state, bool background) {
   HP_CHECK(!o_.dir.empty(), "save: no checkpoint folder (save_dir)");
-  const std::string name = name_of(t.steps_done()), dir = o_.dir + "/" + name;
-  fs::create_directories(o_.dir);
+  wait();
+  const std::string name = name_of(state.steps_done()), dir = o_.dir + "/" + name;
+  o_.storage->make_folders(o_.dir);
   const int rank = world_->rank();
+  ckpt::Checkpointable::State st = state.checkpoint_state();
+  // The state as it is now: copied where training goes on while it is written.
+  ckpt::to_host(st.items, /*copy=*/background);
   // By value: a background save may commit after this manager is gone.
-  auto then = [o = o_, name, rank] {
-    ckpt::crash_point("latest", rank);
+  auto write = [o = o_, name, dir, rank, st = std::move(st)](const CommPtr& comm) {
+    ckpt::save(st.items, dir, comm, st.values, *o.storage);
+    o.storage->reached(ckpt::SavePoint::kLatest, rank);
     if (rank == 0) commit(o, name);
   };
-  if (background) {
-    t.save_async(dir, then);
+  if (!background) {
+    write(world_);
+    world_->barrier().wait();
     return dir;
   }
-  t.save(dir);
-  then();
-  world_->barrier().wait();
+  if (!background_) {
+    CommOptions co;
+    co.name = "checkpoint";
+    background_ = world_->split(0, rank, co);
+  }
+  saver_ = std::thread([this, write = std::move(write)] {
+    try {
+      write(background_);
+    } catch (...) {
+      save_error_ = std::current_exception();
+    }
+  });
   return dir;
 }
 
-void CheckpointManager::wait(Trainer& t) {
+void CheckpointManager::wait() {
   std::string error;
-  try {
-    t.wait_for_save();
-  } catch (const std::exception& e) {
-    error = e.what();
+  if (saver_.joinable()) saver_.join();
+  if (save_error_) {
+    try {
+      std::rethrow_exception(std::exchange(save_error_, nullptr));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
   raise_if_any_failed(world_, error, "the background save");
+}
+
+std::string CheckpointManager::load(ckpt::Checkpointable& state, const std::string& from) {
+  const std::string dir = resolve(from);
+  state.load_checkpoint(dir);
+  return dir;
 }
 
 std::vector<std::string> CheckpointManager::entries_in(const std::string& dir) {

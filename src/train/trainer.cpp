@@ -155,9 +155,7 @@ void Trainer::Impl::build_optimizer() {
   }
 }
 
-Trainer::~Trainer() {
-  if (impl_ && impl_->saver.joinable()) impl_->saver.join();  // a save in flight completes
-}
+Trainer::~Trainer() = default;
 
 StepStats Trainer::step() {
   Impl& s = *impl_;
@@ -351,18 +349,17 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
     if (cb.stop_requested && stop_agreed(cb.stop_requested(), &out)) {
       if (checkpoints && checkpoints->options().interval > 0) {
         if (saved.empty()) {
-          if (checkpoints->options().async) checkpoints->wait(*this);  // an earlier step's
           saved = checkpoints->save(*this, /*background=*/false);
           if (cb.on_save) cb.on_save(saved, false);
         } else if (checkpoints->options().async) {
-          checkpoints->wait(*this);  // this step's, begun above: committed before the stop
+          checkpoints->wait();  // this step's, begun above: committed before the stop
         }
         out.stop_saved = saved;
       }
       break;
     }
   }
-  if (checkpoints && checkpoints->options().async) checkpoints->wait(*this);
+  if (checkpoints && checkpoints->options().async) checkpoints->wait();
   const double tokens = static_cast<double>(c.global_batch_size * c.seq_length);
   if (out.steps > 1) {
     out.tokens_per_s = tokens * static_cast<double>(out.steps - 1) / (out.seconds - first_s);

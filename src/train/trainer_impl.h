@@ -16,7 +16,6 @@
 #include <memory>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "hp/ckpt/checkpoint.h"
@@ -82,9 +81,6 @@ const std::string& hf_source(const std::map<std::string, std::string>& sources, 
 void add_hf_buffers(torch::nn::Module& root, const std::map<std::string, std::string>& sources,
                     std::vector<ckpt::Item>& items);
 
-// Checkpoint readers and writers move host memory: device tensors of `items` are copied to
-// the host (host ones are cloned when `copy`, left as they are otherwise).
-void items_to_host(std::vector<ckpt::Item>& items, bool copy);
 // Points the items on a device at host tensors for a reader to fill; put_back() then copies
 // each into its device tensor.
 class HostStaging {
@@ -125,11 +121,6 @@ struct Trainer::Impl {
   std::unique_ptr<DataSharder> sharder;
   internal::Validation validation;  // eval_interval > 0
   int64_t dp_rank = 0;  // the data rank alone (kBatch): which samples this rank reads
-  // save_async: the thread writing the copied state, over its own communicator (split from
-  // the world when first needed, so its collectives never interleave with training's).
-  CommPtr ckpt_comm;
-  std::thread saver;
-  std::exception_ptr save_error;
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::unique_ptr<FP32MasterOptimizer> master;
   int64_t steps = 0;

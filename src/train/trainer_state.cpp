@@ -67,17 +67,6 @@ int64_t& state_step(torch::optim::Optimizer& opt, const std::set<const c10::Tens
 
 namespace internal {
 
-void items_to_host(std::vector<ckpt::Item>& items, bool copy) {
-  for (auto& it : items) {
-    if (!it.local.defined()) continue;
-    if (!it.local.device().is_cpu()) {
-      it.local = it.local.to(c10::kCPU);
-    } else if (copy) {
-      it.local = it.local.clone();
-    }
-  }
-}
-
 HostStaging::HostStaging(std::vector<ckpt::Item>& items) {
   for (auto& it : items) {
     if (!it.local.defined() || it.local.device().is_cpu()) continue;
@@ -153,49 +142,23 @@ static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, i
   return values;
 }
 
+ckpt::Checkpointable::State Trainer::checkpoint_state() const {
+  Impl& s = *impl_;
+  int64_t opt_step = 0;
+  std::map<std::string, int64_t> steps;
+  State out;
+  out.items = state_items(s, &opt_step, &steps);
+  out.values = saved_values(s, opt_step, steps);
+  return out;
+}
+
 void Trainer::save(const std::string& dir) const {
-  Impl& s = *impl_;
-  HP_CHECK(!s.saver.joinable(), "Trainer::save while a save_async is running: call wait_for_save() first");
-  int64_t opt_step = 0;
-  std::map<std::string, int64_t> steps;
-  auto items = state_items(s, &opt_step, &steps);
-  internal::items_to_host(items, /*copy=*/false);
-  std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
-  ckpt::save(items, dir, s.world, values);
+  State st = checkpoint_state();
+  ckpt::to_host(st.items, /*copy=*/false);
+  ckpt::save(st.items, dir, impl_->world, st.values);
 }
 
-void Trainer::wait_for_save() {
-  Impl& s = *impl_;
-  if (s.saver.joinable()) s.saver.join();
-  if (s.save_error) {
-    std::exception_ptr e = s.save_error;
-    s.save_error = nullptr;
-    std::rethrow_exception(e);
-  }
-}
-
-void Trainer::save_async(const std::string& dir, std::function<void()> then) {
-  Impl& s = *impl_;
-  wait_for_save();
-  if (!s.ckpt_comm) {
-    CommOptions o;
-    o.name = "checkpoint";
-    s.ckpt_comm = s.world->split(0, s.world->rank(), o);
-  }
-  int64_t opt_step = 0;
-  std::map<std::string, int64_t> steps;
-  auto items = state_items(s, &opt_step, &steps);
-  internal::items_to_host(items, /*copy=*/true);  // the state as it is now
-  std::map<std::string, std::string> values = saved_values(s, opt_step, steps);
-  s.saver = std::thread([&s, items = std::move(items), values = std::move(values), dir, then = std::move(then)] {
-    try {
-      ckpt::save(items, dir, s.ckpt_comm, values);
-      if (then) then();
-    } catch (...) {
-      s.save_error = std::current_exception();
-    }
-  });
-}
+void Trainer::load_checkpoint(const std::string& dir) { load(dir); }
 
 namespace {
 

@@ -16,6 +16,7 @@
 #include "hp/core/files.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/runtime.h"
+#include "ckpt/faulty_storage.h"
 #include "ckpt/metadata_edit.h"
 #include "test_util.h"
 
@@ -178,6 +179,82 @@ TEST(Checkpoint, AFailureOnOneRankFailsEveryRank) {
   }
   hc::save(items(g, {{"a", {}}, {"b", {}}, {"c", {}}}, true), dir_for("one_fails"), w);
   EXPECT_TRUE(fs::exists(dir_for("one_fails") + "/metadata.json"));
+}
+
+// A save through a storage that fails one call (tests/ckpt/faulty_storage.h): every rank
+// raises, the failing one naming the file and the system's error; the checkpoint committed
+// before under the same name loads as it was. Short writes (3 bytes at a time) save the same
+// tensors. The failing rank is the last one (rank 0 alone at one rank).
+void expect_failed_save_keeps_previous(const hp::test::StorageFault& f, int failing_rank, const std::string& label,
+                                       const std::string& expected) {
+  auto w = hp::world();
+  const std::string dir = dir_for("storage_" + label);
+  auto g = globals();
+  const std::map<std::string, std::vector<std::vector<hp::DimSplit>>> by_rank = {
+      {"a", {{{"world", w->size(), w->rank()}}}}, {"b", {}}, {"c", {}}};
+  hc::save(items(g, by_rank, true), dir, w);
+  std::map<std::string, at::Tensor> changed;
+  for (const auto& [k, t] : g) changed[k] = t + 1;
+  auto storage = w->rank() == failing_rank ? std::make_shared<hp::test::FaultyStorage>(hc::local_storage(), f)
+                                           : nullptr;
+  std::string msg;
+  try {
+    hc::save(items(changed, by_rank, true), dir, w, {}, storage ? *storage : *hc::local_storage());
+  } catch (const hp::Error& e) {
+    msg = e.what();
+  }
+  if (storage) {
+    EXPECT_GE(storage->counted(), f.nth) << label << ": the fault was never reached";
+  }
+  if (w->rank() == failing_rank) {
+    EXPECT_NE(msg.find(expected), std::string::npos) << label << ": " << msg;
+  } else {
+    EXPECT_NE(msg.find("failed on rank " + std::to_string(failing_rank)), std::string::npos) << label << ": " << msg;
+  }
+  auto back = items(g, by_rank, false);
+  hc::load(back, dir);
+  auto want = items(g, by_rank, true);
+  for (size_t i = 0; i < back.size(); ++i) EXPECT_TRUE(at::equal(back[i].local, want[i].local)) << label << " " << back[i].name;
+  w->barrier().wait();
+}
+
+TEST(Checkpoint, AFailedWriteOrSyncKeepsThePreviousCheckpoint) {
+  auto w = hp::world();
+  const int last = w->size() - 1;
+  hp::test::StorageFault full;  // the disk fills during the last rank's data file
+  full.op = hp::test::StorageFault::Op::kWrite;
+  full.path_has = "rank" + std::to_string(last) + ".safetensors";
+  full.nth = 2;
+  full.error = ENOSPC;
+  expect_failed_save_keeps_previous(full, last, "enospc", "No space left on device");
+  hp::test::StorageFault fsync_fails;  // metadata.json's fsync (rank 0 commits)
+  fsync_fails.op = hp::test::StorageFault::Op::kSync;
+  fsync_fails.path_has = "metadata.json";
+  expect_failed_save_keeps_previous(fsync_fails, 0, "fsync", "Input/output error");
+  // The rename that commits, after the previous folder was set aside (found as <dir>.old).
+  // Rank 0's renames from inside <dir>.tmp come first: its data file's, metadata.json's.
+  hp::test::StorageFault swap_fails;
+  swap_fails.op = hp::test::StorageFault::Op::kRename;
+  swap_fails.path_has = ".tmp";
+  swap_fails.nth = 3;
+  expect_failed_save_keeps_previous(swap_fails, 0, "rename", "Input/output error");
+}
+
+TEST(Checkpoint, ShortWritesSaveTheSameTensors) {
+  auto w = hp::world();
+  const std::string dir = dir_for("short_writes");
+  auto g = globals();
+  const std::map<std::string, std::vector<std::vector<hp::DimSplit>>> by_rank = {
+      {"a", {{{"world", w->size(), w->rank()}}}}, {"b", {}}, {"c", {}}};
+  hp::test::StorageFault f;
+  f.short_writes = 3;
+  hp::test::FaultyStorage storage(hc::local_storage(), f);
+  hc::save(items(g, by_rank, true), dir, w, {{"k", "v"}}, storage);
+  auto back = items(g, by_rank, false);
+  EXPECT_EQ(hc::load(back, dir).at("k"), "v");
+  auto want = items(g, by_rank, true);
+  for (size_t i = 0; i < back.size(); ++i) EXPECT_TRUE(at::equal(back[i].local, want[i].local)) << back[i].name;
+  w->barrier().wait();
 }
 
 // Integrity: every data file is checksummed in 1 MiB blocks. A flipped byte in a tensor's

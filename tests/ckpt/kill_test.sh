@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# kill -9 during a save: hp-train on 2 ranks saves after every step; at its third save one
-# rank (or every rank) kills itself with SIGKILL at a point of the save (HP_CKPT_CRASH, see
-# hp/ckpt/checkpoint.h): before writing its data, after writing it, before the commit renames,
-# between them, after the commit but before the latest pointer. The job must end (no hang), 'latest' must
+# kill -9 during a save: hp-train's training on 2 ranks saves after every step; at its third
+# save one rank (or every rank) kills itself with SIGKILL at a point of the save
+# (hp::ckpt::SavePoint, through the test's storage: kill_train.cpp): before writing its data,
+# after writing it, before the commit renames, between them, after the commit but before the
+# latest pointer. The job must end (no hang), 'latest' must
 # still name the second step's checkpoint, and --resume from it must train steps 3 and 4 with
 # bitwise the losses of a run that was never killed.
-# Usage: kill_test.sh <hp-train> <source dir> <mpirun>
+# Usage: kill_test.sh <hp-train> <kill_train> <source dir> <mpirun>
 set -uo pipefail
-bin=$1 src=$2 mpirun=$3
+bin=$1 killer=$2 src=$3 mpirun=$4
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
@@ -20,8 +21,10 @@ loss_of() { sed -n "s/^step $1\/4 | loss \([0-9.]*\) .*/\1/p" "$2"; }
 run2 "${common[@]}" > "$work/straight" 2>&1 || fail "the run without a kill failed: $(cat "$work/straight")"
 for crash in write:1 written written:0 commit:0 swap:0 latest:0; do
   ck=$work/ck_${crash/:/_}
-  HP_CKPT_CRASH=$crash HP_CKPT_CRASH_SAVE=3 timeout 300 "$mpirun" -np 2 --oversubscribe --bind-to none \
-    -x HP_CKPT_CRASH -x HP_CKPT_CRASH_SAVE "$bin" "${common[@]}" --set save_interval=1 --set save_dir="$ck" \
+  point=${crash%%:*} rank=all
+  [ "$point" = "$crash" ] || rank=${crash#*:}
+  timeout 300 "$mpirun" -np 2 --oversubscribe --bind-to none \
+    "$killer" "$point" "$rank" 3 "${common[@]}" --set save_interval=1 --set save_dir="$ck" \
     > "$work/killed" 2>&1
   rc=$?
   [ $rc != 124 ] || fail "$crash: the killed job hung"

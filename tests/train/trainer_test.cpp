@@ -581,17 +581,20 @@ void expect_resume_bitwise(ht::TrainConfig c, const std::string& label, bool asy
   c.train_steps = 6;
   std::vector<ht::StepStats> straight;
   std::vector<at::Tensor> want;
+  std::string saved = dir;  // a CheckpointManager's step_00000003 under it, with async
   {
     ht::Trainer t(c, w);
+    ht::CheckpointManager m({dir, 1, 0, async}, w);
     for (int s = 0; s < 6; ++s) {
       straight.push_back(t.step());
-      if (s == 2) async ? t.save_async(dir) : t.save(dir);
+      if (s == 2 && async) saved = m.save(t);
+      if (s == 2 && !async) t.save(dir);
     }
-    t.wait_for_save();
+    m.wait();
     for (const auto& p : t.sharded_params()) want.push_back(p.detach().clone());
   }
   ht::Trainer r(c, w);
-  r.load(dir);
+  r.load(saved);
   ASSERT_EQ(r.steps_done(), 3);
   for (int s = 3; s < 6; ++s) {
     ht::StepStats st = r.step();

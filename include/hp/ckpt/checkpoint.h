@@ -9,7 +9,10 @@
 // values, and a checksum of the document itself. Collective over `world`.
 // Crash-safe: everything goes to `dir`.tmp first, every file is fsynced, and after every
 // rank finished rank 0 renames the folder to `dir` (an existing `dir` is replaced only
-// then). A folder without metadata.json is not a checkpoint.
+// then). A folder without metadata.json is not a checkpoint. Every write goes through
+// `storage` (hp/ckpt/storage.h), which is told the points of the save as it reaches them; a
+// write that fails on any rank (a full disk, a failed fsync) raises on every rank, naming
+// it, and leaves an existing `dir` as it was.
 //
 // load(items, dir): each item's `local` (allocated, the box's shape) is filled from the
 // chunks that intersect its spec: each rank reads only those byte ranges, from any saved
@@ -26,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "hp/ckpt/storage.h"
 #include "hp/comm/communicator.h"
 #include "hp/mesh/shard_spec.h"
 
@@ -46,7 +50,7 @@ struct SavedTensor {
 };
 
 void save(const std::vector<Item>& items, const std::string& dir, const CommPtr& world,
-          const std::map<std::string, std::string>& values = {});
+          const std::map<std::string, std::string>& values = {}, Storage& storage = *local_storage());
 
 // Fills every item's `local` in place; returns the saved string values. With no items it
 // reads the values only (the metadata).
@@ -60,17 +64,28 @@ std::string committed_dir(const std::string& dir);
 // The tensors of the committed checkpoint `dir`, by name (its metadata alone).
 std::map<std::string, SavedTensor> saved_tensors(const std::string& dir);
 
-// fsync of a file or a folder (a rename is durable once its folder is synced); raises
-// naming the path.
-void fsync_path(const std::string& path);
+// Each item's tensor on the host, as save() takes it: a device tensor copied to the host, a
+// host one cloned when `copy` (so that later changes to the live tensor do not reach it) or
+// left as it is.
+void to_host(std::vector<Item>& items, bool copy);
 
-// Crash testing: when HP_CKPT_CRASH is "<point>" or "<point>:<rank>" and this is the Nth
-// save of the process (N = HP_CKPT_CRASH_SAVE, default 1), the rank (every rank without
-// ":<rank>") kills itself with SIGKILL at `point`. save() has the points "write" (before
-// its data file), "written" (after it, before the commit), "commit" (rank 0, before the
-// renames), "swap" (rank 0, after an older `dir` was set aside, before the new one is
-// renamed in); hp-train adds "latest" (after the save, before the latest pointer). Unset: does
-// nothing. A tool for the kill tests, never set in training.
-void crash_point(const char* point, int rank);
+// A state a checkpoint is made of and restored into (hp::train::Trainer is one; a
+// train::CheckpointManager saves any): its tensors as items, the string values beside
+// them, and a load of both.
+class Checkpointable {
+ public:
+  virtual ~Checkpointable() = default;
+  struct State {
+    std::vector<Item> items;  // aliasing the live tensors, on whatever device they are
+    std::map<std::string, std::string> values;
+  };
+  // The steps trained: a checkpoint manager names the checkpoint after them.
+  virtual int64_t steps_done() const = 0;
+  // This rank's part of the state as it is now.
+  virtual State checkpoint_state() const = 0;
+  // Restores the state from the committed checkpoint `dir`, saved from a State of the same
+  // names (in any layout). Collective where save() is.
+  virtual void load_checkpoint(const std::string& dir) = 0;
+};
 
 }  // namespace hp::ckpt

@@ -12,7 +12,8 @@
 // parser is fuzzed in its test).
 //
 // Writing goes to `path`.partial, is fsynced, then renamed: a reader never sees a
-// half-written file under its final name.
+// half-written file under its final name. It goes through a ckpt::Storage (the local file
+// system unless given).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,6 +23,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "hp/ckpt/storage.h"
 
 namespace hp::ckpt {
 
@@ -54,8 +57,9 @@ SafetensorsHeader read_header(const std::string& path);
 
 // Writes the tensors (any layout; written contiguous, in the order given) and the
 // metadata to `path` atomically. Names must be unique and non-empty.
+// A failed write removes the partial file and raises naming it and the error.
 void write_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                const std::map<std::string, std::string>& metadata = {});
+                const std::map<std::string, std::string>& metadata = {}, Storage& storage = *local_storage());
 
 // Reads one tensor of a file whose header `h` was read from `path`: a new CPU tensor.
 at::Tensor read_tensor(const std::string& path, const SafetensorsHeader& h, const std::string& name);

@@ -5,19 +5,28 @@
 // committed one and moves only after it committed (written to latest.tmp, fsynced, renamed).
 // keep_last_n > 0 removes all but the newest n committed ones after each commit (never the
 // one `latest` names). With async the state is copied and written in the background by the
-// trainer's own thread, and `latest` moves when that save committed.
+// manager's own thread over its own communicator (split from the world at the first such
+// save, so its collectives never interleave with training's), and `latest` moves when that
+// save committed.
+//
+// It saves any ckpt::Checkpointable (the Trainer is one), through the options' ckpt::Storage
+// (the local file system unless a test gives another).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include <exception>
+#include <memory>
+#include <thread>
+
+#include "hp/ckpt/checkpoint.h"
+#include "hp/ckpt/storage.h"
 #include "hp/comm/communicator.h"
 #include "hp/train/config.h"
 
 namespace hp::train {
-
-class Trainer;
 
 class CheckpointManager {
  public:
@@ -26,23 +35,30 @@ class CheckpointManager {
     int64_t interval = 0;     // save every this many steps and after the last; 0 = never
     int64_t keep_last_n = 0;  // 0 = keep all
     bool async = false;
+    std::shared_ptr<ckpt::Storage> storage = ckpt::local_storage();
   };
   // The options a validated config asks for (save_dir, save_interval, keep_last_n, async_save).
   static Options options_of(const TrainConfig& c);
 
   CheckpointManager(Options o, CommPtr world);
+  // Waits for a background save (its error, if any, is lost: wait() is where it is raised).
+  ~CheckpointManager();
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
 
   // Whether to save after step `step` (1-based) of a run of `last_step` steps.
   bool due(int64_t step, int64_t last_step) const;
-  // Saves `t`'s state to dir/step_<steps done> (collective over the world), then moves
-  // `latest` and prunes (rank 0); with async, returns once the state is copied. Returns
-  // the folder.
-  std::string save(Trainer& t);
+  // Saves `state` to dir/step_<steps done> (collective over the world), then moves `latest`
+  // and prunes (rank 0); with async, returns once the state is copied (training may change
+  // it at once). A background save still running is waited for first. Returns the folder.
+  std::string save(const ckpt::Checkpointable& state);
   // The same, in the background or not whatever the options say (a save before a stop is
   // synchronous).
-  std::string save(Trainer& t, bool background);
-  // Waits for a background save; raises on every rank when it failed on any.
-  void wait(Trainer& t);
+  std::string save(const ckpt::Checkpointable& state, bool background);
+  // Waits for a background save; raises on every rank when it failed on any. Collective.
+  void wait();
+  // Loads `state` from the checkpoint resolve(from) names; returns that folder.
+  static std::string load(ckpt::Checkpointable& state, const std::string& from);
   // The checkpoint a resume starts from: `dir` itself when it is a committed checkpoint,
   // else the one dir/latest names. Raises naming the folder when there is none, or when
   // `latest` is unreadable or not a regular file of its own (latest_of), names something
@@ -70,6 +86,9 @@ class CheckpointManager {
 
   Options o_;
   CommPtr world_;
+  CommPtr background_;  // the background saves' communicator
+  std::thread saver_;
+  std::exception_ptr save_error_;
 };
 
 }  // namespace hp::train

@@ -172,7 +172,7 @@ struct ResumeReport {
   int64_t kept_tensors = 0;  // those whose saved state was loaded
 };
 
-class Trainer {
+class Trainer : public ckpt::Checkpointable {
  public:
   // `world` must have data_parallel x data_parallel_shard ranks; `c` validated. `data`:
   // the config's dataset when already opened (null: opened here); `valid` the same for the
@@ -195,7 +195,7 @@ class Trainer {
   // background save is waited for. Every rank raises alike: TrainingDiverged for a loss or
   // norm that is not finite, hp::Error for a save that failed on any rank.
   TrainSummary train(CheckpointManager* checkpoints = nullptr, const TrainCallbacks& callbacks = {});
-  int64_t steps_done() const;
+  int64_t steps_done() const override;
   // This rank's sharded parameters and what the optimizer steps them with.
   std::vector<at::Tensor> sharded_params() const;
   std::vector<at::Tensor> sharded_grads() const;
@@ -229,14 +229,10 @@ class Trainer {
   // position and the schedule continue as saved.
   void save(const std::string& dir) const;
   ResumeReport load(const std::string& dir);
-  // The same save in the background: the state is copied now (training may change it right
-  // after this returns), then written and committed by a thread of this trainer over its
-  // own communicator, so training goes on meanwhile; `then` runs on that thread after the
-  // commit (hp-train moves its 'latest' pointer there). A save still running is waited for
-  // first, as by wait_for_save() and the destructor. Errors of a background save are raised
-  // by the next save_async() or wait_for_save().
-  void save_async(const std::string& dir, std::function<void()> then = nullptr);
-  void wait_for_save();
+  // What save() writes, as items and values (a CheckpointManager saves them, in the
+  // background or not), and load() without its report.
+  State checkpoint_state() const override;
+  void load_checkpoint(const std::string& dir) override;
   // The model's weights (and fp32 masters) from a Hugging Face model folder (config.json,
   // safetensors: hp/ckpt/consolidated.h), each rank reading only its shards' bytes, cast to
   // the parameters' dtype; the optimizer's state is left as it is. Collective over the
