@@ -67,6 +67,14 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     return detail::largest_block_per_tp_rank(kinds(), tp);
   }
   std::string whole_under_tp() const override { return "norms, MLA down-projections and routers"; }
+  // MLA's two down-projections and their norms, the router of a MoE block, and under
+  // sequence parallelism the block's two norms. kinds() lists the MoE kind last.
+  SummedParams tp_summed_params(bool sequence_parallel) const override {
+    const int64_t whole = kinds().back().whole, norms = 2 * config.dim;
+    const bool moe = config.layers > config.dense_layers;
+    if (sequence_parallel) return {4 + (moe ? 1 : 0) + 2, whole};
+    return {4 + (moe ? 1 : 0), whole - norms};
+  }
 
   // The matmuls of the active parameters (the routed experts a token does not use left out)
   // and attention's two products over the sequence.

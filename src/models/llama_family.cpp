@@ -36,6 +36,12 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
     return detail::largest_block_per_tp_rank(kinds(), tp);
   }
   std::string whole_under_tp() const override { return "norms"; }
+  // Without sequence parallelism the norms and row biases see whole activations: their
+  // gradients are whole on every rank.
+  SummedParams tp_summed_params(bool sequence_parallel) const override {
+    if (!sequence_parallel) return {};
+    return {2 + (config.attention_bias ? 1 : 0) + (config.mlp_bias ? 1 : 0), kinds().front().whole};
+  }
 
   FlopCount flops_per_token(int64_t seq_length) const override {
     const LlamaConfig& l = config;

@@ -180,8 +180,7 @@ void assign_computers(Muon::Plan& plan) {
   std::vector<size_t> order(plan.matrices.size());
   for (size_t j = 0; j < order.size(); ++j) {
     Muon::Plan::Matrix& m = plan.matrices[j];
-    const double sm = static_cast<double>(std::min(m.rows, m.cols)), lg = static_cast<double>(std::max(m.rows, m.cols));
-    m.cost = sm * sm * (2 * lg + sm);  // per iteration step: the same schedule for all
+    m.cost = newton_schulz_cost(m.rows, m.cols);  // per iteration step: the same schedule for all
     order[j] = j;
   }
   std::stable_sort(order.begin(), order.end(),
@@ -287,6 +286,30 @@ MuonPlanStats Muon::plan_stats() const {
     }
   }
   return st;
+}
+
+double newton_schulz_cost(int64_t rows, int64_t cols) {
+  const double s = static_cast<double>(std::min(rows, cols)), l = static_cast<double>(std::max(rows, cols));
+  return s * s * (2 * l + s);
+}
+
+MuonWorkload muon_workload(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t shards, int64_t replicas) {
+  HP_CHECK(shards >= 1 && replicas >= 1, "muon_workload: shards=", shards, " and replicas=", replicas,
+           " must be positive");
+  MuonWorkload w;
+  const double h = static_cast<double>(shards), r = static_cast<double>(replicas);
+  for (const auto& [rows, cols] : shapes) {
+    const double cost = newton_schulz_cost(rows, cols), e = static_cast<double>(rows * cols);
+    ++w.matrices;
+    w.cost += cost;
+    w.largest_cost = std::max(w.largest_cost, cost);
+    w.elements += e;
+    // The owner holds one box: the other shards - 1 come to it (one replica each), and its
+    // result's boxes go back to the shards x replicas - 1 other holders.
+    w.gathered += e / h * (h - 1);
+    w.given += e / h * (h * r - 1);
+  }
+  return w;
 }
 
 }  // namespace hp::optim

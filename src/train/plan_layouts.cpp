@@ -1,9 +1,11 @@
 // hp-train --plan's ranking (plan.h has the model): enumerate the layouts of a world, then
-// cost each by composing its layers' own counts (ep::dispatch_traffic,
-// cp::attention_traffic, fsdp's estimate_collectives and estimate_memory, the pipeline's
-// simulate) with the compute profile and the link model, then sort.
+// cost each by composing its layers' own counts (tp::block_traffic, ep::dispatch_traffic,
+// cp::attention_traffic, optim::muon_workload, fsdp's estimate_collectives and
+// estimate_memory, the pipeline's simulate) with the compute profile and the link model,
+// then sort.
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/core/error.h"
@@ -13,6 +15,7 @@
 #include "hp/optim/muon.h"
 #include "hp/pp/schedule.h"
 #include "hp/runtime.h"
+#include "hp/tp/traffic.h"
 #include "hp/train/plan.h"
 #include "hp/train/report.h"
 #include "hp/train/trainer.h"
@@ -21,23 +24,18 @@ namespace hp::train {
 
 namespace {
 
-// optimizer: muon. Its Newton-Schulz iteration: per step, s^2 (2 l + s) multiply-adds for a
-// matrix of sides s <= l; the owner scheme spreads the matrices over the world (each
-// computed once): a rank's share is the total over the world, at least the largest one.
+// optimizer: muon. The owner scheme spreads the matrices over the world (each computed
+// once): a rank's share of the iterations is the total over the world, at least the largest
+// matrix's; each iteration step is optim::newton_schulz_cost multiply-adds of 2 FLOPs.
 struct MuonWork {
-  double flops_total = 0, flops_largest = 0, params = 0;
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  double steps = 0;  // Newton-Schulz steps
 };
 
 MuonWork muon_work(const TrainConfig& base) {
   MuonWork w;
-  for (const auto& [rows, cols] : muon_matrix_shapes(base)) {
-    const double s = static_cast<double>(std::min(rows, cols)), l = static_cast<double>(std::max(rows, cols));
-    const double flops = 2.0 * s * s * (2.0 * l + s) * static_cast<double>(optim::ns_steps(base.muon_ns_coefficients,
-                                                                                            base.muon_ns_steps).size());
-    w.flops_total += flops;
-    w.flops_largest = std::max(w.flops_largest, flops);
-    w.params += s * l;
-  }
+  w.shapes = muon_matrix_shapes(base);
+  w.steps = static_cast<double>(optim::ns_steps(base.muon_ns_coefficients, base.muon_ns_steps).size());
   return w;
 }
 
@@ -172,8 +170,8 @@ struct Costing {
   double act_elem = 0, dim = 0, act_bytes = 0;
   double optimizer = 0;  // seconds
   // Tensor parallelism: the activations kept whole, the compute's scale, a block's exchanges
-  // one way.
-  double whole = 0, tp_scale = 1, tp_block = 0;
+  // forward and backward.
+  double whole = 0, tp_scale = 1, tp_forward = 0, tp_backward = 0;
   double ep_forward = 0, ep_backward = 0;  // per MoE block and micro-batch
   // Context parallelism: compute and activation scales, a block's exchanges per
   // micro-batch, and what of them is exposed.
@@ -195,24 +193,30 @@ struct Costing {
 // The optimizer over the rank's shards: the experts' over dp_shard x cp / ep, the rest over
 // dp_shard x cp. Muon: the rank's share of the iterations at the block's matmul rate (the
 // profile's: its matrix products' FLOPs over their time), and the owner scheme's two
-// all-to-alls over the world (a rank's pieces, fp32, to their owners and back), on the
-// critical path between backward and the next forward.
+// all-to-alls over the world (optim::muon_workload's pieces to their owners and results
+// back, fp32, a rank's average share of each), on the critical path between backward and
+// the next forward.
 void optimizer_cost(const Setting& st, Costing& k, PlanRow& row) {
   const TrainConfig& c = k.c;
   const Layout& y = k.lay;
   const double rank_params = static_cast<double>(row.memory.rank_params);
   k.optimizer = k.prof.optimizer_per_param * (rank_params + static_cast<double>(row.memory.expert_params) * (y.e - 1)) /
                 static_cast<double>(y.s * y.cpd);
-  if (st.muon.params <= 0) return;
+  if (st.muon.shapes.empty()) return;
+  const optim::MuonWorkload w = optim::muon_workload(st.muon.shapes, static_cast<int64_t>(y.s) * y.cpd * y.t, y.r);
   const double tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
   const double rate = k.prof.matmul_forward_layer > 0
                           ? c.model->flops_per_token(c.seq_length).block * tokens / k.prof.matmul_forward_layer
                           : 0;
-  if (rate > 0) k.optimizer += std::max(st.muon.flops_total / st.N, st.muon.flops_largest) / rate;
-  const double pieces = st.muon.params / static_cast<double>(y.s * y.cpd * y.t * y.p);
+  if (rate > 0) k.optimizer += 2.0 * st.muon.steps * std::max(w.cost / st.N, w.largest_cost) / rate;
+  if (st.N == 1) return;
+  // SimulatedNetwork prices an all-to-all by its input, (n - 1) / n of which leaves the rank.
   const LinkModel world_link = st.N > st.per_node ? st.o.network.inter : st.o.network.intra;
-  row.optimizer_comm_s =
-      2 * SimulatedNetwork::seconds(CommOp::kAllToAll, static_cast<int64_t>(pieces * 4.0), st.N, world_link);
+  const auto exchange = [&](double elements) {
+    return SimulatedNetwork::seconds(CommOp::kAllToAll, static_cast<int64_t>(elements / (st.N - 1) * 4.0), st.N,
+                                     world_link);
+  };
+  row.optimizer_comm_s = exchange(w.gathered) + exchange(w.given);
 }
 
 // Tensor parallelism. Activations a rank keeps: the head's logits split; of a block, the
@@ -221,9 +225,9 @@ void optimizer_cost(const Setting& st, Costing& k, PlanRow& row) {
 // matrix products divide by the degree; of the rest (norms, residual adds, elementwise), the
 // work on whole activations stays whole on every rank, in the activations' shares
 // (BENCHMARKS.md, "The planner after tensor parallel's compute share", has what dividing
-// everything predicted). Its exchanges per block and direction of one micro-batch: 2
-// all-gathers and 2 reduce-scatters of the activations with sequence parallel, else 2
-// all-reduces.
+// everything predicted). Its exchanges per block and micro-batch are the tp layer's own
+// count (tp::block_traffic, from what the family says it sums: ModelArgs::tp_summed_params);
+// the embedding and head take a block's.
 void tensor_parallel_cost(const Setting& st, Costing& k) {
   const TrainConfig& c = k.c;
   const int t = k.lay.t;
@@ -233,10 +237,19 @@ void tensor_parallel_cost(const Setting& st, Costing& k) {
   const double mm =
       k.prof.matmul_forward_layer > 0 && alone > 0 ? std::min(1.0, k.prof.matmul_forward_layer / alone) : 1.0;
   k.tp_scale = mm / t + (1.0 - mm) * (k.whole + (1.0 - k.whole) / t);
+  const models::ModelArgs::SummedParams summed = c.model->tp_summed_params(c.sequence_parallel);
+  tp::BlockShape shape;
+  shape.tp = t;
+  shape.sequence_parallel = c.sequence_parallel;
+  shape.tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
+  shape.row_bytes = k.dim * k.act_elem;
+  shape.summed_tensors = summed.tensors;
+  shape.summed_elements = static_cast<double>(summed.elements);
+  shape.grad_bytes = static_cast<double>(c10::elementSize(mixed_precision(c).reduce_dtype.value_or(c.compute_dtype)));
+  const tp::BlockCost x = tp::block_traffic(shape);
   const LinkModel tp_link = k.link_over(st, Group::kTp);
-  k.tp_block = c.sequence_parallel ? comm(CommOp::kAllGather, 2 * k.act_bytes, t, tp_link, 2) +
-                                         comm(CommOp::kReduceScatter, 2 * k.act_bytes, t, tp_link, 2)
-                                   : comm(CommOp::kAllReduce, 2 * k.act_bytes, t, tp_link, 2);
+  k.tp_forward = seconds(x.forward, tp_link);
+  k.tp_backward = seconds(x.backward, tp_link);
 }
 
 // Expert parallelism, per MoE block and micro-batch: the dispatcher's all-to-alls over the
@@ -320,7 +333,7 @@ void single_stage_cost(Costing& k, PlanRow& row) {
                     static_cast<double>(L - 1) * (prof.forward_layer + prof.backward_layer);
   row.compute_s = m * fb * k.tp_scale * k.cp_scale + k.optimizer;
   row.activations = k.act_head + static_cast<double>(L) * k.act_layer;
-  row.tp_comm_s = m * 2.0 * k.tp_block * static_cast<double>(L + 1);
+  row.tp_comm_s = m * (k.tp_forward + k.tp_backward) * static_cast<double>(L + 1);
   row.ep_comm_s = m * (k.ep_forward + k.ep_backward) * static_cast<double>(k.moe_blocks(models::PipelineSlice{}));
   row.cp_comm_s = static_cast<double>(k.m * L) * (k.cp_forward + k.cp_backward);
   row.exposed_s += static_cast<double>(k.m * L) * (k.cp_exposed_forward + k.cp_exposed_backward);
@@ -332,14 +345,14 @@ void single_stage_cost(Costing& k, PlanRow& row) {
 // embedding, head and loss: the first block's extra) and the exchanges beside it (tensor
 // parallel's of its blocks, the experts' and the ring's exposed ones).
 struct StageCosts {
-  std::vector<double> f, b, tpc, epf, epb, cpf, cpb;
+  std::vector<double> f, b, tpf, tpb, epf, epb, cpf, cpb;
 };
 
 StageCosts stage_costs(Costing& k, const std::vector<models::PipelineSlice>& slices, const pp::Schedule& sched) {
   const int S = static_cast<int>(slices.size());
   const int64_t L = k.L;
   StageCosts sc;
-  for (auto* v : {&sc.f, &sc.b, &sc.tpc, &sc.epf, &sc.epb, &sc.cpf, &sc.cpb}) v->resize(static_cast<size_t>(S));
+  for (auto* v : {&sc.f, &sc.b, &sc.tpf, &sc.tpb, &sc.epf, &sc.epb, &sc.cpf, &sc.cpb}) v->resize(static_cast<size_t>(S));
   std::vector<int64_t> layers_of_rank(static_cast<size_t>(k.lay.p), 0), moe_of_rank(static_cast<size_t>(k.lay.p), 0);
   for (int j = 0; j < S; ++j) {
     const auto& sl = slices[static_cast<size_t>(j)];
@@ -352,7 +365,8 @@ StageCosts stage_costs(Costing& k, const std::vector<models::PipelineSlice>& sli
               k.tp_scale * k.cp_scale;
     sc.b[K] = (static_cast<double>(n) * prof.backward_layer + extra * (prof.backward_first - prof.backward_layer)) *
               k.tp_scale * k.cp_scale;
-    sc.tpc[K] = k.tp_block * static_cast<double>(n + extra);
+    sc.tpf[K] = k.tp_forward * static_cast<double>(n + extra);
+    sc.tpb[K] = k.tp_backward * static_cast<double>(n + extra);
     sc.cpf[K] = k.cp_exposed_forward * static_cast<double>(n);
     sc.cpb[K] = k.cp_exposed_backward * static_cast<double>(n);
     const int64_t moe = k.moe_blocks(sl);
@@ -385,14 +399,14 @@ void pipelined_cost(const Setting& st, Costing& k, PlanRow& row) {
   auto makespan = [&](bool with_comm) {
     pp::Costs all;
     for (size_t j = 0; j < sc.f.size(); ++j) {
-      const double extra = with_comm ? sc.tpc[j] + hop : 0;
+      const double extra_f = with_comm ? sc.tpf[j] + hop : 0, extra_b = with_comm ? sc.tpb[j] + hop : 0;
       // The experts' all-to-alls belong to the input's gradient (the weights' own
       // gradients need none).
       const double ep_f = with_comm ? sc.epf[j] + sc.cpf[j] : 0, ep_b = with_comm ? sc.epb[j] + sc.cpb[j] : 0;
       pp::Costs one;
-      one.forward = sc.f[j] * free + extra + ep_f;
-      one.backward = sc.b[j] * free + extra + ep_b;
-      one.backward_input = sc.b[j] * free / 2 + extra + ep_b;
+      one.forward = sc.f[j] * free + extra_f + ep_f;
+      one.backward = sc.b[j] * free + extra_b + ep_b;
+      one.backward_input = sc.b[j] * free / 2 + extra_b + ep_b;
       one.backward_weight = sc.b[j] * free / 2;
       all.per_stage.push_back(one);
     }
@@ -418,7 +432,7 @@ void pipelined_cost(const Setting& st, Costing& k, PlanRow& row) {
                                                     static_cast<double>(alone.peak_in_flight[static_cast<size_t>(q)]));
   }
   const double m = static_cast<double>(k.m);
-  row.tp_comm_s = 2.0 * k.tp_block * m * static_cast<double>(k.rank_layers + 1);
+  row.tp_comm_s = (k.tp_forward + k.tp_backward) * m * static_cast<double>(k.rank_layers + 1);
   row.pp_comm_s = 2.0 * hop * m;
   row.ep_comm_s = (k.ep_forward + k.ep_backward) * m * static_cast<double>(k.rank_moe);
   row.cp_comm_s = (k.cp_forward + k.cp_backward) * m * static_cast<double>(k.rank_layers);

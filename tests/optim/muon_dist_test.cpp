@@ -9,6 +9,7 @@
 
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/core/trace.h"
@@ -140,6 +141,21 @@ TEST(MuonDist, PiecesMatchWholeMatricesInOneProcess) {
   }
 }
 
+// The sum over the ranks of their plan_stats() against optim::muon_workload's count for the
+// job (what the planner prices), for the owner scheme.
+void expect_plan_is_the_workload(const hp::CommPtr& w, const ho::MuonPlanStats& st,
+                                 const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t shards,
+                                 int64_t replicas) {
+  at::Tensor sums = at::tensor({st.owned_cost, static_cast<double>(st.send_elements),
+                                static_cast<double>(st.recv_elements)}, at::kDouble);
+  w->all_reduce(sums).wait();
+  const ho::MuonWorkload want = ho::muon_workload(shapes, shards, replicas);
+  EXPECT_EQ(st.matrices, want.matrices);
+  EXPECT_EQ(sums[0].item<double>(), want.cost);
+  EXPECT_EQ(sums[1].item<double>(), want.gathered + want.given);
+  EXPECT_EQ(sums[2].item<double>(), want.gathered + want.given);
+}
+
 // Two ranks, a [4, 6] matrix split 2 | 2 and a [2, 2] one split 1 | 1. By hand: costs
 // s^2 (2 l + s): 16 x 16 = 256 and 4 x 6 = 24; the costlier goes first, to rank 0 (loads
 // equal, the lower rank), the other to rank 1 (load 0 < 256). Each rank sends its 12- or
@@ -165,6 +181,7 @@ TEST(MuonDist, PlanAndCollectivesAsWorkedOutByHand) {
     if (scheme == ho::MuonScheme::kOwner) {
       EXPECT_EQ(st.owned, 1);
       EXPECT_EQ(st.owned_cost, rank == 0 ? 256.0 : 24.0);
+      expect_plan_is_the_workload(w, st, {{4, 6}, {2, 2}}, 2, 1);
     } else {
       EXPECT_EQ(st.owned, 2);
     }
@@ -294,6 +311,7 @@ TEST(MuonDist, ReplicasShareTheSends) {
   const ho::MuonPlanStats st = m.plan_stats();
   EXPECT_EQ(st.owned, 1);
   EXPECT_EQ(st.send_elements, 48);
+  expect_plan_is_the_workload(w, st, {{4, 6}, {4, 6}, {4, 6}, {4, 6}}, 2, 2);
 }
 
 }  // namespace

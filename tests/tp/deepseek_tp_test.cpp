@@ -91,6 +91,22 @@ TEST(DeepSeekTp, OneReductionAtTheMoEBoundary) {
   EXPECT_EQ(all_reduces, 5);
 }
 
+// tp::block_traffic, which the planner sums, from the family's account of what it sums
+// (MLA's down-projections and norms, the router; the block's norms under sequence
+// parallelism), against the communicator's count of one MoE block.
+TEST(DeepSeekTp, BlockTrafficIsTheEstimators) {
+  auto g = hp::world();
+  if (g->size() == 1) GTEST_SKIP() << "no collectives at one rank";
+  auto args = hp::models::model_family("deepseek").preset("tiny");
+  auto& c = hp::models::config_of<hp::models::DeepSeekConfig>(*args);
+  c = config();
+  c.dense_layers = 0;  // the block added is a MoE block
+  for (bool sp : {true, false}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel only");
+    hp::test::expect_block_traffic_is_the_estimators(*args, g, sp, hp::test::batch(0, 2, 8, c.vocab));
+  }
+}
+
 TEST(DeepSeekTp, LayoutErrorsNameTheValue) {
   auto c = config();
   hp::test::expect_error([&] { hp::models::check_tensor_parallel(c, 3); }, {"tensor_parallel=3", "heads=4"});

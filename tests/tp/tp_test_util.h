@@ -17,7 +17,9 @@
 #include "hp/fsdp/fully_shard.h"
 #include "hp/hooks/call.h"
 #include "hp/mesh/device_mesh.h"
+#include "hp/models/family.h"
 #include "hp/models/tensor_parallel.h"
+#include "hp/tp/traffic.h"
 #include "hp/tp/parallelize.h"
 
 namespace hp::test {
@@ -143,6 +145,54 @@ TpRun train_tp_against_one_process(const Config& c, const models::TensorParallel
     }
   }
   return out;
+}
+
+// One block's exchanges over `g` as the communicator counts them (ops, bytes this rank
+// sends), forward and backward of the loss: a model of 2 blocks less the same model of 1
+// (the embedding, head and loss cancel), built through the family seam and parallelized
+// over `g` with or without sequence parallelism; and as tp::block_traffic estimates them
+// from the family's own account (ModelArgs::tp_summed_params). The model computes in
+// float64 (8-byte rows and gradient sums).
+struct BlockTraffic {
+  hp::CommTraffic forward, backward;
+};
+inline BlockTraffic measured_block_traffic(const hp::models::ModelArgs& args, const CommPtr& g, bool sp,
+                                           const Batch& b) {
+  auto run = [&](int64_t layers) {
+    auto a = args.clone();
+    a->set_layers(layers);
+    auto m = a->build(hp::models::PipelineSlice{}, c10::nullopt);
+    m->parallelize(g, sp, c10::nullopt);
+    m->init_weights(1);
+    m->root().to(at::kDouble);
+    const hp::CommTraffic t0 = g->traffic();
+    at::Tensor loss = m->loss_of_logits(m->forward(b.x, true), b.y);
+    const hp::CommTraffic t1 = g->traffic();
+    loss.backward();
+    const hp::CommTraffic t2 = g->traffic();
+    return BlockTraffic{{t1.ops - t0.ops, t1.bytes_sent - t0.bytes_sent}, {t2.ops - t1.ops, t2.bytes_sent - t1.bytes_sent}};
+  };
+  const BlockTraffic two = run(2), one = run(1);
+  return {{two.forward.ops - one.forward.ops, two.forward.bytes_sent - one.forward.bytes_sent},
+          {two.backward.ops - one.backward.ops, two.backward.bytes_sent - one.backward.bytes_sent}};
+}
+inline void expect_block_traffic_is_the_estimators(const hp::models::ModelArgs& args, const CommPtr& g, bool sp,
+                                                   const Batch& b) {
+  const BlockTraffic got = measured_block_traffic(args, g, sp, b);
+  const hp::models::ModelArgs::SummedParams summed = args.tp_summed_params(sp);
+  hp::tp::BlockShape shape;
+  shape.tp = g->size();
+  shape.sequence_parallel = sp;
+  shape.tokens = static_cast<double>(b.x.numel());
+  shape.row_bytes = static_cast<double>(args.dim()) * 8;
+  shape.summed_tensors = summed.tensors;
+  shape.summed_elements = static_cast<double>(summed.elements);
+  shape.grad_bytes = 8;
+  const hp::tp::BlockCost want = hp::tp::block_traffic(shape);
+  EXPECT_EQ(static_cast<double>(got.forward.ops), hp::op_count(want.forward));
+  EXPECT_EQ(static_cast<double>(got.forward.bytes_sent), hp::bytes_sent(want.forward));
+  EXPECT_EQ(static_cast<double>(got.backward.ops), hp::op_count(want.backward));
+  EXPECT_EQ(static_cast<double>(got.backward.bytes_sent), hp::bytes_sent(want.backward));
 }
 
 }  // namespace hp::test

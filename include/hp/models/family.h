@@ -157,6 +157,15 @@ class ModelArgs {
   virtual int64_t largest_block_params_per_tp_rank(int64_t tp) const = 0;
   // What tensor parallelism keeps whole on every rank, in words ("norms", ...).
   virtual std::string whole_under_tp() const = 0;
+  // Of the largest block (without expert parallelism): the parameters tensor parallelism
+  // keeps whole whose gradients arrive partial, each summed over the group by one all-reduce
+  // in backward (tp::block_traffic): under sequence parallelism those used on sequence
+  // pieces (norms, row-parallel biases), and those every rank uses on its share of the work
+  // (MLA's down-projections, the router). None: a family without tensor parallelism.
+  struct SummedParams {
+    int64_t tensors = 0, elements = 0;
+  };
+  virtual SummedParams tp_summed_params(bool sequence_parallel) const { return {}; }
   virtual FlopCount flops_per_token(int64_t seq_length) const = 0;
   virtual ActivationCount activations_per_token(int64_t seq_length) const = 0;
   virtual AttentionWidths attention_widths() const { return {}; }

@@ -104,6 +104,23 @@ struct MuonPlanStats {
   int64_t recv_elements = 0;   // ... and receives
 };
 
+// What the owner scheme comes to per step, summed over the job, for matrices of `shapes`
+// (rows, cols) each split in `shards` equal pieces, each piece held by `replicas` ranks
+// (fully_shard's and tensor parallelism's pieces; HSDP's replicas): a pure count beside the
+// plan, which the planner prices (hp-train --plan) and muon_dist_test checks against the
+// sum of every rank's plan_stats().
+struct MuonWorkload {
+  int64_t matrices = 0;
+  double cost = 0;          // s^2 x (2 l + s) multiply-adds per iteration step, all matrices
+  double largest_cost = 0;  // ... of the costliest one
+  double elements = 0;      // rows x cols, all matrices
+  double gathered = 0;      // elements sent to the owners (one piece of each other box)
+  double given = 0;         // ... and of the results back (to every other holder)
+};
+MuonWorkload muon_workload(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t shards, int64_t replicas);
+// One matrix's cost per iteration step: s^2 x (2 l + s) multiply-adds, s <= l its sides.
+double newton_schulz_cost(int64_t rows, int64_t cols);
+
 // One optimizer for both kinds of group: a group whose options are MuonOptions is stepped by
 // Muon (its parameters must be matrices), one with AdamWOptions by AdamW (the same
 // arithmetic as ForeachAdamW; amsgrad is not supported yet). Same-shape matrices of a Muon
