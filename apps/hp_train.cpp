@@ -10,6 +10,7 @@
 // global batch (rank 0; the other ranks wait without spinning) and shows each step's
 // loss difference against it. See docs/train.md.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <chrono>
 #include <cstdio>

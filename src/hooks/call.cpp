@@ -31,6 +31,7 @@ HookHandle g_next = 1;
 std::vector<ErrorTranslator> g_translators;
 thread_local std::vector<const torch::nn::Module*> t_in_call;
 thread_local detail::ForwardOverride* t_forward_override = nullptr;
+thread_local detail::WeightOutputObserver t_weight_output_observer = nullptr;
 
 std::vector<ForwardHooks> hooks_of(const torch::nn::Module& m) {
   std::vector<Entries> graveyard;  // destroyed after the lock is released
@@ -188,6 +189,15 @@ ForwardOverride* set_forward_override(ForwardOverride* o) {
   t_forward_override = o;
   return prev;
 }
+WeightOutputObserver set_weight_output_observer(WeightOutputObserver o) {
+  WeightOutputObserver prev = t_weight_output_observer;
+  t_weight_output_observer = o;
+  return prev;
+}
 }  // namespace detail
+
+void mark_weight_output(const at::Tensor& output, std::vector<at::Tensor> params) {
+  if (t_weight_output_observer != nullptr) t_weight_output_observer(output, std::move(params));
+}
 
 }  // namespace hp

@@ -35,19 +35,11 @@ class DeepSeekModel : public detail::ModelOf<DeepSeek> {
   }
 };
 
-class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
+class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, DeepSeek, DeepSeekModel> {
  public:
-  DeepSeekArgs(const ModelFamily& family, DeepSeekConfig c) : ArgsOf(std::move(c)), family_(family) {}
-  std::unique_ptr<ModelArgs> clone() const override { return std::make_unique<DeepSeekArgs>(*this); }
-  const ModelFamily& family() const override { return family_; }
+  using ReferenceArgs::ReferenceArgs;
 
-  int64_t vocab() const override { return config.vocab; }
-  int64_t dim() const override { return config.dim; }
-  int64_t layers() const override { return config.layers; }
-  int64_t max_seq() const override { return config.max_seq; }
   int64_t ffn_hidden() const override { return config.dense_hidden; }
-  int64_t num_params() const override { return config.num_params(); }
-  int64_t largest_param() const override { return config.largest_param(); }
   int64_t largest_block_params() const override { return config.largest_block_params(); }
 
   int64_t stage_params(const PipelineSlice& sl) const override {
@@ -58,13 +50,6 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     const auto k = kinds();
     for (int64_t i = sl.first_layer; i < end; ++i) n += (i < d.dense_layers ? k.front() : k.back()).total;
     return n;
-  }
-  int64_t params_per_tp_rank(int64_t tp) const override {
-    return detail::params_per_tp_rank(num_params(), config.dim, kinds(), tp);
-  }
-  int64_t largest_block_params_per_tp_rank(int64_t tp) const override {
-    if (tp <= 1) return largest_block_params();
-    return detail::largest_block_per_tp_rank(kinds(), tp);
   }
   std::string whole_under_tp() const override { return "norms, MLA down-projections and routers"; }
   // MLA's two down-projections and their norms, the router of a MoE block, and under
@@ -121,8 +106,6 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     d.layers = layers;
     d.dense_layers = any_moe ? (any_dense ? 1 : 0) : layers;
   }
-  void validate() const override { config.validate(); }
-  void check_tensor_parallel(int64_t tp) const override { models::check_tensor_parallel(config, tp); }
   int64_t routed_experts() const override { return config.layers > config.dense_layers ? config.experts : 0; }
   int64_t stage_expert_params(const PipelineSlice& sl) const override {
     const int64_t end = check_slice(sl, config.layers);
@@ -148,18 +131,6 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     return out;
   }
 
-  std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const override {
-    DeepSeek m(config, slice);
-    m->recompute = recompute;
-    return std::make_unique<DeepSeekModel>(m);
-  }
-
-  bool supports_hf() const override { return true; }
-  std::vector<std::pair<std::string, std::string>> hf_names() const override { return models::hf_names(config); }
-  std::string hf_config(at::ScalarType dtype) const override { return models::hf_config(config, dtype); }
-  void check_hf_config(const std::string& text, const std::string& path) const override {
-    models::check_hf_config(config, text, path);
-  }
   // DeepSeek-V3's multi-token prediction modules are stored as the blocks after the last
   // (model.layers.61 for 61 blocks); they are not trained here, and transformers skips them too.
   bool hf_ignores(const std::string& theirs) const override {
@@ -172,7 +143,6 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     return std::stoll(index) >= config.layers;
   }
 
- private:
   // Per kind of block (dense, MoE): its parameters, and those kept whole under tensor
   // parallelism: the norms, MLA's down-projections and their norms, the MoE router.
   std::vector<detail::BlockKind> kinds() const {
@@ -191,7 +161,6 @@ class DeepSeekArgs : public ArgsOf<DeepSeekConfig> {
     }
     return out;
   }
-  const ModelFamily& family_;
 };
 
 class DeepSeekFamily : public ModelFamily {

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/hooks/call.h"
@@ -63,5 +66,53 @@ inline int64_t largest_block_per_tp_rank(const std::vector<BlockKind>& kinds, in
   for (const auto& k : kinds) biggest = std::max(biggest, k.per_rank(std::max<int64_t>(tp, 1)));
   return biggest;
 }
+
+// What a reference family's ModelArgs forwards to its config and its model, written once:
+// the sizes and counts its config computes, validation and tensor parallelism's check (the
+// config's free functions), the per-tensor-parallel-rank counts from Self::kinds(), Hugging
+// Face interchange through the config's free functions, and build() (Holder(config, slice),
+// every block checkpointed with `recompute`, wrapped as Wrapper). Self (CRTP) adds what is
+// its own: stage_params, FLOPs, activations, ...
+template <typename Self, typename Config, typename Holder, typename Wrapper = ModelOf<Holder>>
+class ReferenceArgs : public ArgsOf<Config> {
+ public:
+  ReferenceArgs(const ModelFamily& family, Config c) : ArgsOf<Config>(std::move(c)), family_(&family) {}
+  std::unique_ptr<ModelArgs> clone() const override { return std::make_unique<Self>(self()); }
+  const ModelFamily& family() const override { return *family_; }
+
+  int64_t vocab() const override { return this->config.vocab; }
+  int64_t dim() const override { return this->config.dim; }
+  int64_t layers() const override { return this->config.layers; }
+  int64_t max_seq() const override { return this->config.max_seq; }
+  int64_t num_params() const override { return this->config.num_params(); }
+  int64_t largest_param() const override { return this->config.largest_param(); }
+  int64_t params_per_tp_rank(int64_t tp) const override {
+    return detail::params_per_tp_rank(this->num_params(), this->config.dim, self().kinds(), tp);
+  }
+  int64_t largest_block_params_per_tp_rank(int64_t tp) const override {
+    return tp <= 1 ? this->largest_block_params() : largest_block_per_tp_rank(self().kinds(), tp);
+  }
+
+  void set_layers(int64_t layers) override { this->config.layers = layers; }
+  void validate() const override { this->config.validate(); }
+  void check_tensor_parallel(int64_t tp) const override { models::check_tensor_parallel(this->config, tp); }
+
+  std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const override {
+    Holder m(this->config, slice);
+    m->recompute = recompute;
+    return std::make_unique<Wrapper>(m);
+  }
+
+  bool supports_hf() const override { return true; }
+  std::vector<std::pair<std::string, std::string>> hf_names() const override { return models::hf_names(this->config); }
+  std::string hf_config(at::ScalarType dtype) const override { return models::hf_config(this->config, dtype); }
+  void check_hf_config(const std::string& text, const std::string& path) const override {
+    models::check_hf_config(this->config, text, path);
+  }
+
+ private:
+  const Self& self() const { return static_cast<const Self&>(*this); }
+  const ModelFamily* family_;
+};
 
 }  // namespace hp::models::detail

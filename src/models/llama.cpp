@@ -15,7 +15,6 @@
 #include "hp/core/hash.h"
 #include "hp/core/memory.h"
 #include "hp/hooks/call.h"
-#include "hp/pp/pipeline.h"
 #include "hp/tp/parallelize.h"
 #include "hf_json.h"
 
@@ -204,38 +203,6 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, c
   return h + hp::call(mlp, hp::call(ffn_norm, h));
 }
 
-std::vector<PipelineSlice> split_layers(int64_t layers, int stages, const std::vector<int64_t>& counts) {
-  HP_CHECK(stages >= 1, "pipeline stages must be at least 1, got ", stages);
-  HP_CHECK(stages <= layers, "pipeline of ", stages, " stages over ", layers,
-           " layers: each stage needs at least one layer (more stages than layers)");
-  std::vector<int64_t> n = counts;
-  if (n.empty()) {
-    for (int s = 0; s < stages; ++s) n.push_back(layers / stages + (s < layers % stages ? 1 : 0));
-  }
-  HP_CHECK(static_cast<int>(n.size()) == stages, "pipeline layer counts: ", n.size(), " entries for ", stages,
-           " stages");
-  int64_t sum = 0;
-  for (size_t s = 0; s < n.size(); ++s) {
-    HP_CHECK(n[s] >= 1, "pipeline layer counts: stage ", s, " has ", n[s], " layers (each needs at least one)");
-    sum += n[s];
-  }
-  HP_CHECK(sum == layers, "pipeline layer counts sum to ", sum, ", the model has ", layers, " layers");
-  std::vector<PipelineSlice> out;
-  int64_t first = 0;
-  for (int s = 0; s < stages; ++s) {
-    out.push_back(PipelineSlice{first, first + n[s], s == 0, s == stages - 1});
-    first += n[s];
-  }
-  return out;
-}
-
-int64_t check_slice(const PipelineSlice& sl, int64_t layers) {
-  const int64_t end = sl.end_layer < 0 ? layers : sl.end_layer;
-  HP_CHECK(sl.first_layer >= 0 && sl.first_layer <= end && end <= layers, "pipeline slice: layers [",
-           sl.first_layer, ", ", end, ") are not within the model's ", layers, " layers");
-  return end;
-}
-
 LlamaImpl::LlamaImpl(const LlamaConfig& c, const PipelineSlice& sl) : config(c), slice(sl) {
   c.validate();
   const int64_t end = check_slice(sl, c.layers);
@@ -270,7 +237,7 @@ at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   if (output) return hp::call(output, h);
   if (!tied_head_tp) {
     at::Tensor logits = h.matmul(tok_emb->weight.t());
-    pp::mark_weight_output(logits, {tok_emb->weight});  // the embedding's weight used outside its module
+    hp::mark_weight_output(logits, {tok_emb->weight});  // the embedding's weight used outside its module
     return logits;
   }
   // Tied under tensor parallelism: the head is a column-parallel product with this rank's
@@ -279,7 +246,7 @@ at::Tensor LlamaImpl::forward(const at::Tensor& x) {
   const tp::Placement stream = stream_split > 1 ? tp::Shard(1) : tp::Replicate();
   h = tp::redistribute(h, tied_head_tp, stream, tp::Replicate(), /*grad=*/tp::Partial(), ro);
   at::Tensor logits = h.matmul(tok_emb->weight.t());
-  pp::mark_weight_output(logits, {tok_emb->weight});
+  hp::mark_weight_output(logits, {tok_emb->weight});
   if (vocab_parallel_loss) return logits;
   return tp::redistribute(logits, tied_head_tp, tp::Shard(-1), tp::Replicate(), /*grad=*/tp::Replicate(), ro);
 }

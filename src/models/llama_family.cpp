@@ -6,19 +6,11 @@ namespace hp::models {
 
 namespace {
 
-class LlamaArgs : public ArgsOf<LlamaConfig> {
+class LlamaArgs : public detail::ReferenceArgs<LlamaArgs, LlamaConfig, Llama> {
  public:
-  LlamaArgs(const ModelFamily& family, LlamaConfig c) : ArgsOf(std::move(c)), family_(family) {}
-  std::unique_ptr<ModelArgs> clone() const override { return std::make_unique<LlamaArgs>(*this); }
-  const ModelFamily& family() const override { return family_; }
+  using ReferenceArgs::ReferenceArgs;
 
-  int64_t vocab() const override { return config.vocab; }
-  int64_t dim() const override { return config.dim; }
-  int64_t layers() const override { return config.layers; }
-  int64_t max_seq() const override { return config.max_seq; }
   int64_t ffn_hidden() const override { return config.hidden_dim(); }
-  int64_t num_params() const override { return config.num_params(); }
-  int64_t largest_param() const override { return config.largest_param(); }
   int64_t largest_block_params() const override { return config.block_params(); }
 
   int64_t stage_params(const PipelineSlice& sl) const override {
@@ -28,12 +20,6 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
     const int64_t embedding = sl.embedding || (sl.head && l.tie_embeddings) ? l.vocab * l.dim : 0;
     const int64_t head = sl.head ? l.dim + (l.tie_embeddings ? 0 : l.vocab * l.dim) : 0;
     return embedding + (end - sl.first_layer) * l.block_params() + head;
-  }
-  int64_t params_per_tp_rank(int64_t tp) const override {
-    return detail::params_per_tp_rank(num_params(), config.dim, kinds(), tp);
-  }
-  int64_t largest_block_params_per_tp_rank(int64_t tp) const override {
-    return detail::largest_block_per_tp_rank(kinds(), tp);
   }
   std::string whole_under_tp() const override { return "norms"; }
   // Without sequence parallelism the norms and row biases see whole activations: their
@@ -70,39 +56,23 @@ class LlamaArgs : public ArgsOf<LlamaConfig> {
             l.heads, l.kv_heads};
   }
 
-  void set_layers(int64_t layers) override { config.layers = layers; }
-  void validate() const override { config.validate(); }
-  void check_tensor_parallel(int64_t tp) const override { models::check_tensor_parallel(config, tp); }
   std::vector<std::string> tied_parameters() const override {
     if (config.tie_embeddings) return {"tok_emb.weight"};
     return {};
   }
 
-  std::unique_ptr<Model> build(const PipelineSlice& slice, c10::optional<RecomputePolicy> recompute) const override {
-    Llama m(config, slice);
-    m->recompute = recompute;
-    return std::make_unique<detail::ModelOf<Llama>>(m);
-  }
-
-  bool supports_hf() const override { return true; }
-  std::vector<std::pair<std::string, std::string>> hf_names() const override { return models::hf_names(config); }
-  std::string hf_config(at::ScalarType dtype) const override { return models::hf_config(config, dtype); }
-  void check_hf_config(const std::string& text, const std::string& path) const override {
-    models::check_hf_config(config, text, path);
-  }
   // A tied model's folder may still hold lm_head.weight; transformers ties it to the
   // embedding all the same.
   bool hf_ignores(const std::string& theirs) const override {
     return ModelArgs::hf_ignores(theirs) || (config.tie_embeddings && theirs == "lm_head.weight");
   }
 
- private:
+  // The one kind of block (ReferenceArgs reads it).
   std::vector<detail::BlockKind> kinds() const {
     // Whole under tensor parallelism: the two norms, and the row-parallel projections' biases.
     const int64_t whole = 2 * config.dim + (config.attention_bias ? config.dim : 0) + (config.mlp_bias ? config.dim : 0);
     return {detail::BlockKind{config.block_params(), whole, config.layers}};
   }
-  const ModelFamily& family_;
 };
 
 class LlamaFamily : public ModelFamily {

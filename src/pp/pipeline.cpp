@@ -16,7 +16,7 @@
 #include "hp/core/trace.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/hooks/call.h"
-#include "recording.h"
+#include "pipeline_impl.h"
 
 namespace hp::pp {
 
@@ -40,7 +40,7 @@ at::Tensor encode_header(int stage, const at::Tensor& out, const at::TensorOptio
 
 }  // namespace
 
-Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
+Pipeline::Impl::Impl(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
     : stages_(std::move(stages)), group_(std::move(group)), loss_(std::move(loss)) {
   HP_CHECK(group_ != nullptr, "Pipeline: no pp group");
   HP_CHECK(schedule.ranks == group_->size(), "Pipeline: the schedule is for ", schedule.ranks,
@@ -100,15 +100,26 @@ Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, 
   }
 }
 
-Pipeline::~Pipeline() {
+Pipeline::Impl::~Impl() {
   for (HookHandle h : hooks_) remove_forward_hooks(h);
 }
 
-bool Pipeline::holds_stage(int s) const {
+Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
+    : impl_(std::make_unique<Impl>(schedule, std::move(stages), std::move(group), std::move(loss))) {}
+Pipeline::~Pipeline() = default;
+at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) { return impl_->step(inputs, targets); }
+at::Tensor Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  return impl_->evaluate(inputs, targets);
+}
+const Schedule& Pipeline::schedule() const { return impl_->schedule_; }
+bool Pipeline::holds_stage(int stage) const { return impl_->holds_stage(stage); }
+int Pipeline::rank() const { return impl_->rank_; }
+
+bool Pipeline::Impl::holds_stage(int s) const {
   return std::any_of(stages_.begin(), stages_.end(), [&](const PipelineStage& st) { return st.stage == s; });
 }
 
-PipelineStage& Pipeline::stage(int s) {
+PipelineStage& Pipeline::Impl::stage(int s) {
   for (auto& st : stages_) {
     if (st.stage == s) return st;
   }
@@ -116,7 +127,7 @@ PipelineStage& Pipeline::stage(int s) {
   return stages_.front();
 }
 
-std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Pipeline::micro_batches(const at::Tensor& inputs,
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Pipeline::Impl::micro_batches(const at::Tensor& inputs,
                                                                                     const at::Tensor& targets,
                                                                                     const char* caller) {
   HP_CHECK(!broken_, "Pipeline::", caller, ": an earlier step failed part way; its transfers may still be posted on ",
@@ -145,7 +156,7 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Pipeline::micro_batc
   return {std::move(in_mb), std::move(tgt_mb)};
 }
 
-void Pipeline::abandon() {
+void Pipeline::Impl::abandon() {
   broken_ = true;
   stop_recording();
   weight_grads_.clear();
@@ -158,7 +169,7 @@ void Pipeline::abandon() {
   grad_output_.clear();
 }
 
-at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
+at::Tensor Pipeline::Impl::step(const at::Tensor& inputs, const at::Tensor& targets) {
   const auto [in_mb, tgt_mb] = micro_batches(inputs, targets, "step");
   const auto& list = schedule_.actions[rank_];
   try {
@@ -185,7 +196,7 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   return loss_sum_;
 }
 
-at::Tensor Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+at::Tensor Pipeline::Impl::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
   const auto [in_mb, tgt_mb] = micro_batches(inputs, targets, "evaluate");
   const int m = schedule_.microbatches, last = schedule_.stages - 1;
   at::NoGradGuard no_grad;
@@ -254,7 +265,7 @@ at::Tensor Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& target
   return loss_sum_;
 }
 
-Pipeline::Meta Pipeline::decode_header(const at::Tensor& header) {
+Pipeline::Impl::Meta Pipeline::Impl::decode_header(const at::Tensor& header) {
   const at::Tensor h = header.cpu();
   const auto* p = h.data_ptr<int64_t>();
   if (p[0] == kFailedStage) return Meta{at::kFloat, {}, /*failed=*/true};
@@ -268,7 +279,7 @@ Pipeline::Meta Pipeline::decode_header(const at::Tensor& header) {
 // and every rank learns the outcome in one collective, so none is left waiting for a transfer
 // that will never come. Nothing of the check stays: the generator and the stage modules'
 // buffers (running statistics, MoE load counts) are put back as they were.
-void Pipeline::check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+void Pipeline::Impl::check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
   trace::Span span("pp shape check", "compute");
   const int last = schedule_.stages - 1;
   PointToPointOptions o;
@@ -367,7 +378,7 @@ void Pipeline::check_shapes(const std::vector<at::Tensor>& inputs, const std::ve
            "the first step; that rank's error names the shapes");
 }
 
-void Pipeline::run_transfer(const Action& a) {
+void Pipeline::Impl::run_transfer(const Action& a) {
   const Key k{a.stage, a.microbatch};
   const int peer = schedule_.rank_of(a.peer_stage());
   const int tag = transfer_tag(schedule_, a);
@@ -423,7 +434,7 @@ void Pipeline::run_transfer(const Action& a) {
   }
 }
 
-void Pipeline::await(std::map<Key, std::shared_ptr<Work>>& pending, const Key& k, bool make_leaf) {
+void Pipeline::Impl::await(std::map<Key, std::shared_ptr<Work>>& pending, const Key& k, bool make_leaf) {
   auto it = pending.find(k);
   if (it == pending.end()) return;
   {
@@ -437,7 +448,7 @@ void Pipeline::await(std::map<Key, std::shared_ptr<Work>>& pending, const Key& k
   }
 }
 
-void Pipeline::run_fsdp(const Action& a) {
+void Pipeline::Impl::run_fsdp(const Action& a) {
   auto it = fsdp_.find(a.stage);
   if (it == fsdp_.end()) return;  // this stage has no fully_shard'ed modules (another rank's have)
   auto& handles = it->second;

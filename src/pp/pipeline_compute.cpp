@@ -13,7 +13,7 @@
 #include "hp/core/trace.h"
 #include "hp/hooks/call.h"
 #include "hp/pp/pipeline.h"
-#include "recording.h"
+#include "pipeline_impl.h"
 
 namespace hp::pp {
 namespace {
@@ -21,11 +21,8 @@ namespace {
 // The recording of the forward running on this thread under a split schedule, or null.
 thread_local Recorded* t_recording = nullptr;
 
-}  // namespace
-
-void stop_recording() { t_recording = nullptr; }
-
-void mark_weight_output(const at::Tensor& output, std::vector<at::Tensor> params) {
+// hp::mark_weight_output's observer while a forward records.
+void record_weight_output(const at::Tensor& output, std::vector<at::Tensor> params) {
   if (t_recording == nullptr || !output.requires_grad()) return;
   std::vector<at::Tensor> trained;
   for (auto& p : params) {
@@ -36,7 +33,20 @@ void mark_weight_output(const at::Tensor& output, std::vector<at::Tensor> params
   t_recording->push_back({key, "a marked weight output", std::move(trained), output});
 }
 
-void Pipeline::watch_weights(torch::nn::Module& m) {
+// Records this thread's module outputs (and marked ones) into `r` until stop_recording.
+void start_recording(Recorded* r) {
+  t_recording = r;
+  hp::detail::set_weight_output_observer(&record_weight_output);
+}
+
+}  // namespace
+
+void stop_recording() {
+  t_recording = nullptr;
+  hp::detail::set_weight_output_observer(nullptr);
+}
+
+void Pipeline::Impl::watch_weights(torch::nn::Module& m) {
   std::vector<at::Tensor> own;
   for (const auto& p : m.parameters(/*recurse=*/false)) {
     if (p.requires_grad()) own.push_back(p);
@@ -51,7 +61,7 @@ void Pipeline::watch_weights(torch::nn::Module& m) {
   hooks_.push_back(register_forward_hooks(m, std::move(h)));
 }
 
-void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& inputs,
+void Pipeline::Impl::run_compute(const Action& a, const std::vector<at::Tensor>& inputs,
                            const std::vector<at::Tensor>& targets) {
   const Key k{a.stage, a.microbatch};
   // What this action reads, if it is still being received (outside the compute spans).
@@ -68,7 +78,7 @@ void Pipeline::run_compute(const Action& a, const std::vector<at::Tensor>& input
   }
 }
 
-void Pipeline::run_forward(const Action& a, const std::vector<at::Tensor>& inputs,
+void Pipeline::Impl::run_forward(const Action& a, const std::vector<at::Tensor>& inputs,
                            const std::vector<at::Tensor>& targets) {
   const Key k{a.stage, a.microbatch};
   const int last = schedule_.stages - 1;
@@ -84,11 +94,11 @@ void Pipeline::run_forward(const Action& a, const std::vector<at::Tensor>& input
   if (a.stage == 0) input_[k] = in;
   at::Tensor out;
   try {
-    if (split_) t_recording = &module_outputs_[k];
+    if (split_) start_recording(&module_outputs_[k]);
     out = stage(a.stage).forward(in);
-    t_recording = nullptr;
+    stop_recording();
   } catch (const std::exception& e) {
-    t_recording = nullptr;
+    stop_recording();
     // Name the stage and what it was given: a stage whose input does not fit (the
     // previous stage's output shape) fails here.
     throw Error(detail::str_cat("Pipeline: stage ", a.stage, "'s forward of micro-batch ", a.microbatch,
@@ -109,7 +119,7 @@ void Pipeline::run_forward(const Action& a, const std::vector<at::Tensor>& input
 
 // W: the weight gradients, from each recorded module output and the gradient the input
 // backward left on it, down to that module's own parameters only.
-void Pipeline::run_weight_backward(const Action& a) {
+void Pipeline::Impl::run_weight_backward(const Action& a) {
   const Key k{a.stage, a.microbatch};
   trace::Span span("pp backward " + a.to_string(), "compute");
   auto it = weight_grads_.find(k);
@@ -127,7 +137,7 @@ void Pipeline::run_weight_backward(const Action& a) {
 // I: the gradients of the stage's input and of every recorded module output, not of any
 // parameter (autograd skips the weight halves of the nodes); the graph is kept for W, which
 // finds in weight_grads_ where each module's gradient enters it.
-void Pipeline::input_backward(const Key& k, const at::Tensor& out, const at::Tensor& grad_out, at::Tensor* input) {
+void Pipeline::Impl::input_backward(const Key& k, const at::Tensor& out, const at::Tensor& grad_out, at::Tensor* input) {
   std::vector<at::Tensor> wrt;
   const bool has_input = input != nullptr && input->requires_grad();
   if (has_input) wrt.push_back(*input);
@@ -165,7 +175,7 @@ void Pipeline::input_backward(const Key& k, const at::Tensor& out, const at::Ten
 
 // B (a full backward) or I (the input gradient only, keeping what the weight gradients need),
 // then the input's gradient handed to the stage before when this rank holds it.
-void Pipeline::run_backward(const Action& a) {
+void Pipeline::Impl::run_backward(const Action& a) {
   const Key k{a.stage, a.microbatch};
   const int last = schedule_.stages - 1;
   trace::Span span("pp backward " + a.to_string(), "compute");
@@ -207,7 +217,7 @@ void Pipeline::run_backward(const Action& a) {
 // that module's own parameters: the nodes on those paths are all W executes. Every other node
 // still reachable from the outputs (attention's softmax, the norms, the activations between
 // modules) has its saved tensors released now rather than when W ends.
-void Pipeline::release_for_weights(const std::vector<WeightGrad>& pending) {
+void Pipeline::Impl::release_for_weights(const std::vector<WeightGrad>& pending) {
   using Node = torch::autograd::Node;
   std::set<Node*> needed, all;
   for (const auto& w : pending) {

@@ -2,6 +2,7 @@
 
 #include "hp/core/error.h"
 #include "hp/models/family.h"
+#include "hp/models/llama.h"  // parameter_initializer
 #include "hp/tp/dtensor.h"
 
 namespace hp::train::internal {

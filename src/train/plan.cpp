@@ -1,6 +1,7 @@
 #include "hp/train/plan.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>

@@ -21,6 +21,7 @@
 #include "hp/hooks/call.h"
 #include "hp/hooks/recompute.h"
 #include "hp/models/family.h"
+#include "hp/models/llama.h"  // the reference models' helpers: init_parameters, cross_entropy_of_logits
 #include "hp/tp/parallelize.h"
 
 namespace hp::test {

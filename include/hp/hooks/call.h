@@ -23,6 +23,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace hp {
 
@@ -54,6 +55,13 @@ void purge_expired_forward_hooks();
 bool in_call(const torch::nn::Module& m);
 // "Block(name)" style description used in errors.
 std::string describe_module(const torch::nn::Module& m);
+
+// A model that uses parameters outside their module's call (a tied output head multiplying
+// by the embedding's weight) reports the result here: `output` is computed from `params`.
+// Whatever watches module outputs on this thread (the pipeline's split backward, which runs
+// the weights' gradients back from them) hears it through its observer; with none
+// installed it does nothing.
+void mark_weight_output(const at::Tensor& output, std::vector<at::Tensor> params);
 
 namespace detail {
 
@@ -90,6 +98,11 @@ class ForwardOverride {
 // previous one (restore it when done).
 ForwardOverride* forward_override();
 ForwardOverride* set_forward_override(ForwardOverride* o);
+
+// mark_weight_output's observer on this thread (null: none); returns the previous one
+// (restore it when done).
+using WeightOutputObserver = void (*)(const at::Tensor& output, std::vector<at::Tensor> params);
+WeightOutputObserver set_weight_output_observer(WeightOutputObserver o);
 
 template <typename A>
 decltype(auto) maybe_cast_input(const CallScope& s, size_t arg, A&& a) {

@@ -33,7 +33,7 @@
 #include "hp/cp/context_parallel.h"
 #include "hp/ep/dispatch.h"
 #include "hp/hooks/recompute.h"
-#include "hp/models/llama.h"  // PipelineSlice
+#include "hp/models/pipeline_slice.h"
 
 namespace hp::models {
 

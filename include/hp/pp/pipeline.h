@@ -35,21 +35,11 @@
 #include <torch/nn/module.h>
 
 #include <functional>
-#include <map>
 #include <memory>
-#include <set>
-#include <utility>
 #include <vector>
 
 #include "hp/comm/communicator.h"
 #include "hp/pp/schedule.h"
-
-namespace hp {
-class FSDPModule;
-}
-namespace torch::autograd {
-struct Node;
-}
 
 namespace hp::pp {
 
@@ -67,21 +57,9 @@ struct PipelineStage {
 using PipelineLoss = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& targets)>;
 
 // Under a schedule with split backwards (I, W), W computes weight gradients from the outputs
-// of the modules that own them (called through hp::call), recorded during forward. A stage
-// that uses parameters outside their module's call (a tied output head multiplying by the
-// embedding's weight) marks the result here: `output` is computed from `params` (and W runs
-// back from it to them). Outside such a forward it does nothing.
-void mark_weight_output(const at::Tensor& output, std::vector<at::Tensor> params);
-
-// One output W starts from (the implementation's): the module or mark that made it, the
-// parameters it reaches.
-struct RecordedOutput {
-  const void* key;  // the module (or the first marked parameter's tensor): recorded once per forward
-  std::string what;
-  std::vector<at::Tensor> params;
-  at::Tensor output;
-};
-using Recorded = std::vector<RecordedOutput>;
+// of the modules that own them (called through hp::call), recorded during forward, and from
+// the outputs a stage marks with hp::mark_weight_output (hooks/call.h: parameters used
+// outside their module's call, as a tied output head uses the embedding's weight).
 
 class Pipeline {
  public:
@@ -121,77 +99,14 @@ class Pipeline {
   // stage's rank). The first call of either runs step()'s shape check first.
   at::Tensor evaluate(const at::Tensor& inputs, const at::Tensor& targets);
 
-  const Schedule& schedule() const { return schedule_; }
+  const Schedule& schedule() const;
   bool holds_stage(int stage) const;
-  int rank() const { return rank_; }
+  int rank() const;
+
+  class Impl;  // src/pp/pipeline_impl.h
 
  private:
-  using Key = std::pair<int, int>;  // stage, micro-batch
-  struct Meta {
-    at::ScalarType dtype = at::kFloat;
-    std::vector<int64_t> shape;
-    bool failed = false;  // the shape check's: the stage before failed
-  };
-  static Meta decode_header(const at::Tensor& h);
-  // Splits a step's inputs and targets into the micro-batches (checked) and runs the shape
-  // check the first time.
-  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> micro_batches(const at::Tensor& inputs,
-                                                                            const at::Tensor& targets,
-                                                                            const char* caller);
-  // Clears what a failed step or evaluation left and marks the pipeline broken.
-  void abandon();
-  void check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
-  void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
-  void run_forward(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
-  void run_backward(const Action& a);
-  void run_weight_backward(const Action& a);
-  // I's gradients of `input` (null: none) and of the recorded module outputs, from `out`
-  // (`grad_out` undefined: the last stage's loss).
-  void input_backward(const Key& k, const at::Tensor& out, const at::Tensor& grad_out, at::Tensor* input);
-  void run_transfer(const Action& a);
-  // Split backwards: records the output of every module of a stage owning trainable
-  // parameters (called through hp::call) during forwards.
-  void watch_weights(torch::nn::Module& m);
-  void run_fsdp(const Action& a);
-  // Waits for the receive of `k` when it is still in flight (and makes a received
-  // activation a leaf that requires grad).
-  void await(std::map<Key, std::shared_ptr<Work>>& pending, const Key& k, bool make_leaf);
-  PipelineStage& stage(int s);
-
-  Schedule schedule_;
-  std::vector<PipelineStage> stages_;
-  CommPtr group_;
-  PipelineLoss loss_;
-  int rank_ = 0;
-  std::map<int, CommPtr> send_link_, recv_link_;  // per neighbouring pp rank
-  bool split_ = false;                             // the schedule has I and W
-  bool broken_ = false;                            // a step failed part way
-  bool shapes_checked_ = false;                    // check_shapes passed (at the first step)
-  c10::Device device_ = c10::kCPU;                 // of the stages' parameters: received activations
-  at::TensorOptions control_;                      // where headers and control values live
-  std::vector<uint64_t> hooks_;                    // forward hooks of watch_weights
-  // What W needs of one recorded module output: where its gradient enters the graph (not
-  // the output itself, whose values W does not read) and that gradient.
-  struct WeightGrad {
-    std::vector<at::Tensor> params;  // what W computes the gradients of
-    std::shared_ptr<torch::autograd::Node> fn;
-    uint32_t output_nr = 0;
-    at::Tensor grad;
-  };
-  void release_for_weights(const std::vector<WeightGrad>& pending);
-  std::map<int, std::vector<std::shared_ptr<FSDPModule>>> fsdp_;  // per stage
-
-  // Per step.
-  std::map<Key, at::Tensor> input_;        // a stage's input (a leaf requiring grad past stage 0)
-  std::map<Key, at::Tensor> output_;       // a stage's output (the last stage: its scaled loss)
-  std::map<Key, at::Tensor> grad_output_;  // the gradient of a stage's output
-  std::map<Key, Recorded> module_outputs_;  // split: outputs of parameter-owning modules
-  std::map<Key, std::vector<WeightGrad>> weight_grads_;  // split: from I, for W
-  std::map<int, Meta> input_meta_;         // per receiving stage, from its first receive's header
-  std::set<int> header_sent_;              // sending stages whose header went this step
-  std::map<Key, std::shared_ptr<Work>> pending_input_, pending_grad_;  // receives in flight
-  std::vector<Work> sends_;
-  at::Tensor loss_sum_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace hp::pp
