@@ -11,6 +11,7 @@
 #include "hp/core/env.h"
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
+#include "../core/tsan.h"
 #include "bootstrap.h"
 #include "work_state.h"
 
@@ -153,6 +154,7 @@ void worker_loop(std::shared_ptr<CommShared> cs) {
       release.swap(ws->run);
       cs->done_cv.notify_all();
     }
+    tsan::tensors_dropped();
     release = nullptr;  // drops the op's tensors outside the lock
   }
 }

@@ -17,6 +17,7 @@
 #include "hp/config.h"
 #include "hp/core/compat.h"
 #include "hp/core/error.h"
+#include "tsan.h"
 
 #if HP_HAVE_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -109,6 +110,7 @@ c10::DataPtr scratch_allocate(size_t n) {
 
 void counted_free(void* data) {
   if (data == nullptr) return;
+  tsan::before_free();
   if (g_scratch_blocks.load(std::memory_order_relaxed) > 0) {
     // A raw free of a scratch pointer (raw_allocate's pairing) goes to its block.
     std::unique_lock<std::mutex> g(g_scratch_mu);
