@@ -282,8 +282,8 @@ void time_mode(int reps) {
         auto attend = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& d) {
           at::Tensor out;
           for (int j = 0; j < cp; ++j) {
-            at::Tensor o = hp::cp::block_attention(a, b.narrow(2, j * T, T), d.narrow(2, j * T, T), mine,
-                                                   split.runs(j), Mask::kCausal);
+            at::Tensor o = hp::attn::attention(a, b.narrow(2, j * T, T), d.narrow(2, j * T, T), mine, split.runs(j),
+                                              Mask::kCausal, 0.0, T);
             out = j == 0 ? o : out + o;
           }
           return out;
@@ -328,7 +328,7 @@ void overlap_mode(const std::vector<std::string>& specs, int reps) {
   std::vector<double> own;
   auto own_block = [&] {
     const double t0 = now_s();
-    at::Tensor o = hp::cp::block_attention(q, k, v, split.runs(r), split.runs(r), Mask::kCausal);
+    at::Tensor o = hp::attn::attention(q, k, v, split.runs(r), split.runs(r), Mask::kCausal, 0.0, split.local());
     own.push_back(now_s() - t0);
   };
   if (r == 0) {
@@ -440,7 +440,7 @@ void bytes_mode(int64_t seq) {
 // 512 x 32,768, at every rank that receives them (2 x 512 x 32,768 FLOPs a token forward,
 // twice that backward). The block's attention: c x c x 128 x (192 + 128) x 2 FLOPs
 // forward. Timed here: the up-projection of c tokens, and the block's attention
-// (block_attention on c queries against c keys, no mask), fp32.
+// (one tile of c queries against c keys, no mask), fp32.
 void mla_mode() {
   const int64_t heads = 128, nope = 128, rope = 64, vdim = 128, latent = 512;
   const int64_t qk = nope + rope, per_token = heads * (qk + vdim), latent_token = latent + rope;
@@ -467,7 +467,7 @@ void mla_mode() {
       return t;
     };
     const double up = best([&] { (void)at::matmul(lat, w.t()).sum().item<float>(); });
-    const double attn = best([&] { (void)hp::cp::block_attention(q, k, v, run, run, Mask::kNone).sum().item<float>(); });
+    const double attn = best([&] { (void)hp::attn::attention(q, k, v, run, run, Mask::kNone, 0.0, c).sum().item<float>(); });
     const double up_flops = 2.0 * static_cast<double>(c * latent * heads * (nope + vdim));
     const double attn_flops = 2.0 * static_cast<double>(c * c * heads * (qk + vdim));
     std::printf("%6lld %14.2f %14.2f %12.1f %12.1f %10.3f %10.3f\n", static_cast<long long>(c), up_flops / 1e9,

@@ -80,6 +80,7 @@ void DeepSeekConfig::validate() const {
            " must be a finite number >= 0");
   HP_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor), "deepseek config: capacity_factor=",
            capacity_factor, " must be a finite number >= 0 (0: no limit)");
+  HP_CHECK(attention_tile >= 1, "deepseek config: attention_tile=", attention_tile, " must be at least 1");
   HP_CHECK(layers <= kMaxLayers, "deepseek config: layers=", layers, " is more than the ", kMaxLayers,
            " blocks a model may have (a damaged config?)");
   HP_CHECK(dense_layers >= 0 && dense_layers <= layers, "deepseek config: dense_layers=", dense_layers,
@@ -159,19 +160,15 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   at::Tensor kv = hp::call(wkv_b, latent).view({B, T, H, c.qk_nope_dim + c.v_head_dim}).transpose(1, 2);
   at::Tensor k_nope = kv.narrow(-1, 0, c.qk_nope_dim);
   at::Tensor v = kv.narrow(-1, c.qk_nope_dim, c.v_head_dim);
-  if (context_parallel) {
-    at::Tensor qf = at::cat({q_nope, q_rope}, -1);
-    at::Tensor kf = at::cat({k_nope, k_rope.expand({B, H, T, c.qk_rope_dim})}, -1);
-    at::Tensor o = context_parallel->attention(qf, kf, v, cp::Mask::kCausal, 1.0 / std::sqrt(static_cast<double>(qk)));
-    return hp::call(wo, o.transpose(1, 2).reshape({B, T, H * c.v_head_dim}));
-  }
-  at::Tensor scores = (q_nope.matmul(k_nope.transpose(-2, -1)) + q_rope.matmul(k_rope.transpose(-2, -1))) /
-                      std::sqrt(static_cast<double>(qk));
-  at::Tensor mask = at::ones({T, T}, at::TensorOptions(at::kBool).device(scores.device())).triu(1);
-  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  at::Tensor att = upcast(scores).softmax(-1).to(v.scalar_type());
-  at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, H * c.v_head_dim});
-  return hp::call(wo, o);
+  // Queries and keys whole per head (the rotary key repeated for every head), values of
+  // their own size: one call of the tiled kernel, with or without context parallelism.
+  at::Tensor qf = at::cat({q_nope, q_rope}, -1);
+  at::Tensor kf = at::cat({k_nope, k_rope.expand({B, H, T, c.qk_rope_dim})}, -1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(qk));
+  const at::Tensor o = context_parallel
+                           ? context_parallel->attention(qf, kf, v, cp::Mask::kCausal, scale, c.attention_tile)
+                           : attn::attention(qf, kf, v, attn::Mask::kCausal, scale, c.attention_tile);
+  return hp::call(wo, o.transpose(1, 2).reshape({B, T, H * c.v_head_dim}));
 }
 
 ExpertsImpl::ExpertsImpl(int64_t first_expert, std::vector<SwiGLU> experts) : first(first_expert) {

@@ -1,5 +1,6 @@
 // DeepSeek-V3 behind the model-family seam.
 #include "family_util.h"
+#include "hp/attn/attention.h"
 #include "hp/models/deepseek.h"
 
 namespace hp::models {
@@ -70,7 +71,10 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
         static_cast<double>(d.experts - d.experts_per_token) * 3.0 * static_cast<double>(d.dim * d.expert_hidden);
     const double active = static_cast<double>(d.largest_block_params()) - (d.layers > d.dense_layers ? idle_experts : 0);
     FlopCount f;
-    f.block = 2.0 * active + 2.0 * T * static_cast<double>(d.heads * (d.qk_nope_dim + d.qk_rope_dim + d.v_head_dim));
+    // Attention: a product of qk and one of v_head_dim per score, over the scores the causal
+    // tiles compute.
+    f.block = 2.0 * active + 2.0 * attn::causal_score_elements(seq_length, d.attention_tile) / T *
+                                 static_cast<double>(d.heads * (d.qk_nope_dim + d.qk_rope_dim + d.v_head_dim));
     f.head = 2.0 * static_cast<double>(d.vocab * d.dim);
     return f;
   }
@@ -84,10 +88,10 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
     ActivationCount a;
     a.block = 6.0 * static_cast<double>(d.dim) +
               static_cast<double>(d.heads * (2 * (d.qk_nope_dim + d.qk_rope_dim) + d.v_head_dim)) +
-              static_cast<double>(d.q_lora_rank + d.kv_lora_rank) + 4.0 * hidden +
-              static_cast<double>(d.heads) * static_cast<double>(seq_length);
+              static_cast<double>(d.q_lora_rank + d.kv_lora_rank) + 4.0 * hidden + static_cast<double>(d.heads);
     a.head = static_cast<double>(d.vocab);
-    a.attention = static_cast<double>(d.heads) * static_cast<double>(seq_length);
+    a.attention = static_cast<double>(d.heads);
+    a.attention_workspace = static_cast<double>(d.heads) * attn::tile_workspace_elements(seq_length, d.attention_tile);
     return a;
   }
   // Under context parallelism MLA exchanges the decompressed per-head keys and values.
@@ -184,6 +188,8 @@ class DeepSeekFamily : public ModelFamily {
         int_key<D>("layers", &D::layers, 1, "transformer blocks"),
         int_key<D>("heads", &D::heads, 1, "attention heads"),
         int_key<D>("max_seq", &D::max_seq, 1, "longest sequence (rotary table)"),
+        int_key<D>("attention_tile", &D::attention_tile, 1,
+                   "attention's tile: queries and keys in tiles of this many positions (no S x S scores)"),
         float_key<D>("rope_theta", &D::rope_theta, 0, true, "rotary base"),
         float_key<D>("norm_eps", &D::norm_eps, 0, true, "RMSNorm epsilon"),
         int_key<D>("dense_layers", &D::dense_layers, 0, "first blocks with a dense feed-forward"),

@@ -53,6 +53,7 @@ void LlamaConfig::validate() const {
   HP_CHECK(vocab > 0 && dim > 0 && layers > 0 && heads > 0 && kv_heads > 0 && max_seq > 0,
            "llama config: vocab, dim, layers, heads, kv_heads and max_seq must be positive (got vocab=", vocab,
            " dim=", dim, " layers=", layers, " heads=", heads, " kv_heads=", kv_heads, " max_seq=", max_seq, ")");
+  HP_CHECK(attention_tile >= 1, "llama config: attention_tile=", attention_tile, " must be at least 1");
   HP_CHECK(layers <= kMaxLayers, "llama config: layers=", layers, " is more than the ", kMaxLayers,
            " blocks a model may have (a damaged config?)");
   HP_CHECK(explicit_head_dim >= 0, "llama config: head_dim=", explicit_head_dim, " must be positive (0: dim / heads)");
@@ -142,7 +143,7 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
-    : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()) {
+    : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()), tile(c.attention_tile) {
   auto lin = [](int64_t in, int64_t out, bool bias) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
   };
@@ -162,20 +163,11 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   at::Tensor k = apply_rotary(split(hp::call(wk, x)), cos, sin, RotaryPairs::kHalves);
   at::Tensor v = split(hp::call(wv, x));
   const int64_t local_heads = q.size(1);
-  if (context_parallel) {
-    at::Tensor o = context_parallel->attention(q, k, v, cp::Mask::kCausal, 1.0 / std::sqrt(static_cast<double>(head_dim)));
-    return hp::call(wo, o.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
-  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   // Each group of heads / kv_heads query heads shares one key/value head.
-  const int64_t group = heads / kv_heads;
-  k = k.repeat_interleave(group, 1);
-  v = v.repeat_interleave(group, 1);
-  at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
-  at::Tensor mask = at::ones({T, T}, at::TensorOptions(at::kBool).device(scores.device())).triu(1);
-  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  at::Tensor att = upcast(scores).softmax(-1).to(v.scalar_type());
-  at::Tensor o = att.matmul(v).transpose(1, 2).reshape({B, T, local_heads * head_dim});
-  return hp::call(wo, o);
+  const at::Tensor o = context_parallel ? context_parallel->attention(q, k, v, cp::Mask::kCausal, scale, tile)
+                                        : attn::attention(q, k, v, attn::Mask::kCausal, scale, tile);
+  return hp::call(wo, o.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
 SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool bias) {

@@ -1,5 +1,6 @@
 // Llama behind the model-family seam.
 #include "family_util.h"
+#include "hp/attn/attention.h"
 #include "hp/models/llama.h"
 
 namespace hp::models {
@@ -33,21 +34,25 @@ class LlamaArgs : public detail::ReferenceArgs<LlamaArgs, LlamaConfig, Llama> {
     const LlamaConfig& l = config;
     const double T = static_cast<double>(seq_length);
     FlopCount f;
+    // Attention: two products of head_dim per score, over the scores the causal tiles compute.
     f.block = 2.0 * static_cast<double>(l.block_params()) +
-              4.0 * T * static_cast<double>(l.heads) * static_cast<double>(l.head_dim());
+              4.0 * attn::causal_score_elements(seq_length, l.attention_tile) / T * static_cast<double>(l.heads) *
+                  static_cast<double>(l.head_dim());
     f.head = 2.0 * static_cast<double>(l.vocab * l.dim);
     return f;
   }
-  // The norms' inputs and outputs, q, k, v, attention's probabilities over the sequence and
-  // output, the MLP's four hidden-size products; the head's logits.
+  // The norms' inputs and outputs, q, k, v, attention's log-sum-exp (one per head) and
+  // output, the MLP's four hidden-size products; the head's logits. Attention's tiles while
+  // they compute.
   ActivationCount activations_per_token(int64_t seq_length) const override {
     const LlamaConfig& l = config;
     const double kv = static_cast<double>(l.kv_heads * l.head_dim());
     ActivationCount a;
     a.block = 6.0 * static_cast<double>(l.dim) + 2.0 * kv + 4.0 * static_cast<double>(l.hidden_dim()) +
-              static_cast<double>(l.heads) * static_cast<double>(seq_length);
+              static_cast<double>(l.heads);
     a.head = static_cast<double>(l.vocab);
-    a.attention = static_cast<double>(l.heads) * static_cast<double>(seq_length);
+    a.attention = static_cast<double>(l.heads);
+    a.attention_workspace = static_cast<double>(l.heads) * attn::tile_workspace_elements(seq_length, l.attention_tile);
     return a;
   }
   AttentionWidths attention_widths() const override {
@@ -98,6 +103,8 @@ class LlamaFamily : public ModelFamily {
         int_key<L>("layers", &L::layers, 1, "transformer blocks"),
         int_key<L>("heads", &L::heads, 1, "attention heads"),
         int_key<L>("max_seq", &L::max_seq, 1, "longest sequence (rotary table)"),
+        int_key<L>("attention_tile", &L::attention_tile, 1,
+                   "attention's tile: queries and keys in tiles of this many positions (no S x S scores)"),
         float_key<L>("rope_theta", &L::rope_theta, 0, true, "rotary base"),
         float_key<L>("norm_eps", &L::norm_eps, 0, true, "RMSNorm epsilon"),
         int_key<L>("kv_heads", &L::kv_heads, 1, "grouped-query key/value heads"),

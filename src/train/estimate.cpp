@@ -135,7 +135,19 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
   os << "per rank while building the model: its shards plus one parameter in fp32 (the largest, "
      << c.model->largest_param() << " elements): " << format_bytes(static_cast<int64_t>(std::min(rm.construction, 9e18)))
      << "\n";
-  os << "activations: hp-train --plan measures them (and predicts the step time) for every layout";
+  // One micro-batch's activations as the family counts them (what --plan uses for a model it
+  // does not time): attention keeps no S x S (hp/attn), only its tiles while computing.
+  const models::ActivationCount a = c.model->activations_per_token(c.seq_length);
+  const double tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
+  const double elem = static_cast<double>(c10::elementSize(c.compute_dtype));
+  os << "activations of one micro-batch (" << c.micro_batch_size() << " x " << c.seq_length
+     << " tokens, counted from the shapes, before tensor or context parallelism): a block keeps "
+     << format_bytes(static_cast<int64_t>(tokens * elem * a.block)) << " (attention: its output and "
+     << format_bytes(static_cast<int64_t>(tokens * 4.0 * a.attention))
+     << " of log-sum-exps, no S x S), its attention tiles hold "
+     << format_bytes(static_cast<int64_t>(static_cast<double>(c.micro_batch_size()) * a.attention_workspace * 4.0))
+     << " while it computes (model.attention_tile)\n";
+  os << "activations per layout: hp-train --plan measures them (and predicts the step time) for every layout";
   return os.str();
 }
 

@@ -225,7 +225,8 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
         const double dim = static_cast<double>(c.model->dim());
         p.activations_layer = tokens * elem * (recompute > 0 ? dim : a.block);
         p.activations_first = p.activations_layer + tokens * (elem + 8.0) * a.head +
-                              (recompute > 0 ? tokens * elem * a.block : 0);
+                              (recompute > 0 ? tokens * elem * a.block : 0) +
+                              static_cast<double>(samples) * a.attention_workspace * 4.0;
         p.source = device_tflops > 0
                        ? "FLOPs at half of " + fmt("%g", device_tflops) +
                              " TFLOP/s (assumed utilization 0.5), the optimizer at 28 bytes per parameter over 2 TB/s"

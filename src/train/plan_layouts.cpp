@@ -175,7 +175,7 @@ struct Costing {
   double ep_forward = 0, ep_backward = 0;  // per MoE block and micro-batch
   // Context parallelism: compute and activation scales, a block's exchanges per
   // micro-batch, and what of them is exposed.
-  double cp_scale = 1, cp_act = 1, cp_probs = 0, cp_scores = 0;
+  double cp_scale = 1;  // of the compute and the activations
   double cp_forward = 0, cp_backward = 0, cp_exposed_forward = 0, cp_exposed_backward = 0;
   double act_layer = 0, act_head = 0;
   int64_t rank_layers = 0, rank_moe = 0;  // the fullest rank's blocks and MoE blocks
@@ -276,27 +276,18 @@ void expert_parallel_cost(const Setting& st, Costing& k) {
 }
 
 // Context parallelism: each rank computes 1/cp of every block's work (head-tail balances
-// attention's) and keeps 1/cp of its activations, less attention's probabilities, which the
-// block-wise attention does not keep (a log-sum-exp per head instead; under recompute,
-// those of the block rerun), plus one (query chunk, key chunk) block's fp32 scores while
-// computing (3 copies: the scores, their exponentials, the product's workspace; chunks of
-// seq / 2cp, Ulysses over heads / cp). Its exchanges, per block and micro-batch, are the cp
+// attention's) and keeps 1/cp of its activations (attention is the same tiled kernel with
+// or without CP: its tiles' workspace is counted with the head's, in layout_cost). Its
+// exchanges, per block and micro-batch, are the cp
 // layer's own count (cp::attention_traffic): the ring's overlap the block's compute (what
 // exceeds it is exposed), the others' are all exposed; under recompute backward runs
 // forward's again.
 void context_parallel_cost(const Setting& st, Costing& k) {
   const TrainConfig& c = k.c;
-  const int cpd = k.lay.cpd, t = k.lay.t;
+  const int cpd = k.lay.cpd;
   k.cp_scale = 1.0 / cpd;
   if (cpd == 1) return;
   const bool recomputed = c.recompute != Recompute::kNone;
-  const models::ActivationCount a = c.model->activations_per_token(c.seq_length);
-  const double mb = static_cast<double>(c.micro_batch_size()), seq = static_cast<double>(c.seq_length);
-  k.cp_act = (recomputed ? 1.0 : 1.0 - a.attention / a.block) / cpd;
-  k.cp_probs = recomputed ? mb * seq * k.act_elem * a.attention : 0;
-  const double chunk = seq / (2.0 * cpd);
-  const double heads = a.attention / seq / t / (c.context_parallel_method == cp::Method::kUlysses ? cpd : 1);
-  k.cp_scores = mb * heads * chunk * chunk * 4.0 * 3.0;
   const LinkModel cp_link = k.link_over(st, Group::kCp);
   cp::AttentionShape shape;
   shape.cp = cpd;
@@ -517,8 +508,16 @@ void cost_layout(const Setting& st, const Layout& lay, PlanRow& row) {
   expert_parallel_cost(st, k);
   context_parallel_cost(st, k);
   const int t = lay.t, cpd = lay.cpd;
-  k.act_layer = k.prof.activations_layer * (k.whole + (1.0 - k.whole) / t) * k.cp_act;
-  k.act_head = std::max(0.0, k.prof.activations_first - k.prof.activations_layer - k.cp_probs) / t / cpd + k.cp_scores;
+  k.act_layer = k.prof.activations_layer * (k.whole + (1.0 - k.whole) / t) * k.cp_scale;
+  // The head's share divides by tp and cp, but for attention's tiles while a block
+  // computes (float32, per sequence: the family's attention_workspace, in the profile's
+  // head once): their size does not shrink with the rank's tokens, only their heads with
+  // tensor parallelism (and with cp under Ulysses, which splits heads).
+  const double workspace = static_cast<double>(c.micro_batch_size()) *
+                           c.model->activations_per_token(c.seq_length).attention_workspace * 4.0;
+  const int head_split = c.context_parallel_method == cp::Method::kUlysses ? cpd : 1;
+  k.act_head = std::max(0.0, k.prof.activations_first - k.prof.activations_layer) / t / cpd +
+               workspace / t * (1.0 / head_split - 1.0 / cpd);
   k.rank_layers = k.L;
   k.rank_moe = k.moe_blocks(models::PipelineSlice{});
   if (lay.p == 1) {

@@ -170,11 +170,10 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
   }
   {
     // Context parallel 2 (ring): half of every block's work, fully_shard over dp_shard x cp
-    // = 2 as dp_shard 2 would. A block's activations per token, by hand: 6 x 64 (norms),
-    // 2 x 32 (k, v), 4 x 192 (MLP), 4 x 64 (the 4 heads' probabilities over 64 positions):
-    // 1472; the ring keeps all but the probabilities, half the tokens: 400 x 1216 / 1472 / 2
-    // per block, and the head's 100 halved; while computing, one block of fp32 scores: 4
-    // sequences x 4 heads x 16 x 16 (chunks of 64 / 4) x 4 bytes, 3 copies. Per block and
+    // = 2 as dp_shard 2 would. Activations: half of each block's 400 and of the head's 100,
+    // but attention's tiles while computing, which do not shrink with the tokens (one tile
+    // of the 64 positions, 2 x 64 x 64 fp32 scores per head and sequence: 4 sequences x 4
+    // heads), whole where the profile counted them halved. Per block and
     // micro-batch of 4 x 32 local tokens
     // the K/V block is 4 x 32 x 64 fp32 = 32768 bytes: one send forward, one and the two
     // gradient blocks backward, each under a block's 2 ms of compute (not exposed).
@@ -187,7 +186,7 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
     ASSERT_TRUE(r.feasible) << r.reason;
     EXPECT_EQ(r.layout(), "dp_replicate=1 dp_shard=1 cp=2 tp=1 pp=1");
     EXPECT_NEAR(r.compute_s, 4 * 0.042 / 2 + 1e-9 * kModel / 2, 1e-12);
-    EXPECT_NEAR(r.activations, 50 + 2 * 400 * 1216.0 / 1472 / 2 + 4 * 4 * 16 * 16 * 4 * 3, 1e-9);
+    EXPECT_NEAR(r.activations, 50 + 2 * 400 / 2 + 4 * 4 * 2 * 64 * 64 * 4 / 2.0, 1e-9);
     EXPECT_NEAR(r.cp_comm_s, 4 * 2 * 4 * link(1.0, 32768), 1e-12);
     const auto& fsdp = find(rows, 1, 2, 1, 1);
     EXPECT_NEAR(r.fsdp_comm_s, fsdp.fsdp_comm_s, 1e-12);
@@ -197,14 +196,14 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
 
 // Tensor parallelism divides a block's matrix products by its degree; of the rest, the
 // work on whole activations (the norms' and the column-parallel products' inputs: the
-// activations' whole share, 4 x 64 of 1472 elements) stays whole on every rank.
+// activations' whole share, 4 x 64 of 1220 elements) stays whole on every rank.
 TEST(Plan, TensorParallelDividesTheMatrixProductsAndPartOfTheRest) {
   FakeCompute fake;
   fake.matmul_forward_layer = 0.003;  // of the 4 ms block forward: 3/4 in products
   const auto rows = ht::plan_layouts(tiny(), options(2, 2), fake);
   const auto& r = find(rows, 1, 1, 2, 1);
   ASSERT_TRUE(r.feasible) << r.reason;
-  const double whole = 4.0 * 64 / 1472, mm = 0.75;
+  const double whole = 4.0 * 64 / 1220, mm = 0.75;
   const double scale = mm / 2 + (1 - mm) * (whole + (1 - whole) / 2);
   const double tp_params = (kModel - 5 * 64) / 2 + 5 * 64;
   EXPECT_NEAR(r.compute_s, 4 * 0.042 * scale + 1e-9 * tp_params, 1e-12);
@@ -217,9 +216,9 @@ TEST(Plan, ActivationsOfOneMicroBatchOrOfThoseAPipelineHolds) {
   // One micro-batch at a time: 500 + 400 bytes.
   EXPECT_EQ(find(rows, 1, 2, 1, 1).activations, 900);
   // Tensor parallel 2 without sequence parallel: the head's 100 split; of each block's 400
-  // the norms' and column-parallel products' inputs (4 x 64 of the 1472 elements a position
+  // the norms' and column-parallel products' inputs (4 x 64 of the 1220 elements a position
   // keeps, counted in GivenDeviceCountsFlopsAtHalfItsPeak) whole, the rest split.
-  const double share = 4.0 * 64 / 1472;
+  const double share = 4.0 * 64 / 1220;
   // Bytes; 1e-9 absorbs only the rounding of the shares' divisions.
   EXPECT_NEAR(find(rows, 1, 1, 2, 1).activations, 100.0 / 2 + 2 * 400 * (share + (1 - share) / 2), 1e-9);
   // 1F1B over 2 stages: the first rank holds 2 micro-batches of its stage (one block, 400),
@@ -270,7 +269,8 @@ TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
   const auto p = ht::measured_compute(c, /*device_tflops=*/100)(2, 1, 1);
   const double tokens = 2 * 64;
   const double rate = 0.5 * 100e12;
-  // Matmuls 2 x the block's parameters per token, attention's two products 4 x T x dim.
+  // Matmuls 2 x the block's parameters per token, attention's two products 4 x T x dim (one
+  // tile of 128 holds the 64 positions: every score is computed, the causal half included).
   const double layer = (2 * kBlock + 4 * 64 * 64) * tokens / rate;
   EXPECT_NEAR(p.forward_layer, layer, 1e-18);
   EXPECT_NEAR(p.forward_first, layer + 2 * 256 * 64 * tokens / rate, 1e-18);
@@ -280,11 +280,13 @@ TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
   EXPECT_DOUBLE_EQ(p.optimizer_per_param, 28 / 2e12);
   // Activations from the shapes, per position of a block: norms' inputs and outputs, q and
   // the attention output and o's input (6 x 64), k and v (2 x 2 heads x 16), the MLP's four
-  // products (4 x 192), the probabilities over 64 positions of 4 heads; fp32. The head: the
-  // logits (fp32) and their fp32 copy and probabilities.
-  const double block = 6 * 64 + 2 * 32 + 4 * 192 + 4 * 64;
+  // products (4 x 192), attention's log-sum-exp (one per head: 4); fp32. The head: the
+  // logits (fp32) and their fp32 copy and probabilities. Once, attention's tiles while a
+  // block computes: one tile holds the 64 positions, 2 x 64 x 64 fp32 scores for each of the
+  // 4 heads of the 2 sequences.
+  const double block = 6 * 64 + 2 * 32 + 4 * 192 + 4;
   EXPECT_DOUBLE_EQ(p.activations_layer, tokens * 4 * block);
-  EXPECT_DOUBLE_EQ(p.activations_first, tokens * 4 * block + tokens * 12 * 256);
+  EXPECT_DOUBLE_EQ(p.activations_first, tokens * 4 * block + tokens * 12 * 256 + 2 * 4 * 2 * 64 * 64 * 4);
   c.recompute = ht::Recompute::kFull;
   EXPECT_NEAR(ht::measured_compute(c, 100)(2, 1, 1).backward_layer, 3 * layer, 1e-18);
 }

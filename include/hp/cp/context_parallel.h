@@ -26,12 +26,13 @@
 //               heads and kv_heads/cp key/value heads for the whole sequence), attention in
 //               full, and all-to-all back: 4 all-to-alls forward (q, k, v, out), 4 backward.
 //               Needs heads and kv_heads divisible by cp.
-// Every method computes attention block by block: a (query chunk, key chunk) pair whose
-// keys all come after its queries is skipped under a causal mask, one whose keys all come
-// before is computed without a mask, and only a diagonal pair is masked. Partial results
-// are merged through their log-sum-exp in float32 (float64 for float64 inputs), and the
-// backward recomputes the probabilities from the saved log-sum-exp, as flash attention
-// does, so no S×S matrix is kept.
+// Every method computes attention in tiles with hp/attn's kernel, the one the models use
+// without CP: each rank's runs of the sequence are cut into tiles of the model's
+// attention_tile (not tied to S / 2cp), a (query tile, key tile) pair whose keys all come
+// after its queries is skipped under a causal mask, and the sources of keys a rank holds
+// or receives are merged through their log-sum-exp in float32 (float64 for float64 inputs).
+// The backward recomputes each tile's probabilities from the saved log-sum-exp, so no S×S
+// matrix is kept.
 //
 // Collectives: attention is a collective of the group; every rank calls it as often, with
 // the same shapes and dtype, in the same order (also under recompute). Errors in the
@@ -45,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "hp/attn/attention.h"
 #include "hp/comm/communicator.h"
 #include "hp/comm/simulated_network.h"
 
@@ -52,16 +54,14 @@ namespace hp::cp {
 
 enum class Split { kHeadTail, kContiguous };
 enum class Method { kAllGather, kRing, kUlysses };
-enum class Mask { kCausal, kNone };
+using Mask = attn::Mask;
 
 const char* split_name(Split s);    // "head_tail", "contiguous"
 const char* method_name(Method m);  // "allgather", "ring", "ulysses"
 
 // A run of consecutive positions a rank holds: positions [start, start + length) sit at
 // local indices [offset, offset + length).
-struct Run {
-  int64_t start = 0, length = 0, offset = 0;
-};
+using Run = attn::Run;
 
 // How `seq` tokens are split over `cp` ranks. Raises hp::Error naming the values for cp < 1,
 // seq < 1, a sequence shorter than the chunks need (2·cp under kHeadTail, cp otherwise) or
@@ -98,11 +98,9 @@ struct ContextParallelOptions {
 };
 
 // Work and traffic of this rank's attention calls, summed since the last reset_stats().
-struct AttentionStats {
-  int64_t blocks = 0;          // (query run, key run) pairs computed, forward
-  int64_t masked_blocks = 0;   // of them, those needing a mask (diagonal pairs)
-  int64_t score_elements = 0;  // query × key pairs those blocks computed, forward
-  int64_t bytes_sent = 0;      // payload this rank sent, forward and backward
+// (The tiles computed: attn::TileCounts, forward.)
+struct AttentionStats : attn::TileCounts {
+  int64_t bytes_sent = 0;  // payload this rank sent, forward and backward
 };
 
 class ContextParallel {
@@ -124,11 +122,12 @@ class ContextParallel {
   // k [B, kv_heads, T, d], v [B, kv_heads, T, dv]: this rank's T = seq / cp tokens in local
   // order (shard); heads % kv_heads == 0 (each group of heads / kv_heads query heads shares
   // one key/value head). Returns [B, heads, T, dv] in q's dtype; differentiable in q, k, v.
-  // `scale` multiplies the scores (0: 1 / sqrt(d)). Raises for mismatched shapes, kHeadTail
-  // with Mask::kNone (load balance serves a causal mask only: use kContiguous), and
-  // kUlysses with heads or kv_heads not divisible by cp.
+  // `scale` multiplies the scores (0: 1 / sqrt(d)); `tile` is the kernel's (hp/attn). Raises
+  // for mismatched shapes, tile < 1, kHeadTail with Mask::kNone (load balance serves a
+  // causal mask only: use kContiguous), and kUlysses with heads or kv_heads not divisible by
+  // cp.
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Mask mask,
-                       double scale = 0.0);
+                       double scale = 0.0, int64_t tile = attn::kDefaultTile);
 
   const AttentionStats& stats() const { return *stats_; }
   void reset_stats() { *stats_ = AttentionStats{}; }
@@ -162,12 +161,5 @@ struct AttentionCost {
   std::vector<CollectiveCost> forward, backward;
 };
 AttentionCost attention_traffic(Method m, const AttentionShape& s);
-
-// Attention of q over k and v in one process, the queries and keys at the positions their
-// runs give (a sequence in any order): the block computation every method runs,
-// differentiable, without communication. Ulysses calls it on the whole sequence.
-at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const std::vector<Run>& q_runs, const std::vector<Run>& k_runs, Mask mask,
-                           double scale = 0.0);
 
 }  // namespace hp::cp

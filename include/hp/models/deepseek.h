@@ -61,6 +61,7 @@ struct DeepSeekConfig {
   double capacity_factor = 0;
   DropPolicy drop_policy = DropPolicy::kProbs;
   int64_t max_seq = 256;
+  int64_t attention_tile = attn::kDefaultTile;  // as LlamaConfig's
   double rope_theta = 10000.0;
   double norm_eps = 1e-6;  // the blocks' and the final norm's (MLA's latent norms: always 1e-6)
 

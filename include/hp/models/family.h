@@ -101,9 +101,12 @@ struct FlopCount {
 // (the logits, their fp32 copy and probabilities).
 struct ActivationCount {
   double block = 0, head = 0;
-  // Of block: attention's probabilities over the sequence (seq per head), which attention
-  // computed block by block (hp/cp) does not keep.
+  // Of block: what attention keeps beyond its inputs and output, one log-sum-exp per head
+  // (the tiled kernel, hp/attn, keeps no probabilities).
   double attention = 0;
+  // Not per token: what one sequence's attention holds while a block computes, float32
+  // elements (attn::tile_workspace_elements for every head).
+  double attention_workspace = 0;
 };
 // Elements per token of one attention layer: its keys and values (what context
 // parallelism's ring and all-gather exchange) and its queries and output (what Ulysses

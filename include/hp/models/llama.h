@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "hp/attn/attention.h"
 #include "hp/comm/communicator.h"
 #include "hp/cp/context_parallel.h"
 #include "hp/hooks/recompute.h"
@@ -49,6 +50,9 @@ struct LlamaConfig {
   int64_t kv_heads = 2;       // grouped-query attention: heads % kv_heads == 0
   int64_t ffn_dim = 0;        // 0: 8/3 * dim rounded up to a multiple of 32
   int64_t max_seq = 256;
+  // Attention's tile (hp/attn): queries and keys in tiles of this many positions, with or
+  // without context parallelism. A runtime choice: not part of a Hugging Face config.
+  int64_t attention_tile = attn::kDefaultTile;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   bool tie_embeddings = false;
@@ -132,7 +136,7 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 struct LlamaAttentionImpl : torch::nn::Module {
   explicit LlamaAttentionImpl(const LlamaConfig& c);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-  int64_t heads, kv_heads, head_dim;
+  int64_t heads, kv_heads, head_dim, tile;
   torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
   // Set by context_parallel(): x holds this rank's tokens of the sequence, and attention
   // runs over the whole sequence through it.
