@@ -143,6 +143,25 @@ void issue_deferred_prefetches(bool wait, bool backward) {
   }
 }
 
+void forget_group(GroupState& s) noexcept {
+  auto settle = [](Work& w) {
+    try {
+      w.wait();
+    } catch (...) {  // reported where it was raised, or by the ranks still running
+    }
+  };
+  for (Work& w : s.ag_works) settle(w);
+  s.ag_works.clear();
+  for (PendingReduce& pr : s.pending) {
+    settle(pr.rs);
+    settle(pr.ar);
+  }
+  CommContext& cc = comm_context();
+  for (auto* list : {&cc.reduce_order, &cc.deferred_prefetch, &cc.backward_prefetched}) {
+    list->erase(std::remove(list->begin(), list->end(), &s), list->end());
+  }
+}
+
 void finish_reductions() {
   CommContext& cc = comm_context();
   issue_deferred_prefetches(/*wait=*/true);

@@ -51,6 +51,12 @@ void drain_reductions(size_t keep, bool finish);
 // those in flight first (the caller is about to issue a collective, which must not overtake
 // the prefetches on any rank).
 void issue_deferred_prefetches(bool wait, bool backward = true);
+// Before a group goes (its module destroyed, perhaps after an error left a gather or a
+// reduction in flight): waits for its collectives, their errors ignored (whatever left them
+// in flight has raised already), so that none writes into its storage or calls back into it
+// afterwards (a gather's output may be allocated only when its op starts, through the
+// group), and removes it from the process-wide order.
+void forget_group(GroupState& s) noexcept;
 // Waits for every reduction issued so far (of any pass, or an explicit reduce_grads()) and
 // applies it.
 void finish_reductions();

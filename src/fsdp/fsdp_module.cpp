@@ -7,7 +7,9 @@
 namespace hp {
 
 FSDPModule::FSDPModule(std::unique_ptr<State> s) : state_(std::move(s)) {}
-FSDPModule::~FSDPModule() = default;
+FSDPModule::~FSDPModule() {
+  if (state_) detail::forget_group(*state_);
+}
 
 std::vector<at::Tensor> FSDPModule::parameters() const {
   std::vector<at::Tensor> out;
