@@ -72,27 +72,66 @@ struct Plan : torch::CustomClassHolder {
   TileCounts* counts = nullptr;
 };
 
+// The gradients of q, k and v of a local call (LocalAttention's or KeptAttention's),
+// followed by `extra` undefined ones for their other inputs.
+torch::autograd::variable_list local_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad,
+                                              size_t extra) {
+  const Plan& p = *static_cast<Plan*>(ctx->saved_data["plan"].toCapsule().get());
+  BackwardState b = begin_backward(ctx, grad);
+  const at::ScalarType ct = b.qc.scalar_type();
+  auto [dk, dv] =
+      backward_source(b.qc, b.k.to(ct), b.v.to(ct), p.q_tiles, p.k_tiles, p.mask, p.scale, b.dout, b.lse, b.delta, b.dq);
+  torch::autograd::variable_list out = {b.dq.to(b.q.scalar_type()), dk.to(b.k.scalar_type()), dv.to(b.v.scalar_type())};
+  out.resize(3 + extra);
+  return out;
+}
+
+// Returns the output and, not differentiable, the log-sum-exps.
 struct LocalAttention : torch::autograd::Function<LocalAttention> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const c10::intrusive_ptr<Plan>& plan) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& v,
+                                                const c10::intrusive_ptr<Plan>& plan) {
     const Plan& p = *plan;
     ForwardState f = begin_forward(q, v);
     const at::ScalarType ct = f.qc.scalar_type();
     forward_source(f.qc, k.to(ct), v.to(ct), p.q_tiles, p.k_tiles, p.mask, p.scale, f.o, f.lse, p.counts);
     ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
-    return end_forward(ctx, q, k, v, f);
+    at::Tensor out = end_forward(ctx, q, k, v, f);
+    ctx->mark_non_differentiable({f.lse});
+    return {out, f.lse};
   }
-
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const Plan& p = *static_cast<Plan*>(ctx->saved_data["plan"].toCapsule().get());
-    BackwardState b = begin_backward(ctx, grads[0]);
-    const at::ScalarType ct = b.qc.scalar_type();
-    auto [dk, dv] =
-        backward_source(b.qc, b.k.to(ct), b.v.to(ct), p.q_tiles, p.k_tiles, p.mask, p.scale, b.dout, b.lse, b.delta, b.dq);
-    return {b.dq.to(b.q.scalar_type()), dk.to(b.k.scalar_type()), dv.to(b.v.scalar_type()), at::Tensor()};
+    return local_backward(ctx, grads[0], 1);
   }
 };
+
+// The output of an earlier LocalAttention (kept by recomputation) with its backward.
+struct KeptAttention : torch::autograd::Function<KeptAttention> {
+  struct Kept {
+    at::Tensor out, lse;
+  };
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const c10::intrusive_ptr<Plan>& plan, Kept kept) {
+    ctx->save_for_backward({q, k, v, kept.out, kept.lse});
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
+    return kept.out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return local_backward(ctx, grads[0], 2);
+  }
+};
+
+c10::intrusive_ptr<Plan> whole_sequence_plan(const at::Tensor& q, Mask mask, double scale, int64_t tile) {
+  const std::vector<Run> whole = {Run{0, q.size(2), 0}};
+  auto plan = c10::make_intrusive<Plan>();
+  plan->q_tiles = tile_runs(whole, tile);
+  plan->k_tiles = plan->q_tiles;
+  plan->mask = mask;
+  plan->scale = scale_or_default(scale, q);
+  return plan;
+}
 
 }  // namespace
 
@@ -248,7 +287,24 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   plan->mask = mask;
   plan->scale = scale_or_default(scale, q);
   plan->counts = counts;
-  return LocalAttention::apply(q, k, v, plan);
+  return LocalAttention::apply(q, k, v, plan)[0];
+}
+
+std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     Mask mask, double scale, int64_t tile) {
+  check_shapes(q, k, v, "attention");
+  auto r = LocalAttention::apply(q, k, v, whole_sequence_plan(q, mask, scale, tile));
+  return {r[0], r[1]};
+}
+
+at::Tensor attention_from_kept(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& lse, Mask mask, double scale, int64_t tile) {
+  check_shapes(q, k, v, "attention");
+  HP_CHECK(out.dim() == 4 && out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
+               out.size(3) == v.size(3) && lse.dim() == 4 && lse.size(2) == q.size(2) && lse.size(3) == 1,
+           "attention: a kept output ", out.sizes(), " or log-sum-exp ", lse.sizes(), " does not match q ", q.sizes(),
+           " and v ", v.sizes());
+  return KeptAttention::apply(q, k, v, whole_sequence_plan(q, mask, scale, tile), KeptAttention::Kept{out, lse});
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Mask mask, double scale,

@@ -75,14 +75,31 @@ struct KeptLinear : torch::autograd::Function<KeptLinear> {
   }
 };
 
-// kKeepMatmuls: in the first forward, records each Linear's output in call order; in the
-// recomputation, hands them back through KeptLinear instead of multiplying again.
+// kKeepMatmuls and kLight: in the first forward, records each Linear's output in call order
+// (under kLight, those outside recomputed_here regions, and the kept steps' results); in
+// the recomputation, hands them back through KeptLinear (and the steps' replays) instead
+// of computing them again.
 class MatmulKeeper : public detail::ForwardOverride {
  public:
+  explicit MatmulKeeper(bool light) : light_(light) {}
+  at::Tensor step(const std::function<std::vector<at::Tensor>()>& run,
+                  const std::function<at::Tensor(const std::vector<at::Tensor>&)>& replay) override {
+    if (!light_) return run().at(0);
+    if (!replay_) {
+      steps_.push_back(run());
+      return steps_.back().at(0);
+    }
+    HP_CHECK(next_step_ < steps_.size(), "hp::recompute: the recomputation reached more kept steps (", next_step_ + 1,
+             ") than the first forward (", steps_.size(), "); the module's forward must be deterministic");
+    std::vector<at::Tensor> kept = std::move(steps_[next_step_++]);  // freed with the recomputation's graph
+    return replay(kept);
+  }
+  void enter_recomputed_region(int delta) override { recomputed_depth_ += delta; }
+
   at::Tensor forward(torch::nn::Module& m, const at::Tensor& x,
                      const std::function<at::Tensor(const at::Tensor&)>& real) override {
     auto* lin = dynamic_cast<torch::nn::LinearImpl*>(&m);
-    if (lin == nullptr) return real(x);
+    if (lin == nullptr || (light_ && recomputed_depth_ > 0)) return real(x);
     if (!replay_) {
       at::Tensor y = real(x);
       kept_.push_back(y);
@@ -101,11 +118,15 @@ class MatmulKeeper : public detail::ForwardOverride {
   void start_replay() {
     replay_ = true;
     next_ = 0;
+    next_step_ = 0;
   }
 
  private:
+  const bool light_;
   std::vector<at::Tensor> kept_;
-  size_t next_ = 0;
+  std::vector<std::vector<at::Tensor>> steps_;
+  size_t next_ = 0, next_step_ = 0;
+  int recomputed_depth_ = 0;
   bool replay_ = false;
 };
 
@@ -204,6 +225,12 @@ unsigned on_gradient(const at::Tensor& leaf, std::function<at::Tensor(const at::
   });
 }
 
+at::Tensor keep_step(const std::function<std::vector<at::Tensor>()>& run,
+                     const std::function<at::Tensor(const std::vector<at::Tensor>&)>& replay) {
+  if (detail::ForwardOverride* o = detail::forward_override()) return o->step(run, replay);
+  return run().at(0);
+}
+
 namespace detail {
 
 at::Tensor recompute_impl(torch::nn::Module& m, RecomputeFn fn, const std::vector<at::Tensor>& args,
@@ -212,7 +239,7 @@ at::Tensor recompute_impl(torch::nn::Module& m, RecomputeFn fn, const std::vecto
   auto run = c10::make_intrusive<Run>();
   run->fn = std::move(fn);
   run->policy = policy;
-  if (policy == RecomputePolicy::kKeepMatmuls) run->keeper = std::make_unique<MatmulKeeper>();
+  if (policy != RecomputePolicy::kFull) run->keeper = std::make_unique<MatmulKeeper>(policy == RecomputePolicy::kLight);
   std::set<const c10::TensorImpl*> seen;
   for (const auto& p : m.parameters(/*recurse=*/true)) {
     if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) run->params.push_back(p);

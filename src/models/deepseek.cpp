@@ -149,7 +149,10 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   const int64_t B = x.size(0), T = x.size(1), qk = c.qk_nope_dim + c.qk_rope_dim;
   // The head count comes from the up-projection: under tensor parallelism each rank holds
   // heads / tp of them.
-  at::Tensor q = hp::call(wq_b, hp::call(q_norm, hp::call(wq_a, x))).view({B, T, -1, qk}).transpose(1, 2);
+  // The up-projections are what RecomputePolicy::kLight recomputes (their outputs are much
+  // wider than their inputs), as DeepSeek-V3 trains.
+  const at::Tensor q_latent = hp::call(q_norm, hp::call(wq_a, x));
+  at::Tensor q = hp::recomputed_here([&] { return hp::call(wq_b, q_latent); }).view({B, T, -1, qk}).transpose(1, 2);
   const int64_t H = q.size(1);
   at::Tensor q_nope = q.narrow(-1, 0, c.qk_nope_dim);
   at::Tensor q_rope = apply_rotary(q.narrow(-1, c.qk_nope_dim, c.qk_rope_dim).contiguous(), cos, sin);
@@ -157,7 +160,7 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   at::Tensor latent = hp::call(kv_norm, kv_a.narrow(-1, 0, c.kv_lora_rank));
   // The decoupled rotary key: one per token, shared by all heads.
   at::Tensor k_rope = apply_rotary(kv_a.narrow(-1, c.kv_lora_rank, c.qk_rope_dim).unsqueeze(1).contiguous(), cos, sin);
-  at::Tensor kv = hp::call(wkv_b, latent).view({B, T, H, c.qk_nope_dim + c.v_head_dim}).transpose(1, 2);
+  at::Tensor kv = hp::recomputed_here([&] { return hp::call(wkv_b, latent); }).view({B, T, H, c.qk_nope_dim + c.v_head_dim}).transpose(1, 2);
   at::Tensor k_nope = kv.narrow(-1, 0, c.qk_nope_dim);
   at::Tensor v = kv.narrow(-1, c.qk_nope_dim, c.v_head_dim);
   // Queries and keys whole per head (the rotary key repeated for every head), values of
@@ -167,7 +170,7 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   const double scale = 1.0 / std::sqrt(static_cast<double>(qk));
   const at::Tensor o = context_parallel
                            ? context_parallel->attention(qf, kf, v, cp::Mask::kCausal, scale, c.attention_tile)
-                           : attn::attention(qf, kf, v, attn::Mask::kCausal, scale, c.attention_tile);
+                           : causal_attention(qf, kf, v, scale, c.attention_tile);
   return hp::call(wo, o.transpose(1, 2).reshape({B, T, H * c.v_head_dim}));
 }
 

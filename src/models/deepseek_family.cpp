@@ -76,6 +76,10 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
     f.block = 2.0 * active + 2.0 * attn::causal_score_elements(seq_length, d.attention_tile) / T *
                                  static_cast<double>(d.heads * (d.qk_nope_dim + d.qk_rope_dim + d.v_head_dim));
     f.head = 2.0 * static_cast<double>(d.vocab * d.dim);
+    // Light recompute runs the up-projections again (wq_b, wkv_b).
+    f.light_recompute = 2.0 * static_cast<double>(d.heads) *
+                        static_cast<double>(d.q_lora_rank * (d.qk_nope_dim + d.qk_rope_dim) +
+                                            d.kv_lora_rank * (d.qk_nope_dim + d.v_head_dim));
     return f;
   }
   // As Llama's, with MLA's latents and per-head query/key/value widths, and the hidden
@@ -92,6 +96,18 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
     a.head = static_cast<double>(d.vocab);
     a.attention = static_cast<double>(d.heads);
     a.attention_workspace = static_cast<double>(d.heads) * attn::tile_workspace_elements(seq_length, d.attention_tile);
+    // Light recompute: the block's input; wq_a, wkv_a and wo's outputs; attention's output
+    // and log-sum-exps; the feed-forward's Linear outputs: a MoE's router scores, w1, w3 and
+    // w2 of each routed expert a token uses and of the shared experts, or the dense MLP's.
+    const double dim = static_cast<double>(d.dim);
+    const double ffn = d.layers > d.dense_layers
+                           ? static_cast<double>(d.experts) +
+                                 static_cast<double>(d.experts_per_token) *
+                                     (2.0 * static_cast<double>(d.expert_hidden) + dim) +
+                                 2.0 * static_cast<double>(d.shared_experts * d.expert_hidden) + dim
+                           : 2.0 * static_cast<double>(d.dense_hidden) + dim;
+    a.light = dim + static_cast<double>(d.q_lora_rank + d.kv_lora_rank + d.qk_rope_dim) + dim +
+              static_cast<double>(d.heads * (d.v_head_dim + 1)) + ffn;
     return a;
   }
   // Under context parallelism MLA exchanges the decompressed per-head keys and values.

@@ -142,6 +142,17 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return out.reshape(x.sizes()).to(x.scalar_type());
 }
 
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, int64_t tile) {
+  return hp::keep_step(
+      [&] {
+        auto [o, lse] = attn::attention_with_lse(q, k, v, attn::Mask::kCausal, scale, tile);
+        return std::vector<at::Tensor>{o, lse};
+      },
+      [&](const std::vector<at::Tensor>& kept) {
+        return attn::attention_from_kept(q, k, v, kept.at(0), kept.at(1), attn::Mask::kCausal, scale, tile);
+      });
+}
+
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
     : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.head_dim()), tile(c.attention_tile) {
   auto lin = [](int64_t in, int64_t out, bool bias) {
@@ -166,7 +177,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   // Each group of heads / kv_heads query heads shares one key/value head.
   const at::Tensor o = context_parallel ? context_parallel->attention(q, k, v, cp::Mask::kCausal, scale, tile)
-                                        : attn::attention(q, k, v, attn::Mask::kCausal, scale, tile);
+                                        : causal_attention(q, k, v, scale, tile);
   return hp::call(wo, o.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 

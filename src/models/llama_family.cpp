@@ -53,6 +53,10 @@ class LlamaArgs : public detail::ReferenceArgs<LlamaArgs, LlamaConfig, Llama> {
     a.head = static_cast<double>(l.vocab);
     a.attention = static_cast<double>(l.heads);
     a.attention_workspace = static_cast<double>(l.heads) * attn::tile_workspace_elements(seq_length, l.attention_tile);
+    // Light recompute: the block's input; wq, wk, wv, wo, w1, w3 and w2's outputs;
+    // attention's output and log-sum-exps.
+    const double q = static_cast<double>(l.heads * l.head_dim()), d = static_cast<double>(l.dim);
+    a.light = d + q + 2.0 * kv + d + 2.0 * static_cast<double>(l.hidden_dim()) + d + q + static_cast<double>(l.heads);
     return a;
   }
   AttentionWidths attention_widths() const override {

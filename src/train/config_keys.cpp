@@ -209,7 +209,9 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
                        HP_FIELD(wait_per_submodule)));
   k.push_back(enum_key<Recompute>("recompute",
                                   "activation recomputation of every block: full recomputes its activations in "
-                                  "backward, selective keeps its matmul outputs and recomputes the rest",
+                                  "backward, selective keeps its matmul outputs and recomputes the rest, light "
+                                  "(DeepSeek-V3's) keeps those and attention's and recomputes the norms, MLA's "
+                                  "up-projections and the activations",
                                   HP_FIELD(recompute)));
   k.push_back(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
                       HP_FIELD(tensor_parallel), 1, kMaxRanks));

@@ -30,7 +30,8 @@ const std::vector<std::pair<ShardStrategy, const char*>>& enum_names<ShardStrate
 template <>
 const std::vector<std::pair<Recompute, const char*>>& enum_names<Recompute>() {
   static const std::vector<std::pair<Recompute, const char*>> n = {
-      {Recompute::kNone, "none"}, {Recompute::kFull, "full"}, {Recompute::kSelective, "selective"}};
+      {Recompute::kNone, "none"}, {Recompute::kFull, "full"}, {Recompute::kSelective, "selective"},
+      {Recompute::kLight, "light"}};
   return n;
 }
 template <>

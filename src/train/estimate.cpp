@@ -144,7 +144,9 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
      << " tokens, counted from the shapes, before tensor or context parallelism): a block keeps "
      << format_bytes(static_cast<int64_t>(tokens * elem * a.block)) << " (attention: its output and "
      << format_bytes(static_cast<int64_t>(tokens * 4.0 * a.attention))
-     << " of log-sum-exps, no S x S), its attention tiles hold "
+     << " of log-sum-exps, no S x S; recompute full keeps its input, "
+     << format_bytes(static_cast<int64_t>(tokens * elem * static_cast<double>(c.model->dim()))) << ", light "
+     << format_bytes(static_cast<int64_t>(tokens * elem * a.light)) << "), its attention tiles hold "
      << format_bytes(static_cast<int64_t>(static_cast<double>(c.micro_batch_size()) * a.attention_workspace * 4.0))
      << " while it computes (model.attention_tile)\n";
   os << "activations per layout: hp-train --plan measures them (and predicts the step time) for every layout";

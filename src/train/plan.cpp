@@ -213,19 +213,24 @@ ComputeModel measured_compute(const TrainConfig& c, double device_tflops, int64_
         const double rate = device_tflops > 0 ? 0.5 * device_tflops * 1e12
                                               : measure_matmul(c, static_cast<int64_t>(tokens));
         const models::FlopCount f = c.model->flops_per_token(c.seq_length);
-        const double recompute = c.recompute == Recompute::kNone ? 0 : 1;  // forward again in backward
+        // Of a block's forward, what backward runs again: all of it under full or selective
+        // recompute, the marked matmuls under light (the norms and activations uncounted).
+        const bool light = c.recompute == Recompute::kLight;
+        const double recompute = c.recompute == Recompute::kNone ? 0 : light ? f.light_recompute / f.block : 1;
         p.forward_layer = f.block * tokens / rate;
         p.matmul_forward_layer = p.forward_layer;
         p.forward_first = p.forward_layer + f.head * tokens / rate;
         p.backward_layer = (2.0 + recompute) * p.forward_layer;
         p.backward_first = 2.0 * p.forward_first + recompute * p.forward_layer;
-        // Recompute keeps a block's input alone (one block's whole set while it reruns).
+        // Full or selective recompute keeps a block's input alone (one block's whole set
+        // while it reruns); light keeps what its family counts, and rebuilds the rest.
         const models::ActivationCount a = c.model->activations_per_token(c.seq_length);
         const double elem = static_cast<double>(c10::elementSize(c.compute_dtype));
         const double dim = static_cast<double>(c.model->dim());
-        p.activations_layer = tokens * elem * (recompute > 0 ? dim : a.block);
+        const double kept = c.recompute == Recompute::kNone ? a.block : light ? a.light : dim;
+        p.activations_layer = tokens * elem * kept;
         p.activations_first = p.activations_layer + tokens * (elem + 8.0) * a.head +
-                              (recompute > 0 ? tokens * elem * a.block : 0) +
+                              (c.recompute == Recompute::kNone ? 0 : tokens * elem * (a.block - (light ? a.light : 0))) +
                               static_cast<double>(samples) * a.attention_workspace * 4.0;
         p.source = device_tflops > 0
                        ? "FLOPs at half of " + fmt("%g", device_tflops) +

@@ -2,6 +2,7 @@
 // flag, and the memory it saves (counted by the library's allocator).
 #include <gtest/gtest.h>
 
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/modules/linear.h>
 
@@ -135,4 +136,103 @@ TEST(Recompute, GradientHooksRunOncePerBackward) {
     EXPECT_TRUE(seen[0].equal(reference));
     EXPECT_TRUE(ckpt.params[2].equal(reference * 3));
   }
+}
+
+namespace {
+
+// A Linear that counts its forwards (still a Linear to the recomputation's keeper).
+struct CountingLinearImpl : torch::nn::LinearImpl {
+  CountingLinearImpl(int64_t in, int64_t out) : torch::nn::LinearImpl(in, out) {}
+  at::Tensor forward(const at::Tensor& x) {
+    ++calls;
+    return torch::nn::LinearImpl::forward(x);
+  }
+  int calls = 0;
+};
+TORCH_MODULE(CountingLinear);
+
+// exp(u) rebuilt from its kept result: its backward is grad * exp(u), as autograd's.
+struct KeptExp : torch::autograd::Function<KeptExp> {
+  struct Kept {
+    at::Tensor y;
+  };
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& u, Kept kept) {
+    ctx->save_for_backward({kept.y});
+    return kept.y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0] * ctx->get_saved_variables()[0], at::Tensor()};
+  }
+};
+
+// Three Linear calls, the middle one marked hp::recomputed_here, and a step standing for
+// attention (exp) written as hp::keep_step.
+struct StepModelImpl : torch::nn::Module {
+  StepModelImpl() {
+    for (int i = 0; i < 3; ++i) fc.push_back(register_module("fc" + std::to_string(i), CountingLinear(32, 32)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = torch::nn::functional::gelu(hp::call(fc[0], x));
+    at::Tensor u = hp::recomputed_here([&] { return hp::call(fc[1], h); });
+    at::Tensor s = hp::keep_step(
+        [&] {
+          ++runs;
+          return std::vector<at::Tensor>{(u * 0.1).exp()};
+        },
+        [&](const std::vector<at::Tensor>& kept) {
+          ++replays;
+          return KeptExp::apply(u * 0.1, KeptExp::Kept{kept[0]});
+        });
+    return hp::call(fc[2], s);
+  }
+  std::vector<CountingLinear> fc;
+  int runs = 0, replays = 0;
+};
+TORCH_MODULE(StepModel);
+
+}  // namespace
+
+// Light recompute: the marked Linear runs again in backward, the others and the kept step do
+// not (their results are kept), and the gradients are bitwise those without recompute.
+TEST(Recompute, LightKeepsTheStepsAndRecomputesTheMarkedMatmuls) {
+  hp::memory::install_counting_allocator();
+  torch::manual_seed(5);
+  StepModel m;
+  m->to(at::kDouble);
+  const at::Tensor x0 = at::randn({64, 32}, at::kDouble);
+  auto grads = [&](const c10::optional<hp::RecomputePolicy>& policy, int64_t* held) {
+    for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor x = x0.clone().requires_grad_(true);
+    const int64_t before = hp::memory::current_bytes();
+    at::Tensor y = policy ? hp::recompute_with(*policy, m, x) : hp::call(m, x);
+    if (held != nullptr) *held = hp::memory::current_bytes() - before;
+    y.pow(2).sum().backward();
+    std::vector<at::Tensor> g = {x.grad().clone()};
+    for (auto& p : m->parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  const auto plain = grads(c10::nullopt, nullptr);
+  for (auto& f : m->fc) f->calls = 0;
+  m->runs = m->replays = 0;
+  int64_t held = 0;
+  const auto light = grads(hp::RecomputePolicy::kLight, &held);
+  EXPECT_EQ(m->fc[0]->calls, 1) << "kept";
+  EXPECT_EQ(m->fc[1]->calls, 2) << "marked: recomputed";
+  EXPECT_EQ(m->fc[2]->calls, 1) << "kept";
+  EXPECT_EQ(m->runs, 1);
+  EXPECT_EQ(m->replays, 1);
+  ASSERT_EQ(plain.size(), light.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(at::equal(plain[i], light[i])) << i;
+  // Held from forward to backward, beyond the input: fc0's output, the step's and fc2's (the
+  // call's output), 64 x 32 doubles each; not fc1's or gelu's.
+  EXPECT_EQ(held, 3 * 64 * 32 * 8);
+  // Outside a light recompute the marks change nothing: selective recomputes the step and
+  // keeps fc1's output.
+  for (auto& f : m->fc) f->calls = 0;
+  m->runs = m->replays = 0;
+  const auto sel = grads(hp::RecomputePolicy::kKeepMatmuls, nullptr);
+  EXPECT_EQ(m->fc[1]->calls, 1);
+  EXPECT_EQ(m->runs, 2);
+  EXPECT_EQ(m->replays, 0);
 }

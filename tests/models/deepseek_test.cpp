@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "hp/core/memory.h"
 #include "hp/models/deepseek.h"
+#include "hp/models/family.h"
+#include "light_recompute_util.h"
 #include "test_util.h"
 
 using hp::models::DeepSeekConfig;
@@ -230,11 +233,13 @@ TEST(DeepSeek, LargestBlockIsAnMoEBlockCountedByHand) {
 // and each MoE counts its expert load once per token and choice, not again when the block
 // is recomputed in backward (the balancing bias reads that count).
 TEST(DeepSeek, RecomputedBlocksGiveBitwiseGradientsAndCountLoadOnce) {
+ for (auto policy : {hp::RecomputePolicy::kFull, hp::RecomputePolicy::kLight}) {
+  SCOPED_TRACE(policy == hp::RecomputePolicy::kFull ? "full" : "light");
   DeepSeekConfig c = DeepSeekConfig::tiny();
   hp::models::DeepSeek plain(c), ckpt(c);
   plain->init_weights(3);
   ckpt->init_weights(3);
-  ckpt->recompute = hp::RecomputePolicy::kFull;
+  ckpt->recompute = policy;
   torch::manual_seed(4);
   const int64_t B = 2, T = 8;
   at::Tensor tokens = at::randint(c.vocab, {B, T}, at::kLong);
@@ -257,6 +262,26 @@ TEST(DeepSeek, RecomputedBlocksGiveBitwiseGradientsAndCountLoadOnce) {
         << "block " << i;
     EXPECT_TRUE(at::equal(ckpt->blocks[i]->moe->load, plain->blocks[i]->moe->load)) << "block " << i;
   }
+ }
+}
+
+// Light recompute keeps, per MoE block, what the family counts (ActivationCount::light: the
+// block's input; wq_a, wkv_a and wo's outputs; attention's output and log-sum-exps; the
+// router's scores, each routed expert's and the shared experts' three Linear outputs):
+// measured as the bytes held after forward by a model of 3 blocks less one of 2 (the first
+// dense, the others MoE), in float64. MLA's up-projections and the norms are not kept.
+TEST(DeepSeek, LightRecomputeKeepsWhatTheFamilyCounts) {
+  hp::memory::install_counting_allocator();
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  ASSERT_EQ(c.dense_layers, 1);
+  const int64_t B = 2, T = 16;
+  torch::manual_seed(7);
+  const at::Tensor tokens = at::randint(c.vocab, {B, T}, at::kLong);
+  auto held = [&](int64_t layers) { return hp::test::light_bytes_held<hp::models::DeepSeek>(c, layers, tokens); };
+  auto args = hp::models::model_family("deepseek").preset("tiny");
+  args->set_layers(3);
+  const double per_token = args->activations_per_token(T).light;
+  EXPECT_EQ(static_cast<double>(held(3) - held(2)), per_token * B * T * 8);
 }
 
 // The sequence-wise balance loss (DeepSeek-V3 eq. 17-20) against a loop written here, and

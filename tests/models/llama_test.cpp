@@ -5,7 +5,10 @@
 
 #include <cmath>
 
+#include "hp/core/memory.h"
+#include "hp/models/family.h"
 #include "hp/models/llama.h"
+#include "light_recompute_util.h"
 #include "test_util.h"
 
 using hp::models::LlamaConfig;
@@ -187,4 +190,35 @@ TEST(Llama, RotaryScalingAsWorkedOutByHand) {
   o.scaling = hp::models::RopeScaling::kLinear;
   got = freqs(o);
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(got[i].item<double>(), std::pow(10000.0, -i / 4.0) / 8, 1e-12) << i;
+}
+
+// Light recompute (DeepSeek-V3's policy): logits and every gradient bitwise those of the
+// plain model; one more block keeps exactly what the family counts for it
+// (ActivationCount::light: its input, the Linear outputs, attention's output and
+// log-sum-exps), measured with the counting allocator as the bytes held after forward by a
+// model of 2 blocks less one of 1.
+TEST(Llama, LightRecomputeIsBitwiseAndKeepsWhatTheFamilyCounts) {
+  hp::memory::install_counting_allocator();
+  LlamaConfig c = LlamaConfig::tiny();
+  const int64_t B = 2, T = 16;
+  torch::manual_seed(6);
+  const at::Tensor tokens = at::randint(c.vocab, {B, T}, at::kLong);
+  hp::models::Llama plain(c), light(c);
+  plain->init_weights(3);
+  light->init_weights(3);
+  plain->to(at::kDouble);
+  light->to(at::kDouble);
+  light->recompute = hp::RecomputePolicy::kLight;
+  at::Tensor a = plain->forward(tokens), b = light->forward(tokens);
+  EXPECT_TRUE(at::equal(a, b));
+  a.pow(2).mean().backward();
+  b.pow(2).mean().backward();
+  auto pb = light->named_parameters();
+  for (const auto& item : plain->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value().grad(), pb[item.key()].grad())) << item.key();
+  }
+  auto held = [&](int64_t layers) { return hp::test::light_bytes_held<hp::models::Llama>(c, layers, tokens); };
+  auto args = hp::models::model_family("llama").preset("tiny");
+  const double per_token = args->activations_per_token(T).light;
+  EXPECT_EQ(static_cast<double>(held(2) - held(1)), per_token * B * T * 8);
 }

@@ -394,6 +394,8 @@ TEST(TrainConfig, EnumChoicesRoundTrip) {
   EXPECT_NE(ht::describe(ht::parse_config("device: cuda\n")).find("device cuda"), std::string::npos);
   EXPECT_EQ(ht::parse_config("pipeline_schedule: zbv\n").pipeline_schedule, ht::PipelineScheduleKind::kZBV);
   EXPECT_EQ(ht::parse_config("recompute: selective\n").recompute, ht::Recompute::kSelective);
+  EXPECT_EQ(ht::parse_config("recompute: light\n").recompute, ht::Recompute::kLight);
+  EXPECT_EQ(ht::recompute_policy(ht::Recompute::kLight), hp::RecomputePolicy::kLight);
 }
 
 // A family registered at run time gets its keys parsed, listed and checked like the
@@ -554,6 +556,8 @@ TEST(TrainConfig, ContextParallelErrors) {
   hp::test::expect_error([&] { validated({"context_parallel=3"}, 4); }, {"context_parallel=3", "does not divide the world size 4"});
   hp::test::expect_error([&] { validated({"context_parallel=4", "context_parallel_method=ulysses"}, 4); },
                          {"ulysses needs the 4 query heads and 2 key/value heads of a rank divisible by context_parallel=4"});
+  hp::test::expect_error([&] { validated({"context_parallel=2", "recompute=light"}, 2); },
+                         {"recompute=light with context_parallel=2 is not supported yet"});
   hp::test::expect_error([&] { validated({"context_parallel_method=allgather"}, 1); },
                          {"context_parallel_method=allgather needs context_parallel > 1"});
   hp::test::expect_error(

@@ -287,6 +287,16 @@ TEST(Plan, GivenDeviceCountsFlopsAtHalfItsPeak) {
   const double block = 6 * 64 + 2 * 32 + 4 * 192 + 4;
   EXPECT_DOUBLE_EQ(p.activations_layer, tokens * 4 * block);
   EXPECT_DOUBLE_EQ(p.activations_first, tokens * 4 * block + tokens * 12 * 256 + 2 * 4 * 2 * 64 * 64 * 4);
+  // Light recompute: Llama has no marked matmul, so backward stays twice forward; a block
+  // keeps its input, wq, wk, wv, wo, w1, w3 and w2's outputs, attention's output and
+  // log-sum-exps: 64 + 64 + 2 x 32 + 64 + 2 x 192 + 64 + 64 + 4 = 772 per position, and the
+  // block rerunning rebuilds the other 1220 - 772.
+  c.recompute = ht::Recompute::kLight;
+  const auto light = ht::measured_compute(c, 100)(2, 1, 1);
+  EXPECT_NEAR(light.backward_layer, 2 * layer, 1e-18);
+  EXPECT_DOUBLE_EQ(light.activations_layer, tokens * 4 * 772);
+  EXPECT_DOUBLE_EQ(light.activations_first,
+                   tokens * 4 * 772 + tokens * 12 * 256 + tokens * 4 * (1220 - 772) + 2 * 4 * 2 * 64 * 64 * 4);
   c.recompute = ht::Recompute::kFull;
   EXPECT_NEAR(ht::measured_compute(c, 100)(2, 1, 1).backward_layer, 3 * layer, 1e-18);
 }

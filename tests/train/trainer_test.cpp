@@ -1451,8 +1451,8 @@ TEST_P(Bf16Tp, Bf16WithFp32MastersFollowsSingleProcess) {
 }
 INSTANTIATE_TEST_SUITE_P(TrainDist, Bf16Tp, ::testing::Values(1, 2));
 
-// Activation checkpointing of every block under fully_shard: full recomputation gives
-// bitwise the losses and parameters of the run without it (fp32); keeping the matmul
+// Activation checkpointing of every block under fully_shard: full and light recomputation
+// give bitwise the losses and parameters of the run without it (fp32); keeping the matmul
 // outputs (selective) differs from one process only by summation order (float64, 1e-10).
 // DeepSeek's expert-load count (and so its balancing bias) must not count the
 // recomputation again, or the parameters drift apart after the first bias update.
@@ -1464,14 +1464,22 @@ TEST(TrainDist, RecomputeFullIsBitwiseAndSelectiveMatchesOneProcess) {
     ht::Trainer plain(c, w);
     c.recompute = ht::Recompute::kFull;
     ht::Trainer full(c, w);
+    c.recompute = ht::Recompute::kLight;
+    ht::Trainer light(c, w);
     for (int64_t s = 0; s < c.train_steps; ++s) {
-      ht::StepStats a = plain.step(), b = full.step();
+      ht::StepStats a = plain.step(), b = full.step(), l = light.step();
       EXPECT_EQ(a.loss, b.loss) << type << " step " << s + 1;
       EXPECT_EQ(a.grad_norm, b.grad_norm) << type << " step " << s + 1;
+      EXPECT_EQ(a.loss, l.loss) << type << " light, step " << s + 1;
+      EXPECT_EQ(a.grad_norm, l.grad_norm) << type << " light, step " << s + 1;
     }
-    auto pa = plain.sharded_params(), pb = full.sharded_params();
+    auto pa = plain.sharded_params(), pb = full.sharded_params(), pl = light.sharded_params();
     ASSERT_EQ(pa.size(), pb.size());
-    for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i], pb[i])) << type << " param " << i;
+    ASSERT_EQ(pa.size(), pl.size());
+    for (size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_TRUE(at::equal(pa[i], pb[i])) << type << " param " << i;
+      EXPECT_TRUE(at::equal(pa[i], pl[i])) << type << " light, param " << i;
+    }
 
     c.recompute = ht::Recompute::kSelective;
     c.params_dtype = c.compute_dtype = at::kDouble;

@@ -90,6 +90,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const std::vector<Run>& k_runs, Mask mask, double scale, int64_t tile,
                      TileCounts* counts = nullptr);
 
+// For a step recomputation keeps (hp::keep_step, RecomputePolicy::kLight): the whole
+// sequence's attention as attention() computes it, with its log-sum-exps [B, heads, T, 1]
+// (not differentiable) beside the output; and the output rebuilt from those two, with
+// attention()'s backward, without computing it again (q, k and v must be those they came
+// from).
+std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     Mask mask, double scale = 0.0, int64_t tile = kDefaultTile);
+at::Tensor attention_from_kept(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& lse, Mask mask, double scale = 0.0, int64_t tile = kDefaultTile);
+
 // The pieces the two calls above are made of, for a layer that brings the keys in several
 // sources (hp/cp). Tensors are in the compute dtype (compute_dtype(q)); q [B, H, Tq, d],
 // k [B, KVH, Tk, d], v [B, KVH, Tk, dv]; runs already tiled.

@@ -93,6 +93,13 @@ class ForwardOverride {
   virtual ~ForwardOverride() = default;
   virtual at::Tensor forward(torch::nn::Module& m, const at::Tensor& x,
                              const std::function<at::Tensor(const at::Tensor&)>& real) = 0;
+  // hp::keep_step and hp::recomputed_here (hooks/recompute.h) under this override: by
+  // default the step simply runs and the region changes nothing.
+  virtual at::Tensor step(const std::function<std::vector<at::Tensor>()>& run,
+                          const std::function<at::Tensor(const std::vector<at::Tensor>&)>& replay) {
+    return run().at(0);
+  }
+  virtual void enter_recomputed_region(int delta) {}
 };
 // The override installed on this thread, or null; set_forward_override returns the
 // previous one (restore it when done).

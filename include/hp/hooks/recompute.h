@@ -25,6 +25,11 @@
 //   torch::nn::Linear children (called through hp::call) from the first forward and does
 //   not recompute those matmuls: their backward needs only the input and the weight, so
 //   the recomputation gives them back the kept output in place of a new product.
+// - Policy kLight (DeepSeek-V3's): as kKeepMatmuls, but the Linear calls a model marks with
+//   hp::recomputed_here (MLA's up-projections) are recomputed, and the steps it writes with
+//   hp::keep_step (attention) keep their results from the first forward: the recomputation
+//   rebuilds their backward from those results instead of running them again. What is left
+//   to recompute is cheap: the norms, the marked projections, elementwise activations.
 // - Arguments must be tensors; the module's forward must return one tensor. The module's
 //   forward must be deterministic (no dropout yet: "not supported yet" for modules in
 //   training mode with dropout is left to the caller).
@@ -46,6 +51,7 @@ namespace hp {
 enum class RecomputePolicy {
   kFull,          // recompute every op of the module in backward
   kKeepMatmuls,   // keep the outputs of its Linear children, recompute the rest
+  kLight,         // keep those but the marked ones, and the kept steps' results; recompute the rest
 };
 
 // True while a recomputed module's forward is being recomputed on this thread.
@@ -62,6 +68,31 @@ bool in_differentiated_forward();
 // (fully_shard's and recompute's backwards included), as Tensor::register_hook does on
 // libtorch 1.x. Returns the hook's handle, as register_hook does.
 unsigned on_gradient(const at::Tensor& leaf, std::function<at::Tensor(const at::Tensor&)> fn);
+
+// A costly step of a module's forward whose results its backward can use as they are
+// (attention's output and log-sum-exp). run() computes it as usual, with autograd, and
+// returns its output first, then whatever replay needs. replay(kept) returns the same
+// output from run()'s results, with a backward and without computing it again. Under
+// RecomputePolicy::kLight the first forward keeps run()'s results and the recomputation
+// calls replay(kept) in its place; everywhere else, run()'s output. The step must be
+// reached as often, in the same order, in both forwards.
+at::Tensor keep_step(const std::function<std::vector<at::Tensor>()>& run,
+                     const std::function<at::Tensor(const std::vector<at::Tensor>&)>& replay);
+
+// fn() with the Linear calls inside it recomputed under RecomputePolicy::kLight (not kept:
+// MLA's up-projections, whose outputs are much wider than their inputs); fn() as it is
+// everywhere else.
+template <typename F>
+decltype(auto) recomputed_here(F&& fn) {
+  detail::ForwardOverride* o = detail::forward_override();
+  if (o == nullptr) return fn();
+  struct Region {
+    detail::ForwardOverride* o;
+    ~Region() { o->enter_recomputed_region(-1); }
+  } region{o};
+  o->enter_recomputed_region(1);
+  return fn();
+}
 
 namespace detail {
 

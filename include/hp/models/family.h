@@ -96,6 +96,10 @@ class Model {
 // products over the sequence) and of the head.
 struct FlopCount {
   double block = 0, head = 0;
+  // Of block: the matmuls RecomputePolicy::kLight runs again in backward (those the model
+  // marks hp::recomputed_here: MLA's up-projections; the norms and activations it also
+  // recomputes are not matmuls and not counted).
+  double light_recompute = 0;
 };
 // Activation elements one sequence position keeps for backward: per block and of the head
 // (the logits, their fp32 copy and probabilities).
@@ -107,6 +111,9 @@ struct ActivationCount {
   // Not per token: what one sequence's attention holds while a block computes, float32
   // elements (attn::tile_workspace_elements for every head).
   double attention_workspace = 0;
+  // What a block keeps per position under RecomputePolicy::kLight: its input, the outputs
+  // of the Linear calls it does not recompute, attention's output and log-sum-exps.
+  double light = 0;
 };
 // Elements per token of one attention layer: its keys and values (what context
 // parallelism's ring and all-gather exchange) and its queries and output (what Ulysses

@@ -104,6 +104,10 @@ std::function<void(const at::Tensor& param, at::Tensor& full)> parameter_initial
 // loss): float32 for float32 and lower precisions; a float64 model stays in float64, so
 // that parity tests can train whole models in float64 (no step rounds to float32).
 inline at::Tensor upcast(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? x : x.to(at::kFloat); }
+// Causal attention over the whole sequence (hp::attn's tiled kernel), written as a step
+// RecomputePolicy::kLight keeps (hp::keep_step): its output and log-sum-exps are kept from
+// the first forward and the recomputation rebuilds its backward from them.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, int64_t tile);
 
 // Mean cross-entropy of logits [..., vocab] against targets [...], in fp32 (float64 for
 // float64 logits); with `vocab_parallel`, the logits are this rank's vocabulary piece over

@@ -75,8 +75,10 @@ enum class DataType { kSynthetic, kBinary, kText, kMegatron };
 enum class TokenDtype { kUint16, kUint32 };
 // ZeRO-3 (reshard after forward) or ZeRO-2 (keep the parameters until backward).
 enum class ShardStrategy { kOptimGradsParams, kOptimGrads };
-// Activation recomputation of every block.
-enum class Recompute { kNone, kFull, kSelective };
+// Activation recomputation of every block (hp::RecomputePolicy): kSelective keeps the
+// matmuls' outputs, kLight (DeepSeek-V3's) those and attention's, recomputing only the norms,
+// MLA's up-projections and the activations.
+enum class Recompute { kNone, kFull, kSelective, kLight };
 enum class PipelineScheduleKind { kAuto, kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
 enum class LrDecay { kCosine, kLinear, kConstant };
 enum class OptimizerKind { kAdamW, kMuon };
