@@ -1420,7 +1420,14 @@ TEST(TrainDist, DeepSeekTensorParallelMatchesSingleProcess) {
 // loop with the same casts. The two differ by bf16 rounding: each rank's bf16 matmuls
 // cover its slice of the batch where one process's cover all of it, so logits differ by a
 // few bf16 roundings (2^-9 ~ 2e-3 relative each); the loss, a mean over 128 tokens after
-// 3 blocks, stays within 1e-2. The loss must fall, and the parameters stay bf16. Under
+// 3 blocks, stays within 1e-2 at the first step (measured: 2e-6). After it the runs train
+// apart: each update rounds the bf16 parameters from their fp32 masters, a master that
+// differs in its last fp32 bits between layouts crosses a bf16 rounding point in one run and
+// not the other (2^-9 relative in that parameter), and at lr 1e-2 such differences grow
+// from step to step. Measured on libtorch 2.11 (the torch2 tier) once attention computed in
+// float32 tiles: 1.15% at step 8 under tp 2 (0.53% at step 7 at tp 1), from 2e-6 at step 1;
+// the later steps are held to 2e-2, the first to the derived 1e-2. The loss must fall, and
+// the parameters stay bf16. Under
 // tensor parallelism (tp 2 with sequence parallel, when the world is even) the rounding
 // points move the same way: each rank's matmuls cover part of a dim and their partial
 // outputs are summed in bf16 (one more rounding), the gradient reductions over tp in fp32.
@@ -1441,8 +1448,9 @@ TEST_P(Bf16Tp, Bf16WithFp32MastersFollowsSingleProcess) {
   double first = 0, last = 0;
   for (int64_t s = 0; s < c.train_steps; ++s) {
     ht::StepStats st = t.step(), rs = ref.step();
-    EXPECT_NEAR(st.loss, naive.losses[s], 1e-2 * naive.losses[s]) << "step " << s + 1;
-    EXPECT_NEAR(rs.loss, naive.losses[s], 1e-2 * naive.losses[s]) << "reference trainer, step " << s + 1;
+    const double bound = (s == 0 ? 1e-2 : 2e-2) * naive.losses[s];  // the first step's, then the drift's (above)
+    EXPECT_NEAR(st.loss, naive.losses[s], bound) << "step " << s + 1;
+    EXPECT_NEAR(rs.loss, naive.losses[s], bound) << "reference trainer, step " << s + 1;
     if (s == 0) first = st.loss;
     last = st.loss;
   }
