@@ -309,9 +309,7 @@ at::Tensor attention_from_kept(const at::Tensor& q, const at::Tensor& k, const a
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Mask mask, double scale,
                      int64_t tile) {
-  check_shapes(q, k, v, "attention");
-  const std::vector<Run> whole = {Run{0, q.size(2), 0}};
-  return attention(q, k, v, whole, whole, mask, scale, tile);
+  return attention_with_lse(q, k, v, mask, scale, tile).first;
 }
 
 }  // namespace hp::attn

@@ -175,7 +175,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   at::Tensor v = split(hp::call(wv, x));
   const int64_t local_heads = q.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  // Each group of heads / kv_heads query heads shares one key/value head.
+  // k and v keep their kv_heads: each group of heads / kv_heads query heads shares one.
   const at::Tensor o = context_parallel ? context_parallel->attention(q, k, v, cp::Mask::kCausal, scale, tile)
                                         : causal_attention(q, k, v, scale, tile);
   return hp::call(wo, o.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
