@@ -9,6 +9,7 @@
 
 #include "../comm/group_capsule.h"
 #include "hp/core/error.h"
+#include "overlap.h"
 
 namespace hp::ep {
 namespace {
@@ -44,11 +45,6 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
     return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-// p[inverse(p)[i]] = i for a permutation p of [0, n).
-at::Tensor inverse_permutation(const at::Tensor& p) {
-  return at::empty_like(p).scatter_(0, p, at::arange(p.numel(), p.options()));
-}
 
 std::vector<int64_t> block_sums(const at::Tensor& counts, int64_t blocks) {
   at::Tensor s = counts.view({blocks, -1}).sum(1).to(c10::kCPU).contiguous();  // sizes the host reads
@@ -120,35 +116,24 @@ class SortingDispatcher : public TokenDispatcher {
       : TokenDispatcher(experts, ep ? ep->size() : 1, ep ? ep->rank() : 0), ep_(std::move(ep)) {}
 
   Dispatched dispatch(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) override {
-    check_dispatch_inputs(x, expert_ids, weights);
-    auto c = std::make_shared<SortingContext>();
-    c->tokens = x.size(0);
-    c->k = expert_ids.size(1);
-    c->weights = weights;
-    ExpertSort s = sort_by_expert(expert_ids, experts());
-    c->unsort = inverse_permutation(s.order);
-    // The dropped slots (last in the order) are not sent.
-    c->routed = s.counts.sum().item<int64_t>();
-    at::Tensor rows = x.index_select(0, s.order.narrow(0, 0, c->routed).div(c->k, "floor"));
+    Sorted s = sort(x, expert_ids, weights);
+    SortingContext& c = *s.context;
     Dispatched d;
-    d.context = c;
+    d.context = s.context;
     if (!ep_) {
-      c->send_splits = c->recv_splits = {rows.size(0)};
-      d.rows = rows;
+      c.send_splits = c.recv_splits = {s.rows.size(0)};
+      d.rows = s.rows;
       d.counts = block_sums(s.counts, experts());
       return d;
     }
     const int64_t n = ep_size(), L = local_experts();
-    at::Tensor recv_counts = exchange_counts(s.counts, ep_);  // L counts with each rank
-    c->send_splits = block_sums(s.counts, n);
-    c->recv_splits = block_sums(recv_counts, n);
-    d.dispatch_bytes = bytes_to_others(c->send_splits, row_bytes(rows), ep_rank()) + (n - 1) * L * 8;
-    d.combine_bytes = bytes_to_others(c->recv_splits, row_bytes(rows), ep_rank());
-    rows = all_to_all_rows(rows, ep_, c->send_splits, c->recv_splits);
-    c->to_expert_major = expert_major_order(recv_counts, L);
-    c->to_rank_major = inverse_permutation(c->to_expert_major);
-    d.rows = rows.index_select(0, c->to_expert_major);
-    d.counts = block_sums(recv_counts.view({n, L}).t().contiguous(), L);
+    d.dispatch_bytes = s.dispatch_bytes;
+    d.combine_bytes = s.combine_bytes;
+    at::Tensor rows = all_to_all_rows(s.rows, ep_, c.send_splits, c.recv_splits);
+    c.to_expert_major = expert_major_order(s.recv_counts, L);
+    c.to_rank_major = inverse_permutation(c.to_expert_major);
+    d.rows = rows.index_select(0, c.to_expert_major);
+    d.counts = block_sums(s.recv_counts.view({n, L}).t().contiguous(), L);
     return d;
   }
 
@@ -156,12 +141,72 @@ class SortingDispatcher : public TokenDispatcher {
     const SortingContext& c = combine_context<SortingContext>(y, d);
     at::Tensor back = y;
     if (ep_) back = all_to_all_rows(y.index_select(0, c.to_rank_major), ep_, c.recv_splits, c.send_splits);
+    return weigh(back, c);
+  }
+
+  InFlight dispatch_overlapped(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
+                               int chunks) override {
+    // Checked before the counts are exchanged (the same on every rank).
+    HP_CHECK(chunks >= 1 && chunks <= local_experts(), "ep: ", chunks, " overlap chunks for ", local_experts(),
+             " local experts (a chunk is a whole number of experts: 1 to ", local_experts(), ")");
+    Sorted s = sort(x, expert_ids, weights);
+    InFlight f = launch_chunks(s.rows, ep_, s.counts, s.recv_counts, local_experts(), chunks);
+    f.dispatch_bytes = s.dispatch_bytes;
+    f.combine_bytes = s.combine_bytes;
+    f.context = s.context;
+    return f;
+  }
+
+  at::Tensor combine_overlapped(const at::Tensor& returned, const InFlight& f) override {
+    const auto* c = dynamic_cast<const SortingContext*>(f.context.get());
+    HP_CHECK(c, "ep combine_overlapped: not the InFlight of this dispatcher's dispatch_overlapped");
+    HP_CHECK(returned.dim() == 2 && returned.size(0) == c->routed, "ep combine_overlapped: the returned outputs must be [",
+             c->routed, ", dim] (one row per row sent), got shape ", returned.sizes());
+    return weigh(returned, *c);
+  }
+
+ private:
+  // The sort, and the counts exchanged: what dispatch and dispatch_overlapped share.
+  struct Sorted {
+    std::shared_ptr<SortingContext> context;
+    at::Tensor rows;         // the routed rows in expert-major order (the order they leave in)
+    at::Tensor counts;       // int64 [experts]: rows of this rank per expert
+    at::Tensor recv_counts;  // int64 [ep * local experts]: rows from each rank per local expert
+    int64_t dispatch_bytes = 0, combine_bytes = 0;
+  };
+  Sorted sort(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) const {
+    check_dispatch_inputs(x, expert_ids, weights);
+    Sorted out;
+    out.context = std::make_shared<SortingContext>();
+    SortingContext& c = *out.context;
+    c.tokens = x.size(0);
+    c.k = expert_ids.size(1);
+    c.weights = weights;
+    ExpertSort s = sort_by_expert(expert_ids, experts());
+    c.unsort = inverse_permutation(s.order);
+    // The dropped slots (last in the order) are not sent.
+    c.routed = s.counts.sum().item<int64_t>();
+    out.rows = x.index_select(0, s.order.narrow(0, 0, c.routed).div(c.k, "floor"));
+    out.counts = s.counts;
+    out.recv_counts = s.counts;
+    if (!ep_) return out;
+    const int64_t n = ep_size(), L = local_experts();
+    out.recv_counts = exchange_counts(s.counts, ep_);  // L counts with each rank
+    c.send_splits = block_sums(s.counts, n);
+    c.recv_splits = block_sums(out.recv_counts, n);
+    out.dispatch_bytes = bytes_to_others(c.send_splits, row_bytes(out.rows), ep_rank()) + (n - 1) * L * 8;
+    out.combine_bytes = bytes_to_others(c.recv_splits, row_bytes(out.rows), ep_rank());
+    return out;
+  }
+
+  // The tokens' outputs from the rows back at this rank (in the order they left).
+  static at::Tensor weigh(at::Tensor back, const SortingContext& c) {
     // The dropped slots' rows: zeros, after the routed ones (where the sort put them).
     const int64_t dropped = c.tokens * c.k - c.routed;
-    if (dropped > 0) back = at::cat({back, at::zeros({dropped, y.size(1)}, back.options())});
-    at::Tensor slots = back.index_select(0, c.unsort).view({c.tokens, c.k, y.size(1)});
-    const at::ScalarType ct = at::promote_types(y.scalar_type(), at::kFloat);
-    return (slots.to(ct) * c.weights.to(ct).unsqueeze(-1)).sum(1).to(y.scalar_type());
+    if (dropped > 0) back = at::cat({back, at::zeros({dropped, back.size(1)}, back.options())});
+    at::Tensor slots = back.index_select(0, c.unsort).view({c.tokens, c.k, back.size(1)});
+    const at::ScalarType ct = at::promote_types(back.scalar_type(), at::kFloat);
+    return (slots.to(ct) * c.weights.to(ct).unsqueeze(-1)).sum(1).to(back.scalar_type());
   }
 
  private:
@@ -257,6 +302,19 @@ class DedupDispatcher : public TokenDispatcher {
 
 }  // namespace
 
+InFlight TokenDispatcher::dispatch_overlapped(const at::Tensor&, const at::Tensor&, const at::Tensor&, int chunks) {
+  throw Error(detail::str_cat("ep: overlapping this dispatcher's all-to-alls (", chunks,
+                              " chunks) is not supported yet; the plain all-to-all dispatcher overlaps them"));
+}
+
+at::Tensor TokenDispatcher::combine_overlapped(const at::Tensor&, const InFlight&) {
+  throw Error("ep: combine_overlapped is not supported yet by this dispatcher");
+}
+
+at::Tensor inverse_permutation(const at::Tensor& p) {
+  return at::empty_like(p).scatter_(0, p, at::arange(p.numel(), p.options()));
+}
+
 TokenDispatcher::TokenDispatcher(int64_t experts, int64_t ep_size, int64_t ep_rank)
     : experts_(experts), ep_size_(ep_size), ep_rank_(ep_rank) {
   HP_CHECK(experts >= 1, "ep: the expert count must be positive, got ", experts);
@@ -317,15 +375,18 @@ std::shared_ptr<TokenDispatcher> make_dispatcher(DispatcherKind kind, const Comm
 ExchangeCost dispatch_traffic(DispatcherKind kind, const ExchangeShape& s) {
   HP_CHECK(s.ep >= 1 && s.k >= 1 && s.experts >= 1, "ep::dispatch_traffic: ep=", s.ep, ", k=", s.k, ", experts=",
            s.experts, " must be positive");
+  HP_CHECK(s.chunks >= 1 && (s.chunks == 1 || kind == DispatcherKind::kAllToAll), "ep::dispatch_traffic: ", s.chunks,
+           " overlap chunks (the de-duplicating dispatcher does not overlap yet)");
   ExchangeCost c;
   if (s.ep == 1) return c;
   const double E = static_cast<double>(s.experts), k = static_cast<double>(s.k);
   auto a2a = [&](double bytes, double count = 1) { return CollectiveCost{CommOp::kAllToAll, bytes, s.ep, count}; };
   switch (kind) {
     case DispatcherKind::kAllToAll: {
-      const double rows = s.tokens * k * s.row_bytes;
-      c.forward = {a2a(8.0 * E), a2a(rows, 2)};
-      c.backward = {a2a(rows, 2)};
+      // Each row exchange in s.chunks all-to-alls of 1/chunks of the rows each.
+      const double chunks = s.chunks, rows = s.tokens * k * s.row_bytes / chunks;
+      c.forward = {a2a(8.0 * E), a2a(rows, 2 * chunks)};
+      c.backward = {a2a(rows, 2 * chunks)};
       break;
     }
     case DispatcherKind::kDedup: {
@@ -336,6 +397,35 @@ ExchangeCost dispatch_traffic(DispatcherKind kind, const ExchangeShape& s) {
     }
   }
   return c;
+}
+
+Exposure overlap_exposure(const OverlapTimes& t) {
+  HP_CHECK(t.chunks >= 1, "ep::overlap_exposure: ", t.chunks, " chunks");
+  const int C = t.chunks;
+  Exposure e;
+  if (C == 1) {
+    e.forward = t.rows + t.outputs;
+    e.backward = t.outputs + t.rows;
+    return e;
+  }
+  const double ef = t.experts_forward / C, eb = t.experts_backward / C;
+  // Forward: chunk g's rows in at (g + 1) x rows.
+  double comm = C * t.rows, compute = t.shared_forward;
+  for (int g = 0; g < C; ++g) {
+    compute = std::max(compute, (g + 1) * t.rows) + ef;
+    comm = std::max(comm, compute) + t.outputs;
+  }
+  e.forward = std::max(comm, compute) - (t.shared_forward + t.experts_forward);
+  // Backward: the i-th chunk run (the last chunk first) has its output gradient at (i + 1) x outputs.
+  comm = C * t.outputs;
+  compute = 0;
+  for (int i = 0; i < C; ++i) {
+    compute = std::max(compute, (i + 1) * t.outputs) + eb;
+    comm = std::max(comm, compute) + t.rows;
+  }
+  compute += t.shared_backward;
+  e.backward = std::max(comm, compute) - (t.shared_backward + t.experts_backward);
+  return e;
 }
 
 double expected_copies(double tokens, int64_t experts, int ep, int64_t k) {

@@ -182,14 +182,25 @@ ExpertsImpl::ExpertsImpl(int64_t first_expert, std::vector<SwiGLU> experts) : fi
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& rows, const std::vector<int64_t>& counts) {
   HP_CHECK(counts.size() == list.size(), "Experts: ", counts.size(), " row counts for ", list.size(), " experts");
+  return run(0, rows, counts);
+}
+
+at::Tensor ExpertsImpl::forward(ep::InFlight& f) {
+  HP_CHECK(f.chunk_first(f.chunks()) == static_cast<int64_t>(list.size()), "Experts: a dispatch of ",
+           f.chunk_first(f.chunks()), " local experts for ", list.size(), " experts");
+  for (int g = 0; g < f.chunks(); ++g) f.send_back(g, run(f.chunk_first(g), f.rows(g), f.counts(g)));
+  return f.returned();
+}
+
+at::Tensor ExpertsImpl::run(int64_t from, const at::Tensor& rows, const std::vector<int64_t>& counts) {
   // Every expert runs, on no rows too (a zero gradient): which experts get tokens differs
   // between ranks and steps, but every rank's backward then produces the same gradients in
   // the same order, so the reductions that follow line up across ranks (and one process
   // decays an idle expert's weights as a grouped matmul over all experts would).
   std::vector<at::Tensor> ys;
   int64_t offset = 0;
-  for (size_t i = 0; i < list.size(); ++i) {
-    ys.push_back(hp::call(list[i], rows.narrow(0, offset, counts[i])));
+  for (size_t i = 0; i < counts.size(); ++i) {
+    ys.push_back(hp::call(list[from + static_cast<int64_t>(i)], rows.narrow(0, offset, counts[i])));
     offset += counts[i];
   }
   return at::cat(ys);
@@ -271,7 +282,6 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   at::Tensor flat = x.reshape({-1, c.dim});
   at::Tensor scores = upcast(hp::call(gate, flat)).sigmoid();
   auto [chosen, weights] = route_scores(scores);
-  at::Tensor out = hp::call(shared, flat);
   // The balancing load counts training tokens: once per token (not again when recomputed in
   // backward), and not in a forward that is not differentiated (a validation pass, the
   // pipeline's shape check), which must leave the next bias update as it would have been.
@@ -293,8 +303,19 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
       dropped += (~keep).sum().to(at::kDouble);
     }
   }
-  ep::Dispatched d = dispatcher->dispatch(flat, ids, w);
-  out = out + dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
+  // The shared experts run after the dispatch is issued (while an overlapped one's rows
+  // travel), in both ways alike: autograd then runs their backward and the dispatch's in the
+  // same order, and the input's gradient sums its parts in the same order, bitwise.
+  at::Tensor out;
+  if (overlap_chunks > 1) {
+    ep::InFlight f = dispatcher->dispatch_overlapped(flat, ids, w, static_cast<int>(overlap_chunks));
+    out = hp::call(shared, flat);
+    out = out + dispatcher->combine_overlapped(hp::call(experts, f), f);
+  } else {
+    ep::Dispatched d = dispatcher->dispatch(flat, ids, w);
+    out = hp::call(shared, flat);
+    out = out + dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
+  }
   if (c.aux_loss_coeff > 0 && at::GradMode::is_enabled()) {
     HP_CHECK(shape.size() == 3, "MoE: the balance loss needs sequences [batch, time, dim], got shape ", x.sizes());
     // With the tokens alike on every tensor-parallel rank, each adds the whole loss's
@@ -305,22 +326,29 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   return out.view(shape);
 }
 
-void expert_parallel(MoEImpl& moe, const CommPtr& ep, ep::DispatcherKind kind) {
+void expert_parallel(MoEImpl& moe, const CommPtr& ep, const ep::DispatchOptions& o) {
   HP_CHECK(ep, "expert_parallel: no expert-parallel group");
   const auto& all = moe.experts->list;
   HP_CHECK(static_cast<int64_t>(all.size()) == moe.c.experts, "expert_parallel: the MoE holds ", all.size(),
            " of its ", moe.c.experts, " experts (expert parallelism applies once, to a whole MoE)");
+  const int64_t local = moe.c.experts / std::max(1, ep->size());
+  HP_CHECK(o.overlap_chunks >= 1 && o.overlap_chunks <= std::max<int64_t>(local, 1), "expert_parallel: ",
+           o.overlap_chunks, " overlap chunks for ", local,
+           " local experts (a chunk is a whole number of experts: 1 to ", local, ")");
+  HP_CHECK(o.overlap_chunks == 1 || o.kind == ep::DispatcherKind::kAllToAll, "expert_parallel: ", o.overlap_chunks,
+           " overlap chunks with the de-duplicating dispatcher is not supported yet (the all-to-all one overlaps)");
   if (ep->size() == 1) return;
-  auto d = ep::make_dispatcher(kind, ep, moe.c.experts);
+  auto d = ep::make_dispatcher(o.kind, ep, moe.c.experts);
   const int64_t first = d->first_local_expert();
   std::vector<SwiGLU> kept(all.begin() + first, all.begin() + first + d->local_experts());
   moe.experts = moe.replace_module("experts", Experts(first, std::move(kept)));
   moe.dispatcher = std::move(d);
+  moe.overlap_chunks = o.overlap_chunks;
 }
 
-void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind kind) {
+void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, const ep::DispatchOptions& o) {
   for (auto& b : model.blocks) {
-    if (b->moe) expert_parallel(*b->moe, ep, kind);
+    if (b->moe) expert_parallel(*b->moe, ep, o);
   }
 }
 

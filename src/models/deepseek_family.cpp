@@ -16,7 +16,7 @@ class DeepSeekModel : public detail::ModelOf<DeepSeek> {
       if (b->moe) b->moe->loss_scale = scale;
     }
   }
-  void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) override { models::expert_parallel(*m_, ep, kind); }
+  void expert_parallel(const CommPtr& ep, const ep::DispatchOptions& o) override { models::expert_parallel(*m_, ep, o); }
   std::vector<ExpertLoad> expert_load() const override {
     std::vector<ExpertLoad> out;
     for (size_t i = 0; i < m_->blocks.size(); ++i) {
@@ -76,6 +76,11 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
     f.block = 2.0 * active + 2.0 * attn::causal_score_elements(seq_length, d.attention_tile) / T *
                                  static_cast<double>(d.heads * (d.qk_nope_dim + d.qk_rope_dim + d.v_head_dim));
     f.head = 2.0 * static_cast<double>(d.vocab * d.dim);
+    if (d.layers > d.dense_layers) {
+      const double expert = 2.0 * 3.0 * static_cast<double>(d.dim * d.expert_hidden);
+      f.routed = expert * static_cast<double>(d.experts_per_token);
+      f.shared = expert * static_cast<double>(d.shared_experts);
+    }
     // Light recompute runs the up-projections again (wq_b, wkv_b).
     f.light_recompute = 2.0 * static_cast<double>(d.heads) *
                         static_cast<double>(d.q_lora_rank * (d.qk_nope_dim + d.qk_rope_dim) +

@@ -6,7 +6,7 @@
 
 namespace hp::models {
 
-void Model::expert_parallel(const CommPtr& ep, ep::DispatcherKind kind) {
+void Model::expert_parallel(const CommPtr& ep, const ep::DispatchOptions& o) {
   throw Error("expert parallelism is not supported yet for this model family (it has no routed experts)");
 }
 

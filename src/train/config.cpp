@@ -326,12 +326,20 @@ void validate_layout(TrainConfig& c, int world_size) {
   const std::string& s = c.source;
   HP_CHECK(c.moe_dispatcher == ep::DispatcherKind::kAllToAll || c.expert_parallel > 1, s, ": moe_dispatcher=",
            to_string(c.moe_dispatcher), " needs expert_parallel > 1 (expert_parallel=", c.expert_parallel, ")");
+  HP_CHECK(c.moe_overlap_chunks == 1 || c.expert_parallel > 1, s, ": moe_overlap_chunks=", c.moe_overlap_chunks,
+           " needs expert_parallel > 1 (expert_parallel=", c.expert_parallel, "): without it nothing is exchanged");
+  HP_CHECK(c.moe_overlap_chunks == 1 || c.moe_dispatcher == ep::DispatcherKind::kAllToAll, s, ": moe_overlap_chunks=",
+           c.moe_overlap_chunks, " with moe_dispatcher=", to_string(c.moe_dispatcher),
+           " is not supported yet (the all_to_all dispatcher overlaps)");
   if (c.expert_parallel > 1) {
     const int64_t ep = c.expert_parallel, experts = c.model->routed_experts();
     HP_CHECK(experts > 0, s, ": expert_parallel=", ep, " needs a model with routed experts (model.type=",
              c.model.family().name(), " has none)");
     HP_CHECK(experts % ep == 0, s, ": expert_parallel=", ep, " does not divide the ", experts,
              " routed experts (model.experts)");
+    HP_CHECK(c.moe_overlap_chunks <= experts / ep, s, ": moe_overlap_chunks=", c.moe_overlap_chunks, " exceeds the ",
+             experts / ep, " experts each rank holds (", experts, " over expert_parallel=", ep,
+             "): a chunk is a whole number of experts");
     // The EP group is tensor_parallel's ranks and ep / tensor_parallel of dp_shard x cp's
     // (ParallelDims checks that they divide).
     HP_CHECK(c.tensor_parallel == 1 || c.sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=",

@@ -227,6 +227,11 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
       "with expert_parallel > 1: all_to_all sends a row per (token, chosen expert), dedup one copy of a token per "
       "rank holding any of its experts (fewer bytes, two small all-to-alls more; the same results)",
       HP_FIELD(moe_dispatcher)));
+  k.push_back(int_key("moe_overlap_chunks",
+                      "with expert_parallel > 1: each MoE's all-to-alls in this many chunks of its local experts, "
+                      "each chunk's experts running while the other chunks' rows move (1: no overlap; at most "
+                      "experts / expert_parallel; bitwise the same results; the all_to_all dispatcher only)",
+                      HP_FIELD(moe_overlap_chunks), 1, kMaxCount));
   k.push_back(int_key("context_parallel",
                       "context-parallel size: each sequence split over this many ranks (seq_length a multiple of "
                       "2 x context_parallel), attention over the whole sequence; fully_shard shards over "

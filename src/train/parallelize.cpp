@@ -55,7 +55,7 @@ void parallelize(TrainModel& m, const TrainConfig& c, const ParallelMesh& mesh,
                  const std::shared_ptr<cp::ContextParallel>& context, c10::Device device, int stage,
                  ShardedModel& out) {
   // Expert parallelism first: tensor parallelism then keeps the placed experts whole.
-  if (c.expert_parallel > 1) m.expert_parallel(mesh.group(Group::kEp), c.moe_dispatcher);
+  if (c.expert_parallel > 1) m.expert_parallel(mesh.group(Group::kEp), {c.moe_dispatcher, c.moe_overlap_chunks});
   if (context) m.context_parallel(context);
   if (c.tensor_parallel > 1) {
     // Before fully_shard, which then shards each rank's pieces; the initializer reads each

@@ -132,6 +132,8 @@ bool admit(const Setting& st, const Layout& lay, PlanRow& row) {
   c.pipeline_parallel = lay.p;
   c.expert_parallel = lay.e;
   if (lay.e == 1) c.moe_dispatcher = ep::DispatcherKind::kAllToAll;
+  // The configured overlap chunks, at most the experts a rank holds at this degree.
+  c.moe_overlap_chunks = lay.e == 1 ? 1 : std::min<int64_t>(c.moe_overlap_chunks, st.experts / lay.e);
   if (lay.t == 1) c.sequence_parallel = false;
   if (lay.p != st.base.pipeline_parallel) c.pipeline_stage_layers.clear();
   if (lay.p == 1) {
@@ -268,10 +270,29 @@ void expert_parallel_cost(const Setting& st, Costing& k) {
   shape.row_bytes = k.dim * k.act_elem;
   shape.weight_bytes = 4.0;  // the router's fp32 weights
   shape.copies = ep::expected_copies(shape.tokens, st.experts, e, shape.k);
+  shape.chunks = static_cast<int>(c.moe_overlap_chunks);
   const ep::ExchangeCost x = ep::dispatch_traffic(c.moe_dispatcher, shape);
   const LinkModel ep_link = k.link_over(st, Group::kEp);
   k.ep_forward = seconds(x.forward, ep_link);
   k.ep_backward = seconds(x.backward, ep_link);
+  if (shape.chunks > 1) {
+    // Overlapped: the counts' exchange exposed, the rows' and outputs' as replayed against
+    // the experts' compute (their share of the block's by FLOPs; ep::overlap_exposure).
+    const models::FlopCount flops = c.model->flops_per_token(c.seq_length);
+    const double scale = k.tp_scale * k.cp_scale / std::max(flops.block, 1.0);
+    ep::OverlapTimes t;
+    t.chunks = shape.chunks;
+    CollectiveCost chunk = x.forward[1];  // one chunk's all-to-all of rows (or outputs)
+    chunk.count = 1;
+    t.rows = t.outputs = seconds(std::vector<CollectiveCost>{chunk}, ep_link);
+    t.experts_forward = k.prof.forward_layer * flops.routed * scale;
+    t.experts_backward = k.prof.backward_layer * flops.routed * scale;
+    t.shared_forward = k.prof.forward_layer * flops.shared * scale;
+    t.shared_backward = k.prof.backward_layer * flops.shared * scale;
+    const ep::Exposure e = ep::overlap_exposure(t);
+    k.ep_forward = seconds(std::vector<CollectiveCost>{x.forward[0]}, ep_link) + e.forward;
+    k.ep_backward = e.backward;
+  }
   if (c.recompute != Recompute::kNone) k.ep_backward += k.ep_forward;
 }
 

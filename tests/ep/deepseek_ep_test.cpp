@@ -91,7 +91,7 @@ TEST_P(DeepSeekEpDispatch, ExpertsOverEveryRankMatchOneProcess) {
   const auto c = config();
   auto ref = reference_model(c);
   hp::models::DeepSeek m(c);
-  hp::models::expert_parallel(*m, w, GetParam());
+  hp::models::expert_parallel(*m, w, {GetParam()});
   m->init_weights(5);
   m->to(at::kDouble);
   for (size_t i = 0; i < m->blocks.size(); ++i) {

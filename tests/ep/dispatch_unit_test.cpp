@@ -132,4 +132,44 @@ void check_local_dispatcher(bool drop) {
 TEST(LocalDispatcher, MatchesTokenByTokenExpertsForwardAndBackward) { check_local_dispatcher(false); }
 TEST(LocalDispatcher, DroppedSlotsAreNotSentAndAddNothing) { check_local_dispatcher(true); }
 
+// The overlapped exchange's exposed time, replayed by hand (seconds as plain numbers):
+// 2 chunks, each all-to-all 1; the experts 4 forward (2 a chunk) and 8 backward, the shared
+// expert 0.5 and 1.
+//   forward: rows in at 1 and 2; shared 0-0.5; chunk 0 1-3, its outputs 3-4; chunk 1 3-5,
+//   its outputs 5-6: 6 - 4.5 of compute = 1.5 (chunk 0's rows less the shared expert, 0.5,
+//   and the last outputs, 1);
+//   backward: output gradients in at 1 and 2; chunk 1 1-5, its rows' gradient 5-6; chunk 0
+//   5-9, its rows' gradient 9-10 while the shared expert's backward runs 9-10: 10 - 9 = 1.
+// Without chunks: dispatch and combine, all exposed. With the exchange slower than the
+// experts (4 chunks of 1 against 0.5 of compute each) the exposed time is the exchange's
+// less the compute: 8 - 2 forward.
+TEST(OverlapExposure, ReplayedByHand) {
+  hp::ep::OverlapTimes t;
+  t.rows = t.outputs = 1;
+  t.experts_forward = 4;
+  t.experts_backward = 8;
+  t.shared_forward = 0.5;
+  t.shared_backward = 1;
+  t.chunks = 2;
+  hp::ep::Exposure e = hp::ep::overlap_exposure(t);
+  EXPECT_DOUBLE_EQ(e.forward, 1.5);
+  EXPECT_DOUBLE_EQ(e.backward, 1);
+  t.chunks = 1;
+  t.rows = 3;
+  t.outputs = 2;
+  e = hp::ep::overlap_exposure(t);
+  EXPECT_DOUBLE_EQ(e.forward, 5);
+  EXPECT_DOUBLE_EQ(e.backward, 5);
+  hp::ep::OverlapTimes slow;
+  slow.rows = slow.outputs = 1;
+  slow.experts_forward = 2;
+  slow.experts_backward = 2;
+  slow.chunks = 4;
+  e = hp::ep::overlap_exposure(slow);
+  EXPECT_DOUBLE_EQ(e.forward, 6);
+  EXPECT_DOUBLE_EQ(e.backward, 6);
+  slow.chunks = 0;
+  EXPECT_THROW(hp::ep::overlap_exposure(slow), hp::Error);
+}
+
 }  // namespace

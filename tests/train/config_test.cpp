@@ -151,6 +151,13 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"expert_parallel: 0\n", {}, 4, {"expert_parallel=0"}},
       {"moe_dispatcher: dedup\n", {}, 4, {"moe_dispatcher=dedup", "expert_parallel > 1"}},
       {"moe_dispatcher: fast\n", {}, 4, {"moe_dispatcher=fast", "all_to_all, dedup"}},
+      // overlap chunks: an exchange to overlap, whole experts per chunk, the plain dispatcher
+      {"moe_overlap_chunks: 2\n", {}, 4, {"moe_overlap_chunks=2", "needs expert_parallel > 1"}},
+      {"moe_overlap_chunks: 3\nexpert_parallel: 4\n", {}, 4,
+       {"moe_overlap_chunks=3", "exceeds the 2 experts each rank holds", "expert_parallel=4"}},
+      {"moe_overlap_chunks: 2\nexpert_parallel: 2\nmoe_dispatcher: dedup\n", {}, 4,
+       {"moe_overlap_chunks=2", "moe_dispatcher=dedup", "not supported yet"}},
+      {"moe_overlap_chunks: 0\n", {}, 4, {"moe_overlap_chunks", "0"}},
       {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4,
        {"expert_parallel=2", "tensor_parallel=2", "needs sequence_parallel=true", "not supported yet"}},
       {"expert_parallel: 2\ntensor_parallel: 4\nsequence_parallel: true\n", {}, 8,

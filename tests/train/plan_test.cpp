@@ -476,6 +476,27 @@ TEST(Plan, DedupDispatcherAndRecomputeInTheAllToAllCount) {
   EXPECT_EQ(find_ep(rows, 1, 4, 1, 1, 1).config.moe_dispatcher, hp::ep::DispatcherKind::kAllToAll);
 }
 
+// moe_overlap_chunks 2 with the layout above (EP 4, 2 experts a rank): each exchange in 2
+// all-to-alls of half the rows. The fake profile's block takes 4 ms forward and 8 backward,
+// the shared expert's share of it far above a chunk's 22 us, so what stays exposed per MoE
+// block and micro-batch is, forward, the counts and the last chunk's outputs (the first
+// chunk's rows travel while the shared expert runs) and, backward, the first chunk's
+// output gradient (the last rows' gradient travels during the shared expert's backward).
+TEST(Plan, OverlappedExpertExchangeExposesTheCountsAndOneChunkEachWay) {
+  const ht::TrainConfig base = deepseek_tiny("expert_parallel: 4\ndata_parallel_shard: 4\nmoe_overlap_chunks: 2\n");
+  const hp::models::FlopCount f = base.model->flops_per_token(base.seq_length);
+  const double chunk = link(0.75, 64 * 2 * 64 * 4 / 2);
+  ASSERT_GT(0.004 * f.shared / f.block, chunk) << "the shared expert must outlast a chunk's rows";
+  const auto rows = ht::plan_layouts(base, options(4, 4), FakeCompute{});
+  const auto& r = find_ep(rows, 1, 4, 4, 1, 1);
+  ASSERT_TRUE(r.feasible) << r.reason;
+  EXPECT_EQ(r.config.moe_overlap_chunks, 2);
+  EXPECT_NEAR(r.ep_comm_s, 4 * 2 * (link(0.75, 8 * 8) + chunk + chunk), 1e-9);
+  // EP 2 keeps the 2 chunks (4 experts a rank); EP 1 has no exchange and no chunks.
+  EXPECT_EQ(find_ep(rows, 1, 4, 2, 1, 1).config.moe_overlap_chunks, 2);
+  EXPECT_EQ(find_ep(rows, 1, 4, 1, 1, 1).config.moe_overlap_chunks, 1);
+}
+
 // Under a pipeline a rank's stages stay gathered from their first micro-batch to their
 // last, their gradients accumulating unsharded: the stage's parameters in fp32, twice, one
 // block's fresh gradient and two reduce-scatter inputs of a block, instead of two blocks.

@@ -1064,6 +1064,69 @@ TEST(TrainDist, ExpertParallelInsidePipelineStages) {
   }
 }
 
+// moe_overlap_chunks changes when the expert all-to-alls run, not what they compute: the
+// losses, grad norms and every parameter after 2 steps are bitwise those of the same run
+// without overlap (which the tests above hold to one process at 1e-10), with the experts
+// over every rank, under full and light recompute, with tensor parallelism, and inside
+// every pipeline schedule (4 ranks: EP 2 x PP 2; ZB-H1 and ZBV run the experts' input and
+// weight gradients apart).
+TEST(TrainDist, ExpertOverlapIsBitwiseTheRunWithout) {
+  auto w = hp::world();
+  if (w->size() != 2 && w->size() != 4) GTEST_SKIP() << "EP over 2 or 4 ranks";
+  using S = ht::PipelineScheduleKind;
+  struct Case {
+    int64_t ep;
+    int64_t pp = 1;
+    S schedule = S::kAuto;
+    ht::Recompute recompute = ht::Recompute::kNone;
+    int64_t tp = 1;
+  };
+  std::vector<Case> cases = {{2}, {2, 1, S::kAuto, ht::Recompute::kFull}, {2, 1, S::kAuto, ht::Recompute::kLight}};
+  if (w->size() == 4) {
+    cases = {{4}, {4, 1, S::kAuto, ht::Recompute::kNone, 2}, {2, 2, S::k1F1B}, {2, 2, S::kGPipe}, {2, 2, S::kZBH1},
+             {2, 2, S::kInterleaved}, {2, 2, S::kZBV}};
+  }
+  for (const Case& k : cases) {
+    const int64_t v = k.schedule == S::kInterleaved || k.schedule == S::kZBV ? 2 : 1;
+    ht::TrainConfig c = small_config("deepseek", w->size(), k.tp, k.pp, v);
+    c.data_parallel = 1;  // the experts over dp_shard x tp
+    c.data_parallel_shard = -1;
+    c.expert_parallel = k.ep;
+    c.pipeline_schedule = k.schedule;
+    c.recompute = k.recompute;
+    c.train_steps = 2;
+    const int64_t local = c.model.config<hp::models::DeepSeekConfig>().experts / k.ep;
+    const std::string label = "ep " + std::to_string(k.ep) + " x tp " + std::to_string(k.tp) + " x pp " +
+                              std::to_string(k.pp) + " " + ht::to_string(k.schedule) + ", recompute " +
+                              ht::to_string(k.recompute);
+    std::vector<ht::StepStats> want;
+    std::vector<at::Tensor> want_params;
+    for (int64_t chunks : {int64_t{1}, int64_t{2}, local}) {
+      if (chunks > local || (chunks == local && chunks == 2)) continue;
+      c.moe_overlap_chunks = chunks;
+      c.validate(w->size());
+      ht::Trainer t(c, w);
+      for (int64_t s = 0; s < c.train_steps; ++s) {
+        const ht::StepStats st = t.step();
+        if (chunks == 1) {
+          want.push_back(st);
+          continue;
+        }
+        EXPECT_EQ(st.loss, want[s].loss) << label << ", " << chunks << " chunks, step " << s + 1;
+        EXPECT_EQ(st.grad_norm, want[s].grad_norm) << label << ", " << chunks << " chunks, step " << s + 1;
+      }
+      const auto params = t.sharded_params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (chunks == 1) {
+          want_params.push_back(params[i].detach().clone());
+        } else {
+          EXPECT_TRUE(at::equal(params[i], want_params[i])) << label << ", " << chunks << " chunks, parameter " << i;
+        }
+      }
+    }
+  }
+}
+
 // A checkpoint saved with the experts over 4 (or 2) ranks resumes bitwise at the same
 // layout; loaded under another expert layout (EP 2, none) every parameter is bitwise the
 // saved one, and training continues within fp32 rounding (another reduction order).
@@ -1385,7 +1448,7 @@ TEST(TrainDist, ParamsPerTensorParallelRankMatchTheSplitModel) {
   c.validate(w->size());
   auto m = ht::make_model(c);
   const hp::CommPtr tp = mesh->group("tp");
-  m->expert_parallel(tp, hp::ep::DispatcherKind::kAllToAll);
+  m->expert_parallel(tp, {hp::ep::DispatcherKind::kAllToAll});
   m->parallelize(tp, true, c10::nullopt);
   int64_t total = 0, experts = 0;
   for (const auto& p : m->root().named_parameters()) {

@@ -69,11 +69,60 @@ struct Dispatched {
   std::shared_ptr<const DispatchContext> context;
 };
 
+struct ExchangeChunks;  // InFlight's state (src/ep/overlap.cpp)
+
+// A dispatch whose rows are still on the wire, in chunks of local experts: chunk g is local
+// experts [chunk_first(g), chunk_first(g + 1)), chunks() of them as even as the count
+// allows. dispatch_overlapped issues every chunk's row all-to-all at once (they run on the
+// communicator's thread, in chunk order); rows(g) waits for chunk g only, and send_back(g, y)
+// issues chunk g's outputs back without waiting. So the experts of chunk g run while the
+// rows of the later chunks and the outputs of the earlier ones move, and the caller's
+// work between dispatch_overlapped and rows(0) (the shared experts) overlaps the first
+// chunk. The backward does the same in reverse: every chunk's output gradient is issued at
+// once, and each chunk's rows' gradient goes back as soon as its experts' backward is done.
+//
+// Every expert gets the rows dispatch would give it, in the same order, and the outputs
+// land where combine would put them, so the results, the gradients and the bytes sent are
+// bitwise those of dispatch and combine; only the number of all-to-alls grows (one per
+// chunk each way). Use it as: for g = 0 .. chunks()-1, rows(g), run chunk g's experts,
+// send_back(g, y); then returned(), and the dispatcher's combine_overlapped. A call out of
+// that order raises naming it. Every rank of the group takes the same number of chunks.
+class InFlight {
+ public:
+  InFlight() = default;
+  explicit InFlight(std::shared_ptr<ExchangeChunks> chunks, at::Tensor sent);
+  int chunks() const;
+  // g in [0, chunks()]; chunk_first(chunks()) is the local expert count.
+  int64_t chunk_first(int g) const;
+  // Rows per expert of chunk g (known when dispatched).
+  const std::vector<int64_t>& counts(int g) const;
+  // Waits for chunk g's rows: [sum(counts(g)), dim], expert-major. Differentiable.
+  at::Tensor rows(int g);
+  // Issues chunk g's expert outputs (one row per row of rows(g)) back to their tokens' ranks.
+  void send_back(int g, const at::Tensor& y);
+  // Waits for every chunk's outputs: one row per row dispatched, in the order they were sent.
+  at::Tensor returned();
+  int64_t dispatch_bytes = 0, combine_bytes = 0;  // as Dispatched's
+  std::shared_ptr<const DispatchContext> context;
+
+ private:
+  std::shared_ptr<ExchangeChunks> chunks_;
+  std::vector<at::Tensor> arrived_, back_;  // the chunks' autograd outputs, until used
+  int next_rows_ = 0, next_back_ = 0;
+};
+
 class TokenDispatcher {
  public:
   virtual ~TokenDispatcher() = default;
   virtual Dispatched dispatch(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights) = 0;
   virtual at::Tensor combine(const at::Tensor& y, const Dispatched& d) = 0;
+  // dispatch and combine with the all-to-alls overlapped in `chunks` chunks of local experts
+  // (1 <= chunks <= local_experts(); raises naming both otherwise). Bitwise the results of
+  // dispatch and combine. The de-duplicating dispatcher raises "not supported yet".
+  virtual InFlight dispatch_overlapped(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
+                                       int chunks);
+  // The tokens' outputs from `returned` (InFlight::returned()), as combine's.
+  virtual at::Tensor combine_overlapped(const at::Tensor& returned, const InFlight& f);
   int64_t experts() const { return experts_; }
   int64_t ep_size() const { return ep_size_; }
   int64_t ep_rank() const { return ep_rank_; }
@@ -105,6 +154,12 @@ enum class DispatcherKind {
   kAllToAll,  // all_to_all_dispatcher
   kDedup,     // dedup_all_to_all_dispatcher
 };
+// How an MoE layer moves its tokens: which dispatcher, and in how many chunks of local
+// experts its all-to-alls overlap the experts' compute (1: none; see InFlight).
+struct DispatchOptions {
+  DispatcherKind kind = DispatcherKind::kAllToAll;
+  int64_t overlap_chunks = 1;
+};
 // The dispatcher of `kind` over `ep`; a group of one (or none): local_dispatcher.
 std::shared_ptr<TokenDispatcher> make_dispatcher(DispatcherKind kind, const CommPtr& ep, int64_t experts);
 
@@ -120,6 +175,9 @@ struct ExchangeShape {
   // The de-duplicating dispatcher's copies: tokens x the distinct ranks each token's experts
   // sit on (expected_copies() under uniform routing). Unread by the all-to-all one.
   double copies = 0;
+  // Chunks of local experts the row all-to-alls are split into (dispatch_overlapped): the
+  // same bytes in `chunks` times the ops. The per-expert counts stay one exchange.
+  int chunks = 1;
 };
 // The all-to-alls of dispatch and combine (forward) and of their backward (combine's reverse
 // and dispatch's, with the weights' gradient for dedup), with the routing taken as balanced
@@ -136,6 +194,28 @@ struct ExchangeCost {
   std::vector<CollectiveCost> forward, backward;
 };
 ExchangeCost dispatch_traffic(DispatcherKind kind, const ExchangeShape& s);
+// The exchange's exposed seconds in one MoE layer with its all-to-alls overlapped in
+// `chunks` chunks (InFlight), from the times of its parts, by replaying the order it issues
+// and waits in: the communicator's thread runs one all-to-all at a time in issue order, the
+// caller one computation at a time.
+//   forward: every chunk's rows issued at once; the shared experts, then chunk g's experts
+//     once its rows are in, then its outputs issued; done when the last outputs are back;
+//   backward: every chunk's output gradient issued at once (the last chunk first), then per
+//     chunk its experts' backward once its gradient is in and its rows' gradient issued; the
+//     shared experts' backward after the last chunk's; done when the last rows' gradient is in.
+// Exposed = that span less the compute in it. chunks 1 is the plain exchange, none of it
+// hidden: dispatch + combine. The counts' exchange (waited at once) is not included.
+struct OverlapTimes {
+  double rows = 0, outputs = 0;                      // one chunk's all-to-all each way (seconds)
+  double experts_forward = 0, experts_backward = 0;  // the routed experts, all chunks
+  double shared_forward = 0, shared_backward = 0;
+  int chunks = 1;
+};
+struct Exposure {
+  double forward = 0, backward = 0;
+};
+Exposure overlap_exposure(const OverlapTimes& t);
+
 // tokens x ep x (1 - C(E - E/ep, k) / C(E, k)): the copies the de-duplicating dispatcher
 // sends when each token's k experts are drawn uniformly without replacement.
 double expected_copies(double tokens, int64_t experts, int ep, int64_t k);

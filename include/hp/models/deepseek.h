@@ -92,8 +92,15 @@ TORCH_MODULE(MLA);
 struct ExpertsImpl : torch::nn::Module {
   ExpertsImpl(int64_t first, std::vector<SwiGLU> experts);
   at::Tensor forward(const at::Tensor& rows, const std::vector<int64_t>& counts);
+  // The rows of an overlapped dispatch, chunk by chunk: each chunk's experts run as its rows
+  // arrive, and their outputs leave at once (ep::InFlight). Returns f.returned().
+  at::Tensor forward(ep::InFlight& f);
   int64_t first = 0;          // list[i] is expert first + i
   std::vector<SwiGLU> list;
+
+ private:
+  // list[from + i] on its counts[i] rows of `rows`, in turn; their outputs in that order.
+  at::Tensor run(int64_t from, const at::Tensor& rows, const std::vector<int64_t>& counts);
 };
 TORCH_MODULE(Experts);
 
@@ -122,6 +129,8 @@ struct MoEImpl : torch::nn::Module {
   torch::nn::Linear gate{nullptr};
   Experts experts{nullptr};  // all of them, or this rank's after expert_parallel
   std::shared_ptr<ep::TokenDispatcher> dispatcher;  // every expert here unless expert_parallel
+  // Chunks of local experts the dispatcher's all-to-alls overlap the experts in (1: none).
+  int64_t overlap_chunks = 1;
   SwiGLU shared{nullptr};
   at::Tensor bias;  // buffer [experts]
   at::Tensor load;  // buffer [experts]: tokens routed since the last bias update
@@ -185,10 +194,12 @@ TORCH_MODULE(DeepSeek);
 // sharded over the ranks holding the same experts) and before initialization or loading
 // (names stay the whole model's, so either fills the kept experts). Raises when the group
 // size does not divide the expert count, or when the MoE no longer holds all its experts
-// (applied twice). A group of one keeps everything (and the local dispatcher). `kind`
-// picks the dispatcher (plain all-to-all or de-duplicating; the same results).
-void expert_parallel(MoEImpl& moe, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
-void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, ep::DispatcherKind kind = ep::DispatcherKind::kAllToAll);
+// (applied twice). A group of one keeps everything (and the local dispatcher). `o` picks
+// the dispatcher (plain all-to-all or de-duplicating; the same results) and the chunks its
+// all-to-alls overlap the experts in (bitwise the same results; at most the local experts,
+// and 1 for the de-duplicating dispatcher: raises naming the value otherwise).
+void expert_parallel(MoEImpl& moe, const CommPtr& ep, const ep::DispatchOptions& o = {});
+void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, const ep::DispatchOptions& o = {});
 
 // Context parallelism, as for Llama (llama.h). The MoE routes each rank's own tokens (a
 // capacity limit counts them per rank, as under data parallelism). Raises "not supported

@@ -78,7 +78,7 @@ class Model {
   // Expert parallelism over `ep` (before fully_shard, after tensor parallelism): keeps this
   // rank's routed experts and sends tokens to the ranks holding the others (hp/ep). Raises
   // "not supported yet" for a family without routed experts.
-  virtual void expert_parallel(const CommPtr& ep, ep::DispatcherKind kind);
+  virtual void expert_parallel(const CommPtr& ep, const ep::DispatchOptions& o);
   // Context parallelism through `ctx` (hp/cp): forward then takes this CP rank's tokens of
   // each sequence (cp::shard) and attends over the whole sequence. Raises "not supported
   // yet" for a family without it.
@@ -100,6 +100,9 @@ struct FlopCount {
   // marks hp::recomputed_here: MLA's up-projections; the norms and activations it also
   // recomputes are not matmuls and not counted).
   double light_recompute = 0;
+  // Of block: the routed experts a token runs and the shared experts (a MoE block's; 0
+  // without), what an overlapped expert exchange hides behind (ep::overlap_exposure).
+  double routed = 0, shared = 0;
 };
 // Activation elements one sequence position keeps for backward: per block and of the head
 // (the logits, their fp32 copy and probabilities).

@@ -138,6 +138,8 @@ struct TrainConfig {
   int64_t expert_parallel = 1;
   // How tokens reach their experts' ranks: one row per (token, expert) or one copy per rank.
   ep::DispatcherKind moe_dispatcher = ep::DispatcherKind::kAllToAll;
+  // Chunks of local experts each MoE's all-to-alls overlap the experts' compute in (1: none).
+  int64_t moe_overlap_chunks = 1;
   // Context parallelism: each sequence split over this many ranks (head-tail: load-balanced
   // for the causal mask), attention over the whole of it by context_parallel_method. The
   // world is data_parallel x data_parallel_shard x context_parallel x tensor_parallel x
