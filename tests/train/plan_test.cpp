@@ -482,6 +482,8 @@ TEST(Plan, DedupDispatcherAndRecomputeInTheAllToAllCount) {
 // block and micro-batch is, forward, the counts and the last chunk's outputs (the first
 // chunk's rows travel while the shared expert runs) and, backward, the first chunk's
 // output gradient (the last rows' gradient travels during the shared expert's backward).
+// Of the 3 chunks' time each way that this hides the planner credits 0.65 (the share
+// measured hidden, BENCHMARKS.md): 4 - 0.65 x 3 chunks stay exposed each way.
 TEST(Plan, OverlappedExpertExchangeExposesTheCountsAndOneChunkEachWay) {
   const ht::TrainConfig base = deepseek_tiny("expert_parallel: 4\ndata_parallel_shard: 4\nmoe_overlap_chunks: 2\n");
   const hp::models::FlopCount f = base.model->flops_per_token(base.seq_length);
@@ -491,7 +493,7 @@ TEST(Plan, OverlappedExpertExchangeExposesTheCountsAndOneChunkEachWay) {
   const auto& r = find_ep(rows, 1, 4, 4, 1, 1);
   ASSERT_TRUE(r.feasible) << r.reason;
   EXPECT_EQ(r.config.moe_overlap_chunks, 2);
-  EXPECT_NEAR(r.ep_comm_s, 4 * 2 * (link(0.75, 8 * 8) + chunk + chunk), 1e-9);
+  EXPECT_NEAR(r.ep_comm_s, 4 * 2 * (link(0.75, 8 * 8) + 2 * (4 - 0.65 * 3) * chunk), 1e-9);
   // EP 2 keeps the 2 chunks (4 experts a rank); EP 1 has no exchange and no chunks.
   EXPECT_EQ(find_ep(rows, 1, 4, 2, 1, 1).config.moe_overlap_chunks, 2);
   EXPECT_EQ(find_ep(rows, 1, 4, 1, 1, 1).config.moe_overlap_chunks, 1);
