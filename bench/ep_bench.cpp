@@ -26,16 +26,41 @@
 //                                       the step's tensor-memory peak above what was
 //                                       allocated before it, per rank (no gradient
 //                                       reduction but fully_shard's own)
+//   HP_SIM_NET=... mpirun -np N build/ep_bench overlap [steps]
+//                                       one MoE layer at DeepSeek tiny-wide's widths
+//                                       (dim 256, expert hidden 128, one shared expert)
+//                                       with 4N experts, top-4, 1024 tokens per rank, EP
+//                                       over all N ranks, forward + backward, without
+//                                       overlap (the baseline) and with its all-to-alls
+//                                       in 2 and 4 chunks of local experts; steps
+//                                       interleaved, median step time (slowest rank),
+//                                       and from the trace the exchange's time: without
+//                                       overlap every all-to-all's (each is waited for
+//                                       at once), with it the `ep wait` spans plus the
+//                                       counts' exchange, per step, median over steps
+//                                       (rank 0), beside the planner's replay of it
+//                                       (ep::overlap_exposure on the simulated link's
+//                                       times, with the plain run's compute split by
+//                                       FLOPs, or the experts timed alone) and the share
+//                                       of the replay's hidden time that was hidden
+//                                       (the planner's kOverlapCredit); meant for a
+//                                       simulated network slow enough that the exchange
+//                                       is a large part of the step (BENCHMARKS.md has
+//                                       the command)
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "bench_util.h"
 #include "hp/core/memory.h"
+#include "hp/comm/simulated_network.h"
+#include "hp/core/trace.h"
 #include "hp/ep/dispatch.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/hooks/call.h"
@@ -131,10 +156,10 @@ void time_layer(const char* label, const hp::models::DeepSeekConfig& c, int64_t 
   for (Variant v : variants) {
     hp::models::MoE m(c);
     if (v == kEpPlain || v == kEpDedup) {
-      hp::models::expert_parallel(*m, w, v == kEpPlain ? hp::ep::DispatcherKind::kAllToAll : hp::ep::DispatcherKind::kDedup);
+      hp::models::expert_parallel(*m, w, {v == kEpPlain ? hp::ep::DispatcherKind::kAllToAll : hp::ep::DispatcherKind::kDedup});
       names.push_back(std::string("EP ") + std::to_string(n) + (v == kEpPlain ? " plain" : " dedup"));
     } else if (v == kEpHalf) {
-      hp::models::expert_parallel(*m, half->group("ep"), hp::ep::DispatcherKind::kAllToAll);
+      hp::models::expert_parallel(*m, half->group("ep"), {hp::ep::DispatcherKind::kAllToAll});
       names.push_back("EP " + std::to_string(n / 2) + " plain");
     } else if (v == kFullyShard) {
       sharded = hp::fully_shard(*m->experts);
@@ -215,6 +240,161 @@ void time_mode(int steps) {
   time_layer("DeepSeek tiny's", hp::models::DeepSeekConfig::tiny(), 1024, steps);
 }
 
+// The exchange's time in one step's trace on this rank: every all-to-all's from issue to
+// completion where each is waited for at once (no overlap), else the waits (`ep wait`
+// spans) and the counts' exchange (the first all-to-all of each dispatch, waited at once).
+double exposed_exchange_s(const std::vector<hp::trace::Event>& events, bool overlapped) {
+  std::vector<const hp::trace::Event*> exchanges;
+  double waits = 0;
+  for (const auto& e : events) {
+    if (e.cat == "comm" && e.name == "all_to_all") exchanges.push_back(&e);
+    if (e.cat == "ep") waits += static_cast<double>(e.dur_us);
+  }
+  std::sort(exchanges.begin(), exchanges.end(),
+            [](const hp::trace::Event* a, const hp::trace::Event* b) { return a->ts_us < b->ts_us; });
+  double total = 0;
+  for (size_t i = 0; i < exchanges.size(); ++i) {
+    // Forward issues 1 + 2C (the counts first), backward 2C.
+    const bool counts = overlapped && i == 0;
+    if (!overlapped || counts) total += static_cast<double>(exchanges[i]->dur_us);
+  }
+  return 1e-6 * (total + waits);
+}
+
+void overlap_mode(int steps) {
+  auto w = hp::world();
+  const int n = w->size(), r = w->rank();
+  hp::models::DeepSeekConfig c;
+  c.dim = 256;
+  c.expert_hidden = 128;
+  c.shared_experts = 1;
+  c.experts = 4 * n;
+  c.experts_per_token = 4;
+  c.expert_groups = 1;
+  c.groups_per_token = 1;
+  const int64_t tokens = 1024;
+  const std::vector<int> chunk_counts = {1, 2, 4};
+  std::vector<hp::models::MoE> layers;
+  for (int chunks : chunk_counts) {
+    hp::models::MoE m(c);
+    hp::models::expert_parallel(*m, w, {hp::ep::DispatcherKind::kAllToAll, chunks});
+    layers.push_back(m);
+  }
+  const std::string dir = "/tmp/hp_ep_bench_overlap_trace";
+  hp::trace::enable(dir);
+  const size_t V = layers.size();
+  std::vector<std::vector<double>> times(V), exposed(V);
+  for (int s = 0; s < steps + 1; ++s) {
+    at::manual_seed(1000 * s + r);
+    at::Tensor x = at::randn({tokens, c.dim});
+    for (size_t v = 0; v < V; ++v) {
+      at::Tensor xi = x.clone().requires_grad_(true);
+      w->barrier().wait();
+      hp::trace::clear();
+      const double t0 = now_s();
+      hp::call(layers[v], xi).sum().backward();
+      const double mine = now_s() - t0;
+      const std::vector<hp::trace::Event> events = hp::trace::events();
+      at::Tensor dt = at::tensor({mine}, at::kDouble);
+      w->all_reduce(dt, hp::ReduceOptions{hp::ReduceOp::MAX}).wait();
+      if (s > 0) {  // the first step warms up
+        times[v].push_back(dt.item<double>());
+        exposed[v].push_back(exposed_exchange_s(events, chunk_counts[v] > 1));
+      }
+      for (auto& p : layers[v]->parameters()) p.mutable_grad() = at::Tensor();
+    }
+  }
+  hp::trace::clear();
+  hp::trace::disable();
+  // The compute the exchange can hide, timed alone on every rank at once (the same sharing
+  // of this machine's cores as in the steps): this rank's experts on the rows a balanced
+  // routing sends them (tokens x k over its experts) and the shared expert on the tokens,
+  // forward and backward apart.
+  hp::models::MoE& plain = layers[0];
+  const int64_t local = static_cast<int64_t>(plain->experts->list.size());
+  const std::vector<int64_t> counts(static_cast<size_t>(local), tokens * c.experts_per_token / local);
+  std::vector<double> routed_f, routed_b, shared_f, shared_b;
+  for (int s = 0; s < steps + 1; ++s) {
+    at::manual_seed(77 + s + r);
+    at::Tensor rows = at::randn({tokens * c.experts_per_token, c.dim}).requires_grad_(true);
+    at::Tensor x = at::randn({tokens, c.dim}).requires_grad_(true);
+    w->barrier().wait();
+    double t0 = now_s();
+    at::Tensor y = plain->experts->forward(rows, counts);
+    const double f1 = now_s() - t0;
+    t0 = now_s();
+    y.sum().backward();
+    const double b1 = now_s() - t0;
+    t0 = now_s();
+    at::Tensor z = plain->shared->forward(x);
+    const double f2 = now_s() - t0;
+    t0 = now_s();
+    z.sum().backward();
+    const double b2 = now_s() - t0;
+    if (s > 0) {
+      routed_f.push_back(f1);
+      routed_b.push_back(b1);
+      shared_f.push_back(f2);
+      shared_b.push_back(b2);
+    }
+  }
+  if (r == 0) {
+    std::printf("ep_bench overlap: MoE layer (%lld experts, top-%lld, dim %lld, hidden %lld, 1 shared expert, fp32), "
+                "%lld tokens per rank, EP %d, forward + backward, median of %d steps\n",
+                static_cast<long long>(c.experts), static_cast<long long>(c.experts_per_token),
+                static_cast<long long>(c.dim), static_cast<long long>(c.expert_hidden), static_cast<long long>(tokens),
+                n, steps);
+    const double base = hp::bench::median(times[0]), base_exposed = hp::bench::median(exposed[0]);
+    // The planner's replay (ep::overlap_exposure) of the same exchange: each chunk's
+    // all-to-all as the simulated link models it, beside the experts' compute timed alone.
+    // "replay (FLOPs)" splits the plain step's time outside the exchange between forward
+    // and backward 1:2 and between the routed and the shared experts k : shared, as the
+    // planner splits a block's; "replay (timed)" uses the timings.
+    const char* spec = std::getenv("HP_SIM_NET");
+    const hp::SimulatedNetwork net = hp::SimulatedNetwork::parse(spec ? spec : "20:10");
+    const hp::LinkModel& link = net.ranks_per_node > 0 && n > net.ranks_per_node ? net.inter : net.intra;
+    const double compute = base - base_exposed;
+    const double routed_share = static_cast<double>(c.experts_per_token) /
+                                static_cast<double>(c.experts_per_token + c.shared_experts);
+    const double row_bytes = static_cast<double>(tokens * c.experts_per_token * c.dim) * 4.0;
+    const double counts_s = hp::SimulatedNetwork::seconds(hp::CommOp::kAllToAll, 8 * c.experts, n, link);
+    std::printf("timed alone (ms): experts forward %.2f backward %.2f, shared forward %.2f backward %.2f; "
+                "the plain step outside its exchange %.2f\n",
+                1e3 * hp::bench::median(routed_f), 1e3 * hp::bench::median(routed_b),
+                1e3 * hp::bench::median(shared_f), 1e3 * hp::bench::median(shared_b), 1e3 * compute);
+    // "hidden / replay's": the exchange the overlap hid (plain's exposed less this one's) over
+    // what the timed replay hides (its plain exposure less its overlapped one).
+    std::printf("%-12s %10s %8s %16s %12s %12s %16s %16s %18s\n", "chunks", "step ms", "x plain",
+                "exchange ms (r0)", "of plain's", "rest ms", "replay (FLOPs)", "replay (timed)", "hidden / replay's");
+    double replay_plain = 0;
+    for (size_t v = 0; v < V; ++v) {
+      const double t = hp::bench::median(times[v]), e = hp::bench::median(exposed[v]);
+      hp::ep::OverlapTimes o;
+      o.chunks = chunk_counts[v];
+      o.rows = o.outputs = hp::SimulatedNetwork::seconds(
+          hp::CommOp::kAllToAll, static_cast<int64_t>(row_bytes / o.chunks), n, link);
+      o.experts_forward = compute / 3 * routed_share;
+      o.experts_backward = 2 * o.experts_forward;
+      o.shared_forward = compute / 3 * (1 - routed_share);
+      o.shared_backward = 2 * o.shared_forward;
+      const hp::ep::Exposure flops = hp::ep::overlap_exposure(o);
+      o.experts_forward = hp::bench::median(routed_f);
+      o.experts_backward = hp::bench::median(routed_b);
+      o.shared_forward = hp::bench::median(shared_f);
+      o.shared_backward = hp::bench::median(shared_b);
+      const hp::ep::Exposure timed = hp::ep::overlap_exposure(o);
+      const double replay = counts_s + timed.forward + timed.backward;
+      if (v == 0) replay_plain = replay;
+      const std::string hidden =
+          v == 0 ? std::string("-") : std::to_string((base_exposed - e) / (replay_plain - replay)).substr(0, 5);
+      std::printf("%-12s %10.2f %8.3f %16.2f %12.3f %12.2f %16.2f %16.2f %18s\n",
+                  chunk_counts[v] == 1 ? "1 (none)" : std::to_string(chunk_counts[v]).c_str(), 1e3 * t, t / base,
+                  1e3 * e, e / base_exposed, 1e3 * (t - e), 1e3 * (counts_s + flops.forward + flops.backward),
+                  1e3 * replay, hidden.c_str());
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -225,8 +405,10 @@ int main(int argc, char** argv) {
     bytes_mode();
   } else if (mode == "time") {
     time_mode(argc > 2 ? std::atoi(argv[2]) : 10);
+  } else if (mode == "overlap") {
+    overlap_mode(argc > 2 ? std::atoi(argv[2]) : 10);
   } else {
-    std::fprintf(stderr, "usage: ep_bench bytes|time [steps]\n");
+    std::fprintf(stderr, "usage: ep_bench bytes|time|overlap [steps]\n");
     hp::finalize();
     return 2;
   }
