@@ -187,17 +187,10 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
     };
     k.push_back(shard);
   }
-  {
-    Key strategy = enum_key<ShardStrategy>("data_parallel_shard_strategy",
-                                           "ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters until backward)",
-                                           HP_FIELD(data_parallel_shard_strategy));
-    Setter inner = strategy.set;
-    strategy.set = [inner](TrainConfig& c, const Value& v) {
-      if (v.text == "optim") v.fail("sharding only the optimizer state (ZeRO-1) is not supported yet");
-      inner(c, v);
-    };
-    k.push_back(strategy);
-  }
+  k.push_back(enum_key<ShardStrategy>("data_parallel_shard_strategy",
+                                      "ZeRO-3 (reshard after forward), ZeRO-2 (keep parameters until backward) or "
+                                      "ZeRO-1 (keep parameters and unsharded gradients through the step)",
+                                      HP_FIELD(data_parallel_shard_strategy)));
   k.push_back(int_key("reshard_after_forward_group_size",
                       "with optim_grads_params: after forward keep parameters sharded over groups of this many "
                       "data_parallel_shard ranks, gathered within the group for backward; 0 = over all of them",

@@ -24,7 +24,9 @@ const std::vector<std::pair<TokenDtype, const char*>>& enum_names<TokenDtype>() 
 template <>
 const std::vector<std::pair<ShardStrategy, const char*>>& enum_names<ShardStrategy>() {
   static const std::vector<std::pair<ShardStrategy, const char*>> n = {
-      {ShardStrategy::kOptimGradsParams, "optim_grads_params"}, {ShardStrategy::kOptimGrads, "optim_grads"}};
+      {ShardStrategy::kOptimGradsParams, "optim_grads_params"},
+      {ShardStrategy::kOptimGrads, "optim_grads"},
+      {ShardStrategy::kOptim, "optim"}};
   return n;
 }
 template <>

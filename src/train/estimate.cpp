@@ -40,8 +40,10 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
   const auto mp = mixed_precision(c);
   // optim_grads keeps parameters gathered until backward: a group of 1.
   const int64_t group =
-      c.data_parallel_shard_strategy == ShardStrategy::kOptimGrads ? 1 : c.reshard_after_forward_group_size;
-  const bool pipeline = c.pipeline_parallel > 1;  // its stages stay whole through the step
+      c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams ? c.reshard_after_forward_group_size : 1;
+  // A pipeline's stages stay whole through the step, and under optim the whole model does,
+  // with its unsharded gradients.
+  const bool pipeline = c.pipeline_parallel > 1 || c.data_parallel_shard_strategy == ShardStrategy::kOptim;
   // fully_shard's groups, as the trainer makes them: the dense parameters over dp_shard x
   // cp, the routed experts over the expert_shard ranks holding the same experts.
   const ParallelDims dims = c.parallel_dims();
@@ -126,6 +128,9 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
   if (c.pipeline_parallel > 1) {
     os << "pipeline: a rank's stages stay gathered (with their unsharded gradients) from their first micro-batch to "
           "their last: " << rm.rank_params << " parameters\n";
+  } else if (c.data_parallel_shard_strategy == ShardStrategy::kOptim) {
+    os << "optim (ZeRO-1): the model stays gathered (with its unsharded gradients) from the first micro-batch to the "
+          "last: " << rm.rank_params << " parameters\n";
   }
   os << "per rank, without activations: sharded params " << format_bytes(est.sharded_params) << ", grads "
      << format_bytes(est.sharded_grads) << ", optimizer " << format_bytes(est.optimizer_state) << ", fp32 masters "

@@ -273,6 +273,8 @@ std::string PlanRow::layout() const {
   if (config.context_parallel > 1) s += " cp=" + std::to_string(config.context_parallel);
   if (config.model->routed_experts() > 0) s += " ep=" + std::to_string(config.expert_parallel);
   s += " tp=" + std::to_string(config.tensor_parallel) + " pp=" + std::to_string(config.pipeline_parallel);
+  // ZeRO-1, the planner's own variant of each layout without a pipeline (plan_layouts).
+  if (config.data_parallel_shard_strategy == ShardStrategy::kOptim && config.pipeline_parallel == 1) s += " optim";
   if (config.pipeline_parallel > 1) {
     s += " (" + to_string(config.pipeline_schedule);
     if (config.pipeline_parallel_interleave_num > 1) s += " x" + std::to_string(config.pipeline_parallel_interleave_num);

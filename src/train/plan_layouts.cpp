@@ -89,12 +89,16 @@ double comm(CommOp op, double bytes, int n, const LinkModel& link, double ops) {
 
 struct Layout {
   int p, t, cpd, r, s, e;
+  ShardStrategy z;
 };
 
 // Every layout: pp x dp_replicate x dp_shard x cp x tp = N (context_parallel for a family
 // with attention widths), and for a model with routed experts every expert_parallel
 // dividing both dp_shard x cp and the experts (tensor_parallel 1: expert parallelism beside
-// tensor parallelism trains, but is not modelled here yet).
+// tensor parallelism trains, but is not modelled here yet). Each layout has the config's
+// fully_shard strategy; one without a pipeline, with shards and micro-batches, is also
+// listed under optim (ZeRO-1: gathered once and reduced once a step, for the memory of the
+// whole model and its gradients).
 std::vector<Layout> enumerate_layouts(const Setting& st) {
   const int N = st.N;
   std::vector<Layout> layouts;
@@ -109,7 +113,11 @@ std::vector<Layout> enumerate_layouts(const Setting& st) {
           const int s = N / p / t / cpd / r;
           for (int e = 1; e <= s * cpd; ++e) {
             if ((s * cpd) % e == 0 && (e == 1 || (t == 1 && st.experts > 0 && st.experts % e == 0))) {
-              layouts.push_back({p, t, cpd, r, s, e});
+              const ShardStrategy z = st.base.data_parallel_shard_strategy;
+              layouts.push_back({p, t, cpd, r, s, e, z});
+              if (p == 1 && s * cpd > 1 && st.base.micro_batch_num > 1 && z != ShardStrategy::kOptim) {
+                layouts.push_back({p, t, cpd, r, s, e, ShardStrategy::kOptim});
+              }
             }
           }
         }
@@ -131,6 +139,10 @@ bool admit(const Setting& st, const Layout& lay, PlanRow& row) {
   c.tensor_parallel = lay.t;
   c.pipeline_parallel = lay.p;
   c.expert_parallel = lay.e;
+  if (lay.z != c.data_parallel_shard_strategy) {
+    c.data_parallel_shard_strategy = lay.z;
+    c.reshard_after_forward_group_size = 0;
+  }
   if (lay.e == 1) c.moe_dispatcher = ep::DispatcherKind::kAllToAll;
   // The configured overlap chunks, at most the experts a rank holds at this degree.
   c.moe_overlap_chunks = lay.e == 1 ? 1 : std::min<int64_t>(c.moe_overlap_chunks, st.experts / lay.e);
@@ -477,8 +489,11 @@ Units fsdp_units(const Costing& k, const GroupDtypes& mp, const LinkModel& repli
   Units u;
   if (n <= 0 || shards <= 1) return u;
   const int r = k.lay.r;
-  const bool reshard = k.c.data_parallel_shard_strategy != ShardStrategy::kOptimGrads && k.lay.p == 1;
-  const int64_t rounds = k.lay.p == 1 ? k.m : 1;
+  // A pipeline's stages, and the model under optim (ZeRO-1), are gathered and reduced once a
+  // step.
+  const bool once = k.lay.p > 1 || k.c.data_parallel_shard_strategy == ShardStrategy::kOptim;
+  const bool reshard = k.c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams && !once;
+  const int64_t rounds = once ? 1 : k.m;
   const double ops = static_cast<double>(n);
   u.gather =
       comm(CommOp::kAllGather, params * static_cast<double>(c10::elementSize(mp.all_gather)), shards, link, ops) / ops;

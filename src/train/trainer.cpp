@@ -165,6 +165,10 @@ StepStats Trainer::step() {
   const CommTraffic sent_start = s.world->traffic();
   double loss_sum = 0;  // of the micro-batches' mean losses (on this data-parallel rank)
   std::vector<at::Tensor> batches;
+  // ZeRO-1 (optim): the parameters gathered in the first micro-batch's forward stay so, and
+  // the gradients accumulate unsharded, until the last micro-batch's backward reduces them
+  // and reshards. (A pipeline's stages do so by themselves.)
+  const bool hold = !s.pipe && c.data_parallel_shard_strategy == ShardStrategy::kOptim && c.micro_batch_num > 1;
   for (int64_t j = 0; j < c.micro_batch_num; ++j) {
     try {
       batches.push_back(load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length).to(s.device));
@@ -172,6 +176,13 @@ StepStats Trainer::step() {
       throw Error(detail::str_cat("step ", s.steps + 1, ", micro-batch ", j + 1, ": ", e.what()));
     }
     if (s.pipe) continue;
+    if (hold && (j == 0 || j == c.micro_batch_num - 1)) {
+      const bool last = j == c.micro_batch_num - 1;
+      for (auto& h : s.sharded.handles) {
+        h->set_requires_gradient_sync(last, /*recurse=*/false);
+        h->set_reshard_after_backward(last, /*recurse=*/false);
+      }
+    }
     at::Tensor loss = next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true, s.context.get());
     (loss / static_cast<double>(c.micro_batch_num)).backward();
     loss_sum += loss.item<double>();

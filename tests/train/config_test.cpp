@@ -190,7 +190,6 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
        {"pipeline_schedule=zbh1 with recompute=full", "not supported yet"}},
       {"params_dtype: float16\n", {}, 4, {"params_dtype=float16", "not supported yet"}},
       {"compute_dtype: fp16\n", {}, 4, {"compute_dtype=float16", "not supported yet"}},
-      {"data_parallel_shard_strategy: optim\n", {}, 4, {"data_parallel_shard_strategy=optim", "not supported yet"}},
       {"reshard_after_forward_group_size: 3\n", {}, 4, {"reshard_after_forward_group_size=3", "does not divide", "data_parallel_shard=4"}},
       {"reshard_after_forward_group_size: 2\ndata_parallel_shard_strategy: optim_grads\n", {}, 4,
        {"reshard_after_forward_group_size=2", "optim_grads_params"}},

@@ -50,10 +50,14 @@ struct FakeCompute {
   }
 };
 
-const ht::PlanRow& find(const std::vector<ht::PlanRow>& rows, int64_t r, int64_t s, int64_t t, int64_t p) {
+// The row of a layout, under the config's fully_shard strategy or (`optim`) the planner's
+// ZeRO-1 variant of it.
+const ht::PlanRow& find(const std::vector<ht::PlanRow>& rows, int64_t r, int64_t s, int64_t t, int64_t p,
+                        bool optim = false) {
   for (const auto& row : rows) {
     const auto& c = row.config;
-    if (c.data_parallel == r && c.data_parallel_shard == s && c.tensor_parallel == t && c.pipeline_parallel == p) {
+    if (c.data_parallel == r && c.data_parallel_shard == s && c.tensor_parallel == t && c.pipeline_parallel == p &&
+        (c.data_parallel_shard_strategy == ht::ShardStrategy::kOptim) == optim) {
       return row;
     }
   }
@@ -80,8 +84,10 @@ ht::PlanOptions options(int world, int cores) {
 TEST(Plan, EveryLayoutOfTheWorldOnceWithTheReasonOfEachInfeasibleOne) {
   FakeCompute fake;
   const auto rows = ht::plan_layouts(tiny(), options(4, 4), fake);
-  // 4 = r s cp t p: the ordered factorizations of 2^2 into five factors, C(6, 4) = 15.
-  ASSERT_EQ(rows.size(), 15u);
+  // 4 = r s cp t p: the ordered factorizations of 2^2 into five factors, C(6, 4) = 15; and
+  // the 7 of them with p = 1 and s cp > 1 again under optim (ZeRO-1): the 10 of r s cp t
+  // less the 3 of r t alone.
+  ASSERT_EQ(rows.size(), 22u);
   std::set<std::vector<int64_t>> seen;
   for (const auto& row : rows) {
     const auto& c = row.config;
@@ -104,14 +110,14 @@ TEST(Plan, EveryLayoutOfTheWorldOnceWithTheReasonOfEachInfeasibleOne) {
       EXPECT_LE(rows[i - 1].step_s, rows[i].step_s);
     }
   }
-  EXPECT_EQ(feasible, 13u);  // all but tp 4 and pp 4
+  EXPECT_EQ(feasible, 20u);  // all but tp 4 and pp 4
   // A rank's micro-batch: 16 / (data-parallel ranks x 4 micro-batches) sequences.
   EXPECT_EQ(*fake.asked, (std::map<int64_t, int>{{1, 1}, {2, 1}, {4, 1}}));
 }
 
 TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
   const auto rows = ht::plan_layouts(tiny(), options(2, 2), FakeCompute{});
-  ASSERT_EQ(rows.size(), 5u);  // r, s, cp, t, p: one of them 2
+  ASSERT_EQ(rows.size(), 7u);  // r, s, cp, t, p: one of them 2; s or cp also under optim
   const double world_sums = 3 * link(2.0 * 1 / 2, 16);  // gradient norm, loss, step time
   {
     // fully_shard over 2: each of 4 micro-batches runs 1 + 1 more blocks forward and back.
@@ -130,6 +136,19 @@ TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
     EXPECT_NEAR(r.fsdp_comm_s, 4 * (1 + 1.0 / 3 + 1) * one + flags, 1e-9);
     EXPECT_NEAR(r.exposed_s, 4 * (1 + 1.0 / 3 + 1) * one + flags + world_sums, 1e-9);
     EXPECT_NEAR(r.step_s, r.compute_s + r.exposed_s, 1e-12);
+    // The same under optim (ZeRO-1): gathered in the first micro-batch's forward (3 ops)
+    // and reduced after the last one's backward (3 ops, their flags before), once a step.
+    // For it the rank holds the whole model in fp32 and its fp32 gradients through the
+    // step, where the plain layout holds 2 unsharded blocks: 8 (kModel - kBlock) bytes more.
+    const auto& z = find(rows, 1, 2, 1, 1, /*optim=*/true);
+    ASSERT_TRUE(z.feasible) << z.reason;
+    EXPECT_EQ(z.layout(), "dp_replicate=1 dp_shard=2 tp=1 pp=1 optim");
+    EXPECT_NEAR(z.compute_s, r.compute_s, 1e-12);
+    EXPECT_NEAR(z.fsdp_comm_s, (1 + 1) * one + 3 * link(1.0, 64), 1e-9);
+    EXPECT_NEAR(z.exposed_s, z.fsdp_comm_s + world_sums, 1e-9);
+    EXPECT_EQ(z.memory.estimate.backward_peak_extra - r.memory.estimate.backward_peak_extra,
+              static_cast<int64_t>(8 * (kModel - kBlock)));
+    EXPECT_EQ(z.memory.estimate.sharded_params, r.memory.estimate.sharded_params);
   }
   {
     // Tensor parallel over 2: half the compute; per micro-batch of 4 x 64 tokens x 64 fp32,
@@ -343,7 +362,7 @@ const ht::PlanRow& find_ep(const std::vector<ht::PlanRow>& rows, int64_t r, int6
   for (const auto& row : rows) {
     const auto& c = row.config;
     if (c.data_parallel == r && c.data_parallel_shard == s && c.expert_parallel == e && c.tensor_parallel == t &&
-        c.pipeline_parallel == p) {
+        c.pipeline_parallel == p && c.data_parallel_shard_strategy != ht::ShardStrategy::kOptim) {
       return row;
     }
   }
@@ -358,8 +377,9 @@ const ht::PlanRow& find_ep(const std::vector<ht::PlanRow>& rows, int64_t r, int6
 TEST(Plan, ExpertParallelDegreesAreLayoutsOfTheirOwn) {
   const auto rows = ht::plan_layouts(deepseek_tiny(), options(4, 4), FakeCompute{});
   // The 15 (r, s, cp, t, p) of 4 ranks with ep 1, and with t = 1: s cp = 2 ((s, cp) 2 ways,
-  // p r = 2: 2 ways) ep 2, s cp = 4 ((s, cp) 3 ways) ep 2 and ep 4: 15 + 4 + 6.
-  ASSERT_EQ(rows.size(), 25u);
+  // p r = 2: 2 ways) ep 2, s cp = 4 ((s, cp) 3 ways) ep 2 and ep 4: 15 + 4 + 6; those with
+  // p = 1 and s cp > 1 again under optim: 7 + 2 + 6.
+  ASSERT_EQ(rows.size(), 40u);
   std::set<std::vector<int64_t>> seen;
   for (const auto& row : rows) {
     const auto& c = row.config;

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hp/config.h"
+#include "hp/core/trace.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/files.h"
@@ -337,6 +338,7 @@ struct Layout {
   bool tie_ = false, per_submodule_ = false, head_dim_and_biases_ = false;
   hp::cp::Method cp_method_ = hp::cp::Method::kRing;
   int64_t replicas_ = 0;  // > 0: HSDP with this many data_parallel replicas, dp_shard the rest
+  ht::ShardStrategy strategy_ = ht::ShardStrategy::kOptimGradsParams;
 
   Layout& tp(int64_t x) { tp_ = x; return *this; }
   Layout& pp(int64_t x) { pp_ = x; return *this; }
@@ -351,6 +353,7 @@ struct Layout {
   // Llama: heads of 24 (not dim / heads = 16), every bias.
   Layout& head_dim_and_biases() { head_dim_and_biases_ = true; return *this; }
   Layout& replicas(int64_t r) { replicas_ = r; return *this; }
+  Layout& strategy(ht::ShardStrategy z) { strategy_ = z; return *this; }
 };
 
 void expect_matches_naive(const std::string& type, const Layout& l = {}) {
@@ -366,6 +369,7 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
     l.attention_bias = l.mlp_bias = true;
   }
   c.pipeline_schedule = l.schedule_;
+  c.data_parallel_shard_strategy = l.strategy_;
   if (l.per_submodule_) {
     c.comm_fusion = false;
     c.wait_per_submodule = true;
@@ -384,7 +388,7 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   // leave a weaker case that still passes; seen failing with tp() setting nothing).
   ASSERT_TRUE(c.tensor_parallel == l.tp_ && c.pipeline_parallel == l.pp_ && c.context_parallel == l.cp_ &&
               c.context_parallel_method == l.cp_method_ && (l.replicas_ == 0 || c.data_parallel == l.replicas_) &&
-              c.pipeline_stage_layers == l.stage_layers_)
+              c.pipeline_stage_layers == l.stage_layers_ && c.data_parallel_shard_strategy == l.strategy_)
       << type << ": the config's layout is not the case's";
   expect_steps_match(t, c, naive, type);
   // Under pipeline parallelism the losses and norms of every step (the norm over every
@@ -423,6 +427,58 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
 
 TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek"); }
 TEST(TrainDist, LlamaMatchesSingleProcess) { expect_matches_naive("llama"); }
+
+// ZeRO-1 (data_parallel_shard_strategy: optim): the parameters stay gathered and the
+// gradients unsharded from the first of a step's 2 micro-batches to the last, reduced once:
+// the same training as one process (losses, validation losses, norms, parameters within
+// 1e-10), over dp_shard 2 and at 4 ranks HSDP (2 replicas of 2 shards).
+TEST(TrainDist, ZeroOneMatchesSingleProcess) {
+  for (const char* type : {"llama", "deepseek"}) {
+    SCOPED_TRACE(type);
+    expect_matches_naive(type, Layout().strategy(ht::ShardStrategy::kOptim));
+  }
+}
+
+// Under optim a step of 3 micro-batches gathers each fully_shard unit once and reduces it
+// once, counted in the trace; optim_grads_params gathers 3 times in forward and again in
+// backward, and reduces 3 times.
+TEST(TrainDist, ZeroOneGathersAndReducesOnceAStep) {
+  auto w = hp::world();
+  if (w->size() < 2) GTEST_SKIP() << "one shard gathers and reduces nothing";
+  for (ht::ShardStrategy z : {ht::ShardStrategy::kOptim, ht::ShardStrategy::kOptimGradsParams}) {
+    SCOPED_TRACE(ht::to_string(z));
+    ht::TrainConfig c = small_config("llama", w->size());
+    c.data_parallel = 1;
+    c.data_parallel_shard = -1;  // every rank
+    c.global_batch_size = 3 * w->size();
+    c.micro_batch_num = 3;
+    c.eval_interval = 0;
+    c.data_parallel_shard_strategy = z;
+    c.validate(w->size());
+    ht::Trainer t(c, w);
+    t.step();  // lazy initialization
+    hp::trace::enable(::testing::TempDir() + "hp_zero1_trace");
+    hp::trace::clear();
+    t.step();
+    hp::trace::disable();
+    int64_t gathers = 0, reductions = 0;
+    for (const auto& e : hp::trace::events()) {
+      if (e.cat != "comm") continue;
+      gathers += e.name == "all_gather";
+      reductions += e.name == "reduce_scatter";
+    }
+    hp::trace::clear();
+    const auto units = static_cast<int64_t>(t.handles().size());  // 2 blocks and the root
+    ASSERT_EQ(units, 3);
+    if (z == ht::ShardStrategy::kOptim) {
+      EXPECT_EQ(gathers, units);
+      EXPECT_EQ(reductions, units);
+    } else {
+      EXPECT_EQ(gathers, 3 * (units + 1));  // forward's 3, backward's the first block's again
+      EXPECT_EQ(reductions, 3 * units);
+    }
+  }
+}
 
 // Context parallelism under fully_shard: each rank holds its head-tail piece of every
 // sequence of its data rank's samples, attention spans the whole sequence, and fully_shard
@@ -882,6 +938,7 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     double aux_loss_coeff = 0;  // the sequence-wise balance loss
     int64_t tp = 1;             // with sequence parallel; the EP group spans the tp ranks
     int64_t cp = 1;             // context parallel: EP borrows the CP ranks too
+    ht::ShardStrategy strategy = ht::ShardStrategy::kOptimGradsParams;
   };
   // Under recompute the blocks' forward (and so the dispatch) runs again in backward; the
   // balancing load is counted once. Under tensor parallelism each tp rank routes its piece
@@ -892,6 +949,8 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
                                  {1, 2, K::kAllToAll, ht::Recompute::kNone, 0.05, 2},
                                  {1, 2, K::kDedup, ht::Recompute::kFull, 0, 2}};
   if (w->size() == 2) layouts.push_back({1, 2, K::kAllToAll, ht::Recompute::kFull, 0, 1, 2});  // ep = the CP pair
+  // ZeRO-1: the experts' units held gathered through the step beside the dense ones.
+  if (w->size() == 2) layouts.push_back({1, 2, K::kAllToAll, ht::Recompute::kNone, 0, 1, 1, ht::ShardStrategy::kOptim});
   if (w->size() == 4) {
     layouts = {{1, 4, K::kAllToAll}, {1, 4, K::kDedup}, {1, 2, K::kAllToAll}, {2, 2, K::kDedup},
                {1, 4, K::kAllToAll, ht::Recompute::kFull}, {2, 2, K::kDedup, ht::Recompute::kFull, 0.05},
@@ -899,7 +958,9 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
                {2, 2, K::kAllToAll, ht::Recompute::kFull, 0.05, 2},
                // context_parallel 2: ep 4 over dp_shard 2 x cp 2, ep 2 over a CP pair, and with tp 2
                {1, 4, K::kDedup, ht::Recompute::kNone, 0, 1, 2}, {1, 2, K::kAllToAll, ht::Recompute::kFull, 0, 1, 2},
-               {1, 2, K::kAllToAll, ht::Recompute::kNone, 0, 2, 2}};
+               {1, 2, K::kAllToAll, ht::Recompute::kNone, 0, 2, 2},
+               // ZeRO-1, the experts sharded over 2 of the 4 dp_shard ranks
+               {1, 2, K::kDedup, ht::Recompute::kNone, 0, 1, 1, ht::ShardStrategy::kOptim}};
   }
   for (const Layout& l : layouts) {
     ht::TrainConfig c = small_config("deepseek", w->size(), l.tp, 1, 1, l.cp);
@@ -908,6 +969,7 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     c.expert_parallel = l.ep;
     c.moe_dispatcher = l.dispatcher;
     c.recompute = l.recompute;
+    c.data_parallel_shard_strategy = l.strategy;
     c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = l.aux_loss_coeff;
     c.eval_interval = 2;
     c.eval_steps = 2;
@@ -917,7 +979,7 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
                               " tp " + std::to_string(l.tp) +
                               " ep " + std::to_string(l.ep) +
                               " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute) +
-                              " aux " + std::to_string(l.aux_loss_coeff);
+                              " aux " + std::to_string(l.aux_loss_coeff) + " " + ht::to_string(l.strategy);
     Naive naive = naive_run(c);
     ht::Trainer t(c, w);
     expect_expert_load(expect_steps_match(t, c, naive, label), c, naive, label);

@@ -21,6 +21,7 @@ struct ParallelLayout {
   int64_t reshard_after_forward_group_size = 0;
   // A pipeline's stages (hp::pp::Pipeline): each is gathered before its first micro-batch
   // and kept whole, its gradients accumulating unsharded, until its last; then reduced once.
+  // The trainer's optim strategy (ZeRO-1) does the same with the whole model.
   bool unsharded_through_step = false;
 };
 

@@ -73,8 +73,11 @@ class ModelSpec {
 
 enum class DataType { kSynthetic, kBinary, kText, kMegatron };
 enum class TokenDtype { kUint16, kUint32 };
-// ZeRO-3 (reshard after forward) or ZeRO-2 (keep the parameters until backward).
-enum class ShardStrategy { kOptimGradsParams, kOptimGrads };
+// ZeRO-3 (reshard after forward), ZeRO-2 (keep the parameters until backward) or ZeRO-1
+// (keep the parameters gathered and the gradients unsharded from the step's first
+// micro-batch to its last: one gather and one reduction a step; the sharded state is the
+// optimizer's and the masters').
+enum class ShardStrategy { kOptimGradsParams, kOptimGrads, kOptim };
 // Activation recomputation of every block (hp::RecomputePolicy): kSelective keeps the
 // matmuls' outputs, kLight (DeepSeek-V3's) those and attention's, recomputing only the norms,
 // MLA's up-projections and the activations.
