@@ -65,10 +65,14 @@ int Action::peer_stage() const {
 std::string Action::to_string() const {
   std::string s = std::to_string(stage) + kind_token(kind);
   if (is_compute() || is_comm()) s += std::to_string(microbatch);
+  if (paired) s += "+";
   return s;
 }
 
-Action Action::parse(const std::string& token) {
+Action Action::parse(const std::string& token_text) {
+  // A trailing "+": a forward paired with the next compute action.
+  const bool paired = !token_text.empty() && token_text.back() == '+';
+  const std::string token = paired ? token_text.substr(0, token_text.size() - 1) : token_text;
   size_t i = 0;
   while (i < token.size() && std::isdigit(static_cast<unsigned char>(token[i]))) ++i;
   HP_CHECK(i > 0 && i < token.size() && i <= 9, "pipeline schedule: '", token,
@@ -108,6 +112,9 @@ Action Action::parse(const std::string& token) {
            "' is not an action (a stage number, then F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B with a micro-batch, "
            "or UNSHARD, RESHARD, REDUCE_GRAD)");
   a.microbatch = std::stoi(digits);
+  HP_CHECK(!paired || a.kind == ActionKind::kForward, "pipeline schedule: '", token_text,
+           "': only a forward pairs with the next action ('+')");
+  a.paired = paired;
   return a;
 }
 
@@ -326,6 +333,88 @@ Schedule zero_bubble_v(int ranks, int m) {
       s.actions[r].push_back(pick);
       --left;
     }
+  }
+  validate(s);
+  return s;
+}
+
+Schedule dualpipev(int ranks, int m) {
+  HP_CHECK(ranks >= 1, "pipeline schedule: ranks must be at least 1, got ", ranks);
+  HP_CHECK(m >= 2 * ranks, "pipeline schedule: dualpipev over ", ranks, " ranks needs at least ", 2 * ranks,
+           " micro-batches (2 x ranks: its steady phase pairs them), got ", m);
+  Schedule s = empty(ranks, 2 * ranks, m);
+  const int S = 2 * ranks;
+  for (int st = 0; st < S; ++st) s.placement.push_back(st < ranks ? st : S - 1 - st);
+  for (int r = 0; r < ranks; ++r) {
+    // Chunk 0 is the rank's stage on the way down the V (r), chunk 1 its stage on the way
+    // back (2 ranks - 1 - r); each runs its micro-batches in order.
+    const int stage[2] = {r, S - 1 - r};
+    int next_f[2] = {0, 0}, next_b[2] = {0, 0};
+    std::vector<Action>& out = s.actions[static_cast<size_t>(r)];
+    std::vector<Action> weights;  // input gradients taken, their weight gradients owed (oldest first)
+    // `paired`: overlapped with the backward that follows (F&B).
+    auto forward = [&](int k, bool paired = false) {
+      out.push_back(compute(stage[k], ActionKind::kForward, next_f[k]++));
+      out.back().paired = paired;
+    };
+    // Split (zero bubble: the input gradient now, the weight gradient owed) or whole.
+    auto backward = [&](int k, bool split) {
+      const int mb = next_b[k]++;
+      if (!split) {
+        out.push_back(compute(stage[k], ActionKind::kBackward, mb));
+        return;
+      }
+      out.push_back(compute(stage[k], ActionKind::kBackwardInput, mb));
+      weights.push_back(compute(stage[k], ActionKind::kBackwardWeight, mb));
+    };
+    auto weight = [&] {
+      HP_INTERNAL_ASSERT(!weights.empty(), "dualpipev: a weight gradient with none owed");
+      out.push_back(weights.front());
+      weights.erase(weights.begin());
+    };
+    const int later = ranks - r - 1;  // stages of the V after this rank's first
+    // Warm-up: chunk 0's forwards until the first micro-batch has come back up to chunk 1.
+    for (int i = 0; i < 2 * later; ++i) forward(0);
+    for (int i = 0; i < r + 1; ++i) {
+      forward(0);
+      forward(1);
+    }
+    // Chunk 1's first backwards, their weight gradients filling the wait for the next input.
+    for (int i = 0; i < later; ++i) {
+      backward(1, true);
+      weight();
+      forward(1);
+    }
+    // Steady: pairs of one chunk's forward and the other's backward (F&B: on a device one
+    // micro-batch's compute beside the other's communication). The last rank's first
+    // forward runs alone: its backward's input is that forward's own output, come back.
+    for (int i = 0; i < m - 2 * ranks + r + 1; ++i) {
+      forward(0, !(i == 0 && r == ranks - 1));
+      backward(1, false);
+      forward(1, true);
+      backward(0, false);
+    }
+    for (int i = 0; i < later; ++i) {
+      backward(1, false);
+      forward(1, true);
+      backward(0, false);
+    }
+    // Drain: the backwards left, the second half split so that weight gradients fill the
+    // waits that follow.
+    bool split = false;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) split = true;
+      backward(1, split);
+      if (i == (r + 1) / 2 && r % 2 == 0) split = true;
+      backward(0, split);
+    }
+    for (int i = 0; i < later; ++i) {
+      weight();
+      backward(0, true);
+    }
+    while (!weights.empty()) weight();
+    HP_INTERNAL_ASSERT(next_f[0] == m && next_f[1] == m && next_b[0] == m && next_b[1] == m,
+                       "dualpipev: rank ", r, " does not run every micro-batch once");
   }
   validate(s);
   return s;

@@ -40,6 +40,25 @@ SimResult replay(const Schedule& s, const Costs& all) {
         const Costs& c = all.per_stage.empty() || a.stage < 0 ? all : all.per_stage[static_cast<size_t>(a.stage)];
         double start = free_at[r];
         if (!timeline.ready(a, &start)) break;
+        // A forward paired with the backward right after it (a lowered schedule's pairs have
+        // transfers between them and run in turn): one unit, once both are ready.
+        if (a.paired && next[r] + 1 < s.actions[r].size() && s.actions[r][next[r] + 1].is_compute()) {
+          const Action& b = s.actions[r][next[r] + 1];
+          if (!timeline.ready(b, &start)) break;
+          const Costs& cb = all.per_stage.empty() ? all : all.per_stage[static_cast<size_t>(b.stage)];
+          const double cost = c.forward_backward > 0
+                                  ? c.forward_backward
+                                  : c.forward + (b.kind == ActionKind::kBackward ? cb.backward : cb.backward_input);
+          timeline.finish(a, start + cost);
+          timeline.finish(b, start + cost);
+          free_at[r] = start + cost;
+          out.busy[r] += cost;
+          out.peak_in_flight[r] = std::max(out.peak_in_flight[r], ++in_flight[r]);
+          if (b.kind == ActionKind::kBackward) --in_flight[r];
+          next[r] += 2;
+          progress = true;
+          continue;
+        }
         double cost = 0;
         switch (a.kind) {
           case ActionKind::kForward: cost = c.forward; break;
@@ -385,6 +404,17 @@ void validate(const Schedule& s) {
       if (!a.is_compute()) continue;
       HP_CHECK(a.microbatch >= 0 && a.microbatch < s.microbatches, "pipeline schedule: ", where, ": micro-batch ",
                a.microbatch, " is not one of the ", s.microbatches);
+      if (a.paired) {
+        HP_CHECK(a.kind == ActionKind::kForward, "pipeline schedule: ", where, ": only a forward pairs ('+')");
+        size_t j = i + 1;
+        while (j < s.actions[r].size() && !s.actions[r][j].is_compute()) ++j;
+        HP_CHECK(j < s.actions[r].size() &&
+                     (s.actions[r][j].kind == ActionKind::kBackward ||
+                      s.actions[r][j].kind == ActionKind::kBackwardInput) &&
+                     s.actions[r][j].stage != a.stage,
+                 "pipeline schedule: ", where, ": a paired forward ('+') needs the rank's next compute action to be ",
+                 "a backward (B or I) of another stage");
+      }
       HP_CHECK(reduce_grads[a.stage] == 0 || a.kind == ActionKind::kForward, "pipeline schedule: ", where,
                ": a backward after stage ", a.stage, "'s REDUCE_GRAD");
       const Key k{a.stage, static_cast<int>(a.kind), a.microbatch};

@@ -295,11 +295,14 @@ void validate_pipeline(TrainConfig& c) {
   const std::string schedule = to_string(c.pipeline_schedule);
   HP_CHECK(c.pipeline_stage_layers.empty() || pp > 1, s, ": pipeline_stage_layers needs pipeline_parallel > 1 ",
            "(pipeline_parallel=", pp, ")");
-  HP_CHECK(v == 1 || c.pipeline_schedule == P::kInterleaved || c.pipeline_schedule == P::kZBV, s, ": pipeline_schedule=",
-           schedule, " runs one stage per rank, but pipeline_parallel_interleave_num=", v,
-           " (use interleaved or zbv)");
-  HP_CHECK(c.pipeline_schedule != P::kZBV || v == 2, s, ": pipeline_schedule=zbv places two stages per rank: it needs ",
+  const bool v_shaped = c.pipeline_schedule == P::kZBV || c.pipeline_schedule == P::kDualPipeV;
+  HP_CHECK(v == 1 || c.pipeline_schedule == P::kInterleaved || v_shaped, s, ": pipeline_schedule=", schedule,
+           " runs one stage per rank, but pipeline_parallel_interleave_num=", v, " (use interleaved, zbv or dualpipev)");
+  HP_CHECK(!v_shaped || v == 2, s, ": pipeline_schedule=", schedule, " places two stages per rank: it needs ",
            "pipeline_parallel_interleave_num=2, not ", v);
+  HP_CHECK(c.pipeline_schedule != P::kDualPipeV || pp == 1 || c.micro_batch_num >= 2 * pp, s,
+           ": pipeline_schedule=dualpipev needs micro_batch_num >= 2 x pipeline_parallel = ", 2 * pp, ", not ",
+           c.micro_batch_num, " (its steady phase pairs them)");
   if (pp > 1) {
     HP_CHECK(pp * v <= c.model->layers(), s, ": pipeline_parallel=", pp, " x pipeline_parallel_interleave_num=", v,
              " = ", pp * v, " stages, but the model has ", c.model->layers(),
@@ -314,7 +317,7 @@ void validate_pipeline(TrainConfig& c) {
     } catch (const Error& e) {
       throw Error(detail::str_cat(s, ": pipeline_stage_layers: ", e.what()));
     }
-    HP_CHECK((c.pipeline_schedule != P::kZBH1 && c.pipeline_schedule != P::kZBV) || c.recompute == Recompute::kNone, s,
+    HP_CHECK((c.pipeline_schedule != P::kZBH1 && !v_shaped) || c.recompute == Recompute::kNone, s,
              ": pipeline_schedule=", schedule, " with recompute=", to_string(c.recompute),
              " is not supported yet (the weight gradients are taken from the forward's graph)");
   }

@@ -244,7 +244,8 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
       "pipeline_schedule",
       "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1; zbh1 = zero bubble "
       "(backward split into input and weight gradients); zbv = zero bubble with 2 stages per rank in a V "
-      "(pipeline_parallel_interleave_num 2)",
+      "(pipeline_parallel_interleave_num 2); dualpipev = DeepSeek's V of 2 stages per rank with paired forwards "
+      "and backwards (pipeline_parallel_interleave_num 2, micro_batch_num >= 2 x pipeline_parallel)",
       HP_FIELD(pipeline_schedule)));
   k.push_back(derived({"pipeline_stage_layers", "list",
                        "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); "

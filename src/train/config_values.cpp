@@ -41,7 +41,8 @@ const std::vector<std::pair<PipelineScheduleKind, const char*>>& enum_names<Pipe
   using P = PipelineScheduleKind;
   static const std::vector<std::pair<P, const char*>> n = {{P::kAuto, "auto"},  {P::kGPipe, "gpipe"},
                                                            {P::k1F1B, "1f1b"},  {P::kInterleaved, "interleaved"},
-                                                           {P::kZBH1, "zbh1"}, {P::kZBV, "zbv"}};
+                                                           {P::kZBH1, "zbh1"}, {P::kZBV, "zbv"},
+                                                           {P::kDualPipeV, "dualpipev"}};
   return n;
 }
 template <>

@@ -113,7 +113,7 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
   if (!rm.stage_counts.empty()) {
     os << "pipeline: " << rm.stage_counts.size() << " stages, parameters per stage (before tensor parallelism):";
     for (int64_t n : rm.stage_counts) os << " " << n;
-    if (c.pipeline_schedule == PipelineScheduleKind::kZBV) {
+    if (c.pipeline_schedule == PipelineScheduleKind::kZBV || c.pipeline_schedule == PipelineScheduleKind::kDualPipeV) {
       os << "; rank r holds stages r and " << rm.stage_counts.size() - 1 << " - r\n";
     } else {
       os << "; a rank holds stages r, r + " << c.pipeline_parallel << ", ...\n";

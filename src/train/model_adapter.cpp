@@ -52,6 +52,8 @@ pp::Schedule pipeline_schedule(const TrainConfig& c) {
       return pp::zero_bubble_h1(pp, m);
     case PipelineScheduleKind::kZBV:
       return pp::zero_bubble_v(pp, m);
+    case PipelineScheduleKind::kDualPipeV:
+      return pp::dualpipev(pp, m);
     case PipelineScheduleKind::kInterleaved:
       return pp::interleaved_1f1b(pp, v, m);
     case PipelineScheduleKind::kAuto:

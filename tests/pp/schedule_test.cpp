@@ -222,6 +222,65 @@ TEST(PpSchedule, ZeroBubbleVIsNearlyBubbleFree) {
                          {"placement line gives 3 ranks for 2 stages"});
 }
 
+// DualPipeV over 2 ranks and 4 micro-batches, written out by hand from its phases (rank 0:
+// 2 forwards of stage 0, a forward of each stage, stage 3's I, W and forward, one steady
+// round F0+ B1 F1+ B0, one more round of B1 F1+ B0, B1 whole and B0 split, then W, a split
+// B0 and the last W; rank 1: no warm-up, two pairs of forwards, the steady round twice, the
+// last rank's first forward unpaired, then B1 B0 whole and B1 B0 split, and the two W's).
+TEST(PpSchedule, DualPipeVIsItsPhasesWrittenByHand) {
+  const std::string want =
+      "placement: 0 1 1 0\n"
+      "rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3+ 3B1 3F2+ 0B0 3B2 3F3+ 0B1 3B3 0I2 0W2 0I3 0W3\n"
+      "rank 1: 1F0 2F0 1F1 2F1 1F2 2B0 2F2+ 1B0 1F3+ 2B1 2F3+ 1B1 2B2 1B2 2I3 1I3 2W3 1W3\n";
+  EXPECT_EQ(hp::pp::dualpipev(2, 4).to_string(), want);
+  auto back = hp::pp::Schedule::parse(want, 4, 4);
+  EXPECT_EQ(back.actions, hp::pp::dualpipev(2, 4).actions);
+  EXPECT_TRUE(back.actions[0][7].paired);
+  hp::test::expect_error([] { hp::pp::dualpipev(3, 5); }, {"dualpipev over 3 ranks needs at least 6 micro-batches"});
+}
+
+// Its bubble is DualPipe's closed form (p - 1)(F&B + B - 3W) per rank (the largest rank's)
+// when a stage's F, I and W cost the same, whatever the paired unit F&B costs: with F = I =
+// W = 1 (B = 2) that is 2(p - 1) for F&B = F + B = 3 and 1.5(p - 1) for F&B = 2.5 (a
+// rank's bubble: the makespan less its busy time). With F 1, I 1.5, W 0.7 and F&B 2.9 the replay
+// finds less than the form's 3(p - 1) (its pairs wait less than the form assumes): 2.5 at
+// p = 2. Every order validates lowered with fully_shard's verbs.
+TEST(PpSchedule, DualPipeVBubbleIsTheClosedForm) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int m : {2 * p, 2 * p + 3, 6 * p}) {
+      const auto s = hp::pp::dualpipev(p, m);
+      for (int r = 0; r < p; ++r) EXPECT_EQ(s.stages_of(r), (std::vector<int>{r, 2 * p - 1 - r}));
+      for (double fb : {3.0, 2.5}) {
+        hp::pp::Costs c{1, 2, 1, 1};
+        c.forward_backward = fb;
+        const auto r = hp::pp::simulate(s, c);
+        double worst = 0;
+        for (int rank = 0; rank < p; ++rank) worst = std::max(worst, r.makespan - r.busy[rank]);
+        const double form = (p - 1) * (fb + 2 - 3 * 1);
+        EXPECT_NEAR(worst, form, 1e-9) << "p=" << p << " m=" << m << " F&B=" << fb;
+      }
+      hp::pp::validate(hp::pp::lower(s, {.fully_shard = true}));
+    }
+  }
+  hp::pp::Costs c{1, 2.2, 1.5, 0.7};
+  c.forward_backward = 2.9;
+  const auto r = hp::pp::simulate(hp::pp::dualpipev(2, 8), c);
+  double worst = 0;
+  for (int rank = 0; rank < 2; ++rank) worst = std::max(worst, r.makespan - r.busy[rank]);
+  EXPECT_NEAR(worst, 2.5, 1e-9);
+}
+
+// A pair ("+") is a forward followed, among the rank's compute actions, by a backward of
+// another stage; anything else is refused, naming the action.
+TEST(PpSchedule, PairsAreAForwardAndAnotherStagesBackward) {
+  hp::test::expect_error([] { hp::pp::Schedule::parse("rank 0: 0B0+\n", 1, 1); }, {"'0B0+'", "only a forward pairs"});
+  hp::test::expect_error([] { hp::pp::validate(hp::pp::Schedule::parse("rank 0: 0F0+ 0B0\n", 1, 1)); },
+                         {"rank 0, action 0 (0F0+)", "a backward (B or I) of another stage"});
+  hp::test::expect_error(
+      [] { hp::pp::validate(hp::pp::Schedule::parse("rank 0: 0F0 0F1+\nrank 1: 1F0 1B0 1F1 1B1\n", 2, 2)); },
+      {"rank 0, action 1 (0F1+)"});
+}
+
 }  // namespace
 
 // Stages of unequal cost (a last stage with the head and the loss): 1F1B over 2 stages and

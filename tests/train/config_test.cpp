@@ -173,7 +173,7 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       // layouts the model cannot be split into
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 4\n", {}, 4, {"= 8 stages", "more stages than layers"}},
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\npipeline_schedule: 1f1b\n", {}, 4,
-       {"pipeline_schedule=1f1b", "pipeline_parallel_interleave_num=2", "use interleaved or zbv"}},
+       {"pipeline_schedule=1f1b", "pipeline_parallel_interleave_num=2", "use interleaved, zbv or dualpipev"}},
       {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\nmicro_batch_num: 5\nglobal_batch_size: 10\nmodel:\n  layers: 4\n", {}, 4,
        {"micro_batch_num=5", "2 rounds that do not divide it", "not supported yet"}},
       {"pipeline_parallel: 2\npipeline_stage_layers: [2, 2]\n", {}, 4, {"pipeline_stage_layers", "sum to 4", "3 layers"}},
@@ -186,6 +186,14 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
        {"seq_length=63", "not divisible by tensor_parallel=2"}},
       // capabilities not built yet
       {"pipeline_parallel: 2\npipeline_schedule: zbv\n", {}, 4, {"pipeline_schedule=zbv", "interleave_num=2, not 1"}},
+      {"pipeline_parallel: 2\npipeline_schedule: dualpipev\n", {}, 4,
+       {"pipeline_schedule=dualpipev", "interleave_num=2, not 1"}},
+      {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\npipeline_schedule: dualpipev\nmicro_batch_num: 2\n"
+       "global_batch_size: 4\n",
+       {}, 4, {"pipeline_schedule=dualpipev", "micro_batch_num >= 2 x pipeline_parallel = 4, not 2"}},
+      {"pipeline_parallel: 2\npipeline_parallel_interleave_num: 2\npipeline_schedule: dualpipev\nmicro_batch_num: 4\n"
+       "global_batch_size: 8\nrecompute: full\n",
+       {"model.layers=4"}, 4, {"pipeline_schedule=dualpipev with recompute=full", "not supported yet"}},
       {"pipeline_parallel: 2\npipeline_schedule: zbh1\nrecompute: full\n", {}, 4,
        {"pipeline_schedule=zbh1 with recompute=full", "not supported yet"}},
       {"params_dtype: float16\n", {}, 4, {"params_dtype=float16", "not supported yet"}},

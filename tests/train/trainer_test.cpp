@@ -339,6 +339,7 @@ struct Layout {
   hp::cp::Method cp_method_ = hp::cp::Method::kRing;
   int64_t replicas_ = 0;  // > 0: HSDP with this many data_parallel replicas, dp_shard the rest
   ht::ShardStrategy strategy_ = ht::ShardStrategy::kOptimGradsParams;
+  int64_t micro_ = 0;  // > 0: micro_batch_num (the global batch of 8 stays)
 
   Layout& tp(int64_t x) { tp_ = x; return *this; }
   Layout& pp(int64_t x) { pp_ = x; return *this; }
@@ -354,6 +355,7 @@ struct Layout {
   Layout& head_dim_and_biases() { head_dim_and_biases_ = true; return *this; }
   Layout& replicas(int64_t r) { replicas_ = r; return *this; }
   Layout& strategy(ht::ShardStrategy z) { strategy_ = z; return *this; }
+  Layout& micro(int64_t m) { micro_ = m; return *this; }
 };
 
 void expect_matches_naive(const std::string& type, const Layout& l = {}) {
@@ -370,6 +372,7 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   }
   c.pipeline_schedule = l.schedule_;
   c.data_parallel_shard_strategy = l.strategy_;
+  if (l.micro_ > 0) c.micro_batch_num = l.micro_;
   if (l.per_submodule_) {
     c.comm_fusion = false;
     c.wait_per_submodule = true;
@@ -605,6 +608,11 @@ TEST(TrainDist, PipelineMatchesSingleProcess) {
     expect_matches_naive("deepseek", Layout().tp(tp).pp(2).v(2).schedule(ht::PipelineScheduleKind::kZBV));
   }
   {
+    // 4 micro-batches: DualPipeV needs 2 x pp; its pairs run in turn here.
+    SCOPED_TRACE("dualpipev");
+    expect_matches_naive("deepseek", Layout().tp(tp).pp(2).v(2).micro(4).schedule(ht::PipelineScheduleKind::kDualPipeV));
+  }
+  {
     SCOPED_TRACE("explicit stage layers [3, 1]");
     expect_matches_naive("deepseek", Layout().tp(tp).pp(2).schedule(ht::PipelineScheduleKind::k1F1B).stage_layers({3, 1}));
   }
@@ -620,6 +628,8 @@ TEST(TrainDist, PipelineMatchesSingleProcess) {
     expect_matches_naive("llama", Layout().pp(2).schedule(ht::PipelineScheduleKind::kZBH1).tie());
     SCOPED_TRACE("llama, tied embeddings, zbv");
     expect_matches_naive("llama", Layout().pp(2).v(2).schedule(ht::PipelineScheduleKind::kZBV).tie());
+    SCOPED_TRACE("llama, tied embeddings, dualpipev");
+    expect_matches_naive("llama", Layout().pp(2).v(2).micro(4).schedule(ht::PipelineScheduleKind::kDualPipeV).tie());
   }
 }
 // Resume is exact: 6 steps straight, against 3 steps, save (also in the background, while the

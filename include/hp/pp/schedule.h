@@ -7,7 +7,11 @@
 // (input-gradient backward), "2W3" (weight-gradient backward), "1UNSHARD", "1RESHARD",
 // "1REDUCE_GRAD" (fully_shard's verbs for a stage), and the transfers lower() inserts:
 // "0SEND_F1" / "1RECV_F1" (stage 0's activation of micro-batch 1 to stage 1),
-// "1SEND_B1" / "0RECV_B1" (stage 1's input gradient back to stage 0). A schedule prints as one line per rank,
+// "1SEND_B1" / "0RECV_B1" (stage 1's input gradient back to stage 0). A forward ending in
+// "+" ("0F3+") is paired with the rank's next compute action, a backward of another stage:
+// the two form one overlapped unit (DualPipe's F&B), which simulate() costs as one (Costs::
+// forward_backward) starting once both are ready; the runtime here runs them in turn.
+// A schedule prints as one line per rank,
 // "rank 0: 0F0 0F1 0B0 ...", and parses back to the same schedule.
 //
 // Stages are placed on ranks in a loop by default: stage s on rank s % ranks (with v stages
@@ -50,6 +54,7 @@ struct Action {
   int stage = 0;
   ActionKind kind = ActionKind::kForward;
   int microbatch = -1;  // compute and transfer actions only
+  bool paired = false;  // a forward overlapped with the next compute action (see above)
 
   bool is_compute() const;
   bool is_comm() const;  // SEND_F, RECV_F, SEND_B, RECV_B
@@ -59,7 +64,7 @@ struct Action {
   // Raises hp::Error naming the token for text that is not an action.
   static Action parse(const std::string& token);
   bool operator==(const Action& o) const {
-    return stage == o.stage && kind == o.kind && microbatch == o.microbatch;
+    return stage == o.stage && kind == o.kind && microbatch == o.microbatch && paired == o.paired;
   }
 };
 
@@ -105,6 +110,20 @@ Schedule zero_bubble_h1(int ranks, int m);
 // twice the size takes 2(3m + p - 1).
 Schedule zero_bubble_v(int ranks, int m);
 
+// DualPipeV (DeepSeek's DualPipe cut in half): ZBV's V of two stages per rank, a rank's
+// order fixed by phases rather than replayed. Warm-up: 2(p - r - 1) forwards of its first
+// stage (chunk 0), then r + 1 pairs of a forward of each chunk; p - r - 1 rounds of chunk 1's
+// input gradient, a weight gradient and a chunk-1 forward; the steady phase, m - 2p + r + 1
+// rounds of (forward chunk 0, backward chunk 1, forward chunk 1, backward chunk 0), each
+// forward paired ("+") with the other chunk's backward (on a device the pair overlaps one's
+// compute with the other's communication; the runtime here runs them in turn); p - r - 1
+// rounds of (backward 1, forward 1 paired, backward 0); r + 1 rounds of backward 1 and
+// backward 0 (from the middle on split into I and W), p - r - 1 of a W and a split backward
+// of chunk 0, and the W's left. Needs m >= 2p. Its bubble, DualPipe's (p - 1)(F&B + B - 3W)
+// for p ranks of 2 stages, is the largest rank's in simulate() where a stage's F, I and W
+// cost the same (any F&B); with other costs simulate() gives less.
+Schedule dualpipev(int ranks, int m);
+
 // Raises hp::Error (see the file comment). For a lowered schedule also: every compute
 // action has the receive it reads and the send of what it produces, every send meets exactly
 // one receive of the same micro-batch on the neighbouring stage's rank, a receive comes
@@ -137,6 +156,9 @@ int transfer_tag(const Schedule& s, const Action& a);
 struct Costs {
   double forward = 1, backward = 2;  // a full backward (I + W)
   double backward_input = 1, backward_weight = 1;
+  // A paired forward and backward (F&B) together; 0: the forward's and the backward's sum.
+  // Taken from the forward's stage's costs.
+  double forward_backward = 0;
   // Stage k's costs when not empty (one per stage; their own per_stage unused): stages of
   // unequal size, such as a last stage with the head and the loss.
   std::vector<Costs> per_stage;

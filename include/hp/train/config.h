@@ -82,7 +82,7 @@ enum class ShardStrategy { kOptimGradsParams, kOptimGrads, kOptim };
 // matmuls' outputs, kLight (DeepSeek-V3's) those and attention's, recomputing only the norms,
 // MLA's up-projections and the activations.
 enum class Recompute { kNone, kFull, kSelective, kLight };
-enum class PipelineScheduleKind { kAuto, kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
+enum class PipelineScheduleKind { kAuto, kGPipe, k1F1B, kInterleaved, kZBH1, kZBV, kDualPipeV };
 enum class LrDecay { kCosine, kLinear, kConstant };
 enum class OptimizerKind { kAdamW, kMuon };
 // Where each rank trains: the CPU, or the GPU of its local rank (the nccl backend).
