@@ -2,6 +2,7 @@
 """hp-train --plan against real runs of the same layouts on this machine.
 
     python3 bench/plan_check.py [build dir] [--sim SPEC] [--worlds 1,2,4] [--steps 10]
+                                [--config FILE --set KEY=VALUE ... --only REGEX]
 
 For each world size, asks `hp-train --plan --world N --json` for every layout's predicted
 step time, then trains each feasible layout for real (scripts/mpirun.sh N hp-train, the
@@ -10,10 +11,17 @@ step time of the steps after the first two from metrics.jsonl, and the largest t
 memory peak of any rank. Prints one line per layout with predicted / measured step time
 and memory (the sharded state and activations against the peak), and the largest
 deviation of the step time.
+
+The default model is a small Llama (MODEL below, over configs/llama_tiny.yaml). With
+--config another file is run as it is, with the --set values given (each also sent to
+--plan); --only keeps the layouts whose name (as printed) matches REGEX. Each layout runs
+with every setting the plan chose for it: the degrees, the pipeline schedule and its stages
+per rank, the fully_shard strategy and the expert exchange's overlap chunks.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,18 +52,24 @@ def main():
     ap.add_argument("--sim", default="", help="HP_SIM_NET spec for the runs and the prediction")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--config", default=os.path.join(SRC, "configs/llama_tiny.yaml"))
+    ap.add_argument("--config", default="")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--only", default="", help="a regular expression on the layout names")
     a = ap.parse_args()
+    model = a.set
+    if not a.config:
+        a.config = os.path.join(SRC, "configs/llama_tiny.yaml")
+        model = MODEL + a.set
     env = dict(os.environ)
     env.pop("HP_SIM_NET", None)
     if a.sim:
         env["HP_SIM_NET"] = a.sim
     sets = []
-    for kv in MODEL + [f"train_steps={a.steps}"]:
+    for kv in model + [f"train_steps={a.steps}", "log_interval=1"]:
         sets += ["--set", kv]
     worst = 0.0
-    print(f"config {os.path.relpath(a.config, SRC)} with {' '.join(MODEL)}; network: {a.sim or 'this machine'}")
-    print(f"{'world':>5}  {'layout':<44} {'predicted':>10} {'measured':>10} {'ratio':>6}"
+    print(f"config {os.path.relpath(a.config, SRC)} with {' '.join(model)}; network: {a.sim or 'this machine'}")
+    print(f"{'world':>5}  {'layout':<60} {'predicted':>10} {'measured':>10} {'ratio':>6}"
           f"   memory: predicted, peak, ratio")
     for n in [int(x) for x in a.worlds.split(",")]:
         plan = [json.loads(l) for l in hp_train(a.build, 1, ["--config", a.config] + sets +
@@ -64,7 +78,20 @@ def main():
             if not row["feasible"]:
                 continue
             layout = (f"data_parallel={row['dp_replicate']}", f"data_parallel_shard={row['dp_shard']}",
-                      f"tensor_parallel={row['tp']}", f"pipeline_parallel={row['pp']}")
+                      f"context_parallel={row['cp']}", f"expert_parallel={row['ep']}",
+                      f"tensor_parallel={row['tp']}", f"pipeline_parallel={row['pp']}",
+                      f"pipeline_parallel_interleave_num={row['interleave']}",
+                      f"pipeline_schedule={row['schedule']}", f"data_parallel_shard_strategy={row['strategy']}",
+                      f"moe_overlap_chunks={row['overlap_chunks']}")
+            name = " ".join(x for x in [
+                f"dp_replicate={row['dp_replicate']} dp_shard={row['dp_shard']}",
+                f"cp={row['cp']}" if row["cp"] > 1 else "", f"ep={row['ep']}" if row["ep"] > 1 else "",
+                f"tp={row['tp']} pp={row['pp']}",
+                f"({row['schedule']} x{row['interleave']})" if row["pp"] > 1 else "",
+                row["strategy"] if row["strategy"] == "optim" else "",
+                f"chunks={row['overlap_chunks']}" if row["overlap_chunks"] > 1 else ""] if x)
+            if a.only and not re.search(a.only, name):
+                continue
             with tempfile.TemporaryDirectory() as out:
                 extra = []
                 for kv in layout + (f"output_dir={out}",):
@@ -78,9 +105,7 @@ def main():
             measured = statistics.median(steps[2:])
             ratio = row["step_s"] / measured
             worst = max(worst, abs(ratio - 1))
-            name = " ".join(x.replace("data_parallel_shard", "dp_shard").replace("data_parallel", "dp_replicate")
-                            .replace("tensor_parallel", "tp").replace("pipeline_parallel", "pp") for x in layout)
-            print(f"{n:>5}  {name:<44} {row['step_s'] * 1e3:>8.1f}ms {measured * 1e3:>8.1f}ms {ratio:>6.2f}"
+            print(f"{n:>5}  {name:<60} {row['step_s'] * 1e3:>8.1f}ms {measured * 1e3:>8.1f}ms {ratio:>6.2f}"
                   f"   {memory / 2**20:>6.1f} {peak / 2**20:>6.1f} MiB {memory / peak:>5.2f}", flush=True)
     print(f"largest |predicted / measured - 1|: {worst:.2f}")
 

@@ -326,6 +326,10 @@ std::string plan_json(const std::vector<PlanRow>& rows) {
         << ",\"cp\":" << r.config.context_parallel << ",\"ep\":" << r.config.expert_parallel
         << ",\"tp\":" << r.config.tensor_parallel
         << ",\"pp\":" << r.config.pipeline_parallel
+        << ",\"interleave\":" << r.config.pipeline_parallel_interleave_num
+        << ",\"schedule\":\"" << to_string(r.config.pipeline_schedule) << "\""
+        << ",\"strategy\":\"" << to_string(r.config.data_parallel_shard_strategy) << "\""
+        << ",\"overlap_chunks\":" << r.config.moe_overlap_chunks
         << ",\"feasible\":" << (r.feasible ? "true" : "false");
     if (r.feasible) {
       out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"activation_bytes\":" << r.activations
