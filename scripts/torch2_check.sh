@@ -76,16 +76,26 @@ elif [ $# -eq 0 ]; then
 fi
 targets=()
 if [ "$default_tier" -eq 1 ]; then
-  # The programs the tier's entries run: every path into the build folder in their commands.
+  # The programs the tier's entries run: every path into the build folder in their commands
+  # and, for an entry whose program is not built yet (ctest then gives no command), the
+  # target its name starts with (core_test, train_test.np2), which must be one.
+  listing=$(realpath -m "$build.targets.txt")
+  cmake --build "$build" --target help > "$listing"
   mapfile -t targets < <(cd "$build" && ctest --show-only=json-v1 "$@" | "$py" -c '
 import json, os, sys
 root = os.getcwd() + "/"
+known = {line.split(":")[0] for line in open(sys.argv[1])}
 names = {"hp", "hp-train", "nccl_test", "gpu_bench"}
 for t in json.load(sys.stdin)["tests"]:
+    if "command" not in t:
+        name = t["name"].split(".")[0]
+        if name not in known:
+            sys.exit("torch2_check: the entry " + t["name"] + " names no program and no target " + name)
+        names.add(name)
     for a in t.get("command", []):
         if a.startswith(root) and not a.endswith((".sh", ".py")):
             names.add(os.path.basename(a))
-print("\n".join(sorted(names)))')
+print("\n".join(sorted(names)))' "$listing")
   [ "${#targets[@]}" -gt 4 ] || { echo "torch2_check: could not list the fast tier's programs"; exit 1; }
   step "build (the ${#targets[@]} targets the fast tier runs, the CUDA path included)"
   targets=(--target "${targets[@]}")
