@@ -32,7 +32,7 @@ SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The bench model: a small Llama whose blocks dominate (a 1-layer step is far from noise).
 MODEL = [
     "model.dim=256", "model.layers=4", "model.heads=8", "model.kv_heads=4", "model.vocab=2048",
-    "seq_length=128", "global_batch_size=16", "micro_batch_num=2", "log_interval=1",
+    "seq_length=128", "global_batch_size=16", "micro_batch_num=2",
 ]
 
 
@@ -59,12 +59,14 @@ def main():
     model = a.set
     if not a.config:
         a.config = os.path.join(SRC, "configs/llama_tiny.yaml")
-        model = MODEL + a.set
+        given = {kv.split("=")[0] for kv in a.set}
+        model = [kv for kv in MODEL if kv.split("=")[0] not in given] + a.set
     env = dict(os.environ)
     env.pop("HP_SIM_NET", None)
     if a.sim:
         env["HP_SIM_NET"] = a.sim
     sets = []
+    model = [kv for kv in model if kv.split("=")[0] not in ("train_steps", "log_interval")]
     for kv in model + [f"train_steps={a.steps}", "log_interval=1"]:
         sets += ["--set", kv]
     worst = 0.0
@@ -93,10 +95,13 @@ def main():
             if a.only and not re.search(a.only, name):
                 continue
             with tempfile.TemporaryDirectory() as out:
-                extra = []
-                for kv in layout + (f"output_dir={out}",):
-                    extra += ["--set", kv]
-                hp_train(a.build, n, ["--config", a.config] + sets + extra, env)
+                # The layout's settings in place of the same keys among the --set values.
+                chosen = {kv.split("=")[0] for kv in layout}
+                run = []
+                for kv in [kv for kv in model if kv.split("=")[0] not in chosen] + [
+                        f"train_steps={a.steps}", "log_interval=1"] + list(layout) + [f"output_dir={out}"]:
+                    run += ["--set", kv]
+                hp_train(a.build, n, ["--config", a.config] + run, env)
                 with open(os.path.join(out, "metrics.jsonl")) as f:
                     lines = [json.loads(l) for l in f if '"step_time_s"' in l]
             steps = [l["step_time_s"] for l in lines]
