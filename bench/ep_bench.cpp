@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "hp/core/error.h"
 #include "hp/core/memory.h"
 #include "hp/comm/simulated_network.h"
 #include "hp/core/trace.h"
@@ -264,6 +265,8 @@ double exposed_exchange_s(const std::vector<hp::trace::Event>& events, bool over
 void overlap_mode(int steps) {
   auto w = hp::world();
   const int n = w->size(), r = w->rank();
+  // One rank holds every expert: nothing is exchanged, nothing chunked.
+  HP_CHECK(n >= 2, "ep_bench overlap: run it on 2 or more ranks (mpirun -np 2), not ", n);
   hp::models::DeepSeekConfig c;
   c.dim = 256;
   c.expert_hidden = 128;
@@ -385,8 +388,9 @@ void overlap_mode(int steps) {
       const hp::ep::Exposure timed = hp::ep::overlap_exposure(o);
       const double replay = counts_s + timed.forward + timed.backward;
       if (v == 0) replay_plain = replay;
-      const std::string hidden =
-          v == 0 ? std::string("-") : std::to_string((base_exposed - e) / (replay_plain - replay)).substr(0, 5);
+      const std::string hidden = v == 0 || replay_plain - replay <= 0
+                                     ? std::string("-")
+                                     : std::to_string((base_exposed - e) / (replay_plain - replay)).substr(0, 5);
       std::printf("%-12s %10.2f %8.3f %16.2f %12.3f %12.2f %16.2f %16.2f %18s\n",
                   chunk_counts[v] == 1 ? "1 (none)" : std::to_string(chunk_counts[v]).c_str(), 1e3 * t, t / base,
                   1e3 * e, e / base_exposed, 1e3 * (t - e), 1e3 * (counts_s + flops.forward + flops.backward),

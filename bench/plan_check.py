@@ -16,7 +16,8 @@ The default model is a small Llama (MODEL below, over configs/llama_tiny.yaml). 
 --config another file is run as it is, with the --set values given (each also sent to
 --plan); --only keeps the layouts whose name (as printed) matches REGEX. Each layout runs
 with every setting the plan chose for it: the degrees, the pipeline schedule and its stages
-per rank, the fully_shard strategy and the expert exchange's overlap chunks.
+per rank, the fully_shard strategy, the expert exchange's dispatcher and overlap chunks,
+sequence parallelism, the context-parallel method and the reshard group).
 """
 import argparse
 import json
@@ -84,7 +85,11 @@ def main():
                       f"tensor_parallel={row['tp']}", f"pipeline_parallel={row['pp']}",
                       f"pipeline_parallel_interleave_num={row['interleave']}",
                       f"pipeline_schedule={row['schedule']}", f"data_parallel_shard_strategy={row['strategy']}",
-                      f"moe_overlap_chunks={row['overlap_chunks']}")
+                      f"moe_overlap_chunks={row['overlap_chunks']}",
+                      f"sequence_parallel={str(row['sequence_parallel']).lower()}",
+                      f"moe_dispatcher={row['dispatcher']}", f"context_parallel_method={row['cp_method']}",
+                      f"reshard_after_forward_group_size={row['reshard_group']}",
+                      "pipeline_stage_layers=[" + ", ".join(str(x) for x in row["stage_layers"]) + "]")
             name = " ".join(x for x in [
                 f"dp_replicate={row['dp_replicate']} dp_shard={row['dp_shard']}",
                 f"cp={row['cp']}" if row["cp"] > 1 else "", f"ep={row['ep']}" if row["ep"] > 1 else "",

@@ -2,7 +2,8 @@
 //
 //   mpirun -np P build/pp_bench [steps]
 //
-// For GPipe, 1F1B, interleaved 1F1B (2 stages per rank) and ZB-H1 at m = P, 2P, 4P micro-batches,
+// For GPipe, 1F1B, interleaved 1F1B (2 stages per rank), ZB-H1, ZBV and DualPipeV (from m = 2P)
+// at m = P, 2P, 4P micro-batches,
 // on the reference Llama at bench dims split into P x v stages (fp32, no data parallelism):
 //   - the measured step time (median over `steps`, slowest rank), and the step time the
 //     simulator predicts from this run's own measured costs: the median forward and backward
@@ -70,6 +71,7 @@ Row run(const hp::CommPtr& world, const std::string& kind, int v, int m, int ste
                            : kind == "1f1b" ? hp::pp::one_f_one_b(p, m)
                            : kind == "zbh1" ? hp::pp::zero_bubble_h1(p, m)
                            : kind == "zbv"  ? hp::pp::zero_bubble_v(p, m)
+                           : kind == "dualpipev" ? hp::pp::dualpipev(p, m)
                                             : hp::pp::interleaved_1f1b(p, v, m);
   std::vector<hp::models::Llama> chunks;
   std::vector<hp::pp::PipelineStage> stages;
@@ -185,6 +187,7 @@ int main(int argc, char** argv) {
       rows.push_back(run(world, "interleaved", 2, m, steps));
       rows.push_back(run(world, "zbh1", 1, m, steps));
       rows.push_back(run(world, "zbv", 2, m, steps));
+      if (m >= 2 * p) rows.push_back(run(world, "dualpipev", 2, m, steps));  // needs 2p micro-batches
     }
     if (world->rank() == 0) {
       std::printf("pp_bench: %d ranks, Llama dim %lld x %lld layers, %lld x %lld tokens per micro-batch, fp32, "

@@ -81,6 +81,8 @@ Action Action::parse(const std::string& token_text) {
   Action a;
   a.stage = std::stoi(token.substr(0, i));
   const std::string rest = token.substr(i);
+  HP_CHECK(!paired || rest[0] == 'F', "pipeline schedule: '", token_text,
+           "': only a forward pairs with the next action ('+')");
   for (ActionKind k : {ActionKind::kUnshard, ActionKind::kReshard, ActionKind::kReduceGrad}) {
     if (rest == kind_token(k)) {
       a.kind = k;
@@ -112,8 +114,6 @@ Action Action::parse(const std::string& token_text) {
            "' is not an action (a stage number, then F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B with a micro-batch, "
            "or UNSHARD, RESHARD, REDUCE_GRAD)");
   a.microbatch = std::stoi(digits);
-  HP_CHECK(!paired || a.kind == ActionKind::kForward, "pipeline schedule: '", token_text,
-           "': only a forward pairs with the next action ('+')");
   a.paired = paired;
   return a;
 }

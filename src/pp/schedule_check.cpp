@@ -40,15 +40,15 @@ SimResult replay(const Schedule& s, const Costs& all) {
         const Costs& c = all.per_stage.empty() || a.stage < 0 ? all : all.per_stage[static_cast<size_t>(a.stage)];
         double start = free_at[r];
         if (!timeline.ready(a, &start)) break;
-        // A forward paired with the backward right after it (a lowered schedule's pairs have
-        // transfers between them and run in turn): one unit, once both are ready.
-        if (a.paired && next[r] + 1 < s.actions[r].size() && s.actions[r][next[r] + 1].is_compute()) {
+        // A forward paired with the backward right after it, with a cost for the pair (a
+        // device overlapping the two): one unit, once both are ready. Without one (hp's
+        // runtime runs the two in turn), or with transfers between them (lowered), the two
+        // replay as they come.
+        if (a.paired && c.forward_backward > 0 && next[r] + 1 < s.actions[r].size() &&
+            s.actions[r][next[r] + 1].is_compute()) {
           const Action& b = s.actions[r][next[r] + 1];
           if (!timeline.ready(b, &start)) break;
-          const Costs& cb = all.per_stage.empty() ? all : all.per_stage[static_cast<size_t>(b.stage)];
-          const double cost = c.forward_backward > 0
-                                  ? c.forward_backward
-                                  : c.forward + (b.kind == ActionKind::kBackward ? cb.backward : cb.backward_input);
+          const double cost = c.forward_backward;
           timeline.finish(a, start + cost);
           timeline.finish(b, start + cost);
           free_at[r] = start + cost;

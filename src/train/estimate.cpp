@@ -43,7 +43,9 @@ RankMemory estimate_rank_memory(const TrainConfig& c) {
       c.data_parallel_shard_strategy == ShardStrategy::kOptimGradsParams ? c.reshard_after_forward_group_size : 1;
   // A pipeline's stages stay whole through the step, and under optim the whole model does,
   // with its unsharded gradients.
-  const bool pipeline = c.pipeline_parallel > 1 || c.data_parallel_shard_strategy == ShardStrategy::kOptim;
+  // (With one micro-batch optim holds nothing longer than optim_grads does.)
+  const bool pipeline = c.pipeline_parallel > 1 ||
+                        (c.data_parallel_shard_strategy == ShardStrategy::kOptim && c.micro_batch_num > 1);
   // fully_shard's groups, as the trainer makes them: the dense parameters over dp_shard x
   // cp, the routed experts over the expert_shard ranks holding the same experts.
   const ParallelDims dims = c.parallel_dims();
@@ -128,7 +130,7 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
   if (c.pipeline_parallel > 1) {
     os << "pipeline: a rank's stages stay gathered (with their unsharded gradients) from their first micro-batch to "
           "their last: " << rm.rank_params << " parameters\n";
-  } else if (c.data_parallel_shard_strategy == ShardStrategy::kOptim) {
+  } else if (c.data_parallel_shard_strategy == ShardStrategy::kOptim && c.micro_batch_num > 1) {
     os << "optim (ZeRO-1): the model stays gathered (with its unsharded gradients) from the first micro-batch to the "
           "last: " << rm.rank_params << " parameters\n";
   }

@@ -330,6 +330,14 @@ std::string plan_json(const std::vector<PlanRow>& rows) {
         << ",\"schedule\":\"" << to_string(r.config.pipeline_schedule) << "\""
         << ",\"strategy\":\"" << to_string(r.config.data_parallel_shard_strategy) << "\""
         << ",\"overlap_chunks\":" << r.config.moe_overlap_chunks
+        << ",\"sequence_parallel\":" << (r.config.sequence_parallel ? "true" : "false")
+        << ",\"dispatcher\":\"" << to_string(r.config.moe_dispatcher) << "\""
+        << ",\"cp_method\":\"" << to_string(r.config.context_parallel_method) << "\""
+        << ",\"reshard_group\":" << r.config.reshard_after_forward_group_size << ",\"stage_layers\":[";
+    for (size_t i = 0; i < r.config.pipeline_stage_layers.size(); ++i) {
+      out << (i ? "," : "") << r.config.pipeline_stage_layers[i];
+    }
+    out << "]"
         << ",\"feasible\":" << (r.feasible ? "true" : "false");
     if (r.feasible) {
       out << ",\"memory_bytes\":" << r.memory.estimate.total() << ",\"activation_bytes\":" << r.activations

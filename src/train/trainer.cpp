@@ -24,6 +24,48 @@ namespace hp::train {
 
 using namespace internal;
 
+namespace {
+
+// ZeRO-1's hold of a step's micro-batches: gradient sync and resharding after backward off
+// on every fully_shard unit from the first micro-batch, on again for the last. If the step
+// stops between the two (an error), the destructor turns both back on and reshards, so no
+// unit is left gathered and unsynchronized; the gradients accumulated so far stay with the
+// failed step's.
+class MicroBatchHold {
+ public:
+  explicit MicroBatchHold(const std::vector<FSDPHandle>& handles) : handles_(handles) {}
+  ~MicroBatchHold() {
+    if (!held_) return;
+    try {
+      set(true);
+      for (const auto& h : handles_) h->reshard();
+    } catch (...) {  // unwinding from the step's own error, which is the one to report
+    }
+  }
+  MicroBatchHold(const MicroBatchHold&) = delete;
+  MicroBatchHold& operator=(const MicroBatchHold&) = delete;
+  void hold() {
+    set(false);
+    held_ = true;
+  }
+  void release() {
+    set(true);
+    held_ = false;
+  }
+
+ private:
+  void set(bool on) {
+    for (const auto& h : handles_) {
+      h->set_requires_gradient_sync(on, /*recurse=*/false);
+      h->set_reshard_after_backward(on, /*recurse=*/false);
+    }
+  }
+  const std::vector<FSDPHandle>& handles_;
+  bool held_ = false;
+};
+
+}  // namespace
+
 c10::Device training_device(Device d) {
   if (d == Device::kCpu) return c10::kCPU;
 #if HP_HAVE_CUDA
@@ -169,6 +211,7 @@ StepStats Trainer::step() {
   // the gradients accumulate unsharded, until the last micro-batch's backward reduces them
   // and reshards. (A pipeline's stages do so by themselves.)
   const bool hold = !s.pipe && c.data_parallel_shard_strategy == ShardStrategy::kOptim && c.micro_batch_num > 1;
+  MicroBatchHold held(s.sharded.handles);
   for (int64_t j = 0; j < c.micro_batch_num; ++j) {
     try {
       batches.push_back(load_batch(*s.data, s.sharder->samples(s.steps, j, s.dp_rank), c.seq_length).to(s.device));
@@ -176,13 +219,8 @@ StepStats Trainer::step() {
       throw Error(detail::str_cat("step ", s.steps + 1, ", micro-batch ", j + 1, ": ", e.what()));
     }
     if (s.pipe) continue;
-    if (hold && (j == 0 || j == c.micro_batch_num - 1)) {
-      const bool last = j == c.micro_batch_num - 1;
-      for (auto& h : s.sharded.handles) {
-        h->set_requires_gradient_sync(last, /*recurse=*/false);
-        h->set_reshard_after_backward(last, /*recurse=*/false);
-      }
-    }
+    if (hold && j == 0) held.hold();
+    if (hold && j == c.micro_batch_num - 1) held.release();
     at::Tensor loss = next_token_loss(*s.model, batches.back(), c.seq_length, /*hooked=*/true, s.context.get());
     (loss / static_cast<double>(c.micro_batch_num)).backward();
     loss_sum += loss.item<double>();

@@ -245,6 +245,7 @@ TEST(PpSchedule, DualPipeVIsItsPhasesWrittenByHand) {
 // rank's bubble: the makespan less its busy time). With F 1, I 1.5, W 0.7 and F&B 2.9 the replay
 // finds less than the form's 3(p - 1) (its pairs wait less than the form assumes): 2.5 at
 // p = 2. Every order validates lowered with fully_shard's verbs.
+// (The pairs as units need a pair cost; without one they replay in turn, last case.)
 TEST(PpSchedule, DualPipeVBubbleIsTheClosedForm) {
   for (int p : {2, 3, 4, 8}) {
     for (int m : {2 * p, 2 * p + 3, 6 * p}) {
@@ -268,12 +269,22 @@ TEST(PpSchedule, DualPipeVBubbleIsTheClosedForm) {
   double worst = 0;
   for (int rank = 0; rank < 2; ++rank) worst = std::max(worst, r.makespan - r.busy[rank]);
   EXPECT_NEAR(worst, 2.5, 1e-9);
+  // Without a pair cost the pairs replay in turn, as the same order unpaired does (what hp's
+  // runtime runs).
+  auto unpaired = hp::pp::dualpipev(3, 9);
+  for (auto& list : unpaired.actions) {
+    for (auto& a : list) a.paired = false;
+  }
+  const hp::pp::Costs unit{1, 2, 1, 1};
+  EXPECT_DOUBLE_EQ(hp::pp::simulate(hp::pp::dualpipev(3, 9), unit).makespan, hp::pp::simulate(unpaired, unit).makespan);
 }
 
 // A pair ("+") is a forward followed, among the rank's compute actions, by a backward of
 // another stage; anything else is refused, naming the action.
 TEST(PpSchedule, PairsAreAForwardAndAnotherStagesBackward) {
   hp::test::expect_error([] { hp::pp::Schedule::parse("rank 0: 0B0+\n", 1, 1); }, {"'0B0+'", "only a forward pairs"});
+  hp::test::expect_error([] { hp::pp::Schedule::parse("rank 0: 0UNSHARD+\n", 1, 1); },
+                         {"'0UNSHARD+'", "only a forward pairs"});
   hp::test::expect_error([] { hp::pp::validate(hp::pp::Schedule::parse("rank 0: 0F0+ 0B0\n", 1, 1)); },
                          {"rank 0, action 0 (0F0+)", "a backward (B or I) of another stage"});
   hp::test::expect_error(

@@ -115,6 +115,23 @@ TEST(Plan, EveryLayoutOfTheWorldOnceWithTheReasonOfEachInfeasibleOne) {
   EXPECT_EQ(*fake.asked, (std::map<int64_t, int>{{1, 1}, {2, 1}, {4, 1}}));
 }
 
+// optim (ZeRO-1) holds the whole model and its gradients only across micro-batches: with one
+// micro-batch it is optim_grads (the same estimate); with 4, over dp_shard 2, the model and
+// its fp32 gradients through the step (8 kModel bytes) where optim_grads keeps the model
+// from forward to backward (4 kModel) and 2 unsharded blocks (8 kBlock).
+TEST(Plan, OptimHoldsTheModelOnlyAcrossMicroBatches) {
+  for (int64_t m : {1, 4}) {
+    ht::TrainConfig z = tiny(), g = tiny();
+    z.micro_batch_num = g.micro_batch_num = m;
+    z.data_parallel_shard_strategy = ht::ShardStrategy::kOptim;
+    g.data_parallel_shard_strategy = ht::ShardStrategy::kOptimGrads;
+    z.validate(2);
+    g.validate(2);
+    const int64_t diff = ht::estimate_rank_memory(z).estimate.total() - ht::estimate_rank_memory(g).estimate.total();
+    EXPECT_EQ(diff, m == 1 ? 0 : static_cast<int64_t>(4 * kModel - 8 * kBlock)) << m << " micro-batches";
+  }
+}
+
 TEST(Plan, StepTimeOfEachKindOfLayoutAsWorkedOutByHand) {
   const auto rows = ht::plan_layouts(tiny(), options(2, 2), FakeCompute{});
   ASSERT_EQ(rows.size(), 7u);  // r, s, cp, t, p: one of them 2; s or cp also under optim

@@ -1118,10 +1118,11 @@ TEST(TrainDist, ExpertParallelInsidePipelineStages) {
     int64_t tp = 1;  // 2: the EP group is the two tp ranks (sequence parallel), dp_shard 1
   };
   for (Case k : {Case{S::k1F1B}, Case{S::kGPipe}, Case{S::kZBH1}, Case{S::kInterleaved}, Case{S::kZBV},
-                 Case{S::k1F1B, 2}, Case{S::kZBH1, 2}}) {
+                 Case{S::kDualPipeV}, Case{S::k1F1B, 2}, Case{S::kZBH1, 2}}) {
     const S schedule = k.schedule;
-    const int64_t v = schedule == S::kInterleaved || schedule == S::kZBV ? 2 : 1;
+    const int64_t v = schedule == S::kInterleaved || schedule == S::kZBV || schedule == S::kDualPipeV ? 2 : 1;
     ht::TrainConfig c = small_config("deepseek", w->size(), k.tp, 2, v);
+    if (schedule == S::kDualPipeV) c.micro_batch_num = 4;  // 2 x pp
     c.expert_parallel = 2;
     c.pipeline_schedule = schedule;
     // The balance loss under the split backward (input, then weights).
@@ -1156,11 +1157,12 @@ TEST(TrainDist, ExpertOverlapIsBitwiseTheRunWithout) {
   std::vector<Case> cases = {{2}, {2, 1, S::kAuto, ht::Recompute::kFull}, {2, 1, S::kAuto, ht::Recompute::kLight}};
   if (w->size() == 4) {
     cases = {{4}, {4, 1, S::kAuto, ht::Recompute::kNone, 2}, {2, 2, S::k1F1B}, {2, 2, S::kGPipe}, {2, 2, S::kZBH1},
-             {2, 2, S::kInterleaved}, {2, 2, S::kZBV}};
+             {2, 2, S::kInterleaved}, {2, 2, S::kZBV}, {2, 2, S::kDualPipeV}};
   }
   for (const Case& k : cases) {
-    const int64_t v = k.schedule == S::kInterleaved || k.schedule == S::kZBV ? 2 : 1;
+    const int64_t v = k.schedule == S::kInterleaved || k.schedule == S::kZBV || k.schedule == S::kDualPipeV ? 2 : 1;
     ht::TrainConfig c = small_config("deepseek", w->size(), k.tp, k.pp, v);
+    if (k.schedule == S::kDualPipeV) c.micro_batch_num = 4;  // 2 x pp
     c.data_parallel = 1;  // the experts over dp_shard x tp
     c.data_parallel_shard = -1;
     c.expert_parallel = k.ep;

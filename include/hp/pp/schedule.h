@@ -9,8 +9,9 @@
 // "0SEND_F1" / "1RECV_F1" (stage 0's activation of micro-batch 1 to stage 1),
 // "1SEND_B1" / "0RECV_B1" (stage 1's input gradient back to stage 0). A forward ending in
 // "+" ("0F3+") is paired with the rank's next compute action, a backward of another stage:
-// the two form one overlapped unit (DualPipe's F&B), which simulate() costs as one (Costs::
-// forward_backward) starting once both are ready; the runtime here runs them in turn.
+// the two form one overlapped unit (DualPipe's F&B). Given a cost for it
+// (Costs::forward_backward), simulate() runs the pair as one unit starting once both are
+// ready; without one it replays them in turn, as hp's runtime runs them.
 // A schedule prints as one line per rank,
 // "rank 0: 0F0 0F1 0B0 ...", and parses back to the same schedule.
 //
@@ -120,8 +121,9 @@ Schedule zero_bubble_v(int ranks, int m);
 // rounds of (backward 1, forward 1 paired, backward 0); r + 1 rounds of backward 1 and
 // backward 0 (from the middle on split into I and W), p - r - 1 of a W and a split backward
 // of chunk 0, and the W's left. Needs m >= 2p. Its bubble, DualPipe's (p - 1)(F&B + B - 3W)
-// for p ranks of 2 stages, is the largest rank's in simulate() where a stage's F, I and W
-// cost the same (any F&B); with other costs simulate() gives less.
+// for p ranks of 2 stages, is the largest rank's in simulate() with the pairs as units
+// (Costs::forward_backward set) where a stage's F, I and W cost the same; with other costs
+// simulate() gives less.
 Schedule dualpipev(int ranks, int m);
 
 // Raises hp::Error (see the file comment). For a lowered schedule also: every compute
@@ -156,8 +158,8 @@ int transfer_tag(const Schedule& s, const Action& a);
 struct Costs {
   double forward = 1, backward = 2;  // a full backward (I + W)
   double backward_input = 1, backward_weight = 1;
-  // A paired forward and backward (F&B) together; 0: the forward's and the backward's sum.
-  // Taken from the forward's stage's costs.
+  // A paired forward and backward (F&B) run as one overlapped unit; 0: no overlap, the two
+  // replayed in turn. Taken from the forward's stage's costs.
   double forward_backward = 0;
   // Stage k's costs when not empty (one per stage; their own per_stage unused): stages of
   // unequal size, such as a last stage with the head and the loss.
