@@ -103,16 +103,18 @@ int run(const Args& args, const hp::CommPtr& world) {
     if (lead) std::cout << s << std::endl;
   };
   RunInputs in;  // every check before training starts
-  if (!agreed(world, [&] { in = prepare_run(args, world->size(), world->rank()); })) return 1;
+  // A config, data or folder refused: the same command cannot succeed (not relaunched).
+  if (!agreed(world, [&] { in = prepare_run(args, world->size(), world->rank()); })) return kConfigExit;
   const TrainConfig& c = in.config;
   if (args.estimate) {
     say(describe(c));
     say(describe_estimate(c, in.memory));
     return 0;
   }
+  if (!agreed(world, [&] { in.folders = claim_folders(args, c, world->rank()); })) return kFailedExit;
   const std::string mismatch =
       settings_mismatch(world, resolved_settings(c), "configs", "every rank must run the same config and --set values");
-  if (!all_ok(world, mismatch.empty(), mismatch)) return 1;
+  if (!all_ok(world, mismatch.empty(), mismatch)) return kConfigExit;
   const char* omp = std::getenv("OMP_WAIT_POLICY");
   say("hp-train: " + args.config + " on " + std::to_string(world->size()) + " rank(s), backend " + world->backend() +
       ", " + std::to_string(at::get_num_threads()) + " compute thread(s) per rank (OMP_WAIT_POLICY=" +
@@ -151,6 +153,14 @@ int run(const Args& args, const hp::CommPtr& world) {
   const bool resuming = args.resume || (args.auto_resume && std::filesystem::exists(c.save_dir + "/latest"));
   Resumed from;
   if (resuming) {
+    // The checkpoint's settings first: a change of the run's course not asked for is the
+    // command's error (not relaunched), before any state is loaded.
+    std::vector<std::string> changes;
+    if (!agreed(world, [&] { changes = check_resume_settings(c, args.resume_dir, args.resume_changes); },
+                args.resume ? "--resume: " : "--auto-resume: ")) {
+      return kConfigExit;
+    }
+    for (const auto& line : changes) say(line);
     if (!agreed(world, [&] { from = resume(trainer, c, args.resume_dir); },
                 args.resume ? "--resume: " : "--auto-resume: ")) {
       return 1;
@@ -158,13 +168,16 @@ int run(const Args& args, const hp::CommPtr& world) {
     say("resumed from " + from.dir + " after step " + std::to_string(trainer.steps_done()));
     if (const std::string line = resume_optimizer_line(from.report, c); !line.empty()) say(line);
     if (trainer.steps_done() == c.train_steps) {
+      RunReport earlier(c, world->size(), lead, nullptr, say);
+      if (!agreed(world, [&] { earlier.finish_earlier(); })) return 1;
       say("nothing to train: the checkpoint is at train_steps=" + std::to_string(c.train_steps) +
-          "; no file was changed");
+          "; no checkpoint was changed");
       return 0;
     }
   }
   // The metrics, once it is known that this run trains.
   RunReport report(c, world->size(), lead, args.verify ? &ref : nullptr, say);
+  report.set_strict(args.strict);
   const std::string cause = hp::env::get_string("HP_RESTART_CAUSE");
   if (!agreed(world, [&] {
         report.open_metrics(resuming ? trainer.steps_done() : -1, from.dir,
@@ -182,13 +195,23 @@ int run(const Args& args, const hp::CommPtr& world) {
     sum = trainer.train(&checkpoints, cb);
   } catch (const TrainingDiverged& e) {  // every rank raises it alike: report once, exit cleanly
     if (lead) std::cerr << "hp-train: error: " << e.what() << std::endl;
-    return 1;
+    return kDivergedExit;  // the checkpoint would diverge again: not relaunched
   }
-  if (sum.stopped_by != 0) {
-    report.stopped(sum, trainer.steps_done());
-    return kPreemptedExit;
+  return report.ended(sum, trainer.steps_done());
+}
+
+// --upgrade-checkpoint: rank 0 rewrites the metadata (the others wait); printed once.
+int upgrade_checkpoint(const Args& args, const hp::CommPtr& world) {
+  std::string done, error;
+  if (world->rank() == 0) {
+    try {
+      done = hp::ckpt::upgrade(hp::train::CheckpointManager::resolve(args.upgrade_ckpt));
+    } catch (const std::exception& e) {
+      error = std::string("--upgrade-checkpoint: ") + e.what();
+    }
   }
-  report.finished(sum);
+  if (!all_ok(world, error.empty(), error)) return hp::train::kFailedExit;
+  if (world->rank() == 0) std::cout << "hp-train: " << done << std::endl;
   return 0;
 }
 
@@ -201,7 +224,7 @@ int main(int argc, char** argv) {
     args = parse_args(argc, argv);
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;
-    return 2;
+    return hp::train::kUsageExit;
   }
   if (args.help) {
     std::cout << kUsage;
@@ -234,6 +257,8 @@ int main(int argc, char** argv) {
     if (!all_ok(world, differ.empty(), differ)) {
     } else if (!args.export_ckpt.empty()) {
       rc = export_checkpoint(args, world);
+    } else if (!args.upgrade_ckpt.empty()) {
+      rc = upgrade_checkpoint(args, world);
     } else {
       rc = args.plan ? plan(args, world) : run(args, world);
     }

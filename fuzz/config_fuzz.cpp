@@ -27,7 +27,7 @@ void round_trip(const hp::train::TrainConfig& c) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (size > (16 << 10)) return -1;  // configs are a few hundred bytes
+  if (size > (1 << 20)) return -1;  // configs are a few hundred bytes; 1 MiB reaches deep nesting
   const std::string text(reinterpret_cast<const char*>(data), size);
   hp::fuzz::expect_clean([&] {
     const hp::train::TrainConfig parsed = hp::train::parse_config(text, {}, "fuzz.yaml");

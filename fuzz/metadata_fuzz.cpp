@@ -57,7 +57,7 @@ void read_file(const std::string& dir, const std::string& path) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (size > (64 << 10)) return -1;  // a checkpoint of a few hundred tensors
+  if (size > (1 << 20)) return -1;  // a checkpoint of a few hundred tensors; 1 MiB reaches deep nesting
   const std::string dir = hp::fuzz::scratch_dir();
   const std::string path = dir + "/metadata.json";
   hp::fuzz::write_file(path, data, size);

@@ -5,21 +5,30 @@
 #   COMMAND is the job as you would start it, ending in hp-train's arguments:
 #     scripts/launch.sh --max-restarts 3 -- mpirun -np 4 build/hp-train --config c.yaml
 #     scripts/launch.sh --max-restarts 3 -- srun build/hp-train --config c.yaml   (in sbatch)
-#   --max-restarts N   relaunches after failures, at most (default 3)
+#   --max-restarts N   relaunches after failures, at most (default 3; at most 100000)
 #   --backoff S        seconds before the first relaunch, doubled after each (default 10,
 #                      at most 300)
+#   --stop-grace S     seconds after a stop signal in which another is the same notice
+#                      (default 60; below)
 #
 # Every launch runs COMMAND --auto-resume: from save_dir's newest checkpoint when there is
 # one (after a failure, or when SLURM requeues the job), else from the start. The config
 # must save (save_interval > 0). Each relaunch tells hp-train why (HP_RESTART_CAUSE), which
 # it records in metrics.jsonl with the step it resumed from and the steps lost.
 #
-# Exit status: 0 when the run finished; 75 when it stopped on a signal and saved (SIGTERM or
-# SIGUSR1, as a scheduler sends before preempting; not a failure, not relaunched: relaunch
-# the same command, or let the scheduler requeue it, to continue); otherwise the last
-# failed launch's status once N relaunches are spent. A stop signal sent to this script is
-# passed to the job as SIGUSR1 (mpirun and srun forward it to every rank; mpirun would
-# abort the job on SIGTERM).
+# Exit status: the job's own, and the script says what the job did. 0 when the run finished;
+# 75 when it stopped on a signal and saved (SIGTERM or SIGUSR1, as a scheduler sends before
+# preempting; not a failure, not relaunched: relaunch the same command, or let the scheduler
+# requeue it, to continue); a failure is relaunched until N relaunches are spent, then its
+# status is the script's. Not relaunched, as no launch can get past them: hp-train's usage
+# (2), divergence (3) and config (78) errors (include/hp/train/exit_status.h), and a command
+# that cannot be run (126, 127). A stop signal sent to this script is passed to the job as
+# SIGUSR1 (mpirun and srun forward it to every rank; mpirun would abort the job on SIGTERM);
+# another within --stop-grace seconds is the same notice (a scheduler that signals twice,
+# or the job's processes and this script together) and is not passed on, so the save in
+# progress finishes; one after that is passed on and ends the job at once. After a stop
+# signal the job is not relaunched, whatever its status: the script reports that status
+# (75 only when the job saved).
 #
 # Why a script around mpirun or srun rather than an option of hp-train: hp-train runs as
 # one process per rank inside the MPI job, and MPI cannot replace a dead rank, so a
@@ -27,15 +36,20 @@
 # the same under mpirun, srun and SLURM's --requeue.
 set -uo pipefail
 
-max_restarts=3 backoff=10
+max_restarts=3 backoff=10 grace=60
 while [ $# -gt 0 ]; do
   case $1 in
     --max-restarts)
-      [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts '${2:-}': expected a whole number" >&2; exit 2; }
-      max_restarts=$2; shift 2 ;;
+      # Bounded, so that bash's arithmetic cannot overflow it (which relaunched forever).
+      [[ ${2:-} =~ ^[0-9]{1,6}$ ]] && [ "$((10#$2))" -le 100000 ] ||
+        { echo "launch.sh: --max-restarts '${2:-}': expected a whole number from 0 to 100000" >&2; exit 2; }
+      max_restarts=$((10#$2)); shift 2 ;;
     --backoff)
-      [[ ${2:-} =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "launch.sh: --backoff '${2:-}': expected seconds" >&2; exit 2; }
+      [[ ${2:-} =~ ^[0-9]{1,4}([.][0-9]+)?$ ]] || { echo "launch.sh: --backoff '${2:-}': expected seconds (below 10000)" >&2; exit 2; }
       backoff=$2; shift 2 ;;
+    --stop-grace)
+      [[ ${2:-} =~ ^[0-9]{1,5}$ ]] || { echo "launch.sh: --stop-grace '${2:-}': expected whole seconds (below 100000)" >&2; exit 2; }
+      grace=$((10#$2)); shift 2 ;;
     --) shift; break ;;
     -*) echo "launch.sh: unknown option '$1' (the job's command goes after --)" >&2; exit 2 ;;
     *) break ;;
@@ -60,11 +74,25 @@ cause_of() {  # an exit status in words
   fi
 }
 
-stop_signal=""
+stop_signal="" stop_at=0
 child=""
 forward() {  # a stop signal for this script: the job saves and exits 75
-  stop_signal=$1
+  if [ -n "$stop_signal" ] && [ $((SECONDS - stop_at)) -lt "$grace" ]; then
+    say "SIG$1 again within ${grace} s of SIG$stop_signal: the same notice; the job's save goes on"
+    return
+  fi
+  [ -n "$stop_signal" ] && say "SIG$1 after the ${grace} s grace: passed on; the job ends at once"
+  stop_signal=$1 stop_at=$SECONDS
   [ -n "$child" ] && kill -USR1 "$child" 2> /dev/null
+}
+no_relaunch() {  # a status that no launch can get past
+  case $1 in
+    2) echo "a usage error" ;;
+    3) echo "the training diverged" ;;
+    78) echo "the config, its data or its folders were refused" ;;
+    126|127) echo "the command could not be run" ;;
+    *) return 1 ;;
+  esac
 }
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
@@ -82,11 +110,21 @@ while :; do
   child=""
   if [ $rc = 0 ]; then
     [ $restarts = 0 ] || say "the run finished after $restarts restart(s): ${statuses[*]}"
+    [ -z "$stop_signal" ] || say "SIG$stop_signal came as the run ended: it finished"
     exit 0
   fi
-  if [ $rc = 75 ] || [ -n "$stop_signal" ]; then
-    say "the job stopped on a signal${stop_signal:+ (SIG$stop_signal to this script)} and saved (exit status $rc); run the same command, or let the scheduler requeue it, to continue"
+  if [ $rc = 75 ]; then
+    say "the job stopped on a signal${stop_signal:+ (SIG$stop_signal to this script)} and saved (exit status 75); run the same command, or let the scheduler requeue it, to continue"
     exit 75
+  fi
+  if [ -n "$stop_signal" ]; then
+    # Asked to stop: not relaunched, and the job's own outcome reported (it did not save).
+    say "after SIG$stop_signal to this script the job ended with $(cause_of "$rc") without saving on the signal: the last committed checkpoint (save_dir's 'latest') is where it continues; not relaunched"
+    exit "$rc"
+  fi
+  if why=$(no_relaunch "$rc"); then
+    say "the job failed with exit status $rc: $why; not relaunched (no launch of the same command can succeed)"
+    exit "$rc"
   fi
   statuses+=("$rc")
   if [ $restarts -ge "$max_restarts" ]; then
@@ -97,7 +135,11 @@ while :; do
   cause="$(cause_of "$rc"), restart $restarts of $max_restarts"
   say "the job failed: $cause, from the last committed checkpoint in ${wait_s} s"
   export HP_RESTART_CAUSE="$cause"
-  sleep "$wait_s"
+  # In the background and waited for: a stop signal ends the wait at once (a foreground
+  # sleep held the trap until it was over).
+  sleep "$wait_s" & sleeper=$!
+  while kill -0 "$sleeper" 2> /dev/null && [ -z "$stop_signal" ]; do wait "$sleeper"; done
+  kill "$sleeper" 2> /dev/null; wait "$sleeper" 2> /dev/null
   wait_s=$(awk -v w="$wait_s" 'BEGIN { w *= 2; print (w > 300 ? 300 : w) }')
-  [ -z "$stop_signal" ] || { say "stopped by SIG$stop_signal while waiting to relaunch"; exit 75; }
+  [ -z "$stop_signal" ] || { say "stopped by SIG$stop_signal while waiting to relaunch: nothing running; the last committed checkpoint is save_dir's 'latest'"; exit 75; }
 done

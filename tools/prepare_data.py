@@ -33,9 +33,11 @@ class InputError(Exception):
     """Bad input: printed as one line naming the offending file or value, exit 1."""
 
 
-def documents(paths, json_key):
+def documents(paths, json_key, skipped):
     """Yields (source, text) per document, in input order: a text file whole, each line of a
-    .jsonl file; a directory contributes its files (recursively, sorted by path)."""
+    .jsonl file; a directory contributes its files (recursively, sorted by path). An empty
+    document (an empty file, an empty text field) holds nothing to learn: it is counted in
+    skipped[0], not yielded (it became a document of the end-of-document token alone)."""
     files = []
     for p in paths:
         if os.path.isdir(p):
@@ -68,14 +70,21 @@ def documents(paths, json_key):
                     text = obj[json_key]
                     if not isinstance(text, str):
                         raise InputError(f"{where}: '{json_key}' is a {type(text).__name__}, not a string")
+                    if not text:
+                        skipped[0] += 1
+                        continue
                     yield where, text
         else:
             with open(f, "rb") as fh:
                 data = fh.read()
+            if not data:
+                skipped[0] += 1
+                continue
             try:
-                yield f, data.decode("utf-8")
+                text = data.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InputError(f"{f}: not valid UTF-8 at byte offset {e.start}") from None
+            yield f, text
 
 
 class Tokenizer:
@@ -231,12 +240,13 @@ def main(argv):
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
     docs = {"train": 0, "valid": 0}
+    skipped = [0]
     tokens = {"train": 0, "valid": 0}
     partial = {part: path + ".partial" for part, path in outs.items()}
     try:
         with open(partial["train"], "wb") as train_f, open(partial["valid"], "wb") as valid_f:
             files = {"train": train_f, "valid": valid_f}
-            for index, (_source, text) in enumerate(documents(a.inputs, a.json_key)):
+            for index, (_source, text) in enumerate(documents(a.inputs, a.json_key, skipped)):
                 ids = array.array(code, tok.encode(text))
                 ids.append(eod)
                 part = "valid" if goes_to_validation(a.seed, index, a.valid_fraction) else "train"
@@ -249,7 +259,7 @@ def main(argv):
                 f.flush()
                 os.fsync(f.fileno())
         if docs["train"] + docs["valid"] == 0:
-            raise InputError("the inputs hold no documents")
+            raise InputError("the inputs hold no documents" + (f" ({skipped[0]} empty)" if skipped[0] else ""))
         if docs["train"] == 0:
             raise InputError(f"every document went to validation: lower --valid-fraction={a.valid_fraction}")
         if a.valid_fraction > 0 and docs["valid"] == 0:
@@ -272,6 +282,7 @@ def main(argv):
         "valid_fraction": a.valid_fraction,
         "seed": a.seed,
         "documents": docs,
+        "empty_documents_skipped": skipped[0],
         "tokens": tokens,
         "files": {part: os.path.abspath(path) for part, path in outs.items()},
     }
@@ -284,7 +295,8 @@ def main(argv):
         os.replace(partial[part], path)
     os.replace(meta_path + ".partial", meta_path)
     print(f"prepare_data: {docs['train']} training documents ({tokens['train']} tokens), "
-          f"{docs['valid']} validation documents ({tokens['valid']} tokens), {dtype} ids of a vocabulary of {vocab}")
+          f"{docs['valid']} validation documents ({tokens['valid']} tokens), {dtype} ids of a vocabulary of {vocab}"
+          + (f"; {skipped[0]} empty document(s) skipped" if skipped[0] else ""))
     print("hp-train keys:")
     print("data:")
     print("  type: binary")
@@ -302,3 +314,10 @@ if __name__ == "__main__":
     except InputError as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except OSError as e:  # a file that cannot be read or written: named, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"prepare_data: error: {where}{e.strerror or e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("prepare_data: interrupted; nothing half-written was left", file=sys.stderr)
+        sys.exit(130)

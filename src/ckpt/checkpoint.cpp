@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 
 #include "hp/ckpt/safetensors.h"
 #include "reader.h"
@@ -444,6 +445,38 @@ void to_host(std::vector<Item>& items, bool copy) {
       it.local = it.local.clone();
     }
   }
+}
+
+int format_version(const std::string& dir) {
+  return detail::read_metadata(committed_dir(dir))["format"] == detail::kFormatV1 ? 1 : 2;
+}
+
+std::string upgrade(const std::string& dir, Storage& storage) {
+  const std::string from = committed_dir(dir);
+  json meta = detail::read_metadata(from);  // the schema checked, format 1 or 2
+  if (meta["format"] == detail::kFormat) return "'" + from + "' is format 2 already: nothing to do";
+  // Every data file a chunk reads, checksummed as it is.
+  std::set<std::string> files;
+  for (const auto& [name, t] : meta["tensors"].items()) {
+    for (const auto& c : t["chunks"]) files.insert(c["file"].get<std::string>());
+  }
+  json fj = json::object();
+  for (const std::string& f : files) {
+    const std::string path = from + "/" + f;
+    struct stat st{};
+    HP_CHECK(::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode), "upgrade of '", from, "': '", path,
+             "' is missing or not a regular file (the checkpoint is damaged; nothing was changed)");
+    fj[f] = file_checksums(path);
+  }
+  meta["files"] = fj;
+  meta["format"] = detail::kFormat;
+  if (!meta.contains("values")) meta["values"] = json::object();
+  meta.erase("checksum");
+  meta["checksum"] = std::to_string(detail::metadata_checksum(meta));
+  write_atomically(storage, from + "/metadata.json", from + "/metadata.json.partial", meta.dump(1));
+  storage.sync(from);
+  return hp::detail::str_cat("upgraded '", from, "' to format 2: ", files.size(),
+                             " data file(s) checksummed as they are now; loads check them from here on");
 }
 
 std::map<std::string, SavedTensor> saved_tensors(const std::string& dir) {

@@ -13,6 +13,7 @@
 
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/error.h"
+#include "hp/core/untrusted.h"
 #include "reader.h"
 
 namespace hp::ckpt {
@@ -128,14 +129,37 @@ std::map<std::string, std::string> consolidated_tensors(const std::string& dir) 
   std::map<std::string, std::string> where;
   const std::string index_path = dir + "/" + kIndex;
   if (fs::exists(index_path)) {
-    std::ifstream f(index_path);
+    const std::string text = hp::files::read_regular(index_path, "safetensors index");
+    hp::text::check_json_nesting(text, "'" + index_path + "'");
     json index;
     try {
-      f >> index;
+      index = json::parse(text);
       for (const auto& [name, file] : index.at("weight_map").items()) where[name] = file.get<std::string>();
     } catch (const std::exception& e) {
       HP_CHECK(false, "'", index_path, "' is not a safetensors index (a JSON object with a weight_map of file names): ",
                e.what());
+    }
+    // The shards agree with the index: a tensor a shard holds that the index does not list
+    // would be passed over, and one two shards hold would be read from the index's without a
+    // word. Each shard the index names is read (its header alone) to check.
+    std::set<std::string> files;
+    for (const auto& [name, file] : where) files.insert(file);
+    for (const std::string& file : files) {
+      HP_CHECK(detail::is_plain_file_name(file), "'", index_path, "' names the file '", file,
+               "' (a file name in the folder is expected)");
+      SafetensorsHeader header;
+      try {
+        header = read_header(dir + "/" + file);
+      } catch (const Error& e) {
+        throw Error(hp::detail::str_cat("'", index_path, "' names the shard '", file, "': ", e.what()));
+      }
+      for (const TensorEntry& t : header.tensors) {
+        auto w = where.find(t.name);
+        HP_CHECK(w != where.end(), "'", dir, "/", file, "' holds the tensor '", t.name, "', which ", kIndex,
+                 " does not list (an index that describes less than its shards hold)");
+        HP_CHECK(w->second == file, "the tensor '", t.name, "' is in both '", file, "' and '", w->second, "' of '", dir,
+                 "' (", kIndex, " names '", w->second, "'): which one holds it is not clear");
+      }
     }
   } else {
     HP_CHECK(fs::exists(dir + "/model.safetensors"), "'", dir, "' holds neither ", kIndex,

@@ -16,6 +16,7 @@
 
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/error.h"
+#include "hp/core/untrusted.h"
 #include "reader.h"
 
 namespace hp::ckpt::detail {
@@ -248,11 +249,11 @@ json read_metadata(const std::string& dir) {
   HP_CHECK(::lstat(mpath.c_str(), &st) == 0, "ckpt::load: '", dir, "' is not a committed checkpoint (no metadata.json)");
   HP_CHECK(S_ISREG(st.st_mode), "ckpt::load: '", mpath, "' is ", S_ISLNK(st.st_mode) ? "a symbolic link" : "not a file",
            " (a checkpoint's files are regular files in its folder)");
-  std::ifstream mf(mpath);
-  HP_CHECK(mf.good(), "ckpt::load: cannot open '", mpath, "': ", std::strerror(errno));
+  const std::string text = hp::files::read_regular(mpath, "ckpt::load: metadata");
+  hp::text::check_json_nesting(text, "ckpt::load: '" + mpath + "'");
   json meta;
   try {
-    mf >> meta;
+    meta = json::parse(text);
   } catch (const std::exception& e) {
     HP_CHECK(false, "ckpt::load: '", mpath, "' is not valid JSON: ", e.what());
   }

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "hp/core/error.h"
+#include "hp/core/untrusted.h"
 
 namespace hp::ckpt {
 namespace {
@@ -255,9 +256,8 @@ void read_exact(int fd, int64_t offset, int64_t n, void* out, const std::string&
 
 struct Fd {
   int fd;
-  explicit Fd(const std::string& path) : fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
-    HP_CHECK(fd >= 0, path, ": cannot open: ", os_error());
-  }
+  // A regular file only (a FIFO is refused, not waited on in open()).
+  explicit Fd(const std::string& path) : fd(files::open_regular(path, "safetensors file")) {}
   ~Fd() { ::close(fd); }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
@@ -339,7 +339,7 @@ SafetensorsHeader parse_header(const std::string& what, const uint8_t* bytes, si
 SafetensorsHeader read_header(const std::string& path) {
   Fd f(path);
   struct stat st;
-  HP_CHECK(::fstat(f.fd, &st) == 0 && S_ISREG(st.st_mode), path, ": not a regular file");
+  HP_CHECK(::fstat(f.fd, &st) == 0, path, ": cannot stat: ", os_error());
   const int64_t size = st.st_size;
   HP_CHECK(size >= 8, path, ": ", size, " bytes is too short for a safetensors file");
   uint8_t len[8];

@@ -87,6 +87,10 @@ void DeepSeekConfig::validate() const {
            " must be in [0, layers=", layers, "]");
   HP_CHECK(experts_per_token >= 1 && experts_per_token <= experts, "deepseek config: experts_per_token=",
            experts_per_token, " must be in [1, experts=", experts, "]");
+  // experts / experts_per_token already lets an expert take every token: a larger factor
+  // limits nothing (and one near 1e17 overflowed the capacity before this bound).
+  HP_CHECK(capacity_factor <= static_cast<double>(experts), "deepseek config: capacity_factor=", capacity_factor,
+           " is above experts=", experts, ": from experts / experts_per_token on no token is dropped (0: no limit)");
   HP_CHECK(expert_groups >= 1 && experts % expert_groups == 0, "deepseek config: expert_groups=", expert_groups,
            " must divide experts=", experts);
   HP_CHECK(expert_groups == 1 || experts / expert_groups >= 2, "deepseek config: expert_groups=", expert_groups,
@@ -257,8 +261,10 @@ at::Tensor MoEImpl::balance_loss(const at::Tensor& scores, const at::Tensor& cho
 
 at::Tensor MoEImpl::capacity_keep(const at::Tensor& chosen_scores, const at::Tensor& chosen) const {
   const int64_t N = chosen.size(0), k = chosen.size(1), E = c.experts;
-  const auto cap = static_cast<int64_t>(
-      std::ceil(c.capacity_factor * static_cast<double>(N * k) / static_cast<double>(E)));
+  // No expert holds more than the N x k slots: the capacity is counted in doubles and capped
+  // there, so no factor overflows the integer.
+  const double want = std::ceil(c.capacity_factor * static_cast<double>(N * k) / static_cast<double>(E));
+  const int64_t cap = want >= static_cast<double>(N * k) ? N * k : static_cast<int64_t>(want);
   at::Tensor flat = chosen.reshape({-1});
   at::Tensor positions = at::arange(N * k, chosen.options());
   // The slots in priority order, then grouped by expert (a stable sort keeps the priority

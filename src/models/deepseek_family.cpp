@@ -209,8 +209,9 @@ class DeepSeekFamily : public ModelFamily {
         int_key<D>("layers", &D::layers, 1, "transformer blocks"),
         int_key<D>("heads", &D::heads, 1, "attention heads"),
         int_key<D>("max_seq", &D::max_seq, 1, "longest sequence (rotary table)"),
-        int_key<D>("attention_tile", &D::attention_tile, 1,
-                   "attention's tile: queries and keys in tiles of this many positions (no S x S scores)"),
+        on_resume(int_key<D>("attention_tile", &D::attention_tile, 1,
+                             "attention's tile: queries and keys in tiles of this many positions (no S x S scores)"),
+                  ResumeRule::kFree),
         float_key<D>("rope_theta", &D::rope_theta, 0, true, "rotary base"),
         float_key<D>("norm_eps", &D::norm_eps, 0, true, "RMSNorm epsilon"),
         int_key<D>("dense_layers", &D::dense_layers, 0, "first blocks with a dense feed-forward"),
@@ -228,13 +229,20 @@ class DeepSeekFamily : public ModelFamily {
         int_key<D>("groups_per_token", &D::groups_per_token, 1,
                    "groups a token's experts come from (its best by their two top scores; = expert_groups: no limit)"),
         float_key<D>("routed_scale", &D::routed_scale, 0, true, "routing weights' factor after normalizing"),
-        float_key<D>("bias_update_rate", &D::bias_update_rate, 0, false, "balancing-bias step per update"),
-        float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
-                     "weight of the sequence-wise balance loss (0: none)"),
-        float_key<D>("capacity_factor", &D::capacity_factor, 0, false,
-                     "each expert takes at most this x its even share of a rank's routed slots (0: no limit)"),
-        choice_key<D>("drop_policy", &D::drop_policy, {"probs", "position"},
-                      "over capacity, keep an expert's highest-scored slots (probs) or its first tokens (position)"),
+        // How the routing is steered and limited, not what the weights are: a resume may
+        // change them when told to.
+        on_resume(float_key<D>("bias_update_rate", &D::bias_update_rate, 0, false, "balancing-bias step per update"),
+                  ResumeRule::kTrajectory),
+        on_resume(float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
+                               "weight of the sequence-wise balance loss (0: none)"),
+                  ResumeRule::kTrajectory),
+        on_resume(float_key<D>("capacity_factor", &D::capacity_factor, 0, false,
+                               "each expert takes at most this x its even share of a rank's routed slots (0: no limit)"),
+                  ResumeRule::kTrajectory),
+        on_resume(choice_key<D>("drop_policy", &D::drop_policy, {"probs", "position"},
+                                "over capacity, keep an expert's highest-scored slots (probs) or its first tokens "
+                                "(position)"),
+                  ResumeRule::kTrajectory),
     };
     return k;
   }

@@ -1,5 +1,6 @@
 #include "hp/models/family.h"
 
+#include <cmath>
 #include <mutex>
 
 #include "hf_json.h"
@@ -88,6 +89,17 @@ bool ModelArgs::hf_ignores(const std::string& theirs) const {
   return theirs.size() >= rotary.size() && theirs.compare(theirs.size() - rotary.size(), rotary.size(), rotary) == 0;
 }
 
+void check_key_ranges(const ModelArgs& a, const std::string& where) {
+  for (const ModelKey& k : a.family().keys()) {
+    if (k.kind != ModelKey::Kind::kInt && k.kind != ModelKey::Kind::kFloat) continue;
+    const ModelValue v = k.get(a);
+    const double x = k.kind == ModelKey::Kind::kInt ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
+    const bool ok = std::isfinite(x) && (k.above_min ? x > k.min : x >= k.min);
+    HP_CHECK(ok, where, ": model.", k.name, "=", x, " must be ", k.above_min ? "> " : ">= ", k.min,
+             k.kind == ModelKey::Kind::kFloat ? " (and finite)" : "", " (", k.help, ")");
+  }
+}
+
 std::unique_ptr<ModelArgs> model_from_hf_config(const std::string& text, const std::string& path) {
   const detail::HfJson j(text, path);
   HP_CHECK(j.has("model_type") && j.json()["model_type"].is_string(), "'", path,
@@ -96,7 +108,12 @@ std::unique_ptr<ModelArgs> model_from_hf_config(const std::string& text, const s
   std::string known;
   for (const ModelFamily* f : model_families()) {
     for (const std::string& t : f->hf_model_types()) {
-      if (t == type) return f->from_hf_config(text, path);
+      if (t == type) {
+        // The family read the values; each is held to its model.<key>'s range, as a config's are.
+        std::unique_ptr<ModelArgs> args = f->from_hf_config(text, path);
+        check_key_ranges(*args, "'" + path + "'");
+        return args;
+      }
       known += (known.empty() ? "" : ", ") + t;
     }
   }

@@ -1,9 +1,12 @@
 #include "hf_json.h"
 
+#include "hp/core/untrusted.h"
+
 
 namespace hp::models::detail {
 
 HfJson::HfJson(const std::string& text, std::string path) : path_(std::move(path)) {
+  hp::text::check_json_nesting(text, "'" + path_ + "'");
   try {
     j_ = nlohmann::json::parse(text);
   } catch (const std::exception& e) {

@@ -4,6 +4,7 @@
 
 #include <cctype>
 #include <map>
+#include <sstream>
 
 #include "hp/comm/simulated_network.h"
 #include "hp/config.h"
@@ -14,18 +15,26 @@
 namespace hp::train {
 
 const char* const kUsage =
-    "usage: hp-train --config FILE [--set key=value]... [--verify] [--resume [DIR] | --auto-resume | --overwrite]\n"
+    "usage: hp-train --config FILE [--set key=value]... [--verify] [--strict]\n"
+    "                [--resume [DIR] | --auto-resume | --overwrite]\n"
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
     "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
     "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size N]\n"
+    "       hp-train --upgrade-checkpoint CKPT_DIR\n"
     "       hp-train --list-keys\n"
     "  --config FILE    YAML config (configs/*.yaml)\n"
     "  --set key=value  override a config key (dotted for sections: model.dim=128)\n"
     "  --verify         also train in one process on the global batch and compare losses\n"
+    "  --strict         a collapsed model (gradient norm 0 at the loss of uniform guessing,\n"
+    "                   ln vocab) stops the run as a divergence, not with a warning\n"
     "  --resume [DIR]   continue from a checkpoint: DIR, or the newest under save_dir\n"
     "  --auto-resume    continue from save_dir's newest checkpoint when there is one, else\n"
     "                   start (what scripts/launch.sh passes when it relaunches a run)\n"
+    "  --resume-changes KEYS\n"
+    "                   settings (comma-separated keys) a resume may change that change the\n"
+    "                   run's course: lr, train_steps, seed, ... (without it such a change is\n"
+    "                   refused; a change of layout, intervals or folders is always allowed)\n"
     "  --overwrite      start over where save_dir holds an earlier run's checkpoints,\n"
     "                   deleting them (without it, or --resume, such a run is refused)\n"
     "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
@@ -44,6 +53,9 @@ const char* const kUsage =
     "                   save_dir (its latest checkpoint is exported). Under mpirun the\n"
     "                   ranks share the files. --dtype: the weights' dtype (default: the\n"
     "                   parameters'); --max-shard-size: bytes per file (5GB; K/M/GB suffixes)\n"
+    "  --upgrade-checkpoint CKPT_DIR\n"
+    "                   rewrite a format-1 checkpoint (written before checksums, loaded\n"
+    "                   unchecked) as format 2: its data files checksummed as they are now\n"
     "  --list-keys      print every config key with its default\n"
     "Run under mpirun for several ranks; see docs/train.md.\n";
 
@@ -101,6 +113,8 @@ Args parse_args(int argc, char** argv) {
       a.overrides.push_back(s.substr(6));
     } else if (s == "--verify") {
       a.verify = true;
+    } else if (s == "--strict") {
+      a.strict = true;
     } else if (s == "--resume") {
       a.resume = true;
       if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) a.resume_dir = argv[++i];
@@ -109,6 +123,13 @@ Args parse_args(int argc, char** argv) {
       a.resume_dir = s.substr(9);
     } else if (s == "--auto-resume") {
       a.auto_resume = true;
+    } else if (s == "--resume-changes") {
+      std::stringstream list(value());
+      for (std::string k; std::getline(list, k, ',');) {
+        HP_CHECK(!k.empty(), "hp-train: --resume-changes: an empty key in the list (keys separated by commas)");
+        a.resume_changes.push_back(k);
+      }
+      HP_CHECK(!a.resume_changes.empty(), "hp-train: --resume-changes needs keys (e.g. lr,train_steps)");
     } else if (s == "--overwrite") {
       a.overwrite = true;
     } else if (s == "--estimate") {
@@ -141,6 +162,8 @@ Args parse_args(int argc, char** argv) {
     } else if (s == "--export-hf") {
       a.export_ckpt = value();
       a.export_out = value();
+    } else if (s == "--upgrade-checkpoint") {
+      a.upgrade_ckpt = value();
     } else if (s == "--dtype") {
       const std::string d = value();
       static const std::vector<std::pair<const char*, at::ScalarType>> kDtypes = {
@@ -160,12 +183,17 @@ Args parse_args(int argc, char** argv) {
     }
   }
   const bool exporting = !a.export_ckpt.empty();
+  HP_CHECK(a.upgrade_ckpt.empty() || (a.config.empty() && a.overrides.empty() && !exporting && !a.resume &&
+                                      !a.auto_resume && !a.overwrite && !a.verify && !a.estimate && !a.plan),
+           "hp-train: --upgrade-checkpoint DIR only rewrites that checkpoint's metadata: nothing else with it");
   HP_CHECK(exporting || (!a.export_dtype && a.max_shard_bytes == 0),
            "hp-train: --dtype and --max-shard-size only go with --export-hf");
   HP_CHECK(!exporting || (a.config.empty() && a.overrides.empty() && !a.verify && !a.resume && !a.estimate),
            "hp-train: --export-hf takes the model from the checkpoint: no --config, --set, --verify, --resume or "
            "--estimate with it");
-  if (!a.help && !a.list_keys && !exporting) HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
+  if (!a.help && !a.list_keys && !exporting && a.upgrade_ckpt.empty()) {
+    HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
+  }
   HP_CHECK(a.world == 0 || a.estimate || a.plan, "hp-train: --world only goes with --estimate or --plan");
   HP_CHECK(a.plan || (!a.plan_json && a.ranks_per_node == 0 && a.link.empty() && a.device_tflops == 0 &&
                       a.memory_per_rank == 0),
@@ -180,6 +208,8 @@ Args parse_args(int argc, char** argv) {
            "deletes it: use one of them");
   HP_CHECK(!(a.auto_resume && a.resume), "hp-train: --auto-resume is --resume where there is a checkpoint: use one "
            "of them");
+  HP_CHECK(a.resume_changes.empty() || a.resume || a.auto_resume,
+           "hp-train: --resume-changes goes with --resume or --auto-resume (it names what a resume may change)");
   HP_CHECK(!a.auto_resume || (!a.estimate && !a.plan && !exporting), "hp-train: --auto-resume goes with a training "
            "run only (not --estimate, --plan or --export-hf)");
   HP_CHECK(!a.overwrite || (!a.estimate && !a.plan && !exporting), "hp-train: --overwrite goes with a training run "
@@ -190,9 +220,15 @@ Args parse_args(int argc, char** argv) {
 std::vector<std::pair<std::string, std::string>> command_line_settings(const Args& a) {
   auto yes = [](bool b) { return std::string(b ? "yes" : "no"); };
   return {{"--verify", yes(a.verify)},
+          {"--strict", yes(a.strict)},
           {"--resume", yes(a.resume) + (a.resume_dir.empty() ? "" : " " + a.resume_dir)},
           {"--overwrite", yes(a.overwrite)},
           {"--auto-resume", yes(a.auto_resume)},
+          {"--resume-changes", [&] {
+             std::string all;
+             for (const auto& k : a.resume_changes) all += (all.empty() ? "" : ",") + k;
+             return all;
+           }()},
           {"--estimate", yes(a.estimate)},
           {"--world", std::to_string(a.world)},
           {"--plan", yes(a.plan) + (a.plan_json ? " --json" : "")},
@@ -201,6 +237,7 @@ std::vector<std::pair<std::string, std::string>> command_line_settings(const Arg
           {"--device-tflops", std::to_string(a.device_tflops)},
           {"--memory-per-rank", std::to_string(a.memory_per_rank)},
           {"--export-hf", a.export_ckpt + " " + a.export_out},
+          {"--upgrade-checkpoint", a.upgrade_ckpt},
           {"--dtype", a.export_dtype ? c10::toString(*a.export_dtype) : ""},
           {"--max-shard-size", std::to_string(a.max_shard_bytes)}};
 }

@@ -12,6 +12,7 @@
 #include "config_keys.h"
 #include "hp/optim/muon.h"
 #include "hp/core/error.h"
+#include "hp/core/untrusted.h"
 
 namespace hp::train {
 
@@ -67,6 +68,9 @@ void flatten(const YAML::Node& n, const std::string& prefix, const std::string& 
     std::string key = prefix + kv.first.Scalar();
     const YAML::Node& v = kv.second;
     if (v.IsMap()) {
+      // An empty section sets nothing: most likely its keys were lost (`model: {}` alone
+      // trained the default model without a word).
+      if (v.size() == 0) throw Error(origin + ": the section '" + key + "' is empty (it sets nothing: give its keys, or leave it out)");
       flatten(v, key + ".", origin, out);
     } else if (v.IsScalar()) {
       out.push_back({key, v.Scalar(), origin});
@@ -126,6 +130,7 @@ struct YamlDocuments {
   YAML::Node first;
 };
 YamlDocuments load_documents(const std::string& text, const std::string& source) {
+  hp::text::check_yaml_nesting(text, source);  // yaml-cpp's reader recurses
   std::istringstream in(text);
   YAML::Parser parser(in);
   DocumentCounter counter(source);
@@ -197,14 +202,8 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
 }
 
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::error_code ec;
-  HP_CHECK(std::filesystem::is_regular_file(path, ec), "config file '", path, "' ",
-           std::filesystem::exists(path, ec) ? "is not a regular file" : "does not exist");
-  std::ifstream f(path);
-  HP_CHECK(f.good(), "cannot read config file '", path, "'");
   std::stringstream ss;
-  ss << f.rdbuf();
-  HP_CHECK(!f.bad(), "reading config file '", path, "' failed");
+  ss << hp::files::read_regular(path, "config file", int64_t(1) << 24);
   // An empty (or comment-only) file is most likely the wrong file: it would train defaults.
   bool has_keys = false;
   try {
@@ -403,8 +402,18 @@ void validate_training(TrainConfig& c) {
   HP_CHECK(c.seq_length <= c.model->max_seq(), s, ": seq_length=", c.seq_length, " is longer than model.max_seq=",
            c.model->max_seq());
   HP_CHECK(c.min_lr <= c.lr, s, ": min_lr=", c.min_lr, " is above lr=", c.lr);
-  HP_CHECK(c.lr_warmup_steps <= c.train_steps, s, ": lr_warmup_steps=", c.lr_warmup_steps, " exceeds train_steps=",
-           c.train_steps);
+  // Accepted as PyTorch's optimizers and torchtitan accept them, with a word: lr 0 (an
+  // evaluation or a checkpoint's round trip through the trainer) and a run shorter than its
+  // warmup (a smoke run of a shipped config: the warmup is cut to the run).
+  const auto warn = [&c](const std::string& w) {  // once, however often validated
+    if (std::find(c.warnings.begin(), c.warnings.end(), w) == c.warnings.end()) c.warnings.push_back(w);
+  };
+  if (c.lr == 0) warn("lr=0: the weights do not change");
+  if (c.lr_warmup_steps > c.train_steps) {
+    warn(detail::str_cat("lr_warmup_steps=", c.lr_warmup_steps, " exceeds train_steps=", c.train_steps,
+                         ": the warmup is cut to ", c.train_steps, " steps"));
+    c.lr_warmup_steps = c.train_steps;
+  }
   if (c.data.type == DataType::kSynthetic) {
     HP_CHECK(c.data.path.empty(), s, ": data.path='", c.data.path, "' is only read when data.type is binary, text or megatron");
   } else {
@@ -524,6 +533,7 @@ std::string describe(const TrainConfig& c) {
     if (c.muon_update_scale == optim::MuonScale::kRms) os << " (update RMS " << c.muon_update_rms << ")";
     os << ", " << to_string(c.muon_scheme) << " scheme), adamw for the rest";
   }
+  for (const std::string& w : c.warnings) os << "\nwarning: " << w;
   return os.str();
 }
 

@@ -9,6 +9,7 @@
 #include <map>
 
 #include "config_keys.h"
+#include "hp/core/untrusted.h"
 
 namespace hp::train {
 namespace internal {
@@ -29,6 +30,8 @@ struct Key {
   Setter set;
   Getter get;
   std::string derived;
+  // What a resume may do with a change of it: by default it changes the run's course.
+  ResumeRule resume = ResumeRule::kTrajectory;
 };
 
 // Builders for the table's usual kinds. `at` gives the field of a config.
@@ -76,6 +79,11 @@ Key with_getter(Key k, Get get) {
   k.get = get;
   return k;
 }
+// A key a resume changes freely: how the run is laid out, timed, reported or stored.
+Key free_on_resume(Key k) {
+  k.resume = ResumeRule::kFree;
+  return k;
+}
 Key derived(Key k, const char* how) {
   k.derived = how;
   return k;
@@ -97,7 +105,7 @@ void beta(const Value& v, double x) {
 void add_model_keys(std::vector<Key>& k) {
   // model.type and model.preset are applied first, then the family's fields override the
   // preset (model_keys()).
-  k.push_back({"model.type", "family", "model family (hp-train --list-keys shows each one's keys)",
+  k.push_back(free_on_resume({"model.type", "family", "model family (hp-train --list-keys shows each one's keys)",
                [](TrainConfig& c, const Value& v) {
                  std::string all;
                  for (const models::ModelFamily* f : models::model_families()) {
@@ -109,8 +117,8 @@ void add_model_keys(std::vector<Key>& k) {
                  }
                  v.fail("expected one of: ", all);
                },
-               [](const TrainConfig& c) { return c.model.family().name(); }, ""});
-  k.push_back({"model.preset", "name", "base sizes the model's fields start from (each family's presets)",
+               [](const TrainConfig& c) { return c.model.family().name(); }, ""}));
+  k.push_back(free_on_resume({"model.preset", "name", "base sizes the model's fields start from (each family's presets)",
                [](TrainConfig& c, const Value& v) {
                  const std::vector<std::string> presets = c.model.family().presets();
                  if (std::find(presets.begin(), presets.end(), v.text) == presets.end()) {
@@ -120,19 +128,21 @@ void add_model_keys(std::vector<Key>& k) {
                  }
                  c.model = ModelSpec(c.model.family().name(), v.text);
                },
-               [](const TrainConfig& c) { return c.model.preset(); }, ""});
-  k.push_back({"model.from_hf", "path",
+               [](const TrainConfig& c) { return c.model.preset(); }, ""}));
+  k.push_back(free_on_resume({"model.from_hf", "path",
                "a Hugging Face model folder: the model's family and sizes read from its config.json (the other "
                "model keys then override and are checked against it) and, unless init_from_hf says otherwise, its "
                "weights",
                [](TrainConfig& c, const Value& v) {
                  if (v.text.empty()) return;  // as a checkpoint records it: the sizes are its other keys
                  const std::string path = v.text + "/config.json";
-                 std::ifstream f(path);
-                 if (!f.good()) v.fail("no config.json there (not a Hugging Face model folder)");
-                 std::stringstream text;
-                 text << f.rdbuf();
-                 auto args = models::model_from_hf_config(text.str(), path);
+                 std::string text;
+                 try {
+                   text = hp::files::read_regular(path, "config.json");
+                 } catch (const Error& e) {
+                   v.fail("no config.json there (not a Hugging Face model folder): ", e.what());
+                 }
+                 auto args = models::model_from_hf_config(text, path);
                  if (c.given.count("model.type") && &args->family() != &c.model.family()) {
                    v.fail("its config.json describes a ", args->family().name(), " model, but model.type is ",
                           c.model.family().name());
@@ -142,7 +152,7 @@ void add_model_keys(std::vector<Key>& k) {
                },
                // Not recorded: a checkpoint (and a resumed run) holds the sizes as the other
                // keys, and the folder may be gone by then.
-               [](const TrainConfig&) { return std::string(); }, ""});
+               [](const TrainConfig&) { return std::string(); }, ""}));
 }
 
 // The data source.
@@ -152,9 +162,9 @@ void add_data_keys(std::vector<Key>& k) {
                                  "indexed dataset (data.path: the prefix of its .bin and .idx)",
                                  HP_FIELD(data.type)));
   k.push_back(path_key("data.path", "the binary or text file", HP_FIELD(data.path)));
-  k.push_back(path_key("data.valid_path",
+  k.push_back(free_on_resume(path_key("data.valid_path",
                        "the validation set, of data.type (eval_interval > 0; synthetic data holds out its own)",
-                       HP_FIELD(data.valid_path)));
+                       HP_FIELD(data.valid_path))));
   k.push_back(enum_key<TokenDtype>("data.token_dtype", "token id width of a binary file", HP_FIELD(data.token_dtype)));
   k.push_back(int_key("data.num_samples", "samples in the synthetic corpus", HP_FIELD(data.num_samples), 1, kMaxCount));
   k.push_back(bool_key("data.shuffle", "a new sample order each epoch", HP_FIELD(data.shuffle)));
@@ -162,10 +172,10 @@ void add_data_keys(std::vector<Key>& k) {
 
 // Device, dtypes and the parallel layout.
 void add_precision_and_layout_keys(std::vector<Key>& k) {
-  k.push_back(enum_key<Device>("device",
+  k.push_back(free_on_resume(enum_key<Device>("device",
                                "where each rank trains: cpu, or cuda (the GPU of its local rank, collectives "
                                "over nccl; a build with CUDA and NCCL)",
-                               HP_FIELD(device)));
+                               HP_FIELD(device))));
   k.push_back(dtype_key("params_dtype", "dtype of the (sharded) parameters", HP_FIELD(params_dtype)));
   k.push_back(derived(dtype_key("compute_dtype", "dtype of forward/backward (the all-gather)", HP_FIELD(compute_dtype)),
                       "params_dtype"));
@@ -176,7 +186,7 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
                        "reduced gradients accumulate into an fp32 main gradient per shard, which the optimizer steps "
                        "with (needs accumulate_allreduce_grads_in_fp32; implied for low-precision params)",
                        HP_FIELD(apply_grad_on_fp32_main_grad)));
-  k.push_back(int_key("data_parallel", "replicas (HSDP dp_replicate)", HP_FIELD(data_parallel), 1, kMaxRanks));
+  k.push_back(free_on_resume(int_key("data_parallel", "replicas (HSDP dp_replicate)", HP_FIELD(data_parallel), 1, kMaxRanks)));
   {
     Key shard = int_key("data_parallel_shard", "ranks a replica is sharded over; -1 = the rest",
                         HP_FIELD(data_parallel_shard), -1, kMaxRanks);
@@ -185,84 +195,84 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
       inner(c, v);
       if (c.data_parallel_shard == 0) v.fail("must be >= 1 or -1");
     };
-    k.push_back(shard);
+    k.push_back(free_on_resume(shard));
   }
-  k.push_back(enum_key<ShardStrategy>("data_parallel_shard_strategy",
+  k.push_back(free_on_resume(enum_key<ShardStrategy>("data_parallel_shard_strategy",
                                       "ZeRO-3 (reshard after forward), ZeRO-2 (keep parameters until backward) or "
                                       "ZeRO-1 (keep parameters and unsharded gradients through the step)",
-                                      HP_FIELD(data_parallel_shard_strategy)));
-  k.push_back(int_key("reshard_after_forward_group_size",
+                                      HP_FIELD(data_parallel_shard_strategy))));
+  k.push_back(free_on_resume(int_key("reshard_after_forward_group_size",
                       "with optim_grads_params: after forward keep parameters sharded over groups of this many "
                       "data_parallel_shard ranks, gathered within the group for backward; 0 = over all of them",
-                      HP_FIELD(reshard_after_forward_group_size), 0, kMaxRanks));
-  k.push_back(bool_key("comm_fusion", "one fused all-gather/reduce-scatter per block", HP_FIELD(comm_fusion)));
-  k.push_back(bool_key("wait_per_submodule",
+                      HP_FIELD(reshard_after_forward_group_size), 0, kMaxRanks)));
+  k.push_back(free_on_resume(bool_key("comm_fusion", "one fused all-gather/reduce-scatter per block", HP_FIELD(comm_fusion))));
+  k.push_back(free_on_resume(bool_key("wait_per_submodule",
                        "in forward, wait for each of a block's parameters when its layer is called, not for the "
                        "whole block at its start (needs comm_fusion false)",
-                       HP_FIELD(wait_per_submodule)));
-  k.push_back(enum_key<Recompute>("recompute",
+                       HP_FIELD(wait_per_submodule))));
+  k.push_back(free_on_resume(enum_key<Recompute>("recompute",
                                   "activation recomputation of every block: full recomputes its activations in "
                                   "backward, selective keeps its matmul outputs and recomputes the rest, light "
                                   "(DeepSeek-V3's) keeps those and attention's and recomputes the norms, MLA's "
                                   "up-projections and the activations",
-                                  HP_FIELD(recompute)));
-  k.push_back(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
-                      HP_FIELD(tensor_parallel), 1, kMaxRanks));
-  k.push_back(bool_key("sequence_parallel", "sequence parallel (needs tensor_parallel > 1)", HP_FIELD(sequence_parallel)));
-  k.push_back(int_key("expert_parallel",
+                                  HP_FIELD(recompute))));
+  k.push_back(free_on_resume(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
+                      HP_FIELD(tensor_parallel), 1, kMaxRanks)));
+  k.push_back(free_on_resume(bool_key("sequence_parallel", "sequence parallel (needs tensor_parallel > 1)", HP_FIELD(sequence_parallel))));
+  k.push_back(free_on_resume(int_key("expert_parallel",
                       "expert-parallel size: each MoE's routed experts split over this many consecutive "
                       "data_parallel_shard ranks, which exchange tokens (must divide data_parallel_shard; with "
                       "tensor_parallel > 1 and sequence_parallel: tensor_parallel x a divisor of it, the EP group "
                       "taking the tp ranks)",
-                      HP_FIELD(expert_parallel), 1, kMaxRanks));
-  k.push_back(enum_key<ep::DispatcherKind>(
+                      HP_FIELD(expert_parallel), 1, kMaxRanks)));
+  k.push_back(free_on_resume(enum_key<ep::DispatcherKind>(
       "moe_dispatcher",
       "with expert_parallel > 1: all_to_all sends a row per (token, chosen expert), dedup one copy of a token per "
       "rank holding any of its experts (fewer bytes, two small all-to-alls more; the same results)",
-      HP_FIELD(moe_dispatcher)));
-  k.push_back(int_key("moe_overlap_chunks",
+      HP_FIELD(moe_dispatcher))));
+  k.push_back(free_on_resume(int_key("moe_overlap_chunks",
                       "with expert_parallel > 1: each MoE's all-to-alls in this many chunks of its local experts, "
                       "each chunk's experts running while the other chunks' rows move (1: no overlap; at most "
                       "experts / expert_parallel; bitwise the same results; the all_to_all dispatcher only)",
-                      HP_FIELD(moe_overlap_chunks), 1, kMaxCount));
-  k.push_back(int_key("context_parallel",
+                      HP_FIELD(moe_overlap_chunks), 1, kMaxCount)));
+  k.push_back(free_on_resume(int_key("context_parallel",
                       "context-parallel size: each sequence split over this many ranks (seq_length a multiple of "
                       "2 x context_parallel), attention over the whole sequence; fully_shard shards over "
                       "data_parallel_shard x context_parallel",
-                      HP_FIELD(context_parallel), 1, kMaxRanks));
-  k.push_back(enum_key<cp::Method>(
+                      HP_FIELD(context_parallel), 1, kMaxRanks)));
+  k.push_back(free_on_resume(enum_key<cp::Method>(
       "context_parallel_method",
       "with context_parallel > 1: ring passes key/value blocks around the ranks (overlapped with the compute), "
       "allgather gathers every rank's keys and values, ulysses exchanges heads for sequence by all-to-all (heads "
       "and kv heads divisible by context_parallel)",
-      HP_FIELD(context_parallel_method)));
-  k.push_back(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
-                      HP_FIELD(pipeline_parallel), 1, kMaxRanks));
-  k.push_back(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",
-                      HP_FIELD(pipeline_parallel_interleave_num), 1, kMaxRanks));
-  k.push_back(enum_key<PipelineScheduleKind>(
+      HP_FIELD(context_parallel_method))));
+  k.push_back(free_on_resume(int_key("pipeline_parallel", "pipeline-parallel size (ranks the layers are split over)",
+                      HP_FIELD(pipeline_parallel), 1, kMaxRanks)));
+  k.push_back(free_on_resume(int_key("pipeline_parallel_interleave_num", "stages per pipeline rank (interleaved schedule)",
+                      HP_FIELD(pipeline_parallel_interleave_num), 1, kMaxRanks)));
+  k.push_back(free_on_resume(enum_key<PipelineScheduleKind>(
       "pipeline_schedule",
       "pipeline schedule; auto = 1f1b, or interleaved with pipeline_parallel_interleave_num > 1; zbh1 = zero bubble "
       "(backward split into input and weight gradients); zbv = zero bubble with 2 stages per rank in a V "
       "(pipeline_parallel_interleave_num 2); dualpipev = DeepSeek's V of 2 stages per rank with paired forwards "
       "and backwards (pipeline_parallel_interleave_num 2, micro_batch_num >= 2 x pipeline_parallel)",
-      HP_FIELD(pipeline_schedule)));
-  k.push_back(derived({"pipeline_stage_layers", "list",
+      HP_FIELD(pipeline_schedule))));
+  k.push_back(free_on_resume(derived({"pipeline_stage_layers", "list",
                        "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); "
                        "empty = even",
                        [](TrainConfig& c, const Value& v) { c.pipeline_stage_layers = as_int_list(v, 1, kMaxModelInt); },
                        [](const TrainConfig& c) { return list_text(c.pipeline_stage_layers); }, ""},
-                      "[] (even)"));
+                      "[] (even)")));
 }
 
 // Batch, schedule and AdamW.
 void add_batch_and_adamw_keys(std::vector<Key>& k) {
-  k.push_back(int_key("micro_batch_num", "micro-batches per step (pipeline micro-batches, or gradient accumulation)",
-                      HP_FIELD(micro_batch_num), 1, kMaxRanks));
+  k.push_back(free_on_resume(int_key("micro_batch_num", "micro-batches per step (pipeline micro-batches, or gradient accumulation)",
+                      HP_FIELD(micro_batch_num), 1, kMaxRanks)));
   k.push_back(int_key("global_batch_size", "samples per optimizer step, all ranks together",
                       HP_FIELD(global_batch_size), 1, kMaxRanks));
   k.push_back(int_key("seq_length", "tokens per sample", HP_FIELD(seq_length), 1, kMaxModelInt));
-  k.push_back(float_key("lr", "peak learning rate", HP_FIELD(lr), positive));
+  k.push_back(float_key("lr", "peak learning rate (0: the weights stay as they are)", HP_FIELD(lr), nonneg));
   k.push_back(float_key("min_lr", "learning rate at the end of the decay", HP_FIELD(min_lr), nonneg));
   k.push_back(int_key("lr_warmup_steps", "steps of linear warmup", HP_FIELD(lr_warmup_steps), 0, kMaxCount));
   k.push_back(enum_key<LrDecay>("lr_decay_style", "decay from lr to min_lr after warmup", HP_FIELD(lr_decay_style)));
@@ -282,7 +292,7 @@ void add_muon_keys(std::vector<Key>& k) {
   // Derived from AdamW's until set (the field holds -1 then): the getter gives the value in
   // effect, so that the settings text parses back before validate() resolves it too.
   k.push_back(derived(with_getter(float_key("muon_lr", "Muon's peak learning rate (scheduled like lr)",
-                                            HP_FIELD(muon_lr), positive),
+                                            HP_FIELD(muon_lr), nonneg),
                                   [](const TrainConfig& c) { return double_text(c.muon_lr < 0 ? c.lr : c.muon_lr); }),
                       "lr"));
   k.push_back(float_key("muon_momentum", "Muon's momentum", HP_FIELD(muon_momentum), beta));
@@ -312,11 +322,11 @@ void add_muon_keys(std::vector<Key>& k) {
                         "with muon_update_scale: rms, the RMS of Muon's update (0.2: about AdamW's, so that its lr "
                         "carries over; the scale is this x sqrt(max(rows, cols)))",
                         HP_FIELD(muon_update_rms), positive));
-  k.push_back(enum_key<optim::MuonScheme>(
+  k.push_back(free_on_resume(enum_key<optim::MuonScheme>(
       "muon_scheme",
       "owner: each whole matrix orthogonalized by one rank holding a piece of it, balanced by cost; "
       "gather_everywhere: by every rank holding a piece (the baseline)",
-      HP_FIELD(muon_scheme)));
+      HP_FIELD(muon_scheme))));
   k.push_back({"muon_to_adamw", "list",
                "with optimizer: muon, parameter-name patterns (`*` any characters) trained by AdamW besides the "
                "token tables, e.g. [layers_*.attn.wo.weight]; each must match a parameter",
@@ -336,25 +346,25 @@ void add_run_keys(std::vector<Key>& k) {
   k.push_back({"seed", "int", "initialization and data order",
                [](TrainConfig& c, const Value& v) { c.seed = static_cast<uint64_t>(as_int(v, 0)); },
                [](const TrainConfig& c) { return std::to_string(c.seed); }, ""});
-  k.push_back(int_key("log_interval", "steps between progress lines", HP_FIELD(log_interval), 1, kMaxCount));
-  k.push_back(int_key("eval_interval",
+  k.push_back(free_on_resume(int_key("log_interval", "steps between progress lines", HP_FIELD(log_interval), 1, kMaxCount)));
+  k.push_back(free_on_resume(int_key("eval_interval",
                       "validation loss every this many steps and after the last, without gradients; 0 = none",
-                      HP_FIELD(eval_interval), 0, kMaxCount));
-  k.push_back(int_key("eval_steps", "global batches of the validation set per evaluation; 0 = all of it",
-                      HP_FIELD(eval_steps), 0, kMaxCount));
-  k.push_back(path_key("output_dir", "metrics.jsonl and loss.svg go here; empty = none", HP_FIELD(output_dir)));
-  k.push_back(int_key("save_interval", "save a checkpoint every this many steps and after the last; 0 = never",
-                      HP_FIELD(save_interval), 0, kMaxModelInt));
-  k.push_back(derived(path_key("save_dir", "checkpoints go here (step_<k> folders and 'latest')", HP_FIELD(save_dir)),
-                      "output_dir/checkpoints"));
-  k.push_back(int_key("keep_last_n", "keep only the newest n checkpoints (older ones removed after a save); 0 = all",
-                      HP_FIELD(keep_last_n), 0, kMaxModelInt));
-  k.push_back(bool_key("async_save", "write checkpoints in the background (the state is copied first)",
-                       HP_FIELD(async_save)));
-  k.push_back(path_key("init_from_hf",
+                      HP_FIELD(eval_interval), 0, kMaxCount)));
+  k.push_back(free_on_resume(int_key("eval_steps", "global batches of the validation set per evaluation; 0 = all of it",
+                      HP_FIELD(eval_steps), 0, kMaxCount)));
+  k.push_back(free_on_resume(path_key("output_dir", "metrics.jsonl and loss.svg go here; empty = none", HP_FIELD(output_dir))));
+  k.push_back(free_on_resume(int_key("save_interval", "save a checkpoint every this many steps and after the last; 0 = never",
+                      HP_FIELD(save_interval), 0, kMaxModelInt)));
+  k.push_back(free_on_resume(derived(path_key("save_dir", "checkpoints go here (step_<k> folders and 'latest')", HP_FIELD(save_dir)),
+                      "output_dir/checkpoints")));
+  k.push_back(free_on_resume(int_key("keep_last_n", "keep only the newest n checkpoints (older ones removed after a save); 0 = all",
+                      HP_FIELD(keep_last_n), 0, kMaxModelInt)));
+  k.push_back(free_on_resume(bool_key("async_save", "write checkpoints in the background (the state is copied first)",
+                       HP_FIELD(async_save))));
+  k.push_back(free_on_resume(path_key("init_from_hf",
                        "start from the weights of this Hugging Face model folder instead of the seed (a family "
                        "with Hugging Face names: llama, deepseek; model.from_hf sets it)",
-                       HP_FIELD(init_from_hf)));
+                       HP_FIELD(init_from_hf))));
 }
 
 const std::vector<Key>& keys() {
@@ -570,6 +580,21 @@ std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainCo
     }
   }
   return out;
+}
+
+ResumeRule resume_rule(const TrainConfig& c, const std::string& key) {
+  for (const Key& k : keys()) {
+    if (k.name == key) return k.resume;
+  }
+  if (const models::ModelKey* m = family_key(c.model.family(), key)) return m->resume;
+  throw Error("resume_rule: '" + key + "' is not a config key of a " + c.model.family().name() + " model");
+}
+
+bool follows_another_key(const TrainConfig& c, const std::string& key) {
+  for (const Key& k : keys()) {
+    if (k.name == key) return !k.derived.empty() && !c.given.count(key);
+  }
+  return false;
 }
 
 ModelSpec model_from_settings(const std::vector<std::pair<std::string, std::string>>& settings,

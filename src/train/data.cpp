@@ -60,7 +60,8 @@ class OpenFile {
  public:
   // `key`: the config key naming it in errors (data.path, data.valid_path).
   OpenFile(const std::string& path, std::string key) : path_(path), key_(std::move(key)) {
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO is refused below, not waited on in open().
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     HP_CHECK(fd_ >= 0, named(), ": cannot open: ", std::strerror(errno));
     struct stat st;
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {

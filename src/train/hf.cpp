@@ -11,6 +11,7 @@
 #include "hp/ckpt/safetensors.h"
 #include "hp/comm/agree.h"
 #include "hp/core/error.h"
+#include "hp/core/untrusted.h"
 #include "hp/models/family.h"
 #include "trainer_impl.h"
 
@@ -24,11 +25,14 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
   HP_CHECK(c.model->supports_hf(), "init_from_hf: model.type=", c.model.family().name(),
            " is not supported yet (the family has no Hugging Face names)");
   const std::string path = dir + "/config.json";
-  std::ifstream f(path);
-  HP_CHECK(f.good(), "init_from_hf: '", dir, "' has no config.json (not a Hugging Face model folder)");
-  std::stringstream text;
-  text << f.rdbuf();
-  c.model->check_hf_config(text.str(), path);
+  std::string text;
+  try {
+    text = hp::files::read_regular(path, "config.json");
+  } catch (const Error& e) {
+    throw Error(detail::str_cat("init_from_hf: '", dir, "' has no config.json (not a Hugging Face model folder): ",
+                                e.what()));
+  }
+  c.model->check_hf_config(text, path);
   const auto names = c.model->hf_names();
   std::map<std::string, std::string> sources(names.begin(), names.end());
   // Every tensor of the folder is read, or one transformers passes over too: a tensor left

@@ -102,10 +102,10 @@ StepStats ReferenceTrainer::step() {
   StepStats st;
   st.step = s.steps + 1;
   st.grad_norm = global_grad_norm(grads, nullptr);
-  check_finite(st.step, "gradient norm", st.grad_norm);
+  check_finite(c, st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
-  set_lr(*s.opt, c, st.lr);
+  set_lr(*s.opt, c, s.steps);
   s.opt->step();
   s.opt->zero_grad();
   {
@@ -117,7 +117,7 @@ StepStats ReferenceTrainer::step() {
   }
   s.model->after_step(nullptr);
   st.loss = loss_sum / c.micro_batch_num;
-  check_finite(st.step, "loss", st.loss);
+  check_finite(c, st.step, "loss", st.loss);
   st.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;
   st.peak_bytes = memory::peak_bytes();

@@ -3,19 +3,23 @@
 #include "hp/train/run.h"
 
 #include <ATen/Parallel.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <thread>
 #include <utility>
 
+#include "hp/ckpt/checkpoint.h"
 #include "hp/core/env.h"
 #include "hp/core/error.h"
 #include "hp/runtime.h"
 #include "hp/train/checkpoint_manager.h"
 #include "hp/train/preemption.h"
+#include "trainer_impl.h"
 
 namespace hp::train {
 namespace {
@@ -39,16 +43,23 @@ RunInputs prepare_run(const Args& args, int world_size, int rank) {
   training_device(c.device);  // a device this process cannot use is named before anything starts
   check_fits_node(c, in.memory, hp::local_world_size());
   in.data = make_dataset(c.data, c.seq_length, c.model->vocab(), c.seed);  // checks the file
+  // A Hugging Face folder's config.json, index and shard headers: checked here, so that what
+  // is wrong with it is the command's error, said once (the load in the Trainer would raise
+  // it on every rank).
+  if (!c.init_from_hf.empty()) internal::hf_sources(c, c.init_from_hf);
   if (c.eval_interval > 0) {
     in.valid = make_validation_dataset(c);
     validation_batches(c, *in.valid);  // holds what an evaluation reads
   }
   HP_CHECK(!args.auto_resume || c.save_interval > 0, "--auto-resume: save_interval=0: this run saves no "
            "checkpoint to resume from (set save_interval)");
+  return in;
+}
+
+std::unique_ptr<RunFolders> claim_folders(const Args& args, const TrainConfig& c, int rank) {
   // Every folder the run writes, made and probed now, not at the first save; locked against
   // a second run; an earlier run's checkpoints refused unless told otherwise.
-  in.folders = std::make_unique<RunFolders>(c, rank, earlier_run(args));
-  return in;
+  return std::make_unique<RunFolders>(c, rank, earlier_run(args));
 }
 
 double ReferenceLosses::at(int64_t step) const {
@@ -103,6 +114,62 @@ std::string plan_output(const Args& args, int world_size) {
          "\n" + format_plan(rows);
 }
 
+std::vector<std::string> check_resume_settings(const TrainConfig& c, const std::string& dir,
+                                               const std::vector<std::string>& allowed) {
+  const std::string from = CheckpointManager::resolve(dir.empty() ? c.save_dir : dir);
+  const std::vector<std::pair<std::string, std::string>> mine = resolved_settings(c);
+  for (const std::string& k : allowed) {
+    const bool known = std::any_of(mine.begin(), mine.end(), [&k](const auto& e) { return e.first == k; });
+    HP_CHECK(known, "--resume-changes: '", k, "' is not a config key of this run (hp-train --list-keys lists them)");
+  }
+  const std::map<std::string, std::string> saved = ckpt::load({}, from);
+  std::vector<std::string> lines, free, allowed_changes, refused, unrecorded;
+  for (const auto& [k, v] : mine) {
+    const ResumeRule rule = resume_rule(c, k);
+    if (rule == ResumeRule::kFixed) continue;   // Trainer::load compares the model's
+    if (follows_another_key(c, k)) continue;    // compared through the key it follows
+    const bool model = k.rfind("model.", 0) == 0;
+    auto it = saved.find((model ? "config." : "run.") + k);
+    if (it == saved.end()) {
+      if (rule == ResumeRule::kTrajectory) unrecorded.push_back(k);
+      continue;
+    }
+    if (it->second == v) continue;
+    const std::string change = k + " " + it->second + " -> " + v;
+    if (rule == ResumeRule::kFree) {
+      free.push_back(change);
+    } else if (std::find(allowed.begin(), allowed.end(), k) != allowed.end()) {
+      allowed_changes.push_back(change);
+    } else {
+      refused.push_back(k + "=" + it->second + " in the checkpoint but " + k + "=" + v + " now");
+    }
+  }
+  const auto joined = [](const std::vector<std::string>& l) {
+    std::string s;
+    for (const auto& e : l) s += (s.empty() ? "" : ", ") + e;
+    return s;
+  };
+  if (!refused.empty()) {
+    std::string keys;
+    for (const auto& r : refused) keys += (keys.empty() ? "" : ",") + r.substr(0, r.find('='));
+    throw Error(detail::str_cat(
+        "resume from ", from, ": ", refused.size(), " setting(s) differ from the checkpoint's run and would change its ",
+        "course: ", joined(refused), ". To continue with them, name them: --resume-changes ", keys,
+        "; for a new experiment, train into another save_dir (or --overwrite this one)"));
+  }
+  if (!free.empty()) lines.push_back("resume: changed (layout, timing or output): " + joined(free));
+  if (!allowed_changes.empty()) lines.push_back("resume: changed (--resume-changes): " + joined(allowed_changes));
+  if (ckpt::format_version(from) == 1) {
+    lines.push_back("resume: '" + from + "' is a format-1 checkpoint (written before checksums): its files are read " +
+                    "unchecked for damage; hp-train --upgrade-checkpoint " + from + " checksums them");
+  }
+  if (!unrecorded.empty()) {
+    lines.push_back(detail::str_cat("resume: the checkpoint records no ", unrecorded.size(),
+                                    " of this run's settings (written before settings were recorded): taken as given"));
+  }
+  return lines;
+}
+
 Resumed resume(Trainer& trainer, const TrainConfig& c, const std::string& dir) {
   Resumed r;
   r.dir = CheckpointManager::resolve(dir.empty() ? c.save_dir : dir);
@@ -131,9 +198,23 @@ void RunReport::open_metrics(int64_t resumed_step, const std::string& from, cons
   }
 }
 
+bool collapsed(const StepStats& st, int64_t vocab) {
+  const double uniform = std::log(static_cast<double>(vocab));
+  return st.grad_norm == 0 && std::abs(st.loss - uniform) <= 1e-3 * uniform;
+}
+
 TrainCallbacks RunReport::callbacks(int64_t first_step) {
   TrainCallbacks cb;
   cb.on_step = [this, first_step](const StepStats& st) {
+    if (collapsed(st, c_.model->vocab())) {
+      const std::string what = detail::str_cat("step ", st.step, ": the gradient norm is 0 at loss ", st.loss,
+                                               ", ln(vocab=", c_.model->vocab(), "): the model has collapsed to ",
+                                               "uniform predictions and its weights no longer change ",
+                                               diverged_hint(c_));
+      if (strict_) throw TrainingDiverged(what + " (--strict)");
+      if (!warned_collapse_) say_("warning: " + what + "; --strict makes this an error");
+      warned_collapse_ = true;
+    }
     total_s_ += st.step_time_s;
     const double ref = reference_ && lead_ ? reference_->at(st.step) : kNone;
     verify_.add(st.step, st.loss, ref);
@@ -167,6 +248,46 @@ void RunReport::stopped(const TrainSummary& s, int64_t step) {
        "; exit status " + std::to_string(kPreemptedExit));
   // The metrics stay under their temporary name: the run is not finished.
   if (metrics_) metrics_->stopped(step, signal, s.stop_rank, s.stop_saved);
+}
+
+int RunReport::ended(const TrainSummary& s, int64_t steps_done) {
+  if (s.stopped_by != 0 && steps_done < c_.train_steps) {
+    stopped(s, steps_done);
+    return kPreemptedExit;
+  }
+  if (s.stopped_by != 0) {
+    say_("a stop signal (" + signal_name(s.stopped_by) + ") came during the last step: the run is complete" +
+         (s.stop_saved.empty() ? std::string() : ", saved " + s.stop_saved));
+  }
+  finished(s);
+  return 0;
+}
+
+bool RunReport::finish_earlier() {
+  if (!lead_ || c_.output_dir.empty()) return false;
+  const std::string path = c_.output_dir + "/metrics.jsonl";
+  struct stat st{};
+  if (::stat((path + ".partial").c_str(), &st) != 0 || ::stat(path.c_str(), &st) == 0) return false;
+  MetricsLog log(path, c_.train_steps);
+  const auto& losses = log.kept_losses();
+  std::vector<std::pair<std::string, double>> fields = {{"steps", static_cast<double>(c_.train_steps)},
+                                                        {"ranks", static_cast<double>(world_size_)}};
+  if (!losses.empty()) {
+    fields.push_back({"first_loss", losses.front().second});
+    fields.push_back({"final_loss", losses.back().second});
+  }
+  if (!log.kept_evals().empty()) fields.push_back({"final_valid_loss", log.kept_evals().back().second});
+  log.summary(fields);
+  log.finish();
+  LossCurve curve;
+  for (const auto& [step, loss] : losses) curve.loss.push_back(loss);
+  curve.first_step = losses.empty() ? 0 : losses.front().first - 1;
+  curve.validation = log.kept_evals();
+  write_loss_svg(c_.output_dir + "/loss.svg", curve,
+                 c_.model.family().name() + " " + c_.model.preset() + ", " + std::to_string(world_size_) + " rank(s)");
+  say_("the earlier run ended before its report: wrote " + path + " (" + std::to_string(losses.size()) +
+       " steps) and " + c_.output_dir + "/loss.svg");
+  return true;
 }
 
 void RunReport::finished(const TrainSummary& s) {

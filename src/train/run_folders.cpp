@@ -68,16 +68,22 @@ std::string write_new(const std::string& path, const std::string& text) {
 struct Holder {
   std::string host, since;
   long pid = 0;
+  // The process's start time (clock ticks after boot) and the boot's id: a live process of
+  // that pid with another start, or another boot, is not the holder (the pid was reused).
+  // Empty in a lock written before they were recorded.
+  std::string start, boot;
   bool parsed = false;
 };
 
-// "host H\npid P\nsince T\n" as FolderLock writes it.
+// "host H\npid P\nsince T\nstart S\nboot B\n" as FolderLock writes it.
 Holder parse_holder(const std::string& text) {
   Holder h;
   std::istringstream in(text);
   for (std::string key, value; in >> key >> value;) {
     if (key == "host") h.host = value;
     if (key == "since") h.since = value;
+    if (key == "start") h.start = value;
+    if (key == "boot") h.boot = value;
     if (key == "pid") {
       char* end = nullptr;
       errno = 0;
@@ -95,6 +101,27 @@ char task_state(const std::string& stat_path) {
   const std::string text = read_small(stat_path);
   const auto close = text.rfind(')');
   return close != std::string::npos && close + 2 < text.size() ? text[close + 2] : '?';
+}
+
+// The start time of `pid` (field 22 of its /proc stat file: clock ticks after boot), "" where
+// it cannot be read (not Linux, no such process).
+std::string process_start(long pid) {
+  const std::string text = read_small("/proc/" + std::to_string(pid) + "/stat");
+  const auto close = text.rfind(')');
+  if (close == std::string::npos) return "";
+  std::istringstream in(text.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22 && (in >> field); ++i) {
+    if (i == 22) return field;
+  }
+  return "";
+}
+
+// This boot's id ("" where it cannot be read).
+std::string boot_id() {
+  std::string id = read_small("/proc/sys/kernel/random/boot_id");
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  return id;
 }
 
 // Whether every thread of `pid` has exited: a zombie its parent has not reaped yet. A job
@@ -117,6 +144,13 @@ bool exited(long pid) {
 // whose main thread has exited while others are still exiting is waited for, 5 s at most.
 bool gone(const Holder& h) {
   if (h.host != host_name()) return false;
+  // Another boot: every process of the lock's is gone. A process of that pid that started at
+  // another time: the pid was given to another process (the lock's holder is gone).
+  if (!h.boot.empty() && !boot_id().empty() && h.boot != boot_id()) return true;
+  if (!h.start.empty()) {
+    const std::string now = process_start(h.pid);
+    if (!now.empty() && now != h.start) return true;
+  }
   const auto pid = static_cast<pid_t>(h.pid);
   for (int tries = 0; tries < 50; ++tries) {
     if (::kill(pid, 0) != 0) return errno == ESRCH;
@@ -142,6 +176,9 @@ void create_and_probe(const std::string& dir, const std::string& what, int rank)
 
 FolderLock::FolderLock(const std::string& dir, const std::string& what) : path_(dir + "/hp-train.lock") {
   content_ = "host " + host_name() + "\npid " + std::to_string(::getpid()) + "\nsince " + now_utc() + "\n";
+  const std::string start = process_start(::getpid()), boot = boot_id();
+  if (!start.empty()) content_ += "start " + start + "\n";
+  if (!boot.empty()) content_ += "boot " + boot + "\n";
   const std::string mine = path_ + "." + host_name() + "." + std::to_string(::getpid());
   ::unlink(mine.c_str());  // a leftover of this very pid (an earlier process the OS gave it to)
   const std::string error = write_new(mine, content_);

@@ -14,19 +14,31 @@
 
 namespace hp::train {
 
-double lr_at(const TrainConfig& c, int64_t step) {
-  if (step < c.lr_warmup_steps) return c.lr * static_cast<double>(step + 1) / c.lr_warmup_steps;
+namespace {
+
+// The schedule's value at `step` for a peak and a floor.
+double scheduled(const TrainConfig& c, int64_t step, double peak, double floor) {
+  if (step < c.lr_warmup_steps) return peak * static_cast<double>(step + 1) / c.lr_warmup_steps;
   const int64_t decay_steps = std::max<int64_t>(1, c.train_steps - c.lr_warmup_steps);
   const double progress = std::min(1.0, static_cast<double>(step - c.lr_warmup_steps + 1) / decay_steps);
   switch (c.lr_decay_style) {
     case LrDecay::kConstant:
-      return c.lr;
+      return peak;
     case LrDecay::kLinear:
-      return c.lr - (c.lr - c.min_lr) * progress;
+      return peak - (peak - floor) * progress;
     case LrDecay::kCosine:
       break;
   }
-  return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(M_PI * progress));
+  return floor + (peak - floor) * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace
+
+double lr_at(const TrainConfig& c, int64_t step) { return scheduled(c, step, c.lr, c.min_lr); }
+
+double muon_lr_at(const TrainConfig& c, int64_t step) {
+  // lr's factor on Muon's peak; with lr 0 (no factor to take) the same shape down to 0.
+  return c.lr > 0 ? c.muon_lr * (lr_at(c, step) / c.lr) : scheduled(c, step, c.muon_lr, 0.0);
 }
 
 bool eval_due(const TrainConfig& c, int64_t step) {
@@ -78,6 +90,11 @@ double clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double
   return scale;
 }
 
+std::string diverged_hint(const TrainConfig& c) {
+  return c.clip_grad > 0 ? detail::str_cat("(try a lower lr than ", c.lr, "; clip_grad is ", c.clip_grad, ")")
+                         : detail::str_cat("(try a lower lr than ", c.lr, ", or clip_grad > 0)");
+}
+
 namespace internal {
 
 namespace {
@@ -103,10 +120,10 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const 
   return std::make_unique<optim::ForeachAdamW>(std::move(groups), opts(c.weight_decay));
 }
 
-void check_finite(int64_t step, const char* what, double x) {
+void check_finite(const TrainConfig& c, int64_t step, const char* what, double x) {
   if (!std::isfinite(x)) {
-    throw TrainingDiverged(detail::str_cat("step ", step, ": the ", what, " is ", x,
-                                           ": training diverged (try a lower lr, or clip_grad > 0)"));
+    throw TrainingDiverged(
+        detail::str_cat("step ", step, ": the ", what, " is ", x, ": training diverged ", diverged_hint(c)));
   }
 }
 
@@ -160,11 +177,12 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c,
   return opt;
 }
 
-void set_lr(torch::optim::Optimizer& opt, const TrainConfig& c, double lr) {
+void set_lr(torch::optim::Optimizer& opt, const TrainConfig& c, int64_t step) {
   // The schedule's lr for AdamW's groups; Muon's peak scaled by the same factor.
+  const double lr = lr_at(c, step), muon_lr = muon_lr_at(c, step);
   for (auto& g : opt.param_groups()) {
     const bool muon = dynamic_cast<optim::MuonOptions*>(&g.options()) != nullptr;
-    g.options().set_lr(muon ? lr * c.muon_lr / c.lr : lr);
+    g.options().set_lr(muon ? muon_lr : lr);
   }
 }
 

@@ -260,17 +260,17 @@ StepStats Trainer::step() {
     counted_split.push_back(split[i]);
   }
   st.grad_norm = global_grad_norm(counted, counted_split, s.shards, s.tp, s.pp);  // the same on every rank
-  check_finite(st.step, "gradient norm", st.grad_norm);
+  check_finite(c, st.step, "gradient norm", st.grad_norm);
   clip_grads_(grads, c.clip_grad, st.grad_norm);
   st.lr = lr_at(c, s.steps);
   const auto t_opt = Clock::now();
   const CommTraffic sent_opt = s.world->traffic();
   if (s.master) {
-    set_lr(s.master->inner(), c, st.lr);
+    set_lr(s.master->inner(), c, s.steps);
     s.master->step();
     s.master->zero_grad();
   } else {
-    set_lr(*s.opt, c, st.lr);
+    set_lr(*s.opt, c, s.steps);
     s.opt->step();
     s.opt->zero_grad();
   }
@@ -315,7 +315,7 @@ StepStats Trainer::step() {
     if (e[1] > 0) st.expert_load.push_back({l, e[0], e[1], e[2]});
   }
   st.loss = loss.item<double>();
-  check_finite(st.step, "loss", st.loss);
+  check_finite(c, st.step, "loss", st.loss);
   st.step_time_s = w[0];
   st.peak_bytes = static_cast<int64_t>(w[1]);
   st.optimizer_time_s = w[2];
@@ -391,11 +391,15 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
       if (cb.on_eval) cb.on_eval(out.evals.back());
     }
     std::string saved;
+    const bool stopping = cb.stop_requested && stop_agreed(cb.stop_requested(), &out);
+    const bool saving = checkpoints && (checkpoints->due(st.step, c.train_steps) ||
+                                        (stopping && checkpoints->options().interval > 0));
+    if (saving) require_finite_weights(st.step);
     if (checkpoints && checkpoints->due(st.step, c.train_steps)) {
       saved = checkpoints->save(*this);
       if (cb.on_save) cb.on_save(saved, checkpoints->options().async);
     }
-    if (cb.stop_requested && stop_agreed(cb.stop_requested(), &out)) {
+    if (stopping) {
       if (checkpoints && checkpoints->options().interval > 0) {
         if (saved.empty()) {
           saved = checkpoints->save(*this, /*background=*/false);
@@ -418,6 +422,23 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
   return out;
 }
 
+
+void Trainer::require_finite_weights(int64_t step) const {
+  int64_t bad = 0;
+  {
+    at::NoGradGuard g;
+    for (const auto& r : impl_->sharded.params) {
+      if (r.param.numel() > 0 && !at::isfinite(r.param).all().item<bool>()) ++bad;
+    }
+  }
+  at::Tensor v = at::full({1}, bad, at::kLong).to(control_device(impl_->world));
+  impl_->world->all_reduce(v, {ReduceOp::SUM}).wait();
+  const int64_t total = v.cpu().item<int64_t>();
+  if (total == 0) return;
+  throw TrainingDiverged(detail::str_cat(
+      "step ", step, ": ", total, " parameter shard(s) hold values that are not finite after the optimizer's step: ",
+      "training diverged; not saved (the last committed checkpoint stays 'latest') ", diverged_hint(impl_->c)));
+}
 
 bool Trainer::stop_agreed(int mine, TrainSummary* out) const {
   // One all-reduce of (the signal, -rank where asked): the largest signal and the lowest

@@ -35,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 // (dim >= 2) and none on norm scales and vectors.
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const TrainConfig& c, const std::vector<at::Tensor>& params);
 // Raises TrainingDiverged for a loss or norm that is not finite.
-void check_finite(int64_t step, const char* what, double x);
+void check_finite(const TrainConfig& c, int64_t step, const char* what, double x);
 // The config's optimizer over `named` (the parameters that require grad, by their names in
 // the whole model): AdamW, or Muon for the hidden matrices (routed by shape, the model's
 // token tables to AdamW) and AdamW for the rest. With `boxes` (each parameter's box of its
@@ -52,9 +52,9 @@ struct RoutedParam {
   bool muon = false;
 };
 std::vector<RoutedParam> routed_params(const TrainConfig& c);
-// The learning rate of the schedule (lr_at) for AdamW's groups; Muon's groups get muon_lr
-// scaled by the same factor (lr / lr of the config).
-void set_lr(torch::optim::Optimizer& opt, const TrainConfig& c, double lr);
+// The learning rate of step `step`'s schedule for AdamW's groups (lr_at) and Muon's
+// (muon_lr_at).
+void set_lr(torch::optim::Optimizer& opt, const TrainConfig& c, int64_t step);
 // The validation set of `c` (`given`, or opened here), checked to hold the batches an
 // evaluation runs, and their order (DataSharder without shuffle). Null without validation.
 struct Validation {

@@ -138,6 +138,10 @@ static std::map<std::string, std::string> saved_values(const Trainer::Impl& s, i
     if (!s.master && s.sharded.params[i].param.requires_grad() && s.sharded.params[i].param.grad().defined()) values["grad_held." + s.sharded.params[i].name] = "1";
   }
   for (const auto& [k, v] : fixed_settings(s.c)) values["config." + k] = v;
+  // Every other setting of the run, for a resume to compare its own with (run.cpp).
+  for (const auto& [k, v] : resolved_settings(s.c)) {
+    if (k.rfind("model.", 0) != 0) values["run." + k] = v;
+  }
   values["optimizer"] = to_string(s.c.optimizer);  // its state's kind
   return values;
 }
@@ -174,6 +178,9 @@ void check_same_model(const std::map<std::string, std::string>& values, const Tr
   then.model = model_from_settings(saved, "resume from " + dir + ": the checkpoint's config");
   const auto theirs = fixed_settings(then);
   for (const auto& [k, v] : fixed_settings(c)) {
+    // What steers the routing (an MoE's capacity, balancing) is not the model's shape: the
+    // run's resume decides on a change of it (run.cpp, check_resume_settings).
+    if (resume_rule(c, k) != ResumeRule::kFixed) continue;
     auto it = values.find("config." + k);
     auto parsed = std::find_if(theirs.begin(), theirs.end(), [&k = k](const auto& e) { return e.first == k; });
     HP_CHECK(it != values.end() && parsed != theirs.end() && parsed->second == v, "resume from ", dir, ": ", k, "=",

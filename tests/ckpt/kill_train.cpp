@@ -53,6 +53,7 @@ int main(int argc, char** argv) {
     const hp::train::Args args = hp::train::parse_args(static_cast<int>(rest.size()), rest.data());
     hp::CommPtr world = hp::init(hp::train::init_options(args));
     hp::train::RunInputs in = hp::train::prepare_run(args, world->size(), world->rank());
+    in.folders = hp::train::claim_folders(args, in.config, world->rank());
     hp::train::Trainer trainer(in.config, world, in.data, in.valid);
     auto o = hp::train::CheckpointManager::options_of(in.config);
     o.storage = std::make_shared<hp::test::FaultyStorage>(o.storage, fault);

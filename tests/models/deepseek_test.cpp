@@ -386,6 +386,31 @@ TEST(DeepSeek, CapacityKeepsEachExpertsBestSlotsAndDropsTheRest) {
   }
 }
 
+// A factor past experts / experts_per_token keeps every slot: at experts (the largest the
+// config takes) and far past it (3e17, which overflowed the capacity and dropped every slot),
+// nothing is dropped and the output is the run without a limit. Above experts the config
+// refuses the factor, naming it.
+TEST(DeepSeek, HugeCapacityFactorsKeepEverySlot) {
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  at::manual_seed(6);
+  hp::models::MoE moe(c);
+  moe->to(at::kDouble);
+  const at::Tensor x = at::randn({2, 5, c.dim}, at::kDouble);
+  const at::Tensor plain = moe->forward(x);
+  for (double f : {static_cast<double>(c.experts), 3e17, 1e300}) {
+    moe->c.capacity_factor = f;
+    const at::Tensor flat = x.reshape({-1, c.dim});
+    const at::Tensor scores = moe->gate->forward(flat).sigmoid();
+    auto [chosen, w] = moe->route_scores(scores);
+    EXPECT_TRUE(moe->capacity_keep(scores.gather(-1, chosen), chosen).all().item<bool>()) << f;
+    EXPECT_TRUE(at::equal(moe->forward(x), plain)) << f;
+  }
+  c.capacity_factor = static_cast<double>(c.experts);
+  EXPECT_NO_THROW(c.validate());
+  c.capacity_factor = 3e17;
+  hp::test::expect_error([&] { c.validate(); }, {"capacity_factor=3e+17", "above experts=8"});
+}
+
 // The published DeepSeek-V3 config.json (its values as released): refused while it has FP8
 // weights and yarn rotary scaling, each named; without those two it is the deepseek_v3
 // preset. A config written by hf_config reads back as the model that wrote it.

@@ -30,7 +30,7 @@ grep -q "unknown argument '--bogus'" "$work/out" || fail "unknown argument not n
 
 cfg=$src/configs/deepseek_tiny.yaml
 "$bin" --config "$cfg" --set nope=1 > "$work/out" 2>&1
-[ $? = 1 ] || fail "an unknown key did not exit 1"
+[ $? = 78 ] || fail "an unknown key did not exit 78 (a config error)"
 grep -q "unknown config key 'nope'" "$work/out" || fail "unknown key not named: $(cat "$work/out")"
 
 # device: cuda where this build or machine has no GPU: one clear error, exit 1.
@@ -283,7 +283,7 @@ if [ -n "$mpirun" ]; then
   [ ! -e "$work/exported" ] || fail "a failed export left its folder"
 fi
 printf '# nothing here\n' > "$work/empty.yaml"
-"$bin" --config "$work/empty.yaml" > "$work/out" 2>&1; [ $? = 1 ] || fail "an empty config did not exit 1"
+"$bin" --config "$work/empty.yaml" > "$work/out" 2>&1; [ $? = 78 ] || fail "an empty config did not exit 78"
 grep -q "holds no settings" "$work/out" || fail "empty config not named: $(cat "$work/out")"
 
 echo "PASS"

@@ -89,7 +89,8 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"", {"lr"}, 4, {"--set lr", "key=value"}},
       {"train_steps: ten\n", {}, 4, {"train_steps=ten", "integer"}},
       {"train_steps: 0\n", {}, 4, {"train_steps=0", ">= 1"}},
-      {"lr: -1\n", {}, 4, {"lr=-1", "> 0"}},
+      {"lr: -1\n", {}, 4, {"lr=-1", ">= 0"}},
+      {"optimizer: muon\nmuon_lr: -0.5\n", {}, 4, {"muon_lr=-0.5", ">= 0"}},
       {"adam_beta2: 1.0\n", {}, 4, {"adam_beta2=1.0", "[0, 1)"}},
       {"comm_fusion: maybe\n", {}, 4, {"comm_fusion=maybe", "true or false"}},
       {"recompute: sometimes\n", {}, 4, {"recompute=sometimes", "none, full, selective"}},
@@ -99,7 +100,11 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"model:\n  vocab: 1\n", {}, 4, {"model.vocab=1", ">= 2"}},
       {"apply_grad_on_fp32_main_grad: true\n", {}, 4, {"apply_grad_on_fp32_main_grad=true", "accumulate_allreduce_grads_in_fp32=true"}},
       // A combination broken by an override names the override, not only the file.
-      {"lr_warmup_steps: 5\n", {"train_steps=3"}, 4, {"with --set train_steps=3", "lr_warmup_steps=5"}},
+      {"min_lr: 0.5\n", {"lr=0.1"}, 4, {"with --set lr=0.1", "min_lr=0.5"}},
+      {"model: {}\n", {}, 4, {"the section 'model' is empty"}},
+      {"lr: 0.1\ndata: {}\n", {}, 4, {"the section 'data' is empty"}},
+      {"train_steps: [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]\n",
+       {}, 4, {"nested deeper than 64 levels"}},
       {"params_dtype: int8\n", {}, 4, {"params_dtype=int8", "bfloat16"}},
       {"lr_decay_style: step\n", {}, 4, {"lr_decay_style=step", "cosine"}},
       {"data_parallel_shard: 0\n", {}, 4, {"data_parallel_shard=0"}},
@@ -130,7 +135,6 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"global_batch_size: 8\nmicro_batch_num: 3\n", {}, 4, {"global_batch_size=8", "micro_batch_num (3)"}},
       {"seq_length: 300\n", {}, 4, {"seq_length=300", "model.max_seq=256"}},
       {"min_lr: 0.1\nlr: 0.01\n", {}, 4, {"min_lr=0.1", "lr=0.01"}},
-      {"lr_warmup_steps: 30\ntrain_steps: 10\n", {}, 4, {"lr_warmup_steps=30", "train_steps=10"}},
       {"data:\n  type: binary\n", {}, 4, {"data.type=binary", "data.path"}},
       {"data:\n  path: x.bin\n", {}, 4, {"data.path='x.bin'", "binary, text or megatron"}},
       {"data:\n  type: text\n  path: a.txt\nmodel:\n  vocab: 100\n", {}, 4, {"data.type=text", "model.vocab=100"}},
@@ -299,6 +303,37 @@ TEST(TrainSchedule, WarmupThenCosineOrLinear) {
   c.train_steps = 2;
   EXPECT_NEAR(ht::lr_at(c, 0), 0.1 + 0.9 * 0.5, 1e-12);  // two steps: halfway, then the end
   EXPECT_NEAR(ht::lr_at(c, 1), 0.1, 1e-12);
+}
+
+// What PyTorch's optimizers and torchtitan accept is accepted, with a word: lr 0 (its
+// schedule all zeros, Muon's peak still scheduled by the same warmup and decay) and a run
+// shorter than its warmup (the warmup cut to the run).
+TEST(TrainSchedule, LrZeroAndARunShorterThanItsWarmupAreAcceptedWithAWarning) {
+  ht::TrainConfig c = ht::parse_config("lr: 0\nmin_lr: 0\nlr_warmup_steps: 2\ntrain_steps: 6\noptimizer: muon\n"
+                                       "muon_lr: 0.02\nlr_decay_style: linear\n");
+  c.validate(4);
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("lr=0"), std::string::npos) << c.warnings[0];
+  EXPECT_NE(ht::describe(c).find("warning: lr=0"), std::string::npos) << ht::describe(c);
+  for (int64_t k = 0; k < 6; ++k) EXPECT_EQ(ht::lr_at(c, k), 0.0) << k;
+  EXPECT_DOUBLE_EQ(ht::muon_lr_at(c, 0), 0.01);          // warmup 1/2
+  EXPECT_DOUBLE_EQ(ht::muon_lr_at(c, 1), 0.02);          // the peak
+  EXPECT_NEAR(ht::muon_lr_at(c, 2), 0.02 * 0.75, 1e-15);  // linear decay 1/4 of the way to 0
+  EXPECT_NEAR(ht::muon_lr_at(c, 5), 0.0, 1e-15);
+  // With lr > 0 Muon's lr is lr's factor on muon_lr (the floor scaled too).
+  c.lr = 1.0;
+  c.min_lr = 0.2;
+  EXPECT_NEAR(ht::muon_lr_at(c, 2), 0.02 * (1.0 - 0.8 * 0.25), 1e-15);
+
+  ht::TrainConfig s = ht::parse_config("lr_warmup_steps: 5\n", {"train_steps=2"});
+  s.validate(4);
+  EXPECT_EQ(s.lr_warmup_steps, 2);
+  ASSERT_EQ(s.warnings.size(), 1u);
+  EXPECT_NE(s.warnings[0].find("lr_warmup_steps=5 exceeds train_steps=2"), std::string::npos) << s.warnings[0];
+  EXPECT_DOUBLE_EQ(ht::lr_at(s, 0), s.lr * 0.5);
+  EXPECT_DOUBLE_EQ(ht::lr_at(s, 1), s.lr);
+  s.validate(4);  // validated again: said once
+  EXPECT_EQ(s.warnings.size(), 1u);
 }
 
 // Clipping in one process against a hand-computed norm: grads (3, 4) and (12) have norm 13.

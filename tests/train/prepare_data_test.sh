@@ -148,6 +148,21 @@ echo '{"vocab_size": 100}' > "$work/small/config.json"
 expect_error "more than the model's vocab_size=100" --tokenizer "$work/small" --out "$work/out/bad" "$work/loose.txt"
 expect_error "no document went to validation" --tokenizer "$work/model" --out "$work/out/bad" --valid-fraction 0.01 "$work/loose.txt"
 expect_error "--eod 'nope' is not in the tokenizer's vocabulary" --tokenizer "$work/model" --eod nope --out "$work/out/bad" "$work/loose.txt"
+# Files that cannot be read or written: named, not a Python traceback (there was one).
+expect_error "prepare_data: error: $work/loose.txt: File exists" --tokenizer "$work/model" --out "$work/loose.txt/x" "$work/loose.txt"
+grep -q Traceback "$work/err" && fail "a traceback: $(cat "$work/err")"
+mkdir -p "$work/unreadable.txt"
+expect_error "input directory '$work/unreadable.txt' holds no files" --tokenizer "$work/model" --out "$work/out/bad" "$work/unreadable.txt"
+# Empty documents (an empty file, an empty text field) are skipped and counted (each became a
+# document of the end-of-document token alone).
+: > "$work/empty.txt"
+printf '{"text": ""}\n{"text": "one short document here."}\n' > "$work/some_empty.jsonl"
+bash "$prep" --tokenizer "$work/model" --out "$work/out/empties" --valid-fraction 0 "$work/empty.txt" "$work/some_empty.jsonl" \
+  "$work/loose.txt" > "$work/log" 2>&1 || fail "empty documents: $(cat "$work/log")"
+grep -q "prepare_data: 2 training documents .*; 2 empty document(s) skipped" "$work/log" || fail "empties: $(cat "$work/log")"
+"$py" -c "import json, sys; m = json.load(open(sys.argv[1])); sys.exit(0 if m['documents']['train'] == 2 and m['empty_documents_skipped'] == 2 else 1)" \
+  "$work/out/empties.json" || fail "the sidecar: $(cat "$work/out/empties.json")"
+expect_error "the inputs hold no documents (1 empty)" --tokenizer "$work/model" --out "$work/out/bad" "$work/empty.txt"
 [ "$(cat "$work"/out/corpus.* | md5sum)" = "$sum_before" ] || fail "a refused run changed the earlier outputs"
 [ ! -e "$work/out/bad.json" ] || fail "a refused run left a sidecar"
 

@@ -62,6 +62,26 @@ kill $parent 2> /dev/null; wait $parent 2> /dev/null
 [ $rc = 0 ] || fail "an exited holder's lock refused the run (exit $rc): $(cat "$work/z")"
 grep -q "took over the stale lock '$out/hp-train.lock' of pid $zombie" "$work/z" || fail "exited holder: $(cat "$work/z")"
 [ ! -e "$out/hp-train.lock" ] || fail "the run after an exited holder left its lock"
+# A lock naming a live process that is not its holder: the pid was given to another process
+# (its start time is not the lock's), or the lock was written before a reboot (another boot
+# id). The holder is gone: taken over (it was "in use by another run"). The same pid with
+# its own start time is in use.
+sleep 60 & other=$!
+printf 'host %s\npid %s\nsince 2026-01-01T00:00:00Z\nstart 1\n' "$(hostname)" $other > "$out/hp-train.lock"
+"$bin" "${args[@]}" --resume > "$work/reused" 2>&1; rc=$?
+[ $rc = 0 ] && grep -q "took over the stale lock '$out/hp-train.lock' of pid $other" "$work/reused" ||
+  fail "a reused pid's lock (exit $rc): $(cat "$work/reused")"
+start=$(awk '{ sub(/.*\) /, ""); print $20 }' "/proc/$other/stat")
+printf 'host %s\npid %s\nsince 2026-01-01T00:00:00Z\nstart %s\nboot 00000000-0000-0000-0000-000000000000\n' \
+  "$(hostname)" $other "$start" > "$out/hp-train.lock"
+"$bin" "${args[@]}" --resume > "$work/reboot" 2>&1; rc=$?
+[ $rc = 0 ] && grep -q "took over the stale lock" "$work/reboot" || fail "a lock from another boot (exit $rc): $(cat "$work/reboot")"
+printf 'host %s\npid %s\nsince 2026-01-01T00:00:00Z\nstart %s\nboot %s\n' "$(hostname)" $other "$start" \
+  "$(cat /proc/sys/kernel/random/boot_id)" > "$out/hp-train.lock"
+"$bin" "${args[@]}" --resume > "$work/live" 2>&1; rc=$?
+kill $other 2> /dev/null; wait $other 2> /dev/null
+rm -f "$out/hp-train.lock"
+[ $rc = 1 ] && grep -q "is in use by another run: pid $other" "$work/live" || fail "a live holder with its start (exit $rc): $(cat "$work/live")"
 # A lock that is not a regular file (a FIFO would block a reader): refused, naming it.
 mkfifo "$out/hp-train.lock"
 timeout 60 "$bin" "${args[@]}" --resume > "$work/fifo" 2>&1; rc=$?
@@ -104,7 +124,7 @@ grep -q '<svg' "$out/loss.svg" || fail "no loss.svg after resuming"
 # 2. Resuming a finished run changes nothing and says so.
 before=$(state)
 "$bin" "${args[@]}" --resume > "$work/e" 2>&1 || fail "--resume of a finished run failed: $(cat "$work/e")"
-grep -q "nothing to train: .*no file was changed" "$work/e" || fail "a finished run's resume said: $(cat "$work/e")"
+grep -q "nothing to train: .*no checkpoint was changed" "$work/e" || fail "a finished run's resume said: $(cat "$work/e")"
 [ "$(state)" = "$before" ] || fail "resuming a finished run changed files"
 
 # 1. --overwrite starts over: the earlier checkpoints go, the new run's take their place.

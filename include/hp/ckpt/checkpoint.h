@@ -64,6 +64,15 @@ std::string committed_dir(const std::string& dir);
 // The tensors of the committed checkpoint `dir`, by name (its metadata alone).
 std::map<std::string, SavedTensor> saved_tensors(const std::string& dir);
 
+// The format of the committed checkpoint `dir`: 2 (its metadata and data files carry
+// checksums, checked on load), or 1 (written before checksums: loaded unchecked).
+int format_version(const std::string& dir);
+// Rewrites a format-1 checkpoint's metadata.json as format 2, atomically: the data files'
+// checksums taken from the files as they are now (damage done before cannot be found; from
+// now on it is), and the document's own. Returns what it did ("already format 2" too).
+// Raises naming the folder for anything else than a committed checkpoint of format 1 or 2.
+std::string upgrade(const std::string& dir, Storage& storage = *local_storage());
+
 // Each item's tensor on the host, as save() takes it: a device tensor copied to the host, a
 // host one cloned when `copy` (so that later changes to the live tensor do not reach it) or
 // left as it is.

@@ -129,6 +129,16 @@ struct AttentionWidths {
 // The value of one model field, as its key's kind says.
 using ModelValue = std::variant<int64_t, double, bool>;
 
+// What resuming a checkpoint may do with a change of a setting (the checkpoint records every
+// setting of its run):
+//   kFree        how the run is laid out, timed, reported or stored (parallel degrees,
+//                recompute, attention tiles, intervals, folders): changes, said in a line;
+//   kTrajectory  what the run computes (seed, batch, data, schedule, optimizer, an MoE's
+//                capacity or balancing): refused unless the resume names it as allowed
+//                (hp-train --resume-changes);
+//   kFixed       the model's shape and function: never (its weights are of that model).
+enum class ResumeRule { kFree, kTrajectory, kFixed };
+
 // One field of a family's config that hp-train's model.<name> key sets.
 struct ModelKey {
   enum class Kind { kInt, kFloat, kBool, kChoice };
@@ -141,7 +151,14 @@ struct ModelKey {
   std::function<void(class ModelArgs&, const ModelValue&)> set;
   std::function<ModelValue(const class ModelArgs&)> get;
   std::vector<std::string> choices;  // kChoice: the names accepted; the value is the index
+  ResumeRule resume = ResumeRule::kFixed;
 };
+
+// `k` with resume rule `r` (for ModelFamily::keys()).
+inline ModelKey on_resume(ModelKey k, ResumeRule r) {
+  k.resume = r;
+  return k;
+}
 
 // One configured model of a family: sizes and arithmetic from the config alone (nothing
 // allocated), and the factory.
@@ -257,8 +274,10 @@ std::vector<const ModelFamily*> model_families();
 void register_model_family(std::shared_ptr<const ModelFamily> family);
 // The family a config without model.type trains.
 const ModelFamily& default_model_family();
+// Raises (`where` first) naming the first int or float field of `a` outside its key's range.
+void check_key_ranges(const ModelArgs& a, const std::string& where);
 // The model a Hugging Face config.json describes, by its model_type; raises naming the
-// model_types the registered families read for another.
+// model_types the registered families read for another, and a value outside its key's range.
 std::unique_ptr<ModelArgs> model_from_hf_config(const std::string& text, const std::string& path);
 
 // A family's args holding its config struct `Config`: the common part of every family.

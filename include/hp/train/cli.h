@@ -18,10 +18,14 @@ struct Args {
   std::string config;
   std::vector<std::string> overrides;
   bool verify = false, list_keys = false, help = false, estimate = false;
+  bool strict = false;  // a collapsed model is an error, not a warning
   bool resume = false;
   std::string resume_dir;  // empty: save_dir's latest
   bool overwrite = false;  // --overwrite: delete an earlier run's checkpoints in save_dir
   bool auto_resume = false;  // --auto-resume: save_dir's latest when there is one, else start
+  // --resume-changes k1,k2: settings a resume may change although they change the run's
+  // course (lr, train_steps, ...; ResumeRule::kTrajectory); each a config key.
+  std::vector<std::string> resume_changes;
   int world = 0;  // --world: the rank count --estimate and --plan assume (0 = this run's)
   // --plan [--ranks-per-node K] [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]
   bool plan = false, plan_json = false;
@@ -31,6 +35,7 @@ struct Args {
   int64_t memory_per_rank = 0;
   // --export-hf CKPT OUT [--dtype D] [--max-shard-size N]
   std::string export_ckpt, export_out;
+  std::string upgrade_ckpt;  // --upgrade-checkpoint DIR: a format-1 checkpoint rewritten as format 2
   c10::optional<at::ScalarType> export_dtype;  // --dtype; unset: the parameters'
   int64_t max_shard_bytes = 0;  // 0: the default
 };

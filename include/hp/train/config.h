@@ -213,6 +213,8 @@ struct TrainConfig {
   // Where the config came from (for messages), and the keys it set.
   std::string source;
   std::set<std::string> given;
+  // What validate() accepted with a word (describe() prints each as "warning: ...").
+  std::vector<std::string> warnings;
 
   // Checks the combinations against `world_size` and resolves data_parallel_shard = -1.
   // Raises hp::Error naming the key; "not supported yet" for capabilities not built.
@@ -260,8 +262,16 @@ std::string describe(const TrainConfig& c);
 // Every key's value, as (key, text that parses back to it), in the key table's order (the
 // model's keys those of its family): the ranks of one run compare these before training (a
 // run started with a different config on some ranks would train differently or hang), and
-// a checkpoint keeps the model's.
+// a checkpoint keeps them all.
 std::vector<std::pair<std::string, std::string>> resolved_settings(const TrainConfig& c);
+
+using models::ResumeRule;
+// What a resume may do with a change of `key` (one of resolved_settings'), from the key
+// table (or, for model.<field>, the family's key); raises for an unknown key.
+ResumeRule resume_rule(const TrainConfig& c, const std::string& key);
+// Whether `key` is derived from another key (muon_lr from lr) and was not set: its value
+// follows that key's, which is compared in its place.
+bool follows_another_key(const TrainConfig& c, const std::string& key);
 
 // "" when every rank of `world` holds the same `mine` (resolved_settings, or
 // command_line_settings): mpirun's ':' form can start ranks with different configs, --set

@@ -6,21 +6,25 @@
 // The first asks for a stop: Trainer::train (through TrainCallbacks::stop_requested) agrees
 // with every rank after the step in flight, whichever rank received it, saves a checkpoint
 // synchronously and returns; hp-train then exits with kPreemptedExit on every rank. A
-// second signal ends the process at once with status 128 + its number: a save in progress
-// then never commits, and `latest` still names the previous checkpoint.
+// second signal within the grace (kStopGraceS) is the same notice again (a scheduler that
+// signals the ranks and the launcher together, which passes it on) and changes nothing; one
+// after it ends the process at once with status 128 + its number: a save in progress then
+// never commits, and `latest` still names the previous checkpoint.
 #pragma once
 
 #include <string>
 
+#include "hp/train/exit_status.h"  // kPreemptedExit
+
 namespace hp::train {
 
-// The exit status of a run that stopped on a signal and saved: EX_TEMPFAIL ("try again
-// later"), which scripts/launch.sh passes on without counting it as a failure.
-constexpr int kPreemptedExit = 75;
+// Seconds after the first stop signal in which another is the same notice.
+constexpr double kStopGraceS = 5.0;
 
 class PreemptionSignals {
  public:
-  PreemptionSignals();   // installs the handlers; one object at a time
+  // Installs the handlers; one object at a time. `grace_s` in [0, 3600].
+  explicit PreemptionSignals(double grace_s = kStopGraceS);
   ~PreemptionSignals();  // restores the handlers it replaced
   PreemptionSignals(const PreemptionSignals&) = delete;
   PreemptionSignals& operator=(const PreemptionSignals&) = delete;

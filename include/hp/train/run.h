@@ -1,13 +1,14 @@
 // A training run as hp-train makes one, in parts a program calls in order (apps/hp_train.cpp
 // is their one caller; docs/train.md says what each prints and writes):
 //
-//   RunInputs in = prepare_run(args, world_size, rank);      // config, data, folders: checked
+//   RunInputs in = prepare_run(args, world_size, rank);      // config and data: checked
+//   in.folders = claim_folders(args, in.config, rank);        // made, probed and locked
 //   ReferenceLosses ref = train_reference(in.config, ...);   // --verify, on one rank
 //   Trainer trainer(in.config, world, in.data, in.valid);
 //   Resumed from = resume(trainer, in.config, dir);          // --resume / --auto-resume
 //   RunReport report(in.config, world->size(), lead, &ref, say);
 //   report.open_metrics(...);  trainer.train(&checkpoints, report.callbacks(...));
-//   report.finished(summary)   or report.stopped(summary, step)
+//   return report.ended(summary, trainer.steps_done());     // finished, or stopped (75)
 //
 // Each raises hp::Error naming what is wrong; the program makes every rank agree on the
 // outcome (comm/agree.h) before going on, so no rank is left waiting.
@@ -32,16 +33,20 @@ namespace hp::train {
 
 // What a run needs before anything trains, every check made: the config (loaded, --set
 // applied, validated for `world_size` ranks), this rank's memory estimate and, unless
-// --estimate, the device, the fit on this node, the training and validation data (their
-// files checked) and the run's folders (made, probed and locked; an earlier run's
-// checkpoints refused unless --resume, --auto-resume or --overwrite).
+// --estimate, the device, the fit on this node and the training and validation data (their
+// files checked). A failure here is the command's: running it again cannot succeed
+// (hp-train exits kConfigExit).
 struct RunInputs {
   TrainConfig config;
   RankMemory memory;
   std::shared_ptr<const TokenDataset> data, valid;  // null under --estimate; valid: eval_interval > 0
-  std::unique_ptr<RunFolders> folders;              // null under --estimate
+  std::unique_ptr<RunFolders> folders;              // claim_folders' (null under --estimate)
 };
 RunInputs prepare_run(const Args& args, int world_size, int rank);
+// The run's folders, made, probed and locked (an earlier run's checkpoints refused unless
+// --resume, --auto-resume or --overwrite). Apart from prepare_run: a folder still locked by
+// a job that is ending is a failure a later launch gets past.
+std::unique_ptr<RunFolders> claim_folders(const Args& args, const TrainConfig& c, int rank);
 
 // --verify: the same config trained in this process on the global batch (all of this
 // machine's cores), step by step.
@@ -59,6 +64,16 @@ ReferenceLosses train_reference(const TrainConfig& c, std::shared_ptr<const Toke
 // The checkpoint a resumed run continues from: `dir` (--resume DIR), or save_dir's latest
 // when `dir` is empty; loaded into `trainer`. Raises when there is none, or when it is past
 // train_steps.
+// The settings of the checkpoint a resume continues from (`dir`, as resume() resolves it)
+// against this run's `c`: every change listed, one line each, as the lines to print.
+// Changes of layout, timing, reporting and folders (ResumeRule::kFree) pass; changes of the
+// run's course (kTrajectory: seed, batch, data, schedule, optimizer, ...) pass only when
+// `allowed` names their key (--resume-changes), else raise listing each with the way on; a
+// setting the checkpoint did not record (one written before settings were) is taken as
+// given, and said. The model's shape is Trainer::load's to refuse.
+std::vector<std::string> check_resume_settings(const TrainConfig& c, const std::string& dir,
+                                               const std::vector<std::string>& allowed);
+
 struct Resumed {
   std::string dir;      // the checkpoint's own folder, resolved
   ResumeReport report;  // what changed kind in the optimizer's state
@@ -77,6 +92,9 @@ class RunReport {
  public:
   RunReport(const TrainConfig& c, int world_size, bool lead, const ReferenceLosses* reference,
             std::function<void(const std::string&)> say);
+  // A collapsed model (collapsed()): with `strict`, on_step raises TrainingDiverged (every
+  // rank alike: the figures are agreed); without, the lead rank warns once.
+  void set_strict(bool strict) { strict_ = strict; }
   // Opens metrics.jsonl (lead rank, output_dir set; a previous run's loss.svg removed). A
   // run resumed after `resumed_step` steps (-1: a new run) keeps the earlier run's lines up
   // to there and records the resume from `from` with its `cause`, saying how many steps the
@@ -90,6 +108,15 @@ class RunReport {
   // A finished run: the summary line, --verify's comparisons, and the metrics' summary and
   // the loss curve written (with the earlier run's steps, where a resumed run kept them).
   void finished(const TrainSummary& s);
+  // The end of Trainer::train after `steps_done` steps, and the exit status: stopped by a
+  // signal before train_steps, stopped() and kPreemptedExit; otherwise finished() and 0 (a
+  // stop signal in the last step stops nothing: the run is complete, and is reported so).
+  int ended(const TrainSummary& s, int64_t steps_done);
+  // A run resumed at train_steps (nothing to train) whose earlier run ended before its report
+  // did (stopped in its last step by an older version, or killed while writing it): its
+  // metrics.jsonl, summary and loss.svg written from the lines it left. Returns whether there
+  // was one to finish.
+  bool finish_earlier();
 
  private:
   const TrainConfig& c_;
@@ -102,6 +129,12 @@ class RunReport {
   double total_s_ = 0;
   double last_valid_;
   std::vector<std::pair<int64_t, double>> valid_curve_;
+  bool strict_ = false, warned_collapse_ = false;
 };
+
+// Whether a step's figures say the model has collapsed: a gradient norm of exactly 0 (no
+// weight can change again) at the loss of predicting every token alike, ln(vocab) (within
+// 1e-3 of it, relative). What lr 1e3 without clipping leads to, silently, with a finite loss.
+bool collapsed(const StepStats& st, int64_t vocab);
 
 }  // namespace hp::train

@@ -40,6 +40,9 @@ c10::Device training_device(Device d);
 // k < W = lr_warmup_steps, then lr_decay_style from lr to min_lr over the remaining
 // steps, progress (k - W + 1) / (train_steps - W): the last step uses min_lr.
 double lr_at(const TrainConfig& c, int64_t step);
+// Muon's: muon_lr scaled by lr_at's factor on lr (with lr 0: the same warmup and decay from
+// muon_lr down to 0).
+double muon_lr_at(const TrainConfig& c, int64_t step);
 
 // Whether the validation set is evaluated after step `step` (1-based): every eval_interval
 // steps and after the last, with eval_interval > 0.
@@ -64,6 +67,9 @@ class TrainingDiverged : public Error {
  public:
   using Error::Error;
 };
+// What to try after a divergence, as the config stands: "(try a lower lr than 0.1;
+// clip_grad is 1)", or "(try a lower lr than 0.1, or clip_grad > 0)" without clipping.
+std::string diverged_hint(const TrainConfig& c);
 
 struct StepStats {
   int64_t step = 0;           // 1-based
@@ -193,7 +199,9 @@ class Trainer : public ckpt::Checkpointable {
   // evaluate() every eval_interval steps and after the last, then on_eval; a save through
   // `checkpoints` (when given) after each step it says is due, then on_save; at the end a
   // background save is waited for. Every rank raises alike: TrainingDiverged for a loss or
-  // norm that is not finite, hp::Error for a save that failed on any rank.
+  // norm that is not finite, or for weights that are not when a save is due (nothing is
+  // saved: `latest` stays the last good checkpoint), hp::Error for a save that failed on
+  // any rank.
   TrainSummary train(CheckpointManager* checkpoints = nullptr, const TrainCallbacks& callbacks = {});
   int64_t steps_done() const override;
   // This rank's sharded parameters and what the optimizer steps them with.
@@ -248,6 +256,10 @@ class Trainer : public ckpt::Checkpointable {
   // TrainCallbacks::stop_requested agreed over the world: true when any rank's `mine` is
   // non-zero, filling out's stopped_by and stop_rank. Collective.
   bool stop_agreed(int mine, TrainSummary* out) const;
+  // Raises TrainingDiverged on every rank when any rank's weights hold a value that is not
+  // finite after step `step` (a step whose loss and norm were finite can still overflow
+  // them): such a state is never saved. Collective over the world.
+  void require_finite_weights(int64_t step) const;
 
   std::unique_ptr<Impl> impl_;
 };

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# scripts/launch.sh's decisions, with stand-in jobs (small bash scripts) in place of hp-train
+# so that each outcome is exact and fast: what it relaunches and what it does not, what it
+# says after a stop signal, the same notice twice, a signal during its back-off, and bounds
+# on its options. The relaunch of a real hp-train job is launcher_fault_test's and
+# restart_test's.
+# Usage: launcher_test.sh <source dir>
+set -uo pipefail
+src=$1
+launch=$src/scripts/launch.sh
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+# A job that counts its launches in $work/n and exits with status $1 (the launcher appends
+# --auto-resume, which it ignores).
+cat > "$work/exits.sh" <<'JOB'
+#!/usr/bin/env bash
+echo x >> "$WORK/n"
+exit "$1"
+JOB
+export WORK=$work
+
+# 1. Statuses no launch gets past: run once, the status passed on, the reason said.
+for st in 2 3 78 127; do
+  rm -f "$work/n"
+  bash "$launch" --max-restarts 3 --backoff 0 -- bash "$work/exits.sh" $st > "$work/out" 2>&1; rc=$?
+  [ $rc = $st ] || fail "status $st: the launcher exited $rc: $(cat "$work/out")"
+  [ "$(wc -l < "$work/n")" = 1 ] || fail "status $st was relaunched ($(wc -l < "$work/n") launches): $(cat "$work/out")"
+  grep -q "exit status $st: .*; not relaunched" "$work/out" || fail "status $st: no reason given: $(cat "$work/out")"
+done
+bash "$launch" --max-restarts 3 --backoff 0 -- "$work/no_such_program" > "$work/out" 2>&1; rc=$?
+[ $rc = 127 ] && grep -q "the command could not be run" "$work/out" || fail "a missing program: exit $rc: $(cat "$work/out")"
+# ... and one it does: relaunched to the limit.
+rm -f "$work/n"
+bash "$launch" --max-restarts 2 --backoff 0 -- bash "$work/exits.sh" 1 > "$work/out" 2>&1; rc=$?
+[ $rc = 1 ] && [ "$(wc -l < "$work/n")" = 3 ] || fail "a failure: exit $rc after $(wc -l < "$work/n") launches"
+
+# 2. Option bounds: an overflowing --max-restarts (bash's arithmetic wrapped it negative:
+# relaunched forever) and others are refused, exit 2.
+for bad in "--max-restarts 99999999999999999999" "--max-restarts 100001" "--backoff 1e9" "--stop-grace -1"; do
+  # shellcheck disable=SC2086  # $bad is a list of words on purpose
+  timeout 10 bash "$launch" $bad -- true > "$work/out" 2>&1; rc=$?
+  [ $rc = 2 ] && grep -q "launch.sh: ${bad%% *} " "$work/out" || fail "$bad: exit $rc: $(cat "$work/out")"
+done
+
+# A job that waits for a stop signal ($1: what it does on SIGUSR1: "save" exits 75 after a
+# second, counting the signals it got in $work/usr1; "fail" exits 1, as a stop save on a full
+# disk does; "none": no handler, SIGUSR1 kills it). It writes $work/ready when it listens.
+cat > "$work/waits.sh" <<'JOB'
+#!/usr/bin/env bash
+case $1 in
+  save) trap 'echo x >> "$WORK/usr1"; [ -e "$WORK/saving" ] || { touch "$WORK/saving"; (sleep 1; touch "$WORK/saved") & }' USR1 ;;
+  fail) trap 'exit 1' USR1 ;;
+esac
+touch "$WORK/ready"
+for _ in $(seq 300); do [ -e "$WORK/saved" ] && exit 75; sleep 0.1; done
+exit 9
+JOB
+start_waiting() {  # start_waiting MODE [launcher options...]: the launcher in the background
+  local mode=$1; shift
+  rm -f "$work/ready" "$work/usr1" "$work/saving" "$work/saved"
+  bash "$launch" "$@" -- bash "$work/waits.sh" "$mode" > "$work/out" 2>&1 & launcher=$!
+  for _ in $(seq 100); do [ -e "$work/ready" ] && return; sleep 0.05; done
+  fail "the job did not start: $(cat "$work/out")"
+}
+
+# 3. A stop signal, and the same notice again at once (a scheduler signalling twice): one
+# SIGUSR1 reaches the job, whose save finishes; 75, "saved".
+start_waiting save --backoff 0
+kill -TERM $launcher; sleep 0.2; kill -TERM $launcher
+wait $launcher; rc=$?
+[ $rc = 75 ] || fail "two stop signals: exit $rc: $(cat "$work/out")"
+[ "$(wc -l < "$work/usr1")" = 1 ] || fail "the job got $(wc -l < "$work/usr1") SIGUSR1s (the second cancelled its save)"
+grep -q "the same notice; the job's save goes on" "$work/out" && grep -q "and saved (exit status 75)" "$work/out" ||
+  fail "two stop signals not told: $(cat "$work/out")"
+
+# 4. A stop signal whose save failed (exit 1): reported as the job's failure, not "saved",
+# and not relaunched.
+start_waiting fail --backoff 0
+kill -TERM $launcher; wait $launcher; rc=$?
+[ $rc = 1 ] || fail "a failed stop save: exit $rc: $(cat "$work/out")"
+grep -q "saved" "$work/out" && ! grep -q "without saving" "$work/out" && fail "a failed stop save reported as saved: $(cat "$work/out")"
+grep -q "ended with exit status 1 without saving on the signal" "$work/out" || fail "a failed stop save: $(cat "$work/out")"
+
+# 5. A stop signal before the job listens for it (before hp-train's first step): SIGUSR1
+# ends it; the launcher says so and exits with its status (138), not 75.
+start_waiting none --backoff 0
+kill -TERM $launcher; wait $launcher; rc=$?
+[ $rc = 138 ] || fail "a job killed by the passed-on signal: exit $rc: $(cat "$work/out")"
+grep -q "exit status 138 (a process killed by SIGUSR1) without saving" "$work/out" || fail "not told: $(cat "$work/out")"
+
+# 6. A stop signal during the back-off before a relaunch: the launcher ends at once (it slept
+# through it before), nothing relaunched.
+rm -f "$work/n"
+bash "$launch" --max-restarts 3 --backoff 60 -- bash "$work/exits.sh" 1 > "$work/out" 2>&1 & launcher=$!
+for _ in $(seq 100); do grep -q "from the last committed checkpoint in 60 s" "$work/out" && break; sleep 0.05; done
+t0=$(date +%s)
+kill -TERM $launcher; wait $launcher; rc=$?
+[ $rc = 75 ] && [ $(( $(date +%s) - t0 )) -le 5 ] || fail "a stop during the back-off: exit $rc after $(( $(date +%s) - t0 )) s"
+[ "$(wc -l < "$work/n")" = 1 ] || fail "relaunched after a stop signal"
+grep -q "while waiting to relaunch" "$work/out" || fail "not told: $(cat "$work/out")"
+echo "launcher_test: all checks passed"
