@@ -116,7 +116,10 @@ int run(const Args& args, const hp::CommPtr& world) {
       settings_mismatch(world, resolved_settings(c), "configs", "every rank must run the same config and --set values");
   if (!all_ok(world, mismatch.empty(), mismatch)) return kConfigExit;
   const char* omp = std::getenv("OMP_WAIT_POLICY");
-  say("hp-train: " + args.config + " on " + std::to_string(world->size()) + " rank(s), backend " + world->backend() +
+  // Ranks per node as the launcher placed them (MPI's shared-memory split): the node boundary
+  // the communicator's timeouts and the inter-node link are reckoned by.
+  say("hp-train: " + args.config + " on " + std::to_string(world->size()) + " rank(s), " +
+      std::to_string(hp::local_world_size()) + " per node, backend " + world->backend() +
       ", " + std::to_string(at::get_num_threads()) + " compute thread(s) per rank (OMP_WAIT_POLICY=" +
       (omp ? omp : "") + ")");
   say(describe(c));

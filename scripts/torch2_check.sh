@@ -72,7 +72,7 @@ if [ "${1:-}" = --build-all ]; then
 elif [ $# -eq 0 ]; then
   default_tier=1
   set -- -LE 'gpu|dist_timing|fuzz' \
-    -E '\.np[348]|^comm_test\.np2$|^fault_matrix_test$|^launcher_fault_test$|^launcher_test$|^hostile_inputs_test$|^restart_test$|^ckpt_kill_test$|^run_folders_test$|^cmake_package_test$|^hp_train_cli_test$|^hp_train_seed_config_test$|^llama_example_test$|^hf_deepseek_test$|^hf_llama_rope_test$|^hf_llama_variants_test$|^(comm_failure|deepseek_fsdp|deepseek_tp|deferred_init|fully_shard_composable|fully_shard_controls|fully_shard_errors|fully_shard_overlap|llama_fsdp|llama_tp|mesh|pp|tp|tp_checkpoint|simulated_network|ckpt|cp|ep|muon_dist|muon_trainer)_test\.np2(_overlap_off)?$|^train_test\.np2_overlap_off$'
+    -E '\.np[348]|^comm_test\.np2$|^fault_matrix_test$|^launcher_fault_test$|^launcher_test$|^hostile_inputs_test$|^two_nodes_test$|^restart_test$|^ckpt_kill_test$|^run_folders_test$|^cmake_package_test$|^hp_train_cli_test$|^hp_train_seed_config_test$|^llama_example_test$|^hf_deepseek_test$|^hf_llama_rope_test$|^hf_llama_variants_test$|^(comm_failure|deepseek_fsdp|deepseek_tp|deferred_init|fully_shard_composable|fully_shard_controls|fully_shard_errors|fully_shard_overlap|llama_fsdp|llama_tp|mesh|pp|tp|tp_checkpoint|simulated_network|ckpt|cp|ep|muon_dist|muon_trainer)_test\.np2(_overlap_off)?$|^train_test\.np2_overlap_off$'
 fi
 targets=()
 if [ "$default_tier" -eq 1 ]; then
