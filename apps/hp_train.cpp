@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <string>
 
@@ -269,8 +270,14 @@ int main(int argc, char** argv) {
     return rc;
   } catch (const std::exception& e) {
     // A failure after the agreed checks may leave other ranks inside a collective: exit at
-    // once (mpirun then stops them) rather than finalize and wait.
+    // once (mpirun then stops them) rather than finalize and wait. Under scripts/launch.sh the
+    // failure is also left as a marker: where mpirun cannot stop the others (a partition),
+    // the launcher ends the job.
     std::cerr << "hp-train: error (rank " << world->rank() << "): " << e.what() << std::endl;
+    const std::string markers = hp::env::get_string("HP_FAILURE_MARKERS");
+    if (!markers.empty()) {
+      std::ofstream(markers + "/rank" + std::to_string(world->rank())) << "exit status 1: " << e.what() << "\n";
+    }
     std::fflush(nullptr);
     std::_Exit(1);
   }

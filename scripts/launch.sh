@@ -10,6 +10,8 @@
 #                      at most 300)
 #   --stop-grace S     seconds after a stop signal in which another is the same notice
 #                      (default 60; below)
+#   --rank-grace S     seconds the job may go on after one of its ranks failed (default 30):
+#                      then the script ends it (below)
 #
 # Every launch runs COMMAND --auto-resume: from save_dir's newest checkpoint when there is
 # one (after a failure, or when SLURM requeues the job), else from the start. The config
@@ -30,13 +32,20 @@
 # signal the job is not relaunched, whatever its status: the script reports that status
 # (75 only when the job saved).
 #
+# A rank that fails with an error leaves a marker (HP_FAILURE_MARKERS, a folder the script
+# makes for each launch) before it exits. mpirun then ends the others, unless it cannot reach
+# them (a partition between nodes: it waits for the far node's daemon forever). So once a
+# marker is there and the job has not ended --rank-grace seconds later, the script ends it
+# (SIGTERM, then SIGKILL after 5 s) and treats it as that failure: relaunched from the last
+# committed checkpoint after the back-off.
+#
 # Why a script around mpirun or srun rather than an option of hp-train: hp-train runs as
 # one process per rank inside the MPI job, and MPI cannot replace a dead rank, so a
 # failure ends the whole job; only what started it can start it again. The script works
 # the same under mpirun, srun and SLURM's --requeue.
 set -uo pipefail
 
-max_restarts=3 backoff=10 grace=60
+max_restarts=3 backoff=10 grace=60 rank_grace=30
 while [ $# -gt 0 ]; do
   case $1 in
     --max-restarts)
@@ -50,6 +59,9 @@ while [ $# -gt 0 ]; do
     --stop-grace)
       [[ ${2:-} =~ ^[0-9]{1,5}$ ]] || { echo "launch.sh: --stop-grace '${2:-}': expected whole seconds (below 100000)" >&2; exit 2; }
       grace=$((10#$2)); shift 2 ;;
+    --rank-grace)
+      [[ ${2:-} =~ ^[0-9]{1,5}$ ]] || { echo "launch.sh: --rank-grace '${2:-}': expected whole seconds (below 100000)" >&2; exit 2; }
+      rank_grace=$((10#$2)); shift 2 ;;
     --) shift; break ;;
     -*) echo "launch.sh: unknown option '$1' (the job's command goes after --)" >&2; exit 2 ;;
     *) break ;;
@@ -98,15 +110,34 @@ trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 trap 'forward INT' INT
 
+markers=$(mktemp -d "${TMPDIR:-/tmp}/hp-launch-markers.XXXXXX") || { say "cannot make a folder for the ranks' failure markers"; exit 1; }
+trap 'rm -rf "$markers"' EXIT
+export HP_FAILURE_MARKERS=$markers
 restarts=0 statuses=() wait_s=$backoff
 while :; do
+  rm -f "$markers"/rank*
   "$@" --auto-resume &
   child=$!
-  # wait returns early when a trapped signal arrives: wait again until the job has ended.
-  while :; do
-    wait "$child"; rc=$?
-    kill -0 "$child" 2> /dev/null || break
+  # Polled (a trapped signal is handled between polls): the job's end, or a rank's failure
+  # marker that the job outlives by --rank-grace seconds.
+  failed_at="" ended_here=""
+  while kill -0 "$child" 2> /dev/null; do
+    if [ -z "$failed_at" ] && first=$(ls "$markers" 2> /dev/null | head -1) && [ -n "$first" ]; then
+      failed_at=$SECONDS
+      say "$first failed ($(head -c 300 "$markers/$first")); the job ends it, or this script does in ${rank_grace} s"
+    fi
+    if [ -n "$failed_at" ] && [ $((SECONDS - failed_at)) -ge "$rank_grace" ]; then
+      say "the job outlived its failed rank by ${rank_grace} s (its launcher cannot reach every rank?): ending it"
+      kill -TERM "$child" 2> /dev/null
+      for _ in $(seq 50); do kill -0 "$child" 2> /dev/null || break; sleep 0.1; done
+      kill -KILL "$child" 2> /dev/null
+      ended_here=1
+      break
+    fi
+    sleep 0.2
   done
+  wait "$child"; rc=$?
+  [ -z "$ended_here" ] || rc=1  # the failed rank's status, not the one the kill gave
   child=""
   if [ $rc = 0 ]; then
     [ $restarts = 0 ] || say "the run finished after $restarts restart(s): ${statuses[*]}"

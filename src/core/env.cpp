@@ -39,6 +39,10 @@ const std::vector<Knob>& knobs() {
       {"HP_NCCL_STORE", "",
        "nccl backend without MPI and more than one rank: a fresh directory all ranks see, through "
        "which rank 0 hands out the NCCL unique id"},
+      {"HP_FAILURE_MARKERS", "",
+       "Set by scripts/launch.sh: a folder where a rank that fails with an error leaves a file "
+       "(rank<R>: its error) before it exits, so that the launcher can end a job whose launcher "
+       "process cannot (mpirun across a partition); empty = none"},
       {"HP_RESTART_CAUSE", "",
        "Set by scripts/launch.sh when it relaunches a failed run: why (the exit status), recorded by "
        "hp-train in the resume record of metrics.jsonl; empty = a resume the user asked for"},

@@ -38,7 +38,7 @@ bash "$launch" --max-restarts 2 --backoff 0 -- bash "$work/exits.sh" 1 > "$work/
 
 # 2. Option bounds: an overflowing --max-restarts (bash's arithmetic wrapped it negative:
 # relaunched forever) and others are refused, exit 2.
-for bad in "--max-restarts 99999999999999999999" "--max-restarts 100001" "--backoff 1e9" "--stop-grace -1"; do
+for bad in "--max-restarts 99999999999999999999" "--max-restarts 100001" "--backoff 1e9" "--stop-grace -1" "--rank-grace x"; do
   # shellcheck disable=SC2086  # $bad is a list of words on purpose
   timeout 10 bash "$launch" $bad -- true > "$work/out" 2>&1; rc=$?
   [ $rc = 2 ] && grep -q "launch.sh: ${bad%% *} " "$work/out" || fail "$bad: exit $rc: $(cat "$work/out")"
@@ -100,4 +100,22 @@ kill -TERM $launcher; wait $launcher; rc=$?
 [ $rc = 75 ] && [ $(( $(date +%s) - t0 )) -le 5 ] || fail "a stop during the back-off: exit $rc after $(( $(date +%s) - t0 )) s"
 [ "$(wc -l < "$work/n")" = 1 ] || fail "relaunched after a stop signal"
 grep -q "while waiting to relaunch" "$work/out" || fail "not told: $(cat "$work/out")"
+
+# 7. A job whose rank failed (its marker left) but whose launcher does not return (mpirun
+# across a partition): ended --rank-grace seconds later and relaunched; the relaunch runs
+# clean and finishes.
+cat > "$work/stuck.sh" <<'JOB'
+#!/usr/bin/env bash
+echo x >> "$WORK/n"
+[ "$(wc -l < "$WORK/n")" -gt 1 ] && exit 0               # the relaunch: clean
+echo "exit status 1: all_reduce #9 on group 'world' failed: timed out" > "$HP_FAILURE_MARKERS/rank0"
+exec sleep 300                                            # the launcher that never returns
+JOB
+rm -f "$work/n"
+t0=$(date +%s)
+timeout 60 bash "$launch" --rank-grace 1 --backoff 0 -- bash "$work/stuck.sh" > "$work/out" 2>&1; rc=$?
+[ $rc = 0 ] && [ "$(wc -l < "$work/n")" = 2 ] || fail "a stuck job after a rank's failure: exit $rc, $(wc -l < "$work/n") launches: $(cat "$work/out")"
+[ $(( $(date +%s) - t0 )) -le 15 ] || fail "a stuck job was ended only after $(( $(date +%s) - t0 )) s (grace 1 s)"
+grep -q "rank0 failed (exit status 1: all_reduce #9" "$work/out" && grep -q "outlived its failed rank by 1 s" "$work/out" ||
+  fail "not told: $(cat "$work/out")"
 echo "launcher_test: all checks passed"

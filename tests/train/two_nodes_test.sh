@@ -6,7 +6,12 @@
 #   2. a short partition (2 s, well under HP_COMM_TIMEOUT_S): the run completes, exit 0;
 #   3. a partition past the timeout in the middle of a run: both ranks of the reachable node
 #      raise an error naming the op, the group and the ranks on the other node, within the
-#      timeout and a margin; `latest` stays a committed checkpoint that resumes.
+#      timeout and a margin; `latest` stays a committed checkpoint that resumes;
+#   4. a node lost (its processes all killed mid-run): the job ends (mpirun sees its daemon
+#      gone), non-zero, within seconds; `latest` resumes;
+#   5. the partition of 3 under scripts/launch.sh: the launcher sees the failed ranks' markers
+#      and ends the mpirun that cannot end them, within the timeout + 60 s; with the link back
+#      it relaunches, and the run ends bitwise equal to a run never disturbed.
 # Skipped (77), saying why, where namespaces cannot be made (not root, no ip or unshare).
 # Leaves no namespace or link behind, however it ends.
 # Usage: two_nodes_test.sh <hp-train> <source dir>
@@ -82,4 +87,44 @@ latest=$(cat "$work/long/checkpoints/latest")
 timeout 120 bash "$nodes" "$name" run 2 "$bin" "${cfg[@]}" --set train_steps=$(( ${latest#step_} + 1 )) \
   --set save_interval=0 --set output_dir="$work/long" --resume --resume-changes train_steps > "$work/resume.log" 2>&1 ||
   fail "latest ($latest) does not resume: $(grep error "$work/resume.log" | head -3)"
+
+# 4. A node lost: node b's processes all killed (SIGKILL) mid-run.
+start_run lost --set train_steps=100000
+wait_step lost 5
+t0=$(date +%s.%N)
+kill -9 $(ip netns pids "$name-b") 2> /dev/null
+for _ in $(seq 600); do kill -0 "$job" 2> /dev/null || break; sleep 0.1; done
+took=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+kill -0 "$job" 2> /dev/null && fail "the job did not end within 60 s of losing a node: $(tail -5 "$work/lost.log")"
+wait "$job"; rc=$?
+[ $rc != 0 ] || fail "the job that lost a node exited 0"
+echo "two_nodes_test: a node lost: the job ended $took s after, exit $rc"
+latest=$(cat "$work/lost/checkpoints/latest")
+timeout 120 bash "$nodes" "$name" run 2 "$bin" "${cfg[@]}" --set train_steps=$(( ${latest#step_} + 1 )) \
+  --set save_interval=0 --set output_dir="$work/lost" --resume --resume-changes train_steps > "$work/resume.log" 2>&1 ||
+  fail "after a node lost, latest ($latest) does not resume: $(grep error "$work/resume.log" | head -3)"
+
+# 5. The partition under the launcher, against an undisturbed run of the same 20 steps.
+steps=(--set train_steps=20 --set save_interval=5 --set log_interval=1)
+timeout 300 bash "$nodes" "$name" run 2 "$bin" "${cfg[@]}" "${steps[@]}" --set output_dir="$work/straight" \
+  > "$work/straight.log" 2>&1 || fail "the undisturbed run failed: $(tail -3 "$work/straight.log")"
+want=$(cd "$work/straight/checkpoints/step_00000020" && sha256sum rank*.safetensors)
+HP_COMM_TIMEOUT_S=10 timeout 300 bash "$src/scripts/launch.sh" --rank-grace 5 --backoff 2 --max-restarts 3 -- \
+  bash "$nodes" "$name" run 2 "$bin" "${cfg[@]}" "${steps[@]}" --set output_dir="$work/relaunched" \
+  > "$work/relaunched.log" 2>&1 & launcher=$!
+wait_step relaunched 7
+t0=$(date +%s.%N)
+bash "$nodes" "$name" down
+for _ in $(seq 900); do grep -q "outlived its failed rank" "$work/relaunched.log" && break; sleep 0.1; done
+took=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+grep -q "outlived its failed rank" "$work/relaunched.log" || fail "the launcher did not end the job: $(tail -5 "$work/relaunched.log")"
+python3 -c "import sys; sys.exit(0 if $took <= 70 else 1)" || fail "the launcher ended the job $took s after the partition"
+bash "$nodes" "$name" up
+wait $launcher; rc=$?
+[ $rc = 0 ] || fail "the relaunched run: exit $rc: $(grep -E "launch.sh|error" "$work/relaunched.log" | tail -5)"
+got=$(cd "$work/relaunched/checkpoints/step_00000020" && sha256sum rank*.safetensors)
+[ "$got" = "$want" ] || fail "the relaunched run's last checkpoint differs from the undisturbed run's"
+grep -q '"resume":{"step":[0-9]*,.*"cause":"exit status 1' "$work/relaunched/metrics.jsonl" ||
+  fail "no resume record: $(grep resume "$work/relaunched/metrics.jsonl")"
+echo "two_nodes_test: under the launcher: the job ended $took s after the partition, relaunched, bitwise"
 echo "two_nodes_test: all checks passed"
