@@ -11,7 +11,9 @@
 #      gone), non-zero, within seconds; `latest` resumes;
 #   5. the partition of 3 under scripts/launch.sh: the launcher sees the failed ranks' markers
 #      and ends the mpirun that cannot end them, within the timeout + 60 s; with the link back
-#      it relaunches, and the run ends bitwise equal to a run never disturbed.
+#      it relaunches, and the run ends bitwise equal to a run never disturbed;
+#   6. a bandwidth cap on the link (tc's tbf, 10 Mbit/s; skipped, saying why, where tc has
+#      none): the run completes, slower (bench/two_nodes_tbf.sh measures it against --plan).
 # Skipped (77), saying why, where namespaces cannot be made (not root, no ip or unshare).
 # Leaves no namespace or link behind, however it ends.
 # Usage: two_nodes_test.sh <hp-train> <source dir>
@@ -127,4 +129,14 @@ got=$(cd "$work/relaunched/checkpoints/step_00000020" && sha256sum rank*.safeten
 grep -q '"resume":{"step":[0-9]*,.*"cause":"exit status 1' "$work/relaunched/metrics.jsonl" ||
   fail "no resume record: $(grep resume "$work/relaunched/metrics.jsonl")"
 echo "two_nodes_test: under the launcher: the job ended $took s after the partition, relaunched, bitwise"
+
+# 6. A bandwidth cap on the link.
+if ip netns exec "$name-a" tc qdisc add dev "${name}va" root tbf rate 10mbit burst 32kb latency 400ms 2> /dev/null &&
+   ip netns exec "$name-b" tc qdisc add dev "${name}vb" root tbf rate 10mbit burst 32kb latency 400ms 2> /dev/null; then
+  timeout 300 bash "$nodes" "$name" run 2 "$bin" "${cfg[@]}" --set train_steps=5 --set output_dir= > "$work/capped.log" 2>&1 ||
+    fail "under a 10 Mbit/s cap: $(tail -3 "$work/capped.log")"
+  echo "two_nodes_test: under a 10 Mbit/s cap: $(grep '^done' "$work/capped.log")"
+else
+  echo "two_nodes_test: the bandwidth cap skipped: tc has no tbf here"
+fi
 echo "two_nodes_test: all checks passed"
