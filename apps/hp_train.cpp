@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 
 #include "hp/ckpt/checkpoint.h"
@@ -183,9 +184,14 @@ int run(const Args& args, const hp::CommPtr& world) {
   RunReport report(c, world->size(), lead, args.verify ? &ref : nullptr, say);
   report.set_strict(args.strict);
   const std::string cause = hp::env::get_string("HP_RESTART_CAUSE");
+  std::vector<std::string> earlier;  // the launcher's relaunches so far, this one last
+  {
+    std::istringstream lines(hp::env::get_string("HP_RESTART_CAUSES"));
+    for (std::string l; std::getline(lines, l);) earlier.push_back(l);
+  }
   if (!agreed(world, [&] {
         report.open_metrics(resuming ? trainer.steps_done() : -1, from.dir,
-                            !cause.empty() ? cause : args.resume ? "--resume" : "--auto-resume");
+                            !cause.empty() ? cause : args.resume ? "--resume" : "--auto-resume", earlier);
       })) {
     return 1;
   }

@@ -113,7 +113,7 @@ trap 'forward INT' INT
 markers=$(mktemp -d "${TMPDIR:-/tmp}/hp-launch-markers.XXXXXX") || { say "cannot make a folder for the ranks' failure markers"; exit 1; }
 trap 'rm -rf "$markers"' EXIT
 export HP_FAILURE_MARKERS=$markers
-restarts=0 statuses=() wait_s=$backoff
+restarts=0 statuses=() causes=() wait_s=$backoff
 while :; do
   rm -f "$markers"/rank*
   "$@" --auto-resume &
@@ -166,6 +166,9 @@ while :; do
   cause="$(cause_of "$rc"), restart $restarts of $max_restarts"
   say "the job failed: $cause, from the last committed checkpoint in ${wait_s} s"
   export HP_RESTART_CAUSE="$cause"
+  causes+=("$cause")
+  HP_RESTART_CAUSES=$(printf '%s\n' "${causes[@]}")
+  export HP_RESTART_CAUSES
   # In the background and waited for: a stop signal ends the wait at once (a foreground
   # sleep held the trap until it was over).
   sleep "$wait_s" & sleeper=$!

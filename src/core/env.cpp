@@ -43,6 +43,10 @@ const std::vector<Knob>& knobs() {
        "Set by scripts/launch.sh: a folder where a rank that fails with an error leaves a file "
        "(rank<R>: its error) before it exits, so that the launcher can end a job whose launcher "
        "process cannot (mpirun across a partition); empty = none"},
+      {"HP_RESTART_CAUSES", "",
+       "Set by scripts/launch.sh when it relaunches: the cause of each of its relaunches so far, "
+       "one a line, this one last; hp-train records those that left no resume record (they "
+       "ended before training) beside its own"},
       {"HP_RESTART_CAUSE", "",
        "Set by scripts/launch.sh when it relaunches a failed run: why (the exit status), recorded by "
        "hp-train in the resume record of metrics.jsonl; empty = a resume the user asked for"},

@@ -140,6 +140,9 @@ MetricsLog::MetricsLog(const std::string& path, int64_t keep_through) : path_(pa
       const double loss = e.contains("loss") && e["loss"].is_number() ? e["loss"].get<double>() : NAN;
       if (is_step) kept_loss_.emplace_back(step, loss);
       if (record != nullptr && std::strcmp(record, "eval") == 0) kept_eval_.emplace_back(step, loss);
+      if (record != nullptr && std::strcmp(record, "resume") == 0 && e.contains("cause") && e["cause"].is_string()) {
+        kept_resume_causes_.push_back(e["cause"].get<std::string>());
+      }
       kept += line + "\n";
     }
   }
@@ -202,9 +205,11 @@ namespace {
 std::string json_string(const std::string& s) { return nlohmann::json(s).dump(); }
 }  // namespace
 
-void MetricsLog::resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause) {
+void MetricsLog::resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause,
+                         bool ended_before_training) {
   f_ << "{\"resume\":{\"step\":" << step << ",\"from\":" << json_string(from) << ",\"steps_lost\":" << steps_lost
-     << ",\"cause\":" << json_string(cause) << "}}\n";
+     << ",\"cause\":" << json_string(cause) << (ended_before_training ? ",\"ended_before_training\":true" : "")
+     << "}}\n";
   check("the resume record");
 }
 

@@ -183,7 +183,8 @@ RunReport::RunReport(const TrainConfig& c, int world_size, bool lead, const Refe
                      std::function<void(const std::string&)> say)
     : c_(c), world_size_(world_size), lead_(lead), reference_(reference), say_(std::move(say)), last_valid_(kNone) {}
 
-void RunReport::open_metrics(int64_t resumed_step, const std::string& from, const std::string& cause) {
+void RunReport::open_metrics(int64_t resumed_step, const std::string& from, const std::string& cause,
+                             const std::vector<std::string>& earlier_causes) {
   if (!lead_ || c_.output_dir.empty()) return;
   // A previous run's curve must not sit beside this run's metrics.
   std::remove((c_.output_dir + "/loss.svg").c_str());
@@ -191,6 +192,11 @@ void RunReport::open_metrics(int64_t resumed_step, const std::string& from, cons
   if (resumed_step < 0) return;
   // What the earlier run had done beyond its checkpoint is trained again: lost.
   const int64_t lost = std::max<int64_t>(0, metrics_->last_step_seen() - resumed_step);
+  const auto& kept = metrics_->kept_resume_causes();
+  for (const std::string& earlier : earlier_causes) {
+    if (earlier.empty() || earlier == cause || std::find(kept.begin(), kept.end(), earlier) != kept.end()) continue;
+    metrics_->resumed(resumed_step, from, 0, earlier, /*ended_before_training=*/true);
+  }
   metrics_->resumed(resumed_step, from, lost, cause);
   if (lost > 0) {
     say_(std::to_string(lost) + " step(s) lost: the earlier run had reached step " +

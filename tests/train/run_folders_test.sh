@@ -163,4 +163,29 @@ if [ -n "$mpirun" ]; then
     [ $(($(date +%s) - start)) -lt 60 ] || fail "$flag on rank 0 only took $(($(date +%s) - start)) s"
   done
 fi
+
+# A relaunch that ends before training (a failed start) is recorded too, by the next one,
+# marked ended_before_training: the resume records count every relaunch (there were fewer).
+# Launch 1 is killed after step 3 (a checkpoint at step 2), relaunch 1 fails at once,
+# relaunch 2 trains to the end.
+cat > "$work/flaky.sh" <<'JOB'
+#!/usr/bin/env bash
+n=$(( $(cat "$WORK/launches" 2> /dev/null || echo 0) + 1 )); echo $n > "$WORK/launches"
+case $n in
+  1) "$@" > /dev/null 2>&1 & job=$!
+     for _ in $(seq 1200); do grep -q '"step":3,' "$WORK/flaky/metrics.jsonl.partial" 2> /dev/null && break; sleep 0.05; done
+     kill -9 $job; wait $job; exit 137 ;;
+  2) exit 1 ;;
+  *) exec "$@" ;;
+esac
+JOB
+WORK=$work timeout 300 bash "$src/scripts/launch.sh" --backoff 0 --max-restarts 3 -- bash "$work/flaky.sh" "$bin" \
+  --config "$cfg" --set train_steps=8 --set save_interval=2 --set eval_interval=0 --set output_dir="$work/flaky" \
+  > "$work/flaky.log" 2>&1 || fail "the flaky job did not finish: $(tail -5 "$work/flaky.log")"
+[ "$(cat "$work/launches")" = 3 ] || fail "the flaky job was launched $(cat "$work/launches") times, not 3"
+[ "$(grep -c '^{"resume"' "$work/flaky/metrics.jsonl")" = 2 ] || fail "not 2 resume records: $(grep resume "$work/flaky/metrics.jsonl")"
+grep -q '"cause":"exit status 137 (a process killed by SIGKILL), restart 1 of 3","ended_before_training":true' \
+  "$work/flaky/metrics.jsonl" || fail "relaunch 1 not recorded: $(grep resume "$work/flaky/metrics.jsonl")"
+grep -q '"cause":"exit status 1, restart 2 of 3"}' "$work/flaky/metrics.jsonl" ||
+  fail "relaunch 2 not recorded: $(grep resume "$work/flaky/metrics.jsonl")"
 echo "PASS"

@@ -76,7 +76,12 @@ class MetricsLog {
   int64_t last_step_seen() const { return last_seen_; }
   // {"resume":{"step","from","steps_lost","cause"}}: a run resumed after `step` steps from
   // the checkpoint `from`; `cause` says why (a restart's exit status, or "--resume").
-  void resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause);
+  // ended_before_training (adds "ended_before_training": true): a relaunch that ended before
+  // it could write its own record, recorded by the next one.
+  void resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause,
+               bool ended_before_training = false);
+  // The causes of the resume records carried over.
+  const std::vector<std::string>& kept_resume_causes() const { return kept_resume_causes_; }
   // {"stop":{"step","signal","rank","saved"}}: a run stopped after `step` by `signal`,
   // received first by `rank`; `saved` the checkpoint written ("" for none).
   void stopped(int64_t step, const std::string& signal, int rank, const std::string& saved);
@@ -91,6 +96,7 @@ class MetricsLog {
   std::ofstream f_;
   std::string path_, partial_;
   std::vector<std::pair<int64_t, double>> kept_loss_, kept_eval_;
+  std::vector<std::string> kept_resume_causes_;
   int64_t last_seen_ = 0;
 };
 

@@ -99,7 +99,11 @@ class RunReport {
   // run resumed after `resumed_step` steps (-1: a new run) keeps the earlier run's lines up
   // to there and records the resume from `from` with its `cause`, saying how many steps the
   // earlier run had done past the checkpoint (trained again). Raises naming the file.
-  void open_metrics(int64_t resumed_step, const std::string& from, const std::string& cause);
+  // `earlier_causes`: the launcher's earlier relaunches this one follows (HP_RESTART_CAUSES):
+  // each that left no resume record (it ended before training) gets one, marked so, before
+  // this run's own, so that the records count every relaunch.
+  void open_metrics(int64_t resumed_step, const std::string& from, const std::string& cause,
+                    const std::vector<std::string>& earlier_causes = {});
   // on_step, on_eval and on_save for Trainer::train, whose first step follows `first_step`.
   TrainCallbacks callbacks(int64_t first_step);
   // A run stopped by a signal after `step`: the line saying so, and the metrics' stop record
