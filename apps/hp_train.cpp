@@ -16,9 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 
 #include "hp/ckpt/checkpoint.h"
@@ -184,14 +182,10 @@ int run(const Args& args, const hp::CommPtr& world) {
   RunReport report(c, world->size(), lead, args.verify ? &ref : nullptr, say);
   report.set_strict(args.strict);
   const std::string cause = hp::env::get_string("HP_RESTART_CAUSE");
-  std::vector<std::string> earlier;  // the launcher's relaunches so far, this one last
-  {
-    std::istringstream lines(hp::env::get_string("HP_RESTART_CAUSES"));
-    for (std::string l; std::getline(lines, l);) earlier.push_back(l);
-  }
   if (!agreed(world, [&] {
         report.open_metrics(resuming ? trainer.steps_done() : -1, from.dir,
-                            !cause.empty() ? cause : args.resume ? "--resume" : "--auto-resume", earlier);
+                            !cause.empty() ? cause : args.resume ? "--resume" : "--auto-resume",
+                            launcher_restart_causes());
       })) {
     return 1;
   }
@@ -280,10 +274,7 @@ int main(int argc, char** argv) {
     // failure is also left as a marker: where mpirun cannot stop the others (a partition),
     // the launcher ends the job.
     std::cerr << "hp-train: error (rank " << world->rank() << "): " << e.what() << std::endl;
-    const std::string markers = hp::env::get_string("HP_FAILURE_MARKERS");
-    if (!markers.empty()) {
-      std::ofstream(markers + "/rank" + std::to_string(world->rank())) << "exit status 1: " << e.what() << "\n";
-    }
+    hp::train::leave_failure_marker(world->rank(), e.what());
     std::fflush(nullptr);
     std::_Exit(1);
   }

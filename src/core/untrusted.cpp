@@ -25,8 +25,7 @@ const char* kind_of(mode_t m) {
 
 int open_regular(const std::string& path, const std::string& what) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  HP_CHECK(fd >= 0, what, " '", path, "': ", errno == ENOENT ? "does not exist" : "cannot open: ",
-           errno == ENOENT ? "" : std::strerror(errno));
+  HP_CHECK(fd >= 0, what, " '", path, "': cannot open: ", std::strerror(errno));
   struct stat st{};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     const std::string kind = kind_of(st.st_mode);
@@ -72,7 +71,7 @@ namespace {
 
 }  // namespace
 
-void check_json_nesting(std::string_view text, const std::string& what, int max) {
+bool json_nesting_within(std::string_view text, int max, size_t* at) {
   int depth = 0;
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
@@ -86,11 +85,20 @@ void check_json_nesting(std::string_view text, const std::string& what, int max)
     } else if (ch == '"') {
       in_string = true;
     } else if (ch == '[' || ch == '{') {
-      if (++depth > max) too_deep(what, max, i);
+      if (++depth > max) {
+        if (at) *at = i;
+        return false;
+      }
     } else if ((ch == ']' || ch == '}') && depth > 0) {
       --depth;
     }
   }
+  return true;
+}
+
+void check_json_nesting(std::string_view text, const std::string& what, int max) {
+  size_t at = 0;
+  if (!json_nesting_within(text, max, &at)) too_deep(what, max, at);
 }
 
 void check_yaml_nesting(std::string_view text, const std::string& what, int max) {

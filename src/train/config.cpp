@@ -4,8 +4,6 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <sstream>
 
@@ -202,12 +200,11 @@ TrainConfig parse_config(const std::string& yaml_text, const std::vector<std::st
 }
 
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::stringstream ss;
-  ss << hp::files::read_regular(path, "config file", int64_t(1) << 24);
+  const std::string text = hp::files::read_regular(path, "config file", int64_t(1) << 24);
   // An empty (or comment-only) file is most likely the wrong file: it would train defaults.
   bool has_keys = false;
   try {
-    const YamlDocuments docs = load_documents(ss.str(), path);
+    const YamlDocuments docs = load_documents(text, path);
     // More than one: parse_config names that.
     has_keys = docs.count > 1 || (docs.first.IsMap() && docs.first.size() > 0);
   } catch (const YAML::Exception&) {
@@ -215,7 +212,7 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   }
   HP_CHECK(has_keys, "config file '", path, "' holds no settings (it is empty or only comments); it must be one ",
            "YAML map of keys to values");
-  return parse_config(ss.str(), overrides, path);
+  return parse_config(text, overrides, path);
 }
 
 namespace {

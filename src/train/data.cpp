@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "hp/core/error.h"
+#include "hp/core/untrusted.h"
 
 namespace hp::train {
 namespace {
@@ -60,13 +61,12 @@ class OpenFile {
  public:
   // `key`: the config key naming it in errors (data.path, data.valid_path).
   OpenFile(const std::string& path, std::string key) : path_(path), key_(std::move(key)) {
-    // O_NONBLOCK: a FIFO is refused below, not waited on in open().
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    HP_CHECK(fd_ >= 0, named(), ": cannot open: ", std::strerror(errno));
+    fd_ = files::open_regular(path, key_);  // a FIFO refused, not waited on
     struct stat st;
-    if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (::fstat(fd_, &st) != 0) {
+      const int err = errno;
       ::close(fd_);
-      throw Error(named() + " is not a regular file");
+      throw Error(named() + ": cannot stat: " + std::strerror(err));
     }
     size_ = static_cast<int64_t>(st.st_size);
     dev_ = st.st_dev;

@@ -2,9 +2,7 @@
 // checkpoint's model out to one.
 #include <ATen/ATen.h>
 
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/ckpt/consolidated.h"
@@ -41,7 +39,8 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
   for (const auto& [ours, theirs] : names) read.insert(theirs);
   size_t unused = 0;
   std::string first;
-  for (const auto& [name, file] : ckpt::consolidated_tensors(dir)) {
+  const std::map<std::string, std::string> held = ckpt::consolidated_tensors(dir);  // each shard's header read
+  for (const auto& [name, file] : held) {
     if (read.count(name) || c.model->hf_ignores(name)) continue;
     if (unused++ == 0) first = "'" + name + "' (in " + file + ")";
   }
@@ -52,11 +51,10 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
   // Weights are floating point: an integer or boolean one is quantized or not a weight, and
   // a cast would train from garbage.
   std::map<std::string, std::set<std::string>> by_file;
-  for (const auto& [name, file] : ckpt::consolidated_tensors(dir)) {
+  for (const auto& [name, file] : held) {
     if (read.count(name)) by_file[file].insert(name);
   }
   for (const auto& [file, names] : by_file) {
-    if (file.find('/') != std::string::npos) continue;  // refused by the load, naming the index
     for (const ckpt::TensorEntry& e : ckpt::read_header(dir + "/" + file).tensors) {
       HP_CHECK(!names.count(e.name) || at::isFloatingType(e.dtype), "init_from_hf: '", dir, "': the tensor '", e.name,
                "' (in ", file, ") is ", ckpt::dtype_string(e.dtype),

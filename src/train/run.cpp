@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -123,7 +125,7 @@ std::vector<std::string> check_resume_settings(const TrainConfig& c, const std::
     HP_CHECK(known, "--resume-changes: '", k, "' is not a config key of this run (hp-train --list-keys lists them)");
   }
   const std::map<std::string, std::string> saved = ckpt::load({}, from);
-  std::vector<std::string> lines, free, allowed_changes, refused, unrecorded;
+  std::vector<std::string> lines, free, allowed_changes, refused, refused_keys, unrecorded;
   for (const auto& [k, v] : mine) {
     const ResumeRule rule = resume_rule(c, k);
     if (rule == ResumeRule::kFixed) continue;   // Trainer::load compares the model's
@@ -142,23 +144,22 @@ std::vector<std::string> check_resume_settings(const TrainConfig& c, const std::
       allowed_changes.push_back(change);
     } else {
       refused.push_back(k + "=" + it->second + " in the checkpoint but " + k + "=" + v + " now");
+      refused_keys.push_back(k);
     }
   }
-  const auto joined = [](const std::vector<std::string>& l) {
+  const auto joined = [](const std::vector<std::string>& l, const char* sep) {
     std::string s;
-    for (const auto& e : l) s += (s.empty() ? "" : ", ") + e;
+    for (const auto& e : l) s += (s.empty() ? "" : sep) + e;
     return s;
   };
   if (!refused.empty()) {
-    std::string keys;
-    for (const auto& r : refused) keys += (keys.empty() ? "" : ",") + r.substr(0, r.find('='));
     throw Error(detail::str_cat(
         "resume from ", from, ": ", refused.size(), " setting(s) differ from the checkpoint's run and would change its ",
-        "course: ", joined(refused), ". To continue with them, name them: --resume-changes ", keys,
+        "course: ", joined(refused, ", "), ". To continue with them, name them: --resume-changes ", joined(refused_keys, ","),
         "; for a new experiment, train into another save_dir (or --overwrite this one)"));
   }
-  if (!free.empty()) lines.push_back("resume: changed (layout, timing or output): " + joined(free));
-  if (!allowed_changes.empty()) lines.push_back("resume: changed (--resume-changes): " + joined(allowed_changes));
+  if (!free.empty()) lines.push_back("resume: changed (layout, timing or output): " + joined(free, ", "));
+  if (!allowed_changes.empty()) lines.push_back("resume: changed (--resume-changes): " + joined(allowed_changes, ", "));
   if (ckpt::format_version(from) == 1) {
     lines.push_back("resume: '" + from + "' is a format-1 checkpoint (written before checksums): its files are read " +
                     "unchecked for damage; hp-train --upgrade-checkpoint " + from + " checksums them");
@@ -202,6 +203,21 @@ void RunReport::open_metrics(int64_t resumed_step, const std::string& from, cons
     say_(std::to_string(lost) + " step(s) lost: the earlier run had reached step " +
          std::to_string(metrics_->last_step_seen()) + "; they are trained again");
   }
+}
+
+std::vector<std::string> launcher_restart_causes() {
+  std::vector<std::string> out;
+  std::istringstream lines(hp::env::get_string("HP_RESTART_CAUSES"));
+  for (std::string l; std::getline(lines, l);) out.push_back(l);
+  return out;
+}
+
+void leave_failure_marker(int rank, const std::string& error) {
+  const std::string markers = hp::env::get_string("HP_FAILURE_MARKERS");
+  if (markers.empty()) return;
+  // Best effort, on the way out: a marker that cannot be written leaves the launcher to
+  // mpirun's own end of the job, as without one.
+  std::ofstream(markers + "/rank" + std::to_string(rank)) << "exit status " << kFailedExit << ": " << error << "\n";
 }
 
 bool collapsed(const StepStats& st, int64_t vocab) {
@@ -266,7 +282,7 @@ int RunReport::ended(const TrainSummary& s, int64_t steps_done) {
          (s.stop_saved.empty() ? std::string() : ", saved " + s.stop_saved));
   }
   finished(s);
-  return 0;
+  return kFinishedExit;
 }
 
 bool RunReport::finish_earlier() {

@@ -391,16 +391,16 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
       if (cb.on_eval) cb.on_eval(out.evals.back());
     }
     std::string saved;
+    const bool due = checkpoints && checkpoints->due(st.step, c.train_steps);
     const bool stopping = cb.stop_requested && stop_agreed(cb.stop_requested(), &out);
-    const bool saving = checkpoints && (checkpoints->due(st.step, c.train_steps) ||
-                                        (stopping && checkpoints->options().interval > 0));
-    if (saving) require_finite_weights(st.step);
-    if (checkpoints && checkpoints->due(st.step, c.train_steps)) {
+    const bool stop_saves = stopping && checkpoints && checkpoints->options().interval > 0;
+    if (due || stop_saves) require_finite_weights(st.step);
+    if (due) {
       saved = checkpoints->save(*this);
       if (cb.on_save) cb.on_save(saved, checkpoints->options().async);
     }
     if (stopping) {
-      if (checkpoints && checkpoints->options().interval > 0) {
+      if (stop_saves) {
         if (saved.empty()) {
           saved = checkpoints->save(*this, /*background=*/false);
           if (cb.on_save) cb.on_save(saved, false);
@@ -424,14 +424,15 @@ TrainSummary Trainer::train(CheckpointManager* checkpoints, const TrainCallbacks
 
 
 void Trainer::require_finite_weights(int64_t step) const {
-  int64_t bad = 0;
+  // Counted where the shards live, one read back for all of them (in the all-reduce).
+  const auto on = at::TensorOptions(at::kLong).device(control_device(impl_->world));
+  at::Tensor v = at::zeros({1}, on);
   {
     at::NoGradGuard g;
     for (const auto& r : impl_->sharded.params) {
-      if (r.param.numel() > 0 && !at::isfinite(r.param).all().item<bool>()) ++bad;
+      if (r.param.numel() > 0) v += at::logical_not(at::isfinite(r.param)).any().to(on);
     }
   }
-  at::Tensor v = at::full({1}, bad, at::kLong).to(control_device(impl_->world));
   impl_->world->all_reduce(v, {ReduceOp::SUM}).wait();
   const int64_t total = v.cpu().item<int64_t>();
   if (total == 0) return;

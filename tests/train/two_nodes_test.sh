@@ -41,6 +41,8 @@ timeout 120 bash "$nodes" "$name" run 2 "$bin" "${cfg[@]}" --set train_steps=3 -
 grep -q "on 4 rank(s), 2 per node" "$work/verify" || fail "2 ranks per node not found: $(head -2 "$work/verify")"
 grep -q "data_parallel 2 x data_parallel_shard 2 (HSDP)" "$work/verify" || fail "not HSDP: $(grep layout "$work/verify")"
 rel=$(sed -n 's/^verify: largest |loss - single-process loss| over 3 steps: .*(relative \([0-9.e+-]*\)).*/\1/p' "$work/verify")
+# fp32, 3 steps, the gradients summed over 4 ranks in another order than one process sums
+# them: cli_test's bound for the same --verify under tensor parallelism (measured: 1.5e-7).
 [ -n "$rel" ] && python3 -c "import sys; sys.exit(0 if float('$rel') < 1e-5 else 1)" ||
   fail "across two nodes, relative difference to one process '$rel' (fp32: < 1e-5)"
 

@@ -27,8 +27,10 @@ namespace hp::text {
 // 5; this leaves room and keeps every recursive reader far from the stack's end.
 constexpr int kMaxNesting = 64;
 
-// Raises "<what>: nested deeper than 64 levels (at byte N)" when JSON `text` opens more than
-// `max` arrays and objects inside one another (brackets in strings not counted).
+// Whether JSON `text` opens at most `max` arrays and objects inside one another (brackets in
+// strings not counted); where it opens more, the byte at which it does in `*at`.
+bool json_nesting_within(std::string_view text, int max = kMaxNesting, size_t* at = nullptr);
+// Raises "<what>: nested deeper than 64 levels (at byte N)" where json_nesting_within is false.
 void check_json_nesting(std::string_view text, const std::string& what, int max = kMaxNesting);
 
 // The same for YAML `text`: flow collections ([ {) and block levels (each deeper indent of a

@@ -136,6 +136,14 @@ class RunReport {
   bool strict_ = false, warned_collapse_ = false;
 };
 
+// The causes of scripts/launch.sh's relaunches so far, this one last (HP_RESTART_CAUSES; empty
+// outside the launcher): open_metrics' earlier_causes.
+std::vector<std::string> launcher_restart_causes();
+// Under scripts/launch.sh (HP_FAILURE_MARKERS set): leaves `rank`'s failure, `error`, as a
+// marker the launcher watches for, so that it can end a job whose mpirun cannot (a partition
+// between nodes). Called by a rank on its way out after an error; nothing otherwise.
+void leave_failure_marker(int rank, const std::string& error);
+
 // Whether a step's figures say the model has collapsed: a gradient norm of exactly 0 (no
 // weight can change again) at the loss of predicting every token alike, ln(vocab) (within
 // 1e-3 of it, relative). What lr 1e3 without clipping leads to, silently, with a finite loss.
