@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -38,14 +39,22 @@ using hp::train::Args;
 using hp::train::kUsage;
 using hp::train::parse_args;
 
+// `line` on stderr in one write: the lines of ranks failing together do not interleave
+// (std::cerr is unbuffered: each << is a write of its own).
+void say_error(const std::string& line) {
+  const std::string text = line + "\n";
+  std::cerr.write(text.data(), static_cast<std::streamsize>(text.size()));
+  std::cerr.flush();
+}
+
 // True on every rank when `ok` is true on every rank. Otherwise the lowest failing rank
 // prints its message, and all return false together (no rank is left waiting).
 bool all_ok(const hp::CommPtr& world, bool ok, const std::string& message) {
   const int bad = hp::first_failed_rank(world, ok);
   if (bad < 0) return true;
   if (bad == world->rank()) {
-    std::cerr << "hp-train: error" << (world->size() > 1 ? " (rank " + std::to_string(bad) + ")" : "") << ": "
-              << message << std::endl;
+    say_error(std::string("hp-train: error") + (world->size() > 1 ? " (rank " + std::to_string(bad) + ")" : "") + ": " +
+              message);
   }
   return false;
 }
@@ -102,9 +111,35 @@ int run(const Args& args, const hp::CommPtr& world) {
   auto say = [lead](const std::string& s) {
     if (lead) std::cout << s << std::endl;
   };
+  // --elastic: rank 0 lays the resumed run out on the ranks there are (its planner times the
+  // model, which no two ranks would time alike), the others take its choice as --set items.
+  Args laid = args;
+  if (args.elastic) {
+    std::string error, chosen;
+    if (lead) {
+      try {
+        ElasticChoice e = elastic_layout(args, world->size());
+        for (const auto& line : e.lines) say(line);
+        for (const auto& o : e.overrides) chosen += o + "\n";
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    world->barrier({std::chrono::hours(24)}).wait();  // the planner may take a while
+    // Refused (no layout keeps the run's degrees on these ranks): not relaunched as is.
+    if (!all_ok(world, error.empty(), error)) return kConfigExit;
+    chosen = hp::broadcast_text(world, chosen, 0);
+    for (size_t at = 0, end; (end = chosen.find('\n', at)) != std::string::npos; at = end + 1) {
+      const std::string item = chosen.substr(at, end - at), key = item.substr(0, item.find('=') + 1);
+      // In place of the command's --set of the same key (the layout it gave for more ranks).
+      auto& o = laid.overrides;
+      o.erase(std::remove_if(o.begin(), o.end(), [&key](const std::string& x) { return x.rfind(key, 0) == 0; }), o.end());
+      o.push_back(item);
+    }
+  }
   RunInputs in;  // every check before training starts
   // A config, data or folder refused: the same command cannot succeed (not relaunched).
-  if (!agreed(world, [&] { in = prepare_run(args, world->size(), world->rank()); })) return kConfigExit;
+  if (!agreed(world, [&] { in = prepare_run(laid, world->size(), world->rank()); })) return kConfigExit;
   const TrainConfig& c = in.config;
   if (args.estimate) {
     say(describe(c));
@@ -273,7 +308,7 @@ int main(int argc, char** argv) {
     // once (mpirun then stops them) rather than finalize and wait. Under scripts/launch.sh the
     // failure is also left as a marker: where mpirun cannot stop the others (a partition),
     // the launcher ends the job.
-    std::cerr << "hp-train: error (rank " << world->rank() << "): " << e.what() << std::endl;
+    say_error("hp-train: error (rank " + std::to_string(world->rank()) + "): " + e.what());
     hp::train::leave_failure_marker(world->rank(), e.what());
     std::fflush(nullptr);
     std::_Exit(1);

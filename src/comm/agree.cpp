@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
 #include "hp/core/error.h"
 
 namespace hp {
@@ -34,6 +36,20 @@ bool all_ranks_equal(const CommPtr& comm, const at::Tensor& values, at::Tensor* 
   if (max) *max = mx;
   if (min) *min = mn;
   return at::equal(mx, mn);
+}
+
+std::string broadcast_text(const CommPtr& comm, const std::string& text, int root) {
+  const c10::Device dev = control_device(comm);
+  at::Tensor n = at::full({1}, static_cast<int64_t>(text.size()), at::TensorOptions().dtype(at::kLong).device(dev));
+  comm->broadcast(n, root).wait();
+  const int64_t size = n.cpu().item<int64_t>();
+  if (size == 0) return {};
+  at::Tensor bytes = at::empty({size}, at::kByte);
+  if (comm->rank() == root) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  bytes = bytes.to(dev);
+  comm->broadcast(bytes, root).wait();
+  bytes = bytes.cpu();
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(size));
 }
 
 }  // namespace hp

@@ -16,7 +16,7 @@ namespace hp::train {
 
 const char* const kUsage =
     "usage: hp-train --config FILE [--set key=value]... [--verify] [--strict]\n"
-    "                [--resume [DIR] | --auto-resume | --overwrite]\n"
+    "                [--resume [DIR] | --auto-resume | --overwrite] [--elastic]\n"
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
     "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
@@ -35,6 +35,12 @@ const char* const kUsage =
     "                   settings (comma-separated keys) a resume may change that change the\n"
     "                   run's course: lr, train_steps, seed, ... (without it such a change is\n"
     "                   refused; a change of layout, intervals or folders is always allowed)\n"
+    "  --elastic        with --resume or --auto-resume, a checkpoint written on another number\n"
+    "                   of ranks resumes on this one: its tensor and pipeline degrees, the\n"
+    "                   global batch and the micro-batch size kept, the rest of the layout\n"
+    "                   the planner's fastest (--link, --ranks-per-node, --device-tflops and\n"
+    "                   --memory-per-rank as for --plan); what scripts/launch.sh --min-ranks\n"
+    "                   passes\n"
     "  --overwrite      start over where save_dir holds an earlier run's checkpoints,\n"
     "                   deleting them (without it, or --resume, such a run is refused)\n"
     "  --estimate       print the parameter count and per-rank memory of the config's layout\n"
@@ -123,6 +129,8 @@ Args parse_args(int argc, char** argv) {
       a.resume_dir = s.substr(9);
     } else if (s == "--auto-resume") {
       a.auto_resume = true;
+    } else if (s == "--elastic") {
+      a.elastic = true;
     } else if (s == "--resume-changes") {
       std::stringstream list(value());
       for (std::string k; std::getline(list, k, ',');) {
@@ -195,9 +203,11 @@ Args parse_args(int argc, char** argv) {
     HP_CHECK(!a.config.empty(), "hp-train: --config is required\n", kUsage);
   }
   HP_CHECK(a.world == 0 || a.estimate || a.plan, "hp-train: --world only goes with --estimate or --plan");
-  HP_CHECK(a.plan || (!a.plan_json && a.ranks_per_node == 0 && a.link.empty() && a.device_tflops == 0 &&
-                      a.memory_per_rank == 0),
-           "hp-train: --json, --ranks-per-node, --link, --device-tflops and --memory-per-rank only go with --plan");
+  HP_CHECK(a.plan || !a.plan_json, "hp-train: --json only goes with --plan");
+  HP_CHECK(a.plan || a.elastic || (a.ranks_per_node == 0 && a.link.empty() && a.device_tflops == 0 && a.memory_per_rank == 0),
+           "hp-train: --ranks-per-node, --link, --device-tflops and --memory-per-rank only go with --plan or --elastic");
+  HP_CHECK(!a.elastic || a.resume || a.auto_resume, "hp-train: --elastic goes with --resume or --auto-resume (it "
+           "lays out a resumed run on the ranks it has)");
   HP_CHECK(a.device_tflops == 0 || a.memory_per_rank > 0, "hp-train: --device-tflops plans for devices, whose memory "
            "this machine cannot tell: give --memory-per-rank too (a device's memory, e.g. 80GB)");
   HP_CHECK(!(a.plan && (a.estimate || a.verify || a.resume || exporting)),
@@ -224,6 +234,7 @@ std::vector<std::pair<std::string, std::string>> command_line_settings(const Arg
           {"--resume", yes(a.resume) + (a.resume_dir.empty() ? "" : " " + a.resume_dir)},
           {"--overwrite", yes(a.overwrite)},
           {"--auto-resume", yes(a.auto_resume)},
+          {"--elastic", yes(a.elastic)},
           {"--resume-changes", [&] {
              std::string all;
              for (const auto& k : a.resume_changes) all += (all.empty() ? "" : ",") + k;

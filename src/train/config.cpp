@@ -451,7 +451,7 @@ void validate_training(TrainConfig& c) {
 }  // namespace
 
 void TrainConfig::validate(int world_size) {
-  if (save_dir.empty() && !output_dir.empty()) save_dir = output_dir + "/checkpoints";
+  save_dir = checkpoint_dir();
   validate_optimizer(*this);
   validate_features(*this);
   validate_pipeline(*this);

@@ -103,9 +103,9 @@ std::vector<Layout> enumerate_layouts(const Setting& st) {
   const int N = st.N;
   std::vector<Layout> layouts;
   for (int p = 1; p <= N; ++p) {
-    if (N % p) continue;
+    if (N % p || (st.o.pipeline_parallel > 0 && p != st.o.pipeline_parallel)) continue;
     for (int t = 1; t <= N / p; ++t) {
-      if ((N / p) % t) continue;
+      if ((N / p) % t || (st.o.tensor_parallel > 0 && t != st.o.tensor_parallel)) continue;
       for (int cpd = 1; cpd <= N / p / t; ++cpd) {
         if ((N / p / t) % cpd || (cpd > 1 && st.widths.kv <= 0)) continue;
         for (int r = 1; r <= N / p / t / cpd; ++r) {
@@ -154,6 +154,15 @@ bool admit(const Setting& st, const Layout& lay, PlanRow& row) {
   }
   row.threads = st.o.device ? 0 : st.threads;
   row.overlap = st.overlap;
+  if (const int64_t m = st.o.micro_batch_samples; m > 0) {
+    const int64_t dp = static_cast<int64_t>(lay.r) * lay.s;
+    if (c.global_batch_size % (dp * m) != 0) {
+      row.reason = detail::str_cat("global_batch_size=", c.global_batch_size, " is not a whole number of micro-batches of ",
+                                   m, " sample(s) over ", dp, " data-parallel rank(s)");
+      return false;
+    }
+    c.micro_batch_num = c.global_batch_size / (dp * m);
+  }
   try {
     c.validate(st.N);
     row.memory = estimate_rank_memory(c);

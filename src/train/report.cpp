@@ -201,11 +201,16 @@ namespace {
 std::string json_string(const std::string& s) { return nlohmann::json(s).dump(); }
 }  // namespace
 
-void MetricsLog::resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause,
+void MetricsLog::resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause, int ranks,
                          bool ended_before_training) {
   f_ << "{\"resume\":{\"step\":" << step << ",\"from\":" << json_string(from) << ",\"steps_lost\":" << steps_lost
-     << ",\"cause\":" << json_string(cause) << (ended_before_training ? ",\"ended_before_training\":true" : "")
-     << "}}\n";
+     << ",\"cause\":" << json_string(cause);
+  if (ended_before_training) {
+    f_ << ",\"ended_before_training\":true";
+  } else {
+    f_ << ",\"ranks\":" << ranks;
+  }
+  f_ << "}}\n";
   check("the resume record");
 }
 

@@ -98,15 +98,144 @@ ReferenceLosses train_reference(const TrainConfig& c, std::shared_ptr<const Toke
   return ref;
 }
 
-std::string plan_output(const Args& args, int world_size) {
-  const TrainConfig c = load_config(args.config, args.overrides);
+namespace {
+
+// --plan's options (and elastic_layout's): the links of --link, else HP_SIM_NET, else this
+// machine's shared memory (measured; `spec` left empty then).
+PlanOptions plan_options(const Args& args, int world, std::string& spec) {
   PlanOptions o;
-  o.world = args.world > 0 ? args.world : world_size;
-  const std::string spec = args.link.empty() ? hp::env::get_string("HP_SIM_NET") : args.link;
+  o.world = world;
+  spec = args.link.empty() ? hp::env::get_string("HP_SIM_NET") : args.link;
   o.network = spec.empty() ? measured_local_link() : hp::SimulatedNetwork::parse(spec);
   if (args.ranks_per_node > 0) o.network.ranks_per_node = args.ranks_per_node;
   o.device = args.device_tflops > 0;
   o.memory_per_rank = args.memory_per_rank;
+  return o;
+}
+
+// A whole number the checkpoint `from` records as run.<key>, within [1, 2^24].
+int64_t recorded_count(const std::map<std::string, std::string>& saved, const std::string& from, const char* key) {
+  auto it = saved.find(std::string("run.") + key);
+  HP_CHECK(it != saved.end(), "--elastic: ", from, " records no ", key,
+           " (a checkpoint written before runs recorded their settings): its layout is unknown; resume it on its own "
+           "number of ranks");
+  int64_t v = 0;
+  size_t used = 0;
+  try {
+    v = std::stoll(it->second, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  HP_CHECK(used == it->second.size() && used > 0 && v >= 1 && v <= (int64_t{1} << 24), "--elastic: ", from, " records ",
+           key, "='", it->second, "': expected a whole number from 1 to 2^24");
+  return v;
+}
+
+}  // namespace
+
+ElasticChoice elastic_layout(const Args& args, int world_size) {
+  ElasticChoice out;
+  const TrainConfig given = load_config(args.config, args.overrides);
+  const std::string save_dir = given.checkpoint_dir();
+  const bool resuming = args.resume || (args.auto_resume && !save_dir.empty() && std::filesystem::exists(save_dir + "/latest"));
+  if (!resuming) return out;  // nothing trained yet: the config's own layout
+  const std::string from = CheckpointManager::resolve(args.resume_dir.empty() ? save_dir : args.resume_dir);
+  const std::map<std::string, std::string> saved = ckpt::load({}, from);
+  TrainConfig before = given;  // the checkpoint's run's layout
+  before.data_parallel = recorded_count(saved, from, "data_parallel");
+  before.data_parallel_shard = recorded_count(saved, from, "data_parallel_shard");
+  before.context_parallel = recorded_count(saved, from, "context_parallel");
+  before.tensor_parallel = recorded_count(saved, from, "tensor_parallel");
+  before.pipeline_parallel = recorded_count(saved, from, "pipeline_parallel");
+  before.expert_parallel = recorded_count(saved, from, "expert_parallel");
+  before.micro_batch_num = recorded_count(saved, from, "micro_batch_num");
+  const int64_t batch = recorded_count(saved, from, "global_batch_size");
+  double world0 = 1;
+  for (int64_t d : {before.data_parallel, before.data_parallel_shard, before.context_parallel, before.tensor_parallel,
+                    before.pipeline_parallel}) {
+    world0 *= static_cast<double>(d);
+  }
+  const double per_micro = static_cast<double>(before.dp_size()) * static_cast<double>(before.micro_batch_num);
+  HP_CHECK(world0 <= static_cast<double>(int64_t{1} << 24) && per_micro <= static_cast<double>(batch) &&
+               batch % (before.dp_size() * before.micro_batch_num) == 0,
+           "--elastic: ", from, " records a layout of ", world0, " rank(s) with global_batch_size=", batch,
+           " in micro_batch_num=", before.micro_batch_num, " over ", before.dp_size(),
+           " data-parallel rank(s), which no run makes");
+  const int64_t samples = batch / (before.dp_size() * before.micro_batch_num);
+  const std::string was = detail::str_cat(static_cast<int64_t>(world0), " rank(s) (", PlanRow{before}.layout(),
+                                          ", micro_batch_num=", before.micro_batch_num, ")");
+  // The choice as --set items: every key a layout sets (plan_layouts' admit).
+  const auto overrides_to = [](const TrainConfig& to) {
+    return std::vector<std::string>{
+        detail::str_cat("data_parallel=", to.data_parallel),
+        detail::str_cat("data_parallel_shard=", to.data_parallel_shard),
+        detail::str_cat("context_parallel=", to.context_parallel),
+        "context_parallel_method=" + to_string(to.context_parallel_method),
+        detail::str_cat("tensor_parallel=", to.tensor_parallel),
+        detail::str_cat("pipeline_parallel=", to.pipeline_parallel),
+        detail::str_cat("expert_parallel=", to.expert_parallel),
+        "moe_dispatcher=" + to_string(to.moe_dispatcher),
+        detail::str_cat("moe_overlap_chunks=", to.moe_overlap_chunks),
+        detail::str_cat("micro_batch_num=", to.micro_batch_num),
+        "data_parallel_shard_strategy=" + to_string(to.data_parallel_shard_strategy),
+        detail::str_cat("reshard_after_forward_group_size=", to.reshard_after_forward_group_size)};
+  };
+  const auto seconds = [](double s) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.3g s", s);
+    return std::string(b);
+  };
+  if (static_cast<int64_t>(world0) == world_size) {
+    TrainConfig probe = given;
+    try {
+      probe.validate(world_size);
+      return out;  // the config's own layout fits: it is the run's
+    } catch (const std::exception&) {
+    }
+    out.overrides = overrides_to(before);
+    out.lines.push_back("elastic: the config's layout does not fit " + std::to_string(world_size) +
+                        " rank(s); the checkpoint's run's, on as many: " + was);
+    return out;
+  }
+  std::string spec;
+  PlanOptions o = plan_options(args, world_size, spec);
+  o.tensor_parallel = before.tensor_parallel;
+  o.pipeline_parallel = before.pipeline_parallel;
+  o.micro_batch_samples = samples;
+  TrainConfig base = given;
+  base.tensor_parallel = before.tensor_parallel;
+  base.pipeline_parallel = before.pipeline_parallel;
+  const std::vector<PlanRow> rows = plan_layouts(base, o, measured_compute(base, args.device_tflops));
+  const auto feasible = std::count_if(rows.begin(), rows.end(), [](const PlanRow& r) { return r.feasible; });
+  const std::string kept = detail::str_cat("tensor_parallel=", before.tensor_parallel, " pipeline_parallel=",
+                                           before.pipeline_parallel, " and micro-batches of ", samples,
+                                           " sample(s) per data-parallel rank (global_batch_size=",
+                                           given.global_batch_size, ")");
+  if (feasible == 0) {
+    std::string why;
+    for (size_t i = 0; i < rows.size() && i < 3; ++i) why += "; " + rows[i].layout() + ": " + rows[i].reason;
+    throw Error(detail::str_cat("--elastic: the checkpoint's run had ", was, "; no layout of ", world_size,
+                                " rank(s) keeps ", kept, rows.empty() ? std::string(": there is none") : why));
+  }
+  const PlanRow& best = rows.front();
+  out.overrides = overrides_to(best.config);
+  out.lines.push_back(detail::str_cat(
+      "elastic: the checkpoint's run had ", was, "; on ", world_size, " rank(s) now: ", best.layout(),
+      ", micro_batch_num=", best.config.micro_batch_num, ", keeping ", kept));
+  std::string next;
+  if (feasible > 1) next = detail::str_cat("; next ", rows[1].layout(), " at ", seconds(rows[1].step_s));
+  out.lines.push_back(detail::str_cat("elastic: the planner's fastest of ", feasible, " feasible layout(s) keeping them: ",
+                                      seconds(best.step_s), " a step predicted, ",
+                                      format_bytes(static_cast<int64_t>(best.memory.estimate.total() + best.activations)),
+                                      " per rank", next, " (links: ", spec.empty() ? "this machine's, measured" : spec,
+                                      ")"));
+  return out;
+}
+
+std::string plan_output(const Args& args, int world_size) {
+  const TrainConfig c = load_config(args.config, args.overrides);
+  std::string spec;
+  const PlanOptions o = plan_options(args, args.world > 0 ? args.world : world_size, spec);
   const auto rows = plan_layouts(c, o, measured_compute(c, args.device_tflops));
   if (args.plan_json) return plan_json(rows);
   return "plan: " + args.config + " over " + std::to_string(o.world) + " rank(s)" +
@@ -196,9 +325,9 @@ void RunReport::open_metrics(int64_t resumed_step, const std::string& from, cons
   const auto& kept = metrics_->kept_resume_causes();
   for (const std::string& earlier : earlier_causes) {
     if (earlier.empty() || earlier == cause || std::find(kept.begin(), kept.end(), earlier) != kept.end()) continue;
-    metrics_->resumed(resumed_step, from, 0, earlier, /*ended_before_training=*/true);
+    metrics_->resumed(resumed_step, from, 0, earlier, world_size_, /*ended_before_training=*/true);
   }
-  metrics_->resumed(resumed_step, from, lost, cause);
+  metrics_->resumed(resumed_step, from, lost, cause, world_size_);
   if (lost > 0) {
     say_(std::to_string(lost) + " step(s) lost: the earlier run had reached step " +
          std::to_string(metrics_->last_step_seen()) + "; they are trained again");

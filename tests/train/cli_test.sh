@@ -250,6 +250,18 @@ grep -q "^step 4/6" "$work/resumed" && fail "the resumed run trained step 4 agai
 run_np $n --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 --set output_dir= \
   --set save_dir="$ck" --resume > "$work/out" 2>&1 || fail "--resume at the end failed: $(cat "$work/out")"
 grep -q "nothing to train" "$work/out" || fail "--resume from latest (step 6 of 6): $(cat "$work/out")"
+# --elastic: step 4's checkpoint of 2 ranks resumed on 1, laid out anew: micro-batches of the
+# same 4 samples (16 over 2 ranks in 2 micro-batches), 4 of them; without --elastic the
+# config's own layout would take 8 samples a micro-batch. (two_nodes_test compares such a
+# relaunch bit for bit with a resume by hand.)
+if [ "$n" = 2 ]; then
+  run_np 1 --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 --set log_interval=1 \
+    --set output_dir= --set save_dir="$ck" --resume "$ck/step_00000004" --elastic > "$work/out" 2>&1 ||
+    fail "--elastic onto 1 rank failed: $(cat "$work/out")"
+  grep -q "^elastic: the checkpoint's run had 2 rank(s) (dp_replicate=1 dp_shard=2 ep=1 tp=1 pp=1, micro_batch_num=2); on 1 rank(s) now: dp_replicate=1 dp_shard=1 ep=1 tp=1 pp=1, micro_batch_num=4, keeping tensor_parallel=1 pipeline_parallel=1 and micro-batches of 4 sample(s)" "$work/out" &&
+    grep -q "^batch: 16 samples x .* 4 micro-batch(es) of 4 per rank" "$work/out" && grep -q "^step 6/6" "$work/out" ||
+    fail "--elastic onto 1 rank: $(cat "$work/out")"
+fi
 # The same saves in the background: announced, and 'latest' moved once each committed.
 ca=$work/ck_async
 run_np $n --config "$cfg" --set data_parallel=1 --set train_steps=6 --set lr_warmup_steps=2 --set save_interval=2 \
@@ -303,8 +315,12 @@ python3 -c "import json,sys; [json.loads(l) for l in open(sys.argv[1])]" "$work/
 "$bin" --config "$src/configs/llama_tiny.yaml" --plan --link 5:zero > "$work/out" 2>&1 && fail "a bad --link was accepted"
 grep -q "simulated network '5:zero'" "$work/out" || fail "bad --link not named: $(cat "$work/out")"
 "$bin" --config "$src/configs/llama_tiny.yaml" --json > "$work/out" 2>&1 && fail "--json without --plan was accepted"
-grep -q -- "--json, --ranks-per-node, --link, --device-tflops and --memory-per-rank only go with --plan" "$work/out" ||
-  fail "--json without --plan not explained: $(cat "$work/out")"
+grep -q -- "--json only goes with --plan" "$work/out" || fail "--json without --plan not explained: $(cat "$work/out")"
+"$bin" --config "$src/configs/llama_tiny.yaml" --link 5:400 > "$work/out" 2>&1 && fail "--link without --plan was accepted"
+grep -q -- "--link, --device-tflops and --memory-per-rank only go with --plan or --elastic" "$work/out" ||
+  fail "--link without --plan not explained: $(cat "$work/out")"
+"$bin" --config "$src/configs/llama_tiny.yaml" --elastic > "$work/out" 2>&1 && fail "--elastic without a resume was accepted"
+grep -q -- "--elastic goes with --resume or --auto-resume" "$work/out" || fail "--elastic alone not explained: $(cat "$work/out")"
 # The published DeepSeek-V3 on 256 devices of 141 GB, 8 per node: planned in seconds, nothing allocated.
 "$bin" --config "$work/v3.yaml" --plan --world 256 --device-tflops 989 --memory-per-rank 141GB --link 5:400,10:50:8 \
   > "$work/out" 2>&1 || fail "--plan of deepseek_v3 failed: $(cat "$work/out")"

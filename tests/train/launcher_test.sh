@@ -118,4 +118,67 @@ timeout 60 bash "$launch" --rank-grace 1 --backoff 0 -- bash "$work/stuck.sh" > 
 [ $(( $(date +%s) - t0 )) -le 15 ] || fail "a stuck job was ended only after $(( $(date +%s) - t0 )) s (grace 1 s)"
 grep -q "rank0 failed (exit status 1: all_reduce #9" "$work/out" && grep -q "outlived its failed rank by 1 s" "$work/out" ||
   fail "not told: $(cat "$work/out")"
+
+# 8. Elastic relaunch (--nodes-file, --node-check, --min-ranks): the hosts are read again before
+# every launch, a host the check fails is left out, {ranks} and {hosts} follow, hp-train gets
+# --elastic; below --min-ranks nothing is launched and the wait counts as a restart.
+printf 'h1 2   # the first node\n\nh2 2\n' > "$work/nodes"
+cat > "$work/check.sh" <<'JOB'
+#!/usr/bin/env bash
+! grep -qx "$1" "$WORK/down" 2> /dev/null
+JOB
+# A job that records its arguments; its first launch loses h2 for good (and fails), later ones
+# finish, or fail while $WORK/failing exists.
+cat > "$work/loses.sh" <<'JOB'
+#!/usr/bin/env bash
+echo "$*" >> "$WORK/args"
+[ "$(wc -l < "$WORK/args")" -gt 1 ] && { [ -e "$WORK/failing" ] && exit 1; exit 0; }
+echo h2 > "$WORK/down"
+exit 137
+JOB
+elastic_run() {  # elastic_run [launcher options...]: $work/out, $work/args; sets rc
+  rm -f "$work/args" "$work/down"
+  timeout 60 bash "$launch" --backoff 0 --nodes-file "$work/nodes" --node-check "bash $work/check.sh" "$@" -- \
+    bash "$work/loses.sh" -np {ranks} --host {hosts} --nodes {nodes} > "$work/out" 2>&1; rc=$?
+}
+elastic_run --min-ranks 2
+[ $rc = 0 ] || fail "elastic: exit $rc: $(cat "$work/out")"
+[ "$(sed -n 1p "$work/args")" = "-np 4 --host h1:2,h2:2 --nodes 2 --auto-resume --elastic" ] &&
+  [ "$(sed -n 2p "$work/args")" = "-np 2 --host h1:2 --nodes 1 --auto-resume --elastic" ] ||
+  fail "elastic: the launches were: $(cat "$work/args")"
+grep -q "launching on 2 rank(s) (h1:2), left out: h2 (--node-check failed)" "$work/out" ||
+  fail "elastic: the relaunch's hosts not said: $(cat "$work/out")"
+# Fewer ranks than --min-ranks: not launched, each wait a restart, then given up.
+elastic_run --min-ranks 3 --max-restarts 2
+[ $rc = 1 ] && [ "$(wc -l < "$work/args")" = 1 ] || fail "below --min-ranks: exit $rc, launches: $(cat "$work/args")"
+grep -q "not launched: only 2 rank(s) to be had (left out: h2), --min-ranks 3 needed" "$work/out" &&
+  grep -q "giving up: the job failed 3 time(s), exit statuses 137 (too few ranks) (too few ranks)" "$work/out" ||
+  fail "below --min-ranks: not told: $(cat "$work/out")"
+# Without --min-ranks: every rank of the first launch is needed, and --elastic is not passed.
+elastic_run --max-restarts 1
+[ $rc = 1 ] && grep -q "only 2 rank(s) to be had (left out: h2), 4 needed" "$work/out" ||
+  fail "without --min-ranks: exit $rc: $(cat "$work/out")"
+[ "$(sed -n 1p "$work/args")" = "-np 4 --host h1:2,h2:2 --nodes 2 --auto-resume" ] || fail "without --min-ranks: $(cat "$work/args")"
+# The resume record's cause says where the relaunch ran (HP_RESTART_CAUSE).
+cat > "$work/cause.sh" <<'JOB'
+#!/usr/bin/env bash
+echo "${HP_RESTART_CAUSE:-none}" >> "$WORK/causes"
+[ -e "$WORK/down" ] && exit 0
+echo h2 > "$WORK/down"
+exit 1
+JOB
+rm -f "$work/down" "$work/causes"
+timeout 60 bash "$launch" --backoff 0 --nodes-file "$work/nodes" --node-check "bash $work/check.sh" --min-ranks 1 -- \
+  bash "$work/cause.sh" -np {ranks} > "$work/out" 2>&1 || fail "the cause: $(cat "$work/out")"
+[ "$(sed -n 2p "$work/causes")" = "exit status 1, restart 1 of 3, on 2 rank(s) (h1:2), left out: h2 (--node-check failed)" ] ||
+  fail "the relaunch's cause: $(cat "$work/causes")"
+# What the options refuse (exit 2): --min-ranks without a nodes file, a command without
+# placeholders, a bad line.
+bash "$launch" --min-ranks 2 -- true > "$work/out" 2>&1; rc=$?
+[ $rc = 2 ] && grep -q "need --nodes-file" "$work/out" || fail "--min-ranks alone: exit $rc: $(cat "$work/out")"
+bash "$launch" --nodes-file "$work/nodes" -- true > "$work/out" 2>&1; rc=$?
+[ $rc = 2 ] && grep -q "names none of {ranks}" "$work/out" || fail "no placeholder: exit $rc: $(cat "$work/out")"
+printf 'h1 0\n' > "$work/bad_nodes"
+bash "$launch" --nodes-file "$work/bad_nodes" -- echo {ranks} > "$work/out" 2>&1; rc=$?
+[ $rc = 2 ] && grep -q "line 1: 'h1 0': expected HOST \[SLOTS\]" "$work/out" || fail "a bad nodes line: exit $rc: $(cat "$work/out")"
 echo "launcher_test: all checks passed"

@@ -573,3 +573,43 @@ TEST(Plan, MuonIterationsAndOwnerExchangesByHand) {
   EXPECT_NEAR(m.exposed_s - a.exposed_s, m.optimizer_comm_s, 1e-12);
   EXPECT_EQ(a.optimizer_comm_s, 0);
 }
+
+// An elastic relaunch's restrictions (PlanOptions::tensor_parallel, pipeline_parallel,
+// micro_batch_samples): over 6 ranks with tensor_parallel 2 held, the layouts are those of the
+// other 3 ranks (r s cp t p with t = 2, p = 1: (r, s, cp) ordered factorizations of 3, 3 of
+// them, and dp_shard x cp > 1 again under optim: 2 more), and a micro-batch of 4 samples per
+// data-parallel rank sets micro_batch_num to 16 / (dp x 4), which dp 3 does not divide.
+TEST(Plan, ElasticRestrictionsHoldTheDegreesAndTheMicroBatch) {
+  FakeCompute fake;
+  ht::PlanOptions o = options(4, 4);
+  o.tensor_parallel = 2;
+  o.pipeline_parallel = 1;
+  o.micro_batch_samples = 4;
+  const auto rows = ht::plan_layouts(tiny(), o, fake);
+  // 4 ranks, tp 2, pp 1: (r, s, cp) of 2: (2,1,1) (1,2,1) (1,1,2), and (1,2,1) (1,1,2) under optim.
+  ASSERT_EQ(rows.size(), 5u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row.config.tensor_parallel, 2);
+    EXPECT_EQ(row.config.pipeline_parallel, 1);
+    ASSERT_TRUE(row.feasible) << row.layout() << ": " << row.reason;
+    // 16 samples over 2 data-parallel ranks (or 1 under cp 2) in micro-batches of 4.
+    const int64_t dp = row.config.data_parallel * row.config.data_parallel_shard;
+    EXPECT_EQ(row.config.micro_batch_num, 16 / (dp * 4)) << row.layout();
+    EXPECT_EQ(row.config.micro_batch_size(), 4) << row.layout();
+  }
+  EXPECT_EQ(*fake.asked, (std::map<int64_t, int>{{4, 1}}));  // every row timed at 4 samples
+  // 6 ranks, tp 2: dp 3 cannot hold 16 samples in micro-batches of 4: listed, not feasible.
+  o.world = 6;
+  const auto six = ht::plan_layouts(tiny(), o, fake);
+  size_t dp3 = 0;
+  for (const auto& row : six) {
+    if (row.config.data_parallel * row.config.data_parallel_shard != 3) continue;
+    ++dp3;
+    EXPECT_FALSE(row.feasible);
+    EXPECT_NE(row.reason.find("global_batch_size=16 is not a whole number of micro-batches of 4 sample(s) over 3 "
+                              "data-parallel rank(s)"),
+              std::string::npos)
+        << row.reason;
+  }
+  EXPECT_EQ(dp3, 3u);  // (3,1,1) (1,3,1) and (1,3,1) under optim
+}

@@ -13,7 +13,10 @@
 #      and ends the mpirun that cannot end them, within the timeout + 60 s; with the link back
 #      it relaunches, and the run ends bitwise equal to a run never disturbed;
 #   6. a bandwidth cap on the link (tc's tbf, 10 Mbit/s; skipped, saying why, where tc has
-#      none): the run completes, slower (bench/two_nodes_tbf.sh measures it against --plan).
+#      none): the run completes, slower (bench/two_nodes_tbf.sh measures it against --plan);
+#   7. (before 6) elastic relaunch onto fewer ranks: node b lost for good at step 7 of 20, the
+#      launcher relaunches on node a's 2 ranks and hp-train --elastic lays the checkpoint out
+#      on them; equal, bit for bit, to the same checkpoint resumed on 2 ranks by hand.
 # Skipped (77), saying why, where namespaces cannot be made (not root, no ip or unshare).
 # Leaves no namespace or link behind, however it ends.
 # Usage: two_nodes_test.sh <hp-train> <source dir>
@@ -71,13 +74,16 @@ start_run long --set train_steps=100000
 wait_step long 5
 t0=$(date +%s.%N)
 bash "$nodes" "$name" down
+# Counted where they appear in a line: two ranks' lines could interleave (hp-train writes each
+# in one write now, but mpirun forwards each rank's output on its own).
+failed_ranks() { grep -o "hp-train: error (rank [01])" "$work/long.log" | sort -u | wc -l; }
 for _ in $(seq 400); do
-  [ "$(grep -c "^hp-train: error (rank [01])" "$work/long.log")" -ge 2 ] && break
+  [ "$(failed_ranks)" -ge 2 ] && break
   sleep 0.1
 done
 took=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
-errors=$(grep "^hp-train: error (rank [01])" "$work/long.log")
-[ "$(echo "$errors" | grep -c .)" -ge 2 ] || fail "the reachable node's ranks did not both fail: $(tail -8 "$work/long.log")"
+errors=$(grep "hp-train: error (rank [01])" "$work/long.log")
+[ "$(failed_ranks)" -ge 2 ] || fail "the reachable node's ranks did not both fail: $(tail -8 "$work/long.log")"
 echo "$errors" | grep -q "timed out after 10000 ms" || fail "no timeout named: $errors"
 echo "$errors" | grep -q "on group '" || fail "no group named: $errors"
 echo "$errors" | grep -q "rank(s) on other nodes could not be checked" || fail "the other node's ranks not named: $errors"
@@ -131,6 +137,57 @@ got=$(cd "$work/relaunched/checkpoints/step_00000020" && sha256sum rank*.safeten
 grep -q '"resume":{"step":[0-9]*,.*"cause":"exit status 1' "$work/relaunched/metrics.jsonl" ||
   fail "no resume record: $(grep resume "$work/relaunched/metrics.jsonl")"
 echo "two_nodes_test: under the launcher: the job ended $took s after the partition, relaunched, bitwise"
+
+# 7. Elastic relaunch onto fewer ranks (the launcher's --nodes-file, --node-check and
+# --min-ranks; hp-train --elastic): node b lost for good at step 7 of 20, the job relaunched on
+# node a's 2 ranks, laid out by the planner with the same global batch. Against the same
+# checkpoint of an undisturbed run resumed on 2 ranks by hand in that layout: the same losses
+# and the same last checkpoint, bit for bit (the same computation); every step once in
+# metrics.jsonl, the relaunch recorded with its ranks.
+printf 'a 2\nb 2\n' > "$work/nodes"
+HP_COMM_TIMEOUT_S=10 timeout 300 bash "$src/scripts/launch.sh" --nodes-file "$work/nodes" --min-ranks 2 \
+  --node-check "bash $nodes $name check" --rank-grace 5 --backoff 1 --max-restarts 2 -- \
+  bash "$nodes" "$name" run-on {hosts} "$bin" "${cfg[@]}" "${steps[@]}" --set output_dir="$work/elastic" \
+  > "$work/elastic.log" 2>&1 & launcher=$!
+wait_step elastic 7
+bash "$nodes" "$name" lose b
+wait $launcher; rc=$?
+[ $rc = 0 ] || fail "the elastic relaunch: exit $rc: $(grep -E "launch.sh|error" "$work/elastic.log" | tail -5)"
+grep -q "launching on 2 rank(s) (a:2), left out: b (--node-check failed)" "$work/elastic.log" ||
+  fail "the relaunch's hosts not said: $(grep launch.sh "$work/elastic.log")"
+chose=$(sed -n 's/^elastic: .* on 2 rank(s) now: dp_replicate=\([0-9]*\) dp_shard=\([0-9]*\) tp=1 pp=1, micro_batch_num=\([0-9]*\), .*/\1 \2 \3/p' \
+  "$work/elastic.log")
+read -r rep shard mbn <<< "$chose"
+# 2 data-parallel ranks (tp and pp 1), 16 samples in micro-batches of 4: 2 micro-batches each.
+[ -n "$mbn" ] && [ $((rep * shard)) = 2 ] && [ "$mbn" = 2 ] ||
+  fail "the elastic layout '$chose' keeps neither 2 ranks nor micro-batches of 4: $(grep elastic: "$work/elastic.log")"
+python3 - "$work/elastic/metrics.jsonl" > "$work/elastic.resumed" <<'PY' || fail "elastic metrics: $(cat "$work/elastic.resumed")"
+import json, sys
+steps, resumes = [], []
+for line in open(sys.argv[1]):
+    e = json.loads(line)
+    if "resume" in e: resumes.append(e["resume"])
+    elif "step" in e: steps.append(e["step"])
+assert steps == list(range(1, 21)), f"steps {steps}"
+assert len(resumes) == 1 and resumes[0]["ranks"] == 2 and "on 2 rank(s) (a:2), left out: b" in resumes[0]["cause"], resumes
+print(resumes[0]["step"])
+PY
+k=$(cat "$work/elastic.resumed")
+# The undisturbed run of 5 (the same config on 4 ranks): its checkpoint of step k resumed on
+# node a by hand.
+timeout 300 bash "$nodes" "$name" run-on a:2 "$bin" "${cfg[@]:0:2}" --set lr_warmup_steps=1 "${steps[@]}" --set output_dir="$work/by_hand" \
+  --set data_parallel=$rep --set data_parallel_shard=$shard --set micro_batch_num=$mbn \
+  --resume "$work/straight/checkpoints/$(printf 'step_%08d' "$k")" > "$work/by_hand.log" 2>&1 ||
+  fail "the resume by hand failed: $(grep error "$work/by_hand.log" | head -3)"
+losses() { python3 -c "import json,sys; [print(e['step'], e['loss']) for e in map(json.loads, open(sys.argv[1])) if 'loss' in e and e['step'] > $k]" "$1"; }
+[ "$(losses "$work/elastic/metrics.jsonl")" = "$(losses "$work/by_hand/metrics.jsonl")" ] ||
+  fail "after the relaunch the losses differ from the resume by hand: $(losses "$work/elastic/metrics.jsonl" | head -3) vs $(losses "$work/by_hand/metrics.jsonl" | head -3)"
+[ "$(cd "$work/elastic/checkpoints/step_00000020" && sha256sum rank*.safetensors)" = \
+  "$(cd "$work/by_hand/checkpoints/step_00000020" && sha256sum rank*.safetensors)" ] ||
+  fail "the elastic run's last checkpoint differs from the resume by hand's"
+bash "$nodes" "$name" destroy && bash "$nodes" "$name" create || fail "the nodes cannot be made again"  # b back
+echo "two_nodes_test: elastic: node b lost at step 7, relaunched on 2 ranks (dp_replicate=$rep dp_shard=$shard," \
+  "micro_batch_num=$mbn) from step $k; losses and last checkpoint equal to the resume by hand"
 
 # 6. A bandwidth cap on the link.
 if ip netns exec "$name-a" tc qdisc add dev "${name}va" root tbf rate 10mbit burst 32kb latency 400ms 2> /dev/null &&

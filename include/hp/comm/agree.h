@@ -29,4 +29,8 @@ void raise_if_any_failed(const CommPtr& comm, const std::string& error, const st
 bool all_ranks_equal(const CommPtr& comm, const at::Tensor& values, at::Tensor* max = nullptr,
                      at::Tensor* min = nullptr);
 
+// `text` as rank `root` holds it, on every rank of `comm` (two broadcasts: its length, then
+// its bytes). What one rank decided that every rank must do alike.
+std::string broadcast_text(const CommPtr& comm, const std::string& text, int root);
+
 }  // namespace hp

@@ -23,11 +23,13 @@ struct Args {
   std::string resume_dir;  // empty: save_dir's latest
   bool overwrite = false;  // --overwrite: delete an earlier run's checkpoints in save_dir
   bool auto_resume = false;  // --auto-resume: save_dir's latest when there is one, else start
+  bool elastic = false;  // --elastic: a checkpoint of another world size laid out anew (elastic_layout)
   // --resume-changes k1,k2: settings a resume may change although they change the run's
   // course (lr, train_steps, ...; ResumeRule::kTrajectory); each a config key.
   std::vector<std::string> resume_changes;
   int world = 0;  // --world: the rank count --estimate and --plan assume (0 = this run's)
   // --plan [--ranks-per-node K] [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]
+  // (all but --json also for --elastic's planner)
   bool plan = false, plan_json = false;
   int ranks_per_node = 0;
   std::string link;

@@ -220,6 +220,8 @@ struct TrainConfig {
   // Raises hp::Error naming the key; "not supported yet" for capabilities not built.
   void validate(int world_size);
 
+  // Where checkpoints go: save_dir, else output_dir/checkpoints (validate() sets save_dir so).
+  std::string checkpoint_dir() const { return save_dir.empty() && !output_dir.empty() ? output_dir + "/checkpoints" : save_dir; }
   int64_t dp_size() const { return data_parallel * data_parallel_shard; }
   // The layout's degrees as given (data_parallel_shard -1 until validate() resolves it).
   ParallelDims::Degrees degrees() const {

@@ -120,6 +120,13 @@ struct PlanOptions {
   int threads_per_rank = 0;   // 0: cores / ranks on a node, at least 1 (as hp::init picks)
   bool device = false;        // ranks drive a GPU each (NCCL): overlap is on, no oversubscription
   int64_t memory_per_rank = 0;  // bytes; 0: this machine's available memory / ranks on a node (required with device)
+  // Held fixed (a relaunch onto another world, elastic_layout): only layouts with this
+  // tensor_parallel and pipeline_parallel (0: any), and with micro_batch_samples > 0 each
+  // layout's micro_batch_num set so that a micro-batch holds that many samples per
+  // data-parallel rank (the global batch kept; a layout it does not divide is listed, not
+  // feasible).
+  int64_t tensor_parallel = 0, pipeline_parallel = 0;
+  int64_t micro_batch_samples = 0;
 };
 
 struct PlanRow {

@@ -74,11 +74,11 @@ class MetricsLog {
   // The last step the earlier log recorded (0: none): with keep_through, the steps lost
   // are last_step_seen() - keep_through.
   int64_t last_step_seen() const { return last_seen_; }
-  // {"resume":{"step","from","steps_lost","cause"}}: a run resumed after `step` steps from
-  // the checkpoint `from`; `cause` says why (a restart's exit status, or "--resume").
-  // ended_before_training (adds "ended_before_training": true): a relaunch that ended before
-  // it could write its own record, recorded by the next one.
-  void resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause,
+  // {"resume":{"step","from","steps_lost","cause","ranks"}}: a run resumed after `step` steps
+  // on `ranks` ranks from the checkpoint `from`; `cause` says why (a restart's exit status, or
+  // "--resume"). ended_before_training (adds "ended_before_training": true, no "ranks"): a
+  // relaunch that ended before it could write its own record, recorded by the next one.
+  void resumed(int64_t step, const std::string& from, int64_t steps_lost, const std::string& cause, int ranks,
                bool ended_before_training = false);
   // The causes of the resume records carried over.
   const std::vector<std::string>& kept_resume_causes() const { return kept_resume_causes_; }

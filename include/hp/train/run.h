@@ -88,6 +88,23 @@ Resumed resume(Trainer& trainer, const TrainConfig& c, const std::string& dir);
 // machine's measured shared memory), as the table with its heading, or --json's JSON.
 std::string plan_output(const Args& args, int world_size);
 
+// --elastic (scripts/launch.sh --min-ranks: a job relaunched on the ranks it can have): the
+// layout a run resumed on `world_size` ranks takes when the checkpoint it continues from
+// (args' --resume DIR, or save_dir's latest) was written by a run of another size. The
+// checkpoint's tensor_parallel and pipeline_parallel are kept, and so are the global batch
+// and the samples of a micro-batch per data-parallel rank (fewer ranks: more micro-batches);
+// among the layouts of `world_size` ranks that keep them, the planner's fastest feasible
+// one (plan_layouts, on the links and devices args' --link, --ranks-per-node,
+// --device-tflops and --memory-per-rank describe, as --plan). Of the same size: the config's
+// own layout where it fits, else the checkpoint's. Without a checkpoint: the config's.
+// Raises naming the reasons when no layout keeps them (a data-parallel degree that does not
+// divide the global batch in such micro-batches; the stages not fitting in memory).
+struct ElasticChoice {
+  std::vector<std::string> overrides;  // "key=value" as --set takes them (empty: the config as given)
+  std::vector<std::string> lines;      // what it chose and why
+};
+ElasticChoice elastic_layout(const Args& args, int world_size);
+
 class RunReport {
  public:
   RunReport(const TrainConfig& c, int world_size, bool lead, const ReferenceLosses* reference,
