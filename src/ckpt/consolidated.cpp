@@ -11,6 +11,7 @@
 #include <fstream>
 #include <set>
 
+#include "hp/ckpt/float8.h"
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/error.h"
 #include "hp/core/untrusted.h"
@@ -169,15 +170,31 @@ std::map<std::string, std::string> consolidated_tensors(const std::string& dir) 
   return where;
 }
 
+namespace {
+
+// A weight stored as float8_e4m3fn bytes (hp/ckpt/float8.h), read for `item`: its bytes and
+// the scales of the blocks its box touches, then dequantized into item.local.
+struct Float8Read {
+  const Item* item;
+  std::string name, scale_name;
+  Item bytes, scales;
+  int64_t first_row_block = 0, first_col_block = 0;
+};
+
+}  // namespace
+
 void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
   const std::map<std::string, std::string> where = consolidated_tensors(dir);
   const std::string index_path = dir + "/" + kIndex;
+  // FP8 weights with block scales where config.json says so (checked; none without it).
+  c10::optional<Float8Blocks> blocks;
+  if (fs::exists(dir + "/config.json")) {
+    blocks = hf_float8_blocks(hp::files::read_regular(dir + "/config.json", "config.json"), dir + "/config.json");
+  }
   // The catalog of the tensors asked for: each a single chunk, the whole tensor.
   json tensors = json::object();
   std::map<std::string, SafetensorsHeader> headers;
-  for (const auto& it : items) {
-    const std::string& name = it.source.empty() ? it.name : it.source;
-    if (tensors.contains(name)) continue;
+  const auto entry = [&](const std::string& name) -> const TensorEntry& {
     auto w = where.find(name);
     HP_CHECK(w != where.end(), "load of '", dir, "': tensor '", name, "' is not in it");
     const std::string& file = w->second;  // a plain file name: consolidated_tensors checked it
@@ -185,15 +202,79 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
     if (h == headers.end()) h = headers.emplace(file, read_header(dir + "/" + file)).first;
     const TensorEntry* e = h->second.find(name);
     HP_CHECK(e != nullptr, "load of '", dir, "': '", file, "' lacks the tensor '", name, "' its index maps to it");
-    tensors[name] = {{"dtype", dtype_string(e->dtype)},
-                     {"shape", e->shape},
-                     {"chunks", json::array({{{"file", file},
-                                              {"key", name},
-                                              {"offsets", std::vector<int64_t>(e->shape.size(), 0)},
-                                              {"lengths", e->shape}}})}};
+    if (!tensors.contains(name)) {
+      tensors[name] = {{"dtype", dtype_string(e->dtype)},
+                       {"shape", e->shape},
+                       {"chunks", json::array({{{"file", file},
+                                                {"key", name},
+                                                {"offsets", std::vector<int64_t>(e->shape.size(), 0)},
+                                                {"lengths", e->shape}}})}};
+    }
+    return *e;
+  };
+  std::vector<Item> plain;
+  std::vector<Float8Read> float8;
+  for (const auto& it : items) {
+    const std::string& name = it.source.empty() ? it.name : it.source;
+    const TensorEntry& e = entry(name);
+    if (!e.e4m3fn) {
+      plain.push_back(it);
+      continue;
+    }
+    const std::string at = "load of '" + dir + "': tensor '" + name + "' (in '" + where.at(name) + "') is F8_E4M3";
+    HP_CHECK(blocks.has_value(), at, ", but config.json has no quantization_config to say how it is scaled");
+    HP_CHECK(e.shape.size() == 2, at, " of shape ", c10::IntArrayRef(e.shape),
+             ": only 2-D weights with block scales are supported yet");
+    Float8Read r{&it, name, float8_scale_name(name), {}, {}, 0, 0};
+    HP_CHECK(where.count(r.scale_name), at, ", but the folder has no '", r.scale_name, "' (its block scales)");
+    const TensorEntry& se = entry(r.scale_name);
+    const std::vector<int64_t> want = {(e.shape[0] + blocks->rows - 1) / blocks->rows,
+                                       (e.shape[1] + blocks->cols - 1) / blocks->cols};
+    HP_CHECK(!se.e4m3fn && at::isFloatingType(se.dtype) && se.shape == want, "load of '", dir, "': the scales '",
+             r.scale_name, "' (in '", where.at(r.scale_name), "') are ", se.dtype_name(), " of shape ",
+             c10::IntArrayRef(se.shape), "; the ", blocks->rows, " x ", blocks->cols, " blocks of '", name, "' ",
+             c10::IntArrayRef(e.shape), " need floating-point scales of shape ", c10::IntArrayRef(want));
+    const ShardSpec& box = it.spec;
+    r.bytes = {it.name + " (float8 bytes)", at::empty(box.lengths, at::TensorOptions().dtype(at::kByte)), box, name};
+    if (box.empty()) continue;  // nothing of it on this rank
+    r.first_row_block = box.offsets[0] / blocks->rows;
+    r.first_col_block = box.offsets[1] / blocks->cols;
+    const int64_t last_row = (box.offsets[0] + box.lengths[0] - 1) / blocks->rows;
+    const int64_t last_col = (box.offsets[1] + box.lengths[1] - 1) / blocks->cols;
+    ShardSpec scale_box = make_shard_spec(want, {});
+    scale_box.offsets = {r.first_row_block, r.first_col_block};
+    scale_box.lengths = {last_row - r.first_row_block + 1, last_col - r.first_col_block + 1};
+    r.scales = {it.name + " (float8 scales)", at::empty(scale_box.lengths, at::TensorOptions().dtype(at::kFloat)),
+                scale_box, r.scale_name};
+    float8.push_back(std::move(r));
+  }
+  std::vector<Item> all = plain;
+  for (const Float8Read& r : float8) {
+    all.push_back(r.bytes);
+    all.push_back(r.scales);
   }
   // The hub's cache links a snapshot's files to blobs elsewhere: links are followed here.
-  detail::load_boxes(items, dir, tensors, json::object(), /*convert=*/true, "the folder", detail::FileLinks::kFollow);
+  detail::load_boxes(all, dir, tensors, json::object(), /*convert=*/true, "the folder", detail::FileLinks::kFollow);
+  for (const Float8Read& r : float8) {
+    const at::Tensor& b = r.bytes.local;
+    const int64_t nan = (b.bitwise_and(0x7F) == 0x7F).sum().item<int64_t>();
+    HP_CHECK(nan == 0, "load of '", dir, "': tensor '", r.name, "' (in '", where.at(r.name), "') holds ", nan,
+             " float8 NaN byte(s) (0x7f or 0xff) among the ", b.numel(), " this rank read: the folder's weights are "
+             "damaged");
+    const at::Tensor& sc = r.scales.local;
+    const int64_t bad = sc.numel() - (at::isfinite(sc) & (sc > 0)).sum().item<int64_t>();
+    HP_CHECK(bad == 0, "load of '", dir, "': the scales '", r.scale_name, "' (in '", where.at(r.scale_name),
+             "') hold ", bad, " value(s) that are 0, negative, infinite or NaN among the ", sc.numel(),
+             " this rank read: a block's weights cannot be recovered from them");
+    // Each element times its block's scale, in fp32 (the product a reader in PyTorch forms),
+    // then cast to the item's dtype.
+    const ShardSpec& box = r.bytes.spec;
+    const at::Tensor each = sc.repeat_interleave(blocks->rows, 0)
+                                .repeat_interleave(blocks->cols, 1)
+                                .narrow(0, box.offsets[0] - r.first_row_block * blocks->rows, box.lengths[0])
+                                .narrow(1, box.offsets[1] - r.first_col_block * blocks->cols, box.lengths[1]);
+    r.item->local.copy_(decode_e4m3fn(b).mul_(each));
+  }
   // A folder from elsewhere may hold damaged weights: a NaN or infinity would only show as
   // a diverged first step, blamed on the learning rate.
   for (const auto& it : items) {

@@ -19,6 +19,7 @@ namespace {
 
 constexpr int64_t kMaxHeaderBytes = int64_t(100) << 20;  // safetensors' own limit
 constexpr int64_t kMaxInt = int64_t(1) << 53;            // integers JSON carries exactly
+constexpr const char* kE4m3fn = "F8_E4M3";
 
 const std::vector<std::pair<std::string, at::ScalarType>>& dtype_names() {
   static const std::vector<std::pair<std::string, at::ScalarType>> names = {
@@ -211,9 +212,10 @@ class HeaderParser {
       if (k == "dtype" && !has_dtype) {
         std::string d = string();
         auto it = std::find_if(dtype_names().begin(), dtype_names().end(), [&](const auto& p) { return p.first == d; });
-        HP_CHECK(it != dtype_names().end(), what_, ": tensor '", name, "' has dtype '", d,
-                 "', not one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
-        t.dtype = it->second;
+        t.e4m3fn = d == kE4m3fn;  // its bytes, held as uint8 (hp/ckpt/float8.h decodes them)
+        HP_CHECK(it != dtype_names().end() || t.e4m3fn, what_, ": tensor '", name, "' has dtype '", d,
+                 "', not one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3");
+        t.dtype = t.e4m3fn ? at::kByte : it->second;
         has_dtype = true;
       } else if (k == "shape" && !has_shape) {
         t.shape = int_array();
@@ -272,6 +274,8 @@ const TensorEntry* SafetensorsHeader::find(const std::string& name) const {
   return nullptr;
 }
 
+std::string TensorEntry::dtype_name() const { return e4m3fn ? kE4m3fn : dtype_string(dtype); }
+
 std::string dtype_string(at::ScalarType t) {
   for (const auto& [s, d] : dtype_names()) {
     if (d == t) return s;
@@ -309,7 +313,7 @@ SafetensorsHeader parse_header(const std::string& what, const uint8_t* bytes, si
              ": tensor '", t.name, "' has too many bytes");
     HP_CHECK(t.begin <= t.end, what, ": tensor '", t.name, "' has data_offsets [", t.begin, ", ", t.end,
              "] that run backwards");
-    HP_CHECK(t.end - t.begin == bytes_needed, what, ": tensor '", t.name, "' is ", dtype_string(t.dtype), " of shape ",
+    HP_CHECK(t.end - t.begin == bytes_needed, what, ": tensor '", t.name, "' is ", t.dtype_name(), " of shape ",
              c10::IntArrayRef(t.shape), " (", bytes_needed, " bytes) but its data_offsets [", t.begin, ", ", t.end,
              "] hold ", t.end - t.begin);
     HP_CHECK(t.end <= data_bytes, what, ": tensor '", t.name, "' ends at data byte ", t.end, ", past the ",

@@ -4,6 +4,7 @@
 #include <variant>
 
 #include "hf_json.h"
+#include "hp/ckpt/float8.h"
 #include "hp/models/deepseek.h"
 
 namespace hp::models {
@@ -125,7 +126,7 @@ std::string hf_config(const DeepSeekConfig& c, at::ScalarType dtype) {
 DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::string& path) {
   const detail::HfJson j(text, path);
   j.require("model_type", "deepseek_v3", "not deepseek_v3");
-  j.require_absent("quantization_config", "quantized weights; convert them to bf16 or fp32 first");
+  ckpt::hf_float8_blocks(text, path);  // none, or FP8 with block scales (read by the import); others refused
   for (const Fixed& f : fixed()) j.require(f.key, f.value, f.why);
   j.require_absent("rope_scaling", "plain rotary only");
   HP_CHECK(j.has("q_lora_rank"), "'", path, "': q_lora_rank null (queries without a latent) is not supported yet");

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 
+#include "hp/ckpt/float8.h"
 #include "hp/core/error.h"
 #include "hp/models/family.h"
 #include "hp/core/hash.h"
@@ -444,7 +445,7 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
   const detail::HfJson j(text, path);
   const bool qwen2 = j.has("model_type") && j.json()["model_type"] == "qwen2";
   if (!qwen2) j.require("model_type", "llama", "llama or qwen2");
-  j.require_absent("quantization_config", "quantized weights; convert them to bf16 or fp32 first");
+  ckpt::hf_float8_blocks(text, path);  // none, or FP8 with block scales (read by the import); others refused
   j.require("hidden_act", "silu", "the model uses silu");
   LlamaConfig c;
   if (qwen2) {  // biases on q, k and v, always; no sliding-window attention

@@ -6,6 +6,7 @@
 
 #include "hp/ckpt/checkpoint.h"
 #include "hp/ckpt/consolidated.h"
+#include "hp/ckpt/float8.h"
 #include "hp/ckpt/safetensors.h"
 #include "hp/comm/agree.h"
 #include "hp/core/error.h"
@@ -31,15 +32,38 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
                                 e.what()));
   }
   c.model->check_hf_config(text, path);
+  const bool float8 = ckpt::hf_float8_blocks(text, path).has_value();  // FP8 weights with block scales
   const auto names = c.model->hf_names();
   std::map<std::string, std::string> sources(names.begin(), names.end());
-  // Every tensor of the folder is read, or one transformers passes over too: a tensor left
-  // over (a bias, a block or a head config.json does not speak of) would be dropped silently.
   std::set<std::string> read;
   for (const auto& [ours, theirs] : names) read.insert(theirs);
+  const std::map<std::string, std::string> held = ckpt::consolidated_tensors(dir);  // each shard's header read
+  // Weights are floating point, or FP8 bytes with their block scales where config.json says
+  // so (then the scales are read too): an integer or boolean one is quantized in another way
+  // or not a weight, and a cast would train from garbage.
+  std::map<std::string, std::set<std::string>> by_file;
+  for (const auto& [name, file] : held) {
+    if (read.count(name)) by_file[file].insert(name);
+  }
+  std::set<std::string> scales;
+  for (const auto& [file, names] : by_file) {
+    for (const ckpt::TensorEntry& e : ckpt::read_header(dir + "/" + file).tensors) {
+      if (!names.count(e.name)) continue;
+      if (e.e4m3fn && float8) {
+        scales.insert(ckpt::float8_scale_name(e.name));
+        continue;
+      }
+      HP_CHECK(at::isFloatingType(e.dtype), "init_from_hf: '", dir, "': the tensor '", e.name, "' (in ", file, ") is ",
+               e.dtype_name(), e.e4m3fn ? ", but config.json has no quantization_config to say how it is scaled"
+                                        : ": integer and boolean weights are not supported yet (a quantized checkpoint? "
+                                          "convert it to bf16 or fp32 first)");
+    }
+  }
+  read.insert(scales.begin(), scales.end());
+  // Every tensor of the folder is read, or one transformers passes over too: a tensor left
+  // over (a bias, a block or a head config.json does not speak of) would be dropped silently.
   size_t unused = 0;
   std::string first;
-  const std::map<std::string, std::string> held = ckpt::consolidated_tensors(dir);  // each shard's header read
   for (const auto& [name, file] : held) {
     if (read.count(name) || c.model->hf_ignores(name)) continue;
     if (unused++ == 0) first = "'" + name + "' (in " + file + ")";
@@ -48,20 +72,6 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
            " the model its config.json describes has no place for, the first ", first,
            ": the weights hold more than config.json says (a tensor of a kind not supported yet, or a config.json ",
            "of another model); nothing was loaded");
-  // Weights are floating point: an integer or boolean one is quantized or not a weight, and
-  // a cast would train from garbage.
-  std::map<std::string, std::set<std::string>> by_file;
-  for (const auto& [name, file] : held) {
-    if (read.count(name)) by_file[file].insert(name);
-  }
-  for (const auto& [file, names] : by_file) {
-    for (const ckpt::TensorEntry& e : ckpt::read_header(dir + "/" + file).tensors) {
-      HP_CHECK(!names.count(e.name) || at::isFloatingType(e.dtype), "init_from_hf: '", dir, "': the tensor '", e.name,
-               "' (in ", file, ") is ", ckpt::dtype_string(e.dtype),
-               ": integer and boolean weights are not supported yet (a quantized checkpoint? convert it to bf16 or ",
-               "fp32 first)");
-    }
-  }
   return sources;
 }
 

@@ -186,6 +186,6 @@ WORK=$work timeout 300 bash "$src/scripts/launch.sh" --backoff 0 --max-restarts 
 [ "$(grep -c '^{"resume"' "$work/flaky/metrics.jsonl")" = 2 ] || fail "not 2 resume records: $(grep resume "$work/flaky/metrics.jsonl")"
 grep -q '"cause":"exit status 137 (a process killed by SIGKILL), restart 1 of 3","ended_before_training":true' \
   "$work/flaky/metrics.jsonl" || fail "relaunch 1 not recorded: $(grep resume "$work/flaky/metrics.jsonl")"
-grep -q '"cause":"exit status 1, restart 2 of 3"}' "$work/flaky/metrics.jsonl" ||
+grep -q '"cause":"exit status 1, restart 2 of 3","ranks":1}' "$work/flaky/metrics.jsonl" ||
   fail "relaunch 2 not recorded: $(grep resume "$work/flaky/metrics.jsonl")"
 echo "PASS"

@@ -31,6 +31,10 @@ namespace hp::ckpt {
 struct TensorEntry {
   std::string name;
   at::ScalarType dtype = at::kFloat;
+  // F8_E4M3 (float8_e4m3fn, hp/ckpt/float8.h): held as its bytes, `dtype` kByte; read only
+  // where a caller decodes it (load_consolidated with the folder's block scales).
+  bool e4m3fn = false;
+  std::string dtype_name() const;  // the file's dtype string ("F32", "F8_E4M3", ...)
   std::vector<int64_t> shape;
   int64_t begin = 0, end = 0;  // byte range within the data section
 };
