@@ -56,6 +56,9 @@ grep -E "NCCL:|warning" "$build.configure.log" | head -5
 # suite (scripts/test.sh), which runs them against libtorch 1.13:
 #   - the other 2-, 3-, 4- and 8-rank entries and the timing assertions: the same ops under
 #     more ranks and the communicator, whose MPI byte moves no libtorch version changes;
+#   - the trainer's 1-rank entry (train_test.np1): its 2-rank entry runs here, and each of
+#     its cases trains the single-process reference beside the layout, so every op of the
+#     1-rank run is in it (kept to hold .ci/run under 40 minutes);
 #   - the tests against transformers 5 (hf_deepseek, hf_llama_rope, hf_llama_variants): they
 #     run there on this same virtual environment's PyTorch 2.11 and transformers, against the
 #     models whose every op the 1-rank entries here run on libtorch 2.11;
@@ -72,7 +75,7 @@ if [ "${1:-}" = --build-all ]; then
 elif [ $# -eq 0 ]; then
   default_tier=1
   set -- -LE 'gpu|dist_timing|fuzz' \
-    -E '\.np[348]|^comm_test\.np2$|^fault_matrix_test$|^launcher_fault_test$|^launcher_test$|^hostile_inputs_test$|^two_nodes_test$|^restart_test$|^ckpt_kill_test$|^run_folders_test$|^cmake_package_test$|^hp_train_cli_test$|^hp_train_seed_config_test$|^llama_example_test$|^hf_deepseek_test$|^hf_llama_rope_test$|^hf_llama_variants_test$|^(comm_failure|deepseek_fsdp|deepseek_tp|deferred_init|fully_shard_composable|fully_shard_controls|fully_shard_errors|fully_shard_overlap|llama_fsdp|llama_tp|mesh|pp|tp|tp_checkpoint|simulated_network|ckpt|cp|ep|muon_dist|muon_trainer)_test\.np2(_overlap_off)?$|^train_test\.np2_overlap_off$'
+    -E '\.np[348]|^train_test\.np1$|^comm_test\.np2$|^fault_matrix_test$|^launcher_fault_test$|^launcher_test$|^hostile_inputs_test$|^two_nodes_test$|^restart_test$|^ckpt_kill_test$|^run_folders_test$|^cmake_package_test$|^hp_train_cli_test$|^hp_train_seed_config_test$|^llama_example_test$|^hf_deepseek_test$|^hf_llama_rope_test$|^hf_llama_variants_test$|^(comm_failure|deepseek_fsdp|deepseek_tp|deferred_init|fully_shard_composable|fully_shard_controls|fully_shard_errors|fully_shard_overlap|llama_fsdp|llama_tp|mesh|pp|tp|tp_checkpoint|simulated_network|ckpt|cp|ep|muon_dist|muon_trainer)_test\.np2(_overlap_off)?$|^train_test\.np2_overlap_off$'
 fi
 targets=()
 if [ "$default_tier" -eq 1 ]; then
