@@ -93,6 +93,7 @@ int export_checkpoint(const Args& args, const hp::CommPtr& world) {
     hp::ckpt::ExportOptions o;
     if (args.max_shard_bytes > 0) o.max_shard_bytes = args.max_shard_bytes;
     if (args.export_dtype) o.dtype = *args.export_dtype;
+    o.float8 = args.export_float8;
     // A checkpoint, or a save_dir whose 'latest' names one.
     std::string from = args.export_ckpt;
     if (std::filesystem::exists(from + "/latest")) from = hp::train::CheckpointManager::resolve(from);

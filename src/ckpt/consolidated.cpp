@@ -48,6 +48,7 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
     at::ScalarType dtype;
     std::vector<int64_t> shape;
     int64_t bytes;
+    bool float8 = false;  // written as its FP8 bytes and `name`_scale_inv beside them
   };
   std::vector<Planned> plan;
   try {
@@ -62,8 +63,13 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
       const at::ScalarType saved = dtype_from_string(t["dtype"].get<std::string>());
       Planned p{source, name, o.keep_dtype.count(source) ? saved : o.dtype.value_or(saved),
                 t["shape"].get<std::vector<int64_t>>(), 0};
-      p.bytes = static_cast<int64_t>(c10::elementSize(p.dtype));
+      p.float8 = o.float8_names.count(source) > 0;
+      HP_CHECK(!p.float8 || p.shape.size() == 2, what, ": '", source, "' of shape ", c10::IntArrayRef(p.shape),
+               " cannot be written as FP8 with block scales (2-D weights only)");
+      if (p.float8) p.dtype = at::kFloat;  // read in fp32, then quantized
+      p.bytes = p.float8 ? 1 : static_cast<int64_t>(c10::elementSize(p.dtype));
       for (int64_t d : p.shape) p.bytes *= d;
+      if (p.float8) p.bytes += 4 * ((p.shape[0] + 127) / 128) * ((p.shape[1] + 127) / 128);  // its scales
       plan.push_back(std::move(p));
     }
     if (rank == 0) {
@@ -99,8 +105,18 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
       detail::load_boxes(items, from, meta["tensors"], meta.contains("files") ? meta["files"] : json::object(),
                          /*convert=*/true, "the checkpoint");
       std::vector<std::pair<std::string, at::Tensor>> out;
-      for (auto& it : items) out.emplace_back(it.name, it.local);
-      write_file(tmp + "/" + shard_name(k, files.size()), out, {{"format", "pt"}});
+      std::set<std::string> float8;
+      for (size_t j = 0; j < items.size(); ++j) {
+        if (!plan[files[k][j]].float8) {
+          out.emplace_back(items[j].name, items[j].local);
+          continue;
+        }
+        auto [codes, scales] = quantize_e4m3fn_blocks(items[j].local);
+        out.emplace_back(items[j].name, codes);
+        out.emplace_back(float8_scale_name(items[j].name), scales);
+        float8.insert(items[j].name);
+      }
+      write_file(tmp + "/" + shard_name(k, files.size()), out, {{"format", "pt"}}, *local_storage(), float8);
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -112,7 +128,10 @@ void export_consolidated(const std::string& ckpt_dir, const std::vector<std::pai
     index["metadata"] = {{"total_size", total}};
     json map = json::object();
     for (size_t k = 0; k < files.size(); ++k) {
-      for (size_t i : files[k]) map[plan[i].name] = shard_name(k, files.size());
+      for (size_t i : files[k]) {
+        map[plan[i].name] = shard_name(k, files.size());
+        if (plan[i].float8) map[float8_scale_name(plan[i].name)] = shard_name(k, files.size());
+      }
     }
     index["weight_map"] = map;
     Storage& storage = *local_storage();
@@ -178,7 +197,6 @@ struct Float8Read {
   const Item* item;
   std::string name, scale_name;
   Item bytes, scales;
-  int64_t first_row_block = 0, first_col_block = 0;
 };
 
 }  // namespace
@@ -225,7 +243,7 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
     HP_CHECK(blocks.has_value(), at, ", but config.json has no quantization_config to say how it is scaled");
     HP_CHECK(e.shape.size() == 2, at, " of shape ", c10::IntArrayRef(e.shape),
              ": only 2-D weights with block scales are supported yet");
-    Float8Read r{&it, name, float8_scale_name(name), {}, {}, 0, 0};
+    Float8Read r{&it, name, float8_scale_name(name), {}, {}};
     HP_CHECK(where.count(r.scale_name), at, ", but the folder has no '", r.scale_name, "' (its block scales)");
     const TensorEntry& se = entry(r.scale_name);
     const std::vector<int64_t> want = {(e.shape[0] + blocks->rows - 1) / blocks->rows,
@@ -235,32 +253,26 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
              c10::IntArrayRef(se.shape), "; the ", blocks->rows, " x ", blocks->cols, " blocks of '", name, "' ",
              c10::IntArrayRef(e.shape), " need floating-point scales of shape ", c10::IntArrayRef(want));
     const ShardSpec& box = it.spec;
-    r.bytes = {it.name + " (float8 bytes)", at::empty(box.lengths, at::TensorOptions().dtype(at::kByte)), box, name};
+    r.bytes = {it.name + " (float8 bytes)", at::Tensor(), box, name};  // allocated when it is read
     if (box.empty()) continue;  // nothing of it on this rank
-    r.first_row_block = box.offsets[0] / blocks->rows;
-    r.first_col_block = box.offsets[1] / blocks->cols;
+    const int64_t first_row = box.offsets[0] / blocks->rows, first_col = box.offsets[1] / blocks->cols;
     const int64_t last_row = (box.offsets[0] + box.lengths[0] - 1) / blocks->rows;
     const int64_t last_col = (box.offsets[1] + box.lengths[1] - 1) / blocks->cols;
     ShardSpec scale_box = make_shard_spec(want, {});
-    scale_box.offsets = {r.first_row_block, r.first_col_block};
-    scale_box.lengths = {last_row - r.first_row_block + 1, last_col - r.first_col_block + 1};
-    r.scales = {it.name + " (float8 scales)", at::empty(scale_box.lengths, at::TensorOptions().dtype(at::kFloat)),
-                scale_box, r.scale_name};
+    scale_box.offsets = {first_row, first_col};
+    scale_box.lengths = {last_row - first_row + 1, last_col - first_col + 1};
+    r.scales = {it.name + " (float8 scales)", at::Tensor(), scale_box, r.scale_name};
     float8.push_back(std::move(r));
   }
-  std::vector<Item> all = plain;
-  for (const Float8Read& r : float8) {
-    all.push_back(r.bytes);
-    all.push_back(r.scales);
-  }
   // The hub's cache links a snapshot's files to blobs elsewhere: links are followed here.
-  detail::load_boxes(all, dir, tensors, json::object(), /*convert=*/true, "the folder", detail::FileLinks::kFollow);
-  for (const Float8Read& r : float8) {
+  detail::load_boxes(plain, dir, tensors, json::object(), /*convert=*/true, "the folder", detail::FileLinks::kFollow);
+  // FP8 weights one at a time: their bytes and scales held only while each is decoded.
+  for (Float8Read& r : float8) {
+    r.bytes.local = at::empty(r.bytes.spec.lengths, at::TensorOptions().dtype(at::kByte));
+    r.scales.local = at::empty(r.scales.spec.lengths, at::TensorOptions().dtype(at::kFloat));
+    detail::load_boxes({r.bytes, r.scales}, dir, tensors, json::object(), /*convert=*/true, "the folder",
+                       detail::FileLinks::kFollow);
     const at::Tensor& b = r.bytes.local;
-    const int64_t nan = (b.bitwise_and(0x7F) == 0x7F).sum().item<int64_t>();
-    HP_CHECK(nan == 0, "load of '", dir, "': tensor '", r.name, "' (in '", where.at(r.name), "') holds ", nan,
-             " float8 NaN byte(s) (0x7f or 0xff) among the ", b.numel(), " this rank read: the folder's weights are "
-             "damaged");
     const at::Tensor& sc = r.scales.local;
     const int64_t bad = sc.numel() - (at::isfinite(sc) & (sc > 0)).sum().item<int64_t>();
     HP_CHECK(bad == 0, "load of '", dir, "': the scales '", r.scale_name, "' (in '", where.at(r.scale_name),
@@ -269,11 +281,12 @@ void load_consolidated(const std::vector<Item>& items, const std::string& dir) {
     // Each element times its block's scale, in fp32 (the product a reader in PyTorch forms),
     // then cast to the item's dtype.
     const ShardSpec& box = r.bytes.spec;
-    const at::Tensor each = sc.repeat_interleave(blocks->rows, 0)
-                                .repeat_interleave(blocks->cols, 1)
-                                .narrow(0, box.offsets[0] - r.first_row_block * blocks->rows, box.lengths[0])
-                                .narrow(1, box.offsets[1] - r.first_col_block * blocks->cols, box.lengths[1]);
-    r.item->local.copy_(decode_e4m3fn(b).mul_(each));
+    int64_t nan = 0;
+    dequantize_e4m3fn_blocks_into(b, sc, box.offsets[0], box.offsets[1], *blocks, r.item->local, &nan);
+    HP_CHECK(nan == 0, "load of '", dir, "': tensor '", r.name, "' (in '", where.at(r.name), "') holds ", nan,
+             " float8 NaN byte(s) (0x7f or 0xff) among the ", b.numel(), " this rank read: the folder's weights are "
+             "damaged");
+    r.bytes.local = r.scales.local = at::Tensor();
   }
   // A folder from elsewhere may hold damaged weights: a NaN or infinity would only show as
   // a diverged first step, blamed on the learning rate.

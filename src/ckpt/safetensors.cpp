@@ -359,7 +359,8 @@ SafetensorsHeader read_header(const std::string& path) {
 }
 
 void write_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                const std::map<std::string, std::string>& metadata, Storage& storage) {
+                const std::map<std::string, std::string>& metadata, Storage& storage,
+                const std::set<std::string>& e4m3fn) {
   auto quote = [](const std::string& s) {
     std::string out = "\"";
     for (unsigned char c : s) {
@@ -395,8 +396,11 @@ void write_file(const std::string& path, const std::vector<std::pair<std::string
     HP_CHECK(t.defined(), path, ": tensor '", name, "' is undefined");
     at::Tensor c = t.detach().to(at::kCPU).contiguous();
     const int64_t bytes = static_cast<int64_t>(c.nbytes());
-    json += std::string(json.size() > 1 ? "," : "") + quote(name) + ":{\"dtype\":\"" + dtype_string(c.scalar_type()) +
-            "\",\"shape\":[";
+    const bool float8 = e4m3fn.count(name) > 0;
+    HP_CHECK(!float8 || c.scalar_type() == at::kByte, path, ": tensor '", name, "' is to be written as F8_E4M3 but holds ",
+             c.scalar_type(), ", not its bytes (uint8)");
+    json += std::string(json.size() > 1 ? "," : "") + quote(name) + ":{\"dtype\":\"" +
+            (float8 ? std::string(kE4m3fn) : dtype_string(c.scalar_type())) + "\",\"shape\":[";
     for (int64_t d = 0; d < c.dim(); ++d) json += (d ? "," : "") + std::to_string(c.size(d));
     json += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
     offset += bytes;

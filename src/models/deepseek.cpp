@@ -75,7 +75,14 @@ int64_t DeepSeekConfig::largest_param() const {
                    heads * v_head_dim * dim, dim * experts, dim * shared_experts * expert_hidden});
 }
 
+double DeepSeekConfig::attention_scale_factor() const {
+  if (rope_scaling != RopeScaling::kYarn || rope_mscale_all_dim == 0) return 1.0;
+  const double m = yarn_mscale(rope_factor, rope_mscale_all_dim);
+  return m * m;
+}
+
 void DeepSeekConfig::validate() const {
+  check_rope(rope(), "deepseek config");
   HP_CHECK(aux_loss_coeff >= 0 && std::isfinite(aux_loss_coeff), "deepseek config: aux_loss_coeff=", aux_loss_coeff,
            " must be a finite number >= 0");
   HP_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor), "deepseek config: capacity_factor=",
@@ -171,7 +178,7 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at
   // their own size: one call of the tiled kernel, with or without context parallelism.
   at::Tensor qf = at::cat({q_nope, q_rope}, -1);
   at::Tensor kf = at::cat({k_nope, k_rope.expand({B, H, T, c.qk_rope_dim})}, -1);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(qk));
+  const double scale = c.attention_scale_factor() / std::sqrt(static_cast<double>(qk));
   const at::Tensor o = context_parallel
                            ? context_parallel->attention(qf, kf, v, cp::Mask::kCausal, scale, c.attention_tile)
                            : causal_attention(qf, kf, v, scale, c.attention_tile);
@@ -411,7 +418,7 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
   const int64_t cp = context_parallel ? context_parallel->size() : 1;
   const int64_t T = (tok_emb ? x.size(1) : x.size(1) * stream_split) * cp;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
-  auto [cos, sin] = rotary_rows(rotary_tables(T, config.qk_rope_dim, config.rope_theta), context_parallel.get());
+  auto [cos, sin] = rotary_rows(rotary_tables(T, config.qk_rope_dim, config.rope()), context_parallel.get());
   cos = cos.to(x.device());
   sin = sin.to(x.device());
   at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;

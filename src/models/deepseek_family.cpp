@@ -244,7 +244,12 @@ class DeepSeekFamily : public ModelFamily {
                                 "(position)"),
                   ResumeRule::kTrajectory),
     };
-    return k;
+    static const std::vector<ModelKey> all = [] {
+      std::vector<ModelKey> v = k;
+      for (ModelKey& r : detail::rope_keys<D>()) v.push_back(std::move(r));
+      return v;
+    }();
+    return all;
   }
 };
 

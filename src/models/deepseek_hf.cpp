@@ -117,7 +117,7 @@ std::string hf_config(const DeepSeekConfig& c, at::ScalarType dtype) {
   for (const Field& f : fields()) std::visit([&](auto m) { j[f.theirs] = c.*m; }, f.field);
   for (const Fixed& f : fixed()) j[f.key] = f.value;
   j["num_key_value_heads"] = c.heads;
-  j["rope_scaling"] = nullptr;
+  j["rope_scaling"] = detail::rope_hf_json(c.rope());
   j["num_nextn_predict_layers"] = 0;
   j["torch_dtype"] = detail::hf_dtype_name(dtype);
   return j.dump(2) + "\n";
@@ -128,7 +128,6 @@ DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::strin
   j.require("model_type", "deepseek_v3", "not deepseek_v3");
   ckpt::hf_float8_blocks(text, path);  // none, or FP8 with block scales (read by the import); others refused
   for (const Fixed& f : fixed()) j.require(f.key, f.value, f.why);
-  j.require_absent("rope_scaling", "plain rotary only");
   HP_CHECK(j.has("q_lora_rank"), "'", path, "': q_lora_rank null (queries without a latent) is not supported yet");
   DeepSeekConfig c;
   for (const Field& f : fields()) {
@@ -140,15 +139,19 @@ DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::strin
   }
   HP_CHECK(j.integer("num_key_value_heads", c.heads) == c.heads, "'", path, "': num_key_value_heads=",
            j.json()["num_key_value_heads"].dump(), " is not num_attention_heads=", c.heads, " (not supported yet)");
-  if (j.has("rope_parameters")) {  // transformers 5's form of rope_theta and rope_scaling
-    const nlohmann::json& r = j.json()["rope_parameters"];
-    HP_CHECK(r.is_object() && (!r.contains("rope_type") || r["rope_type"] == "default"), "'", path,
-             "': rope_parameters ", r.dump(), " is not supported yet (plain rotary only)");
-    if (r.contains("rope_theta")) {
-      HP_CHECK(r["rope_theta"].is_number(), "'", path, "': rope_parameters.rope_theta is not a number (",
-               r["rope_theta"].dump(), ")");
-      c.rope_theta = r["rope_theta"].get<double>();
-    }
+  // rope_scaling, or transformers 5's rope_parameters (rope_theta inside): yarn as published.
+  RopeOptions rope = c.rope();
+  rope.scaling = RopeScaling::kNone;
+  detail::read_rope(j, rope, c.max_seq);
+  if (rope.scaling == RopeScaling::kYarn) {  // absent mscales are not used (transformers)
+    set_rope(c, rope);
+  } else {
+    c.rope_theta = rope.theta;
+    c.rope_scaling = rope.scaling;
+    c.rope_factor = rope.factor;
+    c.rope_low_freq_factor = rope.low_freq_factor;
+    c.rope_high_freq_factor = rope.high_freq_factor;
+    c.rope_original_max_seq = rope.original_max_seq;
   }
   c.validate();
   return c;
@@ -160,6 +163,7 @@ void check_hf_config(const DeepSeekConfig& c, const std::string& text, const std
     if (!f.must_match) continue;
     std::visit([&](auto m) { detail::same_as_hf(f.ours, f.theirs, c.*m, h.*m, path); }, f.field);
   }
+  detail::same_rope(c.rope(), h.rope(), path);
 }
 
 }  // namespace hp::models

@@ -44,6 +44,29 @@ class ModelOf : public Model {
   Holder m_;
 };
 
+// The rotary scaling's keys of a config with rope_of()'s fields (Llama's and DeepSeek's),
+// written once.
+template <typename C>
+std::vector<ModelKey> rope_keys() {
+  return {
+      choice_key<C>("rope_scaling", &C::rope_scaling, {"none", "linear", "llama3", "yarn"},
+                    "rotary frequencies stretched for longer contexts: none, all by rope_factor (linear), Llama "
+                    "3.1's (llama3) or YaRN's (yarn, as DeepSeek-V3 publishes)"),
+      float_key<C>("rope_factor", &C::rope_factor, 0, true, "rope_scaling's factor"),
+      float_key<C>("rope_low_freq_factor", &C::rope_low_freq_factor, 0, true, "llama3 scaling's low_freq_factor"),
+      float_key<C>("rope_high_freq_factor", &C::rope_high_freq_factor, 0, true, "llama3 scaling's high_freq_factor"),
+      int_key<C>("rope_original_max_seq", &C::rope_original_max_seq, 1,
+                 "llama3 and yarn scalings' original_max_position_embeddings"),
+      float_key<C>("rope_beta_fast", &C::rope_beta_fast, 0, true,
+                   "yarn: dims turning more than this many times over rope_original_max_seq are kept"),
+      float_key<C>("rope_beta_slow", &C::rope_beta_slow, 0, true,
+                   "yarn: dims turning fewer than this many times are divided by rope_factor"),
+      float_key<C>("rope_mscale", &C::rope_mscale, 0, false, "yarn's mscale (0: not given)"),
+      float_key<C>("rope_mscale_all_dim", &C::rope_mscale_all_dim, 0, false,
+                   "yarn's mscale_all_dim (0: not given; DeepSeek's attention scale times its mscale squared)"),
+  };
+}
+
 // One kind of block: its parameters, those tensor parallelism keeps whole on every rank, and
 // how many blocks of the kind the model has.
 struct BlockKind {

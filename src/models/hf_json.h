@@ -7,9 +7,11 @@
 #include <c10/util/Optional.h>
 
 #include <nlohmann/json.hpp>
+
 #include <string>
 
 #include "hp/core/error.h"
+#include "hp/models/llama.h"
 
 namespace hp::models::detail {
 
@@ -37,6 +39,18 @@ class HfJson {
   nlohmann::json j_;
   std::string path_;
 };
+
+// The rotary scaling of a config.json: rope_scaling (transformers 4) or rope_parameters
+// (transformers 5, with rope_theta inside), its type under rope_type or type: default,
+// linear, llama3 or yarn (as transformers reads yarn: factor, else max_position_embeddings
+// / original_max_position_embeddings; beta_fast 32 and beta_slow 1 where absent; mscale and
+// mscale_all_dim; attention_factor given explicitly and truncate false are not supported
+// yet); anything else refused by name. Sets `rope`'s fields it speaks of.
+void read_rope(const HfJson& j, RopeOptions& rope, int64_t max_position_embeddings);
+// config.json's rope_scaling of `rope` (null without scaling).
+nlohmann::json rope_hf_json(const RopeOptions& rope);
+// Raises naming both keys where the scalings differ (their type, and the values it uses).
+void same_rope(const RopeOptions& ours, const RopeOptions& theirs, const std::string& path);
 
 // config.json's name of a weight dtype.
 const char* hf_dtype_name(at::ScalarType dtype);

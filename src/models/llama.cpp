@@ -64,16 +64,7 @@ void LlamaConfig::validate() const {
   HP_CHECK(heads % kv_heads == 0, "llama config: heads=", heads, " is not divisible by kv_heads=", kv_heads);
   HP_CHECK(!(qkv_bias && attention_bias), "llama config: qkv_bias=true with attention_bias=true (which biases the ",
            "query, key and value projections too): give one");
-  if (rope_scaling != RopeScaling::kNone) {
-    HP_CHECK(rope_factor > 0 && std::isfinite(rope_factor), "llama config: rope_factor=", rope_factor,
-             " must be a finite number > 0");
-  }
-  if (rope_scaling == RopeScaling::kLlama3) {
-    HP_CHECK(rope_low_freq_factor > 0 && rope_high_freq_factor > rope_low_freq_factor && rope_original_max_seq > 0,
-             "llama config: rope_scaling llama3 needs 0 < rope_low_freq_factor (", rope_low_freq_factor,
-             ") < rope_high_freq_factor (", rope_high_freq_factor, ") and rope_original_max_seq > 0 (",
-             rope_original_max_seq, ")");
-  }
+  check_rope(rope(), "llama config");
   HP_CHECK(count_params<double>(*this) < 4e18, "llama config: ", count_params<double>(*this),
            " parameters is too many to count");
 }
@@ -121,14 +112,51 @@ std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t seq, int64_t head_dim, c
     at::Tensor blended = (1 - smooth) * scaled / rope.factor + smooth * scaled;
     at::Tensor medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen);
     inv_freq = at::where(medium, blended, scaled);
+  } else if (rope.scaling == RopeScaling::kYarn) {
+    // The dim whose frequency turns `turns` times over original_max_seq positions.
+    const double dim = static_cast<double>(head_dim), old = static_cast<double>(rope.original_max_seq);
+    const auto dim_of = [&](double turns) { return dim * std::log(old / (turns * 2 * M_PI)) / (2 * std::log(rope.theta)); };
+    const double low = std::max(std::floor(dim_of(rope.beta_fast)), 0.0);
+    double high = std::min(std::ceil(dim_of(rope.beta_slow)), dim - 1);
+    if (low == high) high += 0.001;
+    const at::Tensor ramp = ((i - low) / (high - low)).clamp(0, 1);  // 0: kept, 1: divided by the factor
+    inv_freq = inv_freq / rope.factor * ramp + inv_freq * (1 - ramp);
   }
   at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
-  return {angles.cos(), angles.sin()};  // float64; apply_rotary casts them to its dtype
+  const double a = rope_attention_factor(rope);
+  return {angles.cos() * a, angles.sin() * a};  // float64; apply_rotary casts them to its dtype
 }
 
-RopeOptions LlamaConfig::rope() const {
-  return {rope_theta, rope_scaling, rope_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_seq};
+void check_rope(const RopeOptions& r, const char* who) {
+  if (r.scaling != RopeScaling::kNone) {
+    HP_CHECK(r.factor > 0 && std::isfinite(r.factor), who, ": rope_factor=", r.factor, " must be a finite number > 0");
+  }
+  if (r.scaling == RopeScaling::kYarn) {
+    HP_CHECK(r.original_max_seq > 0 && r.beta_fast > 0 && r.beta_slow > 0 && std::isfinite(r.beta_fast) &&
+                 std::isfinite(r.beta_slow) && r.mscale >= 0 && r.mscale_all_dim >= 0 && std::isfinite(r.mscale) &&
+                 std::isfinite(r.mscale_all_dim),
+             who, ": rope_scaling yarn needs rope_original_max_seq > 0 (", r.original_max_seq,
+             "), finite rope_beta_fast > 0 (", r.beta_fast, ") and rope_beta_slow > 0 (", r.beta_slow,
+             "), finite rope_mscale >= 0 (", r.mscale, ") and rope_mscale_all_dim >= 0 (", r.mscale_all_dim, ")");
+  }
+  if (r.scaling == RopeScaling::kLlama3) {
+    HP_CHECK(r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor && r.original_max_seq > 0, who,
+             ": rope_scaling llama3 needs 0 < rope_low_freq_factor (", r.low_freq_factor, ") < rope_high_freq_factor (",
+             r.high_freq_factor, ") and rope_original_max_seq > 0 (", r.original_max_seq, ")");
+  }
 }
+
+double yarn_mscale(double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+double rope_attention_factor(const RopeOptions& rope) {
+  if (rope.scaling != RopeScaling::kYarn) return 1.0;
+  if (rope.mscale != 0 && rope.mscale_all_dim != 0) {
+    return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim);
+  }
+  return yarn_mscale(rope.factor, 1.0);
+}
+
+RopeOptions LlamaConfig::rope() const { return rope_of(*this); }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, RotaryPairs layout) {
   const int64_t T = x.size(-2), D = x.size(-1);
@@ -405,41 +433,11 @@ std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
     for (const char* key : {"attention_bias", "mlp_bias", "head_dim"}) j.erase(key);
     j["use_sliding_window"] = false;
   }
-  if (c.rope_scaling == RopeScaling::kLinear) {
-    j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", c.rope_factor}};
-  } else if (c.rope_scaling == RopeScaling::kLlama3) {
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", c.rope_factor},
-                         {"low_freq_factor", c.rope_low_freq_factor},
-                         {"high_freq_factor", c.rope_high_freq_factor},
-                         {"original_max_position_embeddings", c.rope_original_max_seq}};
-  }
+  j["rope_scaling"] = detail::rope_hf_json(c.rope());
   return j.dump(2) + "\n";
 }
 
-namespace {
-// rope_scaling (transformers 4) or rope_parameters (transformers 5, with rope_theta inside):
-// none/default, linear or llama3; anything else is not supported yet.
-void read_rope(const detail::HfJson& j, LlamaConfig& c) {
-  const char* key = j.has("rope_parameters") ? "rope_parameters" : "rope_scaling";
-  if (!j.has(key)) return;
-  const detail::HfJson r(j.json()[key], j.path() + " " + key);
-  if (r.has("rope_theta")) c.rope_theta = r.real("rope_theta");
-  const char* type_key = r.has("rope_type") ? "rope_type" : "type";
-  const std::string type =
-      r.has(type_key) && r.json()[type_key].is_string() ? r.json()[type_key].get<std::string>() : "default";
-  if (type == "default") return;
-  HP_CHECK(type == "linear" || type == "llama3", "'", j.path(), "': ", key, " ", j.json()[key].dump(),
-           " is not supported yet (rope types: default, linear, llama3)");
-  c.rope_scaling = type == "linear" ? RopeScaling::kLinear : RopeScaling::kLlama3;
-  c.rope_factor = r.real("factor");
-  if (c.rope_scaling == RopeScaling::kLlama3) {
-    c.rope_low_freq_factor = r.real("low_freq_factor");
-    c.rope_high_freq_factor = r.real("high_freq_factor");
-    c.rope_original_max_seq = r.integer("original_max_position_embeddings");
-  }
-}
-}  // namespace
+
 
 LlamaConfig llama_config_from_hf(const std::string& text, const std::string& path) {
   const detail::HfJson j(text, path);
@@ -460,7 +458,9 @@ LlamaConfig llama_config_from_hf(const std::string& text, const std::string& pat
   c.kv_heads = j.integer("num_key_value_heads", c.heads);
   c.max_seq = j.integer("max_position_embeddings", c.max_seq);
   c.rope_theta = j.real("rope_theta", 10000.0);
-  read_rope(j, c);
+  RopeOptions rope = c.rope();
+  detail::read_rope(j, rope, c.max_seq);
+  set_rope(c, rope);
   c.norm_eps = j.real("rms_norm_eps", 1e-6);  // Hugging Face's default
   c.tie_embeddings = j.boolean("tie_word_embeddings", false);
   if (!qwen2) {
@@ -491,17 +491,7 @@ void check_hf_config(const LlamaConfig& c, const std::string& text, const std::s
   same_as_hf("mlp_bias", "mlp_bias", c.mlp_bias, h.mlp_bias, path);
   same_as_hf("qkv_bias", "model_type qwen2", c.qkv_bias, h.qkv_bias, path);
   same_as_hf("rope_theta", "rope_theta", c.rope_theta, h.rope_theta, path);
-  auto rope_type = [](RopeScaling s) {
-    return std::string(s == RopeScaling::kNone ? "none" : s == RopeScaling::kLinear ? "linear" : "llama3");
-  };
-  same_as_hf("rope_scaling", "rope_scaling's type", rope_type(c.rope_scaling), rope_type(h.rope_scaling), path);
-  if (h.rope_scaling != RopeScaling::kNone) same_as_hf("rope_factor", "factor", c.rope_factor, h.rope_factor, path);
-  if (h.rope_scaling == RopeScaling::kLlama3) {
-    same_as_hf("rope_low_freq_factor", "low_freq_factor", c.rope_low_freq_factor, h.rope_low_freq_factor, path);
-    same_as_hf("rope_high_freq_factor", "high_freq_factor", c.rope_high_freq_factor, h.rope_high_freq_factor, path);
-    same_as_hf("rope_original_max_seq", "original_max_position_embeddings", c.rope_original_max_seq,
-               h.rope_original_max_seq, path);
-  }
+  detail::same_rope(c.rope(), h.rope(), path);
   same_as_hf("norm_eps", "rms_norm_eps", c.norm_eps, h.norm_eps, path);
   same_as_hf("tie_embeddings", "tie_word_embeddings", c.tie_embeddings, h.tie_embeddings, path);
 }

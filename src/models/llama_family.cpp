@@ -120,16 +120,13 @@ class LlamaFamily : public ModelFamily {
         bool_key<L>("mlp_bias", &L::mlp_bias, "biases on the MLP's three projections"),
         bool_key<L>("qkv_bias", &L::qkv_bias,
                     "biases on the query, key and value projections only (Qwen2; exported as Qwen2ForCausalLM)"),
-        choice_key<L>("rope_scaling", &L::rope_scaling, {"none", "linear", "llama3"},
-                      "rotary frequencies stretched for longer contexts: none, all by rope_factor (linear), or "
-                      "Llama 3.1's (llama3)"),
-        float_key<L>("rope_factor", &L::rope_factor, 0, true, "rope_scaling's factor"),
-        float_key<L>("rope_low_freq_factor", &L::rope_low_freq_factor, 0, true, "llama3 scaling's low_freq_factor"),
-        float_key<L>("rope_high_freq_factor", &L::rope_high_freq_factor, 0, true, "llama3 scaling's high_freq_factor"),
-        int_key<L>("rope_original_max_seq", &L::rope_original_max_seq, 1,
-                   "llama3 scaling's original_max_position_embeddings"),
     };
-    return k;
+    static const std::vector<ModelKey> all = [] {
+      std::vector<ModelKey> v = k;
+      for (ModelKey& r : detail::rope_keys<L>()) v.push_back(std::move(r));
+      return v;
+    }();
+    return all;
   }
 };
 

@@ -20,7 +20,7 @@ const char* const kUsage =
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
     "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
-    "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--max-shard-size N]\n"
+    "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16|fp8] [--max-shard-size N]\n"
     "       hp-train --upgrade-checkpoint CKPT_DIR\n"
     "       hp-train --list-keys\n"
     "  --config FILE    YAML config (configs/*.yaml)\n"
@@ -58,7 +58,9 @@ const char* const kUsage =
     "                   layout (config.json, safetensors shards, index); CKPT_DIR may be a\n"
     "                   save_dir (its latest checkpoint is exported). Under mpirun the\n"
     "                   ranks share the files. --dtype: the weights' dtype (default: the\n"
-    "                   parameters'); --max-shard-size: bytes per file (5GB; K/M/GB suffixes)\n"
+    "                   parameters'; fp8: the projections as float8_e4m3fn with a scale per\n"
+    "                   128 x 128 block, as DeepSeek-V3 publishes them, the rest bf16);\n"
+    "                   --max-shard-size: bytes per file (5GB; K/M/GB suffixes)\n"
     "  --upgrade-checkpoint CKPT_DIR\n"
     "                   rewrite a format-1 checkpoint (written before checksums, loaded\n"
     "                   unchecked) as format 2: its data files checksummed as they are now\n"
@@ -179,7 +181,11 @@ Args parse_args(int argc, char** argv) {
       for (const auto& [name, t] : kDtypes) {
         if (d == name) a.export_dtype = t;
       }
-      HP_CHECK(a.export_dtype.has_value(), "hp-train: --dtype ", d, ": expected fp32, bf16 or fp16");
+      if (d == "fp8") {  // the projections in FP8 with block scales, the rest bf16
+        a.export_dtype = at::kBFloat16;
+        a.export_float8 = true;
+      }
+      HP_CHECK(a.export_dtype.has_value(), "hp-train: --dtype ", d, ": expected fp32, bf16, fp16 or fp8");
     } else if (s == "--max-shard-size") {
       a.max_shard_bytes = parse_bytes(value(), "--max-shard-size");
     } else if (s == "--list-keys") {
@@ -249,7 +255,7 @@ std::vector<std::pair<std::string, std::string>> command_line_settings(const Arg
           {"--memory-per-rank", std::to_string(a.memory_per_rank)},
           {"--export-hf", a.export_ckpt + " " + a.export_out},
           {"--upgrade-checkpoint", a.upgrade_ckpt},
-          {"--dtype", a.export_dtype ? c10::toString(*a.export_dtype) : ""},
+          {"--dtype", std::string(a.export_dtype ? c10::toString(*a.export_dtype) : "") + (a.export_float8 ? " fp8" : "")},
           {"--max-shard-size", std::to_string(a.max_shard_bytes)}};
 }
 

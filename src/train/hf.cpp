@@ -2,6 +2,8 @@
 // checkpoint's model out to one.
 #include <ATen/ATen.h>
 
+#include <nlohmann/json.hpp>
+
 #include <set>
 
 #include "hp/ckpt/checkpoint.h"
@@ -150,8 +152,23 @@ void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const Co
       o.dtype = ckpt::dtype_from_string(it->second.dtype);
     }
     tensors.emplace_back(saved.count(ours + ".master") ? ours + ".master" : ours, theirs);
+    // --dtype fp8: the projections, as the published FP8 checkpoints hold them (attention's
+    // and the MLPs' and experts' *_proj.weight); embeddings, head, norms, router and biases
+    // stay in the export's dtype.
+    const std::string suffix = "proj.weight";
+    if (o.float8 && theirs.size() > suffix.size() &&
+        theirs.compare(theirs.size() - suffix.size(), suffix.size(), suffix) == 0 && it->second.shape.size() == 2) {
+      o.float8_names.insert(tensors.back().first);
+    }
   }
-  ckpt::export_consolidated(ckpt_dir, tensors, out_dir, world, o, {{"config.json", model->hf_config(*o.dtype)}});
+  std::string config = model->hf_config(*o.dtype);
+  if (o.float8) {  // says how the weights are stored (hp/ckpt/float8.h)
+    nlohmann::json j = nlohmann::json::parse(config);
+    j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
+                                {"weight_block_size", {128, 128}}};
+    config = j.dump(2) + "\n";
+  }
+  ckpt::export_consolidated(ckpt_dir, tensors, out_dir, world, o, {{"config.json", config}});
 }
 
 

@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -20,10 +19,17 @@
 #include "hp/ckpt/float8.h"
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/error.h"
+#include "hp/core/files.h"
 #include "hp/mesh/shard_spec.h"
 
 namespace hc = hp::ckpt;
-namespace fs = std::filesystem;
+
+// std::filesystem's remove_all crashes under PyTorch 2.x's libtorch (hp/core/files.h).
+#define ASSERT_FOLDER(error) \
+  do {                       \
+    const std::string e = (error); \
+    if (!e.empty()) throw std::runtime_error(e); \
+  } while (0)
 
 namespace {
 
@@ -102,8 +108,8 @@ struct Folder {
     }
   }
   void write() const {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
+    ASSERT_FOLDER(hp::files::remove_tree(dir));
+    ASSERT_FOLDER(hp::files::create_folders(dir));
     std::ofstream(dir + "/config.json") << config;
     std::vector<Raw> t = {{"w.weight", "F8_E4M3", {200, 130}, std::string(w.begin(), w.end())},
                           {"n.weight", "F32", {3}, as_bytes({1.f, 2.f, 3.f})}};
@@ -296,4 +302,62 @@ TEST(Float8, DamagedOrMissingPiecesAreNamed) {
     f.config = R"({"quantization_config": {"quant_method": "fp8", "weight_block_size": [1, 128]}})";
     EXPECT_NE(load_error(f).find("weight_block_size [1,128] is not supported yet"), std::string::npos) << load_error(f);
   }
+}
+
+// quantize_e4m3fn_blocks against the test's own: each block's amax / 448 (1 for zeros), each
+// element divided by it and rounded to the nearest of the 254 finite codes by search (ties
+// to the even code); written with write_file as F8_E4M3 and read back by load_consolidated,
+// the dequantized values.
+TEST(Float8, BlocksQuantizeWriteAndReadBack) {
+  at::manual_seed(4);
+  at::Tensor w = at::randn({200, 130}) * at::rand({200, 1}) * 3;
+  w.narrow(0, 128, 72).narrow(1, 0, 128).zero_();  // a block of zeros
+  const auto [codes, scales] = hc::quantize_e4m3fn_blocks(w);
+  ASSERT_EQ(scales.sizes(), (std::vector<int64_t>{2, 2}));
+  for (int64_t br = 0; br < 2; ++br) {
+    for (int64_t bc = 0; bc < 2; ++bc) {
+      const float amax = w.narrow(0, br * 128, std::min<int64_t>(128, 200 - br * 128))
+                             .narrow(1, bc * 128, std::min<int64_t>(128, 130 - bc * 128))
+                             .abs()
+                             .max()
+                             .item<float>();
+      EXPECT_EQ(scales[br][bc].item<float>(), amax > 0 ? amax / 448.0f : 1.0f) << br << "," << bc;
+    }
+  }
+  const auto nearest = [](float x) {  // by search over every finite code of x's sign
+    const int sign = std::signbit(x) ? 0x80 : 0;
+    int best = sign;
+    for (int b = sign; b < sign + 0x7F; ++b) {
+      const float d = std::fabs(reference_value(b) - x), e = std::fabs(reference_value(best) - x);
+      if (d < e || (d == e && (b & 1) == 0 && (best & 1) == 1)) best = b;
+    }
+    return best;
+  };
+  const at::Tensor c = codes.contiguous(), s = scales;
+  for (int64_t i = 0; i < 200; i += 7) {
+    for (int64_t j = 0; j < 130; j += 3) {
+      const float x = w[i][j].item<float>() / s[i / 128][j / 128].item<float>();
+      const int want = nearest(x);
+      EXPECT_EQ(c[i][j].item<uint8_t>(), want) << i << "," << j << ": " << x;
+    }
+  }
+  const std::string dir = ::testing::TempDir() + "/hp_fp8_written";
+  ASSERT_EQ(hp::files::remove_tree(dir), "");
+  ASSERT_EQ(hp::files::create_folders(dir), "");
+  std::ofstream(dir + "/config.json") << kConfig;
+  hc::write_file(dir + "/model.safetensors", {{"w.weight", codes}, {"w.weight_scale_inv", scales}}, {},
+                 *hc::local_storage(), {"w.weight"});
+  EXPECT_TRUE(hc::read_header(dir + "/model.safetensors").find("w.weight")->e4m3fn);
+  at::Tensor back = at::empty({200, 130});
+  hc::load_consolidated({{"w.weight", back, hp::make_shard_spec({200, 130}, {})}}, dir);
+  at::Tensor want = at::empty({200, 130});
+  for (int64_t i = 0; i < 200; ++i) {
+    for (int64_t j = 0; j < 130; ++j) {
+      want[i][j] = reference_value(c[i][j].item<uint8_t>()) * s[i / 128][j / 128].item<float>();
+    }
+  }
+  EXPECT_TRUE(at::equal(back, want));
+  // Written as F8_E4M3, a tensor must be its bytes.
+  EXPECT_THROW(hc::write_file(dir + "/bad.safetensors", {{"x", at::zeros({2})}}, {}, *hc::local_storage(), {"x"}),
+               hp::Error);
 }

@@ -15,7 +15,8 @@ with expert parallelism over 2 ranks when MPIRUN is given, saves and exports it;
 from_pretrained loads the folder, its balancing bias is the trained one (not zero), and its
 logits agree with hyperparallel's on it. The checkpoint, read by hp_checkpoint.py (the
 independent reader), holds every exported tensor byte for byte.
-FP8: a model's projections quantized here to the published float8_e4m3fn format with 128 x 128
+Export --dtype fp8: the projections quantized as this test quantizes them, read back as their
+dequantized values. FP8: a model's projections quantized here to the published float8_e4m3fn format with 128 x 128
 block scales; hyperparallel's import of that folder equals, bit for bit, its import of the
 same weights dequantized, matches transformers on them, and hp-train starts from either
 with the same first loss.
@@ -74,6 +75,58 @@ def export_case(name):
         theirs = model(tokens).logits
     t.compare("export " + name, theirs, t.ours(folder, tpath))
     t.checkpoint_case(name, ckpt, folder, split_expected=False)
+    export_fp8_case(name, ckpt, folder, ranks, tpath)
+
+
+def export_fp8_case(name, ckpt, folder, ranks, tpath):
+    """--dtype fp8: every projection (*proj.weight) written as float8_e4m3fn with a scale per
+    128 x 128 block, equal byte for byte to this test's own quantization of the fp32 export
+    (amax / 448 a block, 1 for a block of zeros); the rest bf16 (the balancing bias fp32). Read
+    back, the folder gives the logits of its weights dequantized here, bit for bit."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+    fp8 = t.folder("exported_fp8_" + name)
+    subprocess.run(t.launch([HP_TRAIN, "--export-hf", ckpt, fp8, "--dtype", "fp8", "--max-shard-size", "60KB"], ranks),
+                   check=True)
+    load = lambda d: {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
+                      for k, v in load_file(os.path.join(d, f)).items()}
+    plain, got = load(folder), load(fp8)
+    bad, quantized, dequantized = [], 0, {}
+    for k, w in plain.items():
+        if k.endswith("proj.weight") and w.dim() == 2:
+            rows, cols = w.shape
+            nr, nc = -(-rows // 128), -(-cols // 128)
+            padded = torch.zeros(nr * 128, nc * 128)
+            padded[:rows, :cols] = w
+            amax = padded.view(nr, 128, nc, 128).abs().amax(dim=(1, 3))
+            scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+            each = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+            codes = (w / each).to(torch.float8_e4m3fn)
+            ok = (got[k].dtype == torch.float8_e4m3fn and torch.equal(got[k].view(torch.uint8), codes.view(torch.uint8))
+                  and torch.equal(got[k + "_scale_inv"], scale))
+            quantized += 1
+            dequantized[k] = got[k].to(torch.float32) * got[k + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(
+                128, 1)[:rows, :cols]
+        else:
+            want = w if k.endswith("e_score_correction_bias") else w.to(torch.bfloat16)
+            ok = torch.equal(got[k], want)
+            dequantized[k] = got[k]
+        if not ok:
+            bad.append(k)
+    extra = sorted(set(got) - set(plain) - {k + "_scale_inv" for k in plain})
+    config = json.load(open(os.path.join(fp8, "config.json")))
+    t.check("export fp8 " + name, not bad and not extra and quantized > 10 and
+            config.get("quantization_config", {}).get("weight_block_size") == [128, 128],
+            f"{quantized} projections FP8 as quantized here, the rest bf16; differing: {bad[:3]}, unexpected: {extra[:3]}")
+    deq = t.folder("exported_fp8_dequantized_" + name)
+    os.makedirs(deq)
+    del config["quantization_config"]
+    json.dump(config, open(os.path.join(deq, "config.json"), "w"))
+    save_file(dequantized, os.path.join(deq, "model.safetensors"), metadata={"format": "pt"})
+    t.check("export fp8 " + name + " read back", torch.equal(t.ours(fp8, tpath), t.ours(deq, tpath)),
+            "the FP8 export's logits equal those of its weights dequantized here, bit for bit")
 
 
 def fp8_case():
@@ -156,10 +209,43 @@ def fp8_case():
             f"first step from the FP8 folder {losses['fp8']!r}, from the dequantized one {losses['dequantized']!r}")
 
 
+def yarn_cases():
+    """DeepSeek with YaRN as published (mscale and mscale_all_dim 1: the attention scale times
+    (0.1 ln factor + 1)^2), at three factors over 16 original positions, 64 tokens past them;
+    and the factor-40 folder read as unscaled differs."""
+    for factor, extra in ((4.0, {}), (16.0, {"beta_fast": 16, "beta_slow": 2}), (40.0, {})):
+        rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 16, "mscale": 1.0,
+                "mscale_all_dim": 1.0, "rope_theta": 5000.0, **extra}
+        torch.manual_seed(3)
+        cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                   q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                   max_position_embeddings=128, rms_norm_eps=1e-5, first_k_dense_replace=1, n_shared_experts=1,
+                   n_group=1, topk_group=1, rope_parameters=rope)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).float().eval()
+        name = f"yarn_{factor:g}"
+        folder = t.perturbed(model, name)
+        tokens, tpath = t.tokens_file(256, shape=(2, 80))
+        with torch.no_grad():
+            theirs = model(tokens).logits
+        t.compare("import " + name, theirs, t.ours(folder, tpath))
+        if factor == 40.0:
+            import json
+            import os
+            path = os.path.join(folder, "config.json")
+            c = json.load(open(path))
+            c["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+            c.pop("rope_scaling", None)
+            json.dump(c, open(path, "w"))
+            rel = ((theirs - t.ours(folder, tpath)).abs().max() / theirs.abs().max()).item()
+            t.check("yarn changes the logits", rel > 1e-3, f"read as unscaled: {rel:.2e} of the largest")
+
+
 import_case("grouped", first_k_dense_replace=1, n_shared_experts=1, n_group=4, topk_group=2,
             routed_scaling_factor=2.5)
 import_case("moe_only", num_hidden_layers=2, first_k_dense_replace=0, n_shared_experts=2, n_group=1, topk_group=1,
             routed_scaling_factor=1.0)
 export_case("ep")
 fp8_case()
+yarn_cases()
 sys.exit(t.finish())

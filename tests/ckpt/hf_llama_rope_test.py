@@ -8,7 +8,9 @@ that the 48 tokens below reach past them and all three frequency bands differ fr
 rotary) and with linear scaling (factor 4), saved by save_pretrained, are read by
 hyperparallel (hf_logits; the config.json in transformers 5's rope_parameters form) and
 the logits agree. A model without scaling read as if it had it (a changed config.json)
-differs, so the cases test the scaling. Export: hp-train trains a tiny Llama with llama3
+differs, so the cases test the scaling. YaRN at three factors (one with its betas, one with
+mscale and mscale_all_dim), 64 positions past the original 16, and read as unscaled: differs.
+Export: hp-train trains a tiny Llama with llama3
 scaling, exports it (the config.json in transformers 4's rope_scaling form); from_pretrained
 reads it and the logits agree. The bound: fp32 on both sides, 1e-5 of the largest logit.
 Prints 'N passed, N failed'.
@@ -82,8 +84,32 @@ def export_case():
     t.compare("export llama3_rope", theirs, t.ours(folder, tpath))
 
 
+def yarn_cases():
+    """YaRN at three factors over 16 original positions, the 80 tokens read 64 past them (the
+    rotary tables times the attention factor 0.1 ln(factor) + 1; with mscale and
+    mscale_all_dim given, their ratio); and the same weights read as unscaled differ."""
+    for factor, extra in ((2.0, {}), (4.0, {"beta_fast": 16, "beta_slow": 2}), (8.0, {"mscale": 1.0, "mscale_all_dim": 0.5})):
+        rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 16, **extra}
+        name = f"yarn_{factor:g}"
+        model, folder = model_with(rope, name)
+        tokens, tpath = t.tokens_file(256, shape=(2, 80))
+        with torch.no_grad():
+            theirs = model(tokens).logits
+        t.compare("import " + name, theirs, t.ours(folder, tpath))
+        if factor == 8.0:
+            path = os.path.join(folder, "config.json")
+            with open(path, encoding="utf-8") as f:
+                cfg = json.load(f)
+            cfg["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(cfg, f)
+            rel = ((theirs - t.ours(folder, tpath)).abs().max() / theirs.abs().max()).item()
+            t.check("yarn changes the logits", rel > 1e-3, f"read as unscaled: {rel:.2e} of the largest")
+
+
 import_case("llama3", LLAMA3)
 import_case("linear", {"rope_type": "linear", "factor": 4.0})
 scaling_matters()
+yarn_cases()
 export_case()
 sys.exit(t.finish())

@@ -411,8 +411,8 @@ TEST(DeepSeek, HugeCapacityFactorsKeepEverySlot) {
   hp::test::expect_error([&] { c.validate(); }, {"capacity_factor=3e+17", "above experts=8"});
 }
 
-// The published DeepSeek-V3 config.json (its values as released): its FP8 quantization is
-// read, its yarn rotary scaling refused by name; without that it is the deepseek_v3 preset. A config written by hf_config reads back as the model that wrote it.
+// The published DeepSeek-V3 config.json (its values as released): its FP8 quantization and
+// its yarn rotary scaling are read; it is the deepseek_v3 preset with that scaling. A config written by hf_config reads back as the model that wrote it.
 TEST(DeepSeek, HuggingFaceConfigOfThePublishedModel) {
   const std::string published = R"({
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "first_k_dense_replace": 3,
@@ -433,18 +433,25 @@ TEST(DeepSeek, HuggingFaceConfigOfThePublishedModel) {
   other_quantization.replace(other_quantization.find("\"fp8\""), 5, "\"bitsandbytes\"");
   hp::test::expect_error([&] { hp::models::deepseek_config_from_hf(other_quantization, "v3/config.json"); },
                          {"'v3/config.json': quantization_config quant_method \"bitsandbytes\"", "not supported yet"});
-  hp::test::expect_error([&] { hp::models::deepseek_config_from_hf(published, "v3/config.json"); },
-                         {"rope_scaling", "yarn", "not supported yet"});
-  std::string text = published;
-  auto drop = [&](const std::string& key, const std::string& end) {
-    const size_t at = text.find("\"" + key + "\"");
-    ASSERT_NE(at, std::string::npos) << key;
-    text.erase(at, text.find(end, at) + end.size() - at);
-  };
-  drop("rope_scaling", "},");
+  // Its yarn scaling read as published: factor 40 over 4096 positions, betas 32 and 1,
+  // mscale and mscale_all_dim 1 (the attention scale times (0.1 ln 40 + 1)^2).
+  const std::string text = published;
   const DeepSeekConfig got = hp::models::deepseek_config_from_hf(text, "v3/config.json");
   DeepSeekConfig want = DeepSeekConfig::deepseek_v3();
   want.max_seq = 163840;
+  want.rope_scaling = hp::models::RopeScaling::kYarn;
+  want.rope_factor = 40;
+  want.rope_original_max_seq = 4096;
+  want.rope_beta_fast = 32;
+  want.rope_beta_slow = 1;
+  want.rope_mscale = want.rope_mscale_all_dim = 1;
+  EXPECT_DOUBLE_EQ(got.attention_scale_factor(), (0.1 * std::log(40.0) + 1) * (0.1 * std::log(40.0) + 1));
+  // A yarn factor that cannot be is refused by name.
+  std::string bad_factor = published;
+  const std::string factor = "\"factor\": 40";
+  bad_factor.replace(bad_factor.find(factor), factor.size(), "\"factor\": -2");
+  hp::test::expect_error([&] { hp::models::deepseek_config_from_hf(bad_factor, "v3/config.json"); },
+                         {"rope_scaling factor -2 must be a finite number > 0"});
   EXPECT_EQ(hp::models::hf_config(got, at::kBFloat16), hp::models::hf_config(want, at::kBFloat16));
   EXPECT_EQ(got.num_params(), want.num_params());
   // What the model cannot be is refused by name.

@@ -190,6 +190,25 @@ TEST(Llama, RotaryScalingAsWorkedOutByHand) {
   o.scaling = hp::models::RopeScaling::kLinear;
   got = freqs(o);
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(got[i].item<double>(), std::pow(10000.0, -i / 4.0) / 8, 1e-12) << i;
+  // yarn, factor 4 over 16 original positions, betas 32 and 1, head_dim 8: the dim turning
+  // 32 times is 8 ln(16 / (32 2 pi)) / (2 ln 10000) = -1.10, floored to -2, so 0; the one
+  // turning once is 8 ln(16 / (2 pi)) / (2 ln 10000) = 0.41, ceiled to 1. The ramp is 0 at
+  // pair 0 (kept) and 1 from pair 1 on (divided by 4); the tables scaled by 0.1 ln 4 + 1.
+  o.scaling = hp::models::RopeScaling::kYarn;
+  o.factor = 4;
+  o.original_max_seq = 16;
+  o.beta_fast = 32;
+  o.beta_slow = 1;
+  got = freqs(o);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_NEAR(got[i].item<double>(), std::pow(10000.0, -i / 4.0) / (i == 0 ? 1 : 4), 1e-12) << i;
+  }
+  auto [cos, sin] = hp::models::rotary_tables(2, 8, o);
+  EXPECT_NEAR(std::hypot(cos[1][2].item<double>(), sin[1][2].item<double>()), 0.1 * std::log(4.0) + 1, 1e-12);
+  // Both mscales given: their ratio (1.2 ln 4 / 0.6 ln 4, each plus 1).
+  o.mscale = 2;
+  o.mscale_all_dim = 1;
+  EXPECT_NEAR(hp::models::rope_attention_factor(o), (0.2 * std::log(4.0) + 1) / (0.1 * std::log(4.0) + 1), 1e-15);
 }
 
 // Light recompute (DeepSeek-V3's policy): logits and every gradient bitwise those of the

@@ -27,6 +27,11 @@ struct ExportOptions {
   // Tensors (by their name in the checkpoint) written in their own dtype whatever `dtype`
   // says: buffers such as DeepSeek's balancing bias, kept in fp32 as their readers expect.
   std::set<std::string> keep_dtype;
+  // Written as FP8 (hp/ckpt/float8.h), by the name in the checkpoint: float8_e4m3fn bytes and
+  // an fp32 `<name>_scale_inv` of one scale per 128 x 128 block (the block's largest
+  // magnitude / 448; 1 for a block of zeros), beside it in the same file. 2-D tensors only.
+  std::set<std::string> float8_names;
+  bool float8 = false;  // export_hf: float8_names are the model's projections (Hugging Face names *proj.weight)
 };
 
 // Writes the tensors `tensors` (pairs: the name in the committed checkpoint `ckpt_dir`, the

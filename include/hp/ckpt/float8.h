@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace hp::ckpt {
 
@@ -35,6 +36,24 @@ at::Tensor encode_e4m3fn(const at::Tensor& values);
 struct Float8Blocks {
   int64_t rows = 128, cols = 128;
 };
+
+// The fp32 values of the box of a quantized weight whose float8_e4m3fn `bytes` [rows, cols]
+// start at (row0, col0) of the weight: each byte's value times the scale of its block,
+// `scales` [.., ..] holding the blocks from (row0 / blocks.rows, col0 / blocks.cols) on. One
+// pass (no tensor of the scales per element); the product in fp32, as a reader in PyTorch
+// forms it. `nan_bytes`, when given, receives the count of NaN bytes (0x7f, 0xff) met.
+at::Tensor dequantize_e4m3fn_blocks(const at::Tensor& bytes, const at::Tensor& scales, int64_t row0, int64_t col0,
+                                    const Float8Blocks& blocks = {}, int64_t* nan_bytes = nullptr);
+// The same written into `out` (the box's shape; any floating dtype, each fp32 product
+// rounded to it as a cast would), without a tensor of fp32 values in between where `out` is
+// contiguous.
+void dequantize_e4m3fn_blocks_into(const at::Tensor& bytes, const at::Tensor& scales, int64_t row0, int64_t col0,
+                                   const Float8Blocks& blocks, const at::Tensor& out, int64_t* nan_bytes = nullptr);
+
+// A 2-D float tensor quantized in that format: its float8_e4m3fn bytes and its fp32 scales,
+// one a block: the block's largest magnitude / 448 (1 for a block of zeros), each element
+// divided by its block's scale (fp32) and rounded to the nearest code.
+std::pair<at::Tensor, at::Tensor> quantize_e4m3fn_blocks(const at::Tensor& weight, const Float8Blocks& blocks = {});
 
 // The quantization_config of a model folder's config.json (`text`, read from `path`):
 // nothing where it has none (or null); the blocks of the fp8 format above; otherwise raises

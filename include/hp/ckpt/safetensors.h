@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,10 +61,12 @@ SafetensorsHeader parse_header(const std::string& what, const uint8_t* bytes, si
 SafetensorsHeader read_header(const std::string& path);
 
 // Writes the tensors (any layout; written contiguous, in the order given) and the
-// metadata to `path` atomically. Names must be unique and non-empty.
+// metadata to `path` atomically. Names must be unique and non-empty. The uint8 tensors
+// `e4m3fn` names are written as F8_E4M3 (float8_e4m3fn bytes, hp/ckpt/float8.h).
 // A failed write removes the partial file and raises naming it and the error.
 void write_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                const std::map<std::string, std::string>& metadata = {}, Storage& storage = *local_storage());
+                const std::map<std::string, std::string>& metadata = {}, Storage& storage = *local_storage(),
+                const std::set<std::string>& e4m3fn = {});
 
 // Reads one tensor of a file whose header `h` was read from `path`: a new CPU tensor.
 at::Tensor read_tensor(const std::string& path, const SafetensorsHeader& h, const std::string& name);

@@ -64,6 +64,18 @@ struct DeepSeekConfig {
   int64_t attention_tile = attn::kDefaultTile;  // as LlamaConfig's
   double rope_theta = 10000.0;
   double norm_eps = 1e-6;  // the blocks' and the final norm's (MLA's latent norms: always 1e-6)
+  // The rotary dims' scaling (RopeOptions; DeepSeek-V3 publishes yarn, factor 40 over 4096
+  // positions, mscale and mscale_all_dim 1). With yarn and rope_mscale_all_dim given, the
+  // attention's scale is multiplied by yarn_mscale(rope_factor, rope_mscale_all_dim) squared.
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_factor = 40.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int64_t rope_original_max_seq = 4096;
+  double rope_beta_fast = 32, rope_beta_slow = 1, rope_mscale = 1, rope_mscale_all_dim = 1;
+  RopeOptions rope() const { return rope_of(*this); }
+  // What the attention's 1 / sqrt(qk_nope_dim + qk_rope_dim) is multiplied by (above).
+  double attention_scale_factor() const;
 
   int64_t num_params() const;
   int64_t largest_block_params() const;  // a MoE block (or a dense one when all are dense)

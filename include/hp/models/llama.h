@@ -30,8 +30,13 @@ namespace hp::models {
 // Face's rope_scaling): not at all; every frequency divided by a factor (linear); or Llama
 // 3.1's: low frequencies (wavelengths above original_max_seq / low_freq_factor) divided by
 // the factor, high ones (below original_max_seq / high_freq_factor) kept, and those between
-// blended smoothly (llama3).
-enum class RopeScaling { kNone, kLinear, kLlama3 };
+// blended smoothly (llama3); or YaRN's (yarn, as DeepSeek-V3 and transformers define it):
+// the frequencies of the dims that turn fewer than beta_slow times over original_max_seq
+// positions divided by the factor, those that turn more than beta_fast times kept, a linear
+// ramp between (its ends rounded outwards), and the rotary tables multiplied by the
+// attention factor, mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are
+// given, else mscale(factor, 1), with mscale(s, m) = 0.1 m ln s + 1 (1 for s <= 1).
+enum class RopeScaling { kNone, kLinear, kLlama3, kYarn };
 
 struct RopeOptions {
   double theta = 10000.0;
@@ -40,7 +45,47 @@ struct RopeOptions {
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_seq = 8192;
+  double beta_fast = 32, beta_slow = 1;    // yarn
+  double mscale = 0, mscale_all_dim = 0;   // yarn; 0: not given
 };
+
+// YaRN's mscale(s, m) = 0.1 m ln s + 1 (1 for s <= 1).
+double yarn_mscale(double scale, double m);
+// What yarn multiplies the rotary tables by (1 for the other scalings).
+double rope_attention_factor(const RopeOptions& rope);
+// Raises naming `who`'s keys (model.rope_*) where the scaling's values cannot be right.
+void check_rope(const RopeOptions& rope, const char* who);
+
+// A config's rotary options from its fields of these names (LlamaConfig's, DeepSeekConfig's).
+template <typename C>
+RopeOptions rope_of(const C& c) {
+  RopeOptions o;
+  o.theta = c.rope_theta;
+  o.scaling = c.rope_scaling;
+  o.factor = c.rope_factor;
+  o.low_freq_factor = c.rope_low_freq_factor;
+  o.high_freq_factor = c.rope_high_freq_factor;
+  o.original_max_seq = c.rope_original_max_seq;
+  o.beta_fast = c.rope_beta_fast;
+  o.beta_slow = c.rope_beta_slow;
+  o.mscale = c.rope_mscale;
+  o.mscale_all_dim = c.rope_mscale_all_dim;
+  return o;
+}
+// ... and back.
+template <typename C>
+void set_rope(C& c, const RopeOptions& o) {
+  c.rope_theta = o.theta;
+  c.rope_scaling = o.scaling;
+  c.rope_factor = o.factor;
+  c.rope_low_freq_factor = o.low_freq_factor;
+  c.rope_high_freq_factor = o.high_freq_factor;
+  c.rope_original_max_seq = o.original_max_seq;
+  c.rope_beta_fast = o.beta_fast;
+  c.rope_beta_slow = o.beta_slow;
+  c.rope_mscale = o.mscale;
+  c.rope_mscale_all_dim = o.mscale_all_dim;
+}
 
 struct LlamaConfig {
   int64_t vocab = 256;
@@ -62,6 +107,7 @@ struct LlamaConfig {
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_seq = 8192;
+  double rope_beta_fast = 32, rope_beta_slow = 1, rope_mscale = 0, rope_mscale_all_dim = 0;  // yarn
   // Attention head size when it is not dim / heads (0: dim / heads). The query and output
   // projections are then dim x heads * head_dim (Hugging Face's explicit head_dim).
   int64_t explicit_head_dim = 0;
