@@ -41,6 +41,27 @@ class Interop:
         self.check(name, theirs.shape == mine.shape and rel <= self.bound,
                    f"logits {tuple(mine.shape)}, max difference {rel:.2e} of the largest (bound {self.bound:.0e})")
 
+    def yarn_case(self, name, model, folder, unscaled_too):
+        """`model`'s logits over 80 tokens against hyperparallel's of `folder`; with
+        `unscaled_too`, the folder's config.json then says plain rotary, and its logits must
+        differ (so that the case tests the scaling)."""
+        import json
+        tokens, tpath = self.tokens_file(256, shape=(2, 80))
+        with torch.no_grad():
+            theirs = model(tokens).logits
+        self.compare("import " + name, theirs, self.ours(folder, tpath))
+        if not unscaled_too:
+            return
+        path = os.path.join(folder, "config.json")
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+        c["rope_parameters"] = {"rope_theta": c.get("rope_parameters", {}).get("rope_theta", 10000.0), "rope_type": "default"}
+        c.pop("rope_scaling", None)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(c, f)
+        rel = ((theirs - self.ours(folder, tpath)).abs().max() / theirs.abs().max()).item()
+        self.check("yarn changes the logits", rel > 1e-3, f"read as unscaled: {rel:.2e} of the largest")
+
     def perturbed(self, model, name, **save_args):
         """`model` with every parameter moved by 0.05 N(0, 1) (so that a swapped norm,
         projection or bias shows), saved by save_pretrained to a new folder; returns it."""

@@ -92,19 +92,7 @@ def yarn_cases():
         rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 16, **extra}
         name = f"yarn_{factor:g}"
         model, folder = model_with(rope, name)
-        tokens, tpath = t.tokens_file(256, shape=(2, 80))
-        with torch.no_grad():
-            theirs = model(tokens).logits
-        t.compare("import " + name, theirs, t.ours(folder, tpath))
-        if factor == 8.0:
-            path = os.path.join(folder, "config.json")
-            with open(path, encoding="utf-8") as f:
-                cfg = json.load(f)
-            cfg["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(cfg, f)
-            rel = ((theirs - t.ours(folder, tpath)).abs().max() / theirs.abs().max()).item()
-            t.check("yarn changes the logits", rel > 1e-3, f"read as unscaled: {rel:.2e} of the largest")
+        t.yarn_case(name, model, folder, unscaled_too=factor == 8.0)
 
 
 import_case("llama3", LLAMA3)
