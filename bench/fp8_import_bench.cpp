@@ -87,8 +87,7 @@ void write_folders(const std::vector<Shape>& shapes, const std::string& fp8, con
     const std::string file = "part-" + std::to_string(i) + ".safetensors";
     hp::ckpt::write_file(fp8 + "/" + file, {{s.name, codes}, {hp::ckpt::float8_scale_name(s.name), scales}}, {},
                          *hp::ckpt::local_storage(), {s.name});
-    const at::Tensor deq = hp::ckpt::decode_e4m3fn(codes).mul_(
-        scales.repeat_interleave(128, 0).repeat_interleave(128, 1).narrow(0, 0, s.rows).narrow(1, 0, s.cols));
+    const at::Tensor deq = hp::ckpt::dequantize_e4m3fn_blocks(codes, scales, 0, 0);
     hp::ckpt::write_file(bf16 + "/" + file, {{s.name, deq.to(at::kBFloat16)}});
     map8 += std::string(map8.empty() ? "" : ",") + "\"" + s.name + "\":\"" + file + "\",\"" +
             hp::ckpt::float8_scale_name(s.name) + "\":\"" + file + "\"";

@@ -142,17 +142,8 @@ DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::strin
   // rope_scaling, or transformers 5's rope_parameters (rope_theta inside): yarn as published.
   RopeOptions rope = c.rope();
   rope.scaling = RopeScaling::kNone;
-  detail::read_rope(j, rope, c.max_seq);
-  if (rope.scaling == RopeScaling::kYarn) {  // absent mscales are not used (transformers)
-    set_rope(c, rope);
-  } else {
-    c.rope_theta = rope.theta;
-    c.rope_scaling = rope.scaling;
-    c.rope_factor = rope.factor;
-    c.rope_low_freq_factor = rope.low_freq_factor;
-    c.rope_high_freq_factor = rope.high_freq_factor;
-    c.rope_original_max_seq = rope.original_max_seq;
-  }
+  detail::read_rope(j, rope, c.max_seq);  // yarn: absent mscales are not used (transformers)
+  set_rope(c, rope);
   c.validate();
   return c;
 }
