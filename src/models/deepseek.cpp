@@ -223,13 +223,17 @@ MoEImpl::MoEImpl(const DeepSeekConfig& cfg) : c(cfg) {
   for (int64_t e = 0; e < c.experts; ++e) all.push_back(SwiGLU(c.dim, c.expert_hidden));
   experts = register_module("experts", Experts(0, std::move(all)));
   dispatcher = ep::local_dispatcher(c.experts);
-  shared = register_module("shared", SwiGLU(c.dim, c.shared_experts * c.expert_hidden));
+  if (c.shared_experts > 0) shared = register_module("shared", SwiGLU(c.dim, c.shared_experts * c.expert_hidden));
   bias = register_buffer("bias", at::zeros({c.experts}));
   load = register_buffer("load", at::zeros({c.experts}));
 }
 
 std::pair<at::Tensor, at::Tensor> MoEImpl::route(const at::Tensor& x) const {
-  return route_scores(upcast(hp::call(const_cast<torch::nn::Linear&>(gate), x)).sigmoid());
+  return route_scores(scores_of(hp::call(const_cast<torch::nn::Linear&>(gate), x)));
+}
+
+at::Tensor MoEImpl::scores_of(const at::Tensor& logits) const {
+  return c.router_score == RouterScore::kSoftmax ? upcast(logits).softmax(-1) : upcast(logits).sigmoid();
 }
 
 std::pair<at::Tensor, at::Tensor> MoEImpl::route_scores(const at::Tensor& scores) const {
@@ -246,7 +250,7 @@ std::pair<at::Tensor, at::Tensor> MoEImpl::route_scores(const at::Tensor& scores
   }
   at::Tensor chosen = std::get<1>(choice.topk(c.experts_per_token, -1));
   at::Tensor w = scores.gather(-1, chosen);
-  w = w / w.sum(-1, /*keepdim=*/true);
+  if (c.norm_topk) w = w / w.sum(-1, /*keepdim=*/true);
   return {chosen, c.routed_scale == 1.0 ? w : w * c.routed_scale};
 }
 
@@ -293,7 +297,7 @@ at::Tensor MoEImpl::capacity_keep(const at::Tensor& chosen_scores, const at::Ten
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const auto shape = x.sizes().vec();
   at::Tensor flat = x.reshape({-1, c.dim});
-  at::Tensor scores = upcast(hp::call(gate, flat)).sigmoid();
+  at::Tensor scores = scores_of(hp::call(gate, flat));
   auto [chosen, weights] = route_scores(scores);
   // The balancing load counts training tokens: once per token (not again when recomputed in
   // backward), and not in a forward that is not differentiated (a validation pass, the
@@ -322,12 +326,14 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   at::Tensor out;
   if (overlap_chunks > 1) {
     ep::InFlight f = dispatcher->dispatch_overlapped(flat, ids, w, static_cast<int>(overlap_chunks));
-    out = hp::call(shared, flat);
-    out = out + dispatcher->combine_overlapped(hp::call(experts, f), f);
+    if (shared) out = hp::call(shared, flat);
+    at::Tensor routed = dispatcher->combine_overlapped(hp::call(experts, f), f);
+    out = shared ? out + routed : routed;
   } else {
     ep::Dispatched d = dispatcher->dispatch(flat, ids, w);
-    out = hp::call(shared, flat);
-    out = out + dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
+    if (shared) out = hp::call(shared, flat);
+    at::Tensor routed = dispatcher->combine(hp::call(experts, d.rows, d.counts), d);
+    out = shared ? out + routed : routed;
   }
   if (c.aux_loss_coeff > 0 && at::GradMode::is_enabled()) {
     HP_CHECK(shape.size() == 3, "MoE: the balance loss needs sequences [batch, time, dim], got shape ", x.sizes());

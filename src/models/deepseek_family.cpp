@@ -7,36 +7,7 @@ namespace hp::models {
 
 namespace {
 
-class DeepSeekModel : public detail::ModelOf<DeepSeek> {
- public:
-  using ModelOf::ModelOf;
-  void after_step(const CommPtr& dp) override { m_->update_balancing_bias(dp); }
-  void set_loss_scale(double scale) override {
-    for (auto& b : m_->blocks) {
-      if (b->moe) b->moe->loss_scale = scale;
-    }
-  }
-  void expert_parallel(const CommPtr& ep, const ep::DispatchOptions& o) override { models::expert_parallel(*m_, ep, o); }
-  std::vector<ExpertLoad> expert_load() const override {
-    std::vector<ExpertLoad> out;
-    for (size_t i = 0; i < m_->blocks.size(); ++i) {
-      const auto& moe = m_->blocks[i]->moe;
-      if (moe && moe->last_load.defined()) {
-        out.push_back({m_->slice.first_layer + static_cast<int64_t>(i), moe->last_load, moe->last_dropped});
-      }
-    }
-    return out;
-  }
-  std::vector<torch::nn::Module*> expert_modules() override {
-    std::vector<torch::nn::Module*> out;
-    for (auto& b : m_->blocks) {
-      if (b->moe) out.push_back(b->moe->experts.get());
-    }
-    return out;
-  }
-};
-
-class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, DeepSeek, DeepSeekModel> {
+class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, DeepSeek, detail::MoEModelOf<DeepSeek>> {
  public:
   using ReferenceArgs::ReferenceArgs;
 
@@ -236,16 +207,10 @@ class DeepSeekFamily : public ModelFamily {
         on_resume(float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
                                "weight of the sequence-wise balance loss (0: none)"),
                   ResumeRule::kTrajectory),
-        on_resume(float_key<D>("capacity_factor", &D::capacity_factor, 0, false,
-                               "each expert takes at most this x its even share of a rank's routed slots (0: no limit)"),
-                  ResumeRule::kTrajectory),
-        on_resume(choice_key<D>("drop_policy", &D::drop_policy, {"probs", "position"},
-                                "over capacity, keep an expert's highest-scored slots (probs) or its first tokens "
-                                "(position)"),
-                  ResumeRule::kTrajectory),
     };
     static const std::vector<ModelKey> all = [] {
       std::vector<ModelKey> v = k;
+      for (ModelKey& c : detail::capacity_keys<D>()) v.push_back(std::move(c));
       for (ModelKey& r : detail::rope_keys<D>()) v.push_back(std::move(r));
       return v;
     }();

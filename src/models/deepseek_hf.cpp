@@ -10,56 +10,37 @@
 namespace hp::models {
 
 std::vector<std::pair<std::string, std::string>> hf_names(const DeepSeekConfig& c) {
-  using Pairs = std::vector<std::pair<const char*, const char*>>;
-  static const Pairs attention = {{"attn.wq_a.weight", "self_attn.q_a_proj.weight"},
-                                  {"attn.q_norm.weight", "self_attn.q_a_layernorm.weight"},
-                                  {"attn.wq_b.weight", "self_attn.q_b_proj.weight"},
-                                  {"attn.wkv_a.weight", "self_attn.kv_a_proj_with_mqa.weight"},
-                                  {"attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight"},
-                                  {"attn.wkv_b.weight", "self_attn.kv_b_proj.weight"},
-                                  {"attn.wo.weight", "self_attn.o_proj.weight"}};
-  static const Pairs swiglu = {{"w1.weight", "gate_proj.weight"}, {"w3.weight", "up_proj.weight"},
-                               {"w2.weight", "down_proj.weight"}};
-  std::vector<std::pair<std::string, std::string>> out = {{"tok_emb.weight", "model.embed_tokens.weight"}};
+  static const detail::HfNames::Pairs attention = {{"attn.wq_a.weight", "self_attn.q_a_proj.weight"},
+                                                   {"attn.q_norm.weight", "self_attn.q_a_layernorm.weight"},
+                                                   {"attn.wq_b.weight", "self_attn.q_b_proj.weight"},
+                                                   {"attn.wkv_a.weight", "self_attn.kv_a_proj_with_mqa.weight"},
+                                                   {"attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight"},
+                                                   {"attn.wkv_b.weight", "self_attn.kv_b_proj.weight"},
+                                                   {"attn.wo.weight", "self_attn.o_proj.weight"}};
+  const auto& swiglu = detail::HfNames::swiglu();
+  detail::HfNames names;
   for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string ours = "layers_" + std::to_string(i) + ".", theirs = "model.layers." + std::to_string(i) + ".";
-    for (const auto& [a, b] : attention) out.emplace_back(ours + a, theirs + b);
+    names.block(i);
+    names.add(attention);
     if (i < c.dense_layers) {
-      for (const auto& [a, b] : swiglu) out.emplace_back(ours + "mlp." + a, theirs + "mlp." + b);
+      names.add(swiglu, "mlp.", "mlp.");
     } else {
-      out.emplace_back(ours + "moe.gate.weight", theirs + "mlp.gate.weight");
-      out.emplace_back(ours + "moe.bias", theirs + "mlp.gate.e_score_correction_bias");
-      for (int64_t e = 0; e < c.experts; ++e) {
-        const std::string x = std::to_string(e) + ".";
-        for (const auto& [a, b] : swiglu) out.emplace_back(ours + "moe.experts." + x + a, theirs + "mlp.experts." + x + b);
-      }
-      if (c.shared_experts > 0) {
-        for (const auto& [a, b] : swiglu) out.emplace_back(ours + "moe.shared." + a, theirs + "mlp.shared_experts." + b);
-      }
+      names.add("moe.gate.weight", "mlp.gate.weight");
+      names.add("moe.bias", "mlp.gate.e_score_correction_bias");
+      names.experts(c.experts, swiglu, "moe.", "mlp.");
+      if (c.shared_experts > 0) names.add(swiglu, "moe.shared.", "mlp.shared_experts.");
     }
-    out.emplace_back(ours + "attn_norm.weight", theirs + "input_layernorm.weight");
-    out.emplace_back(ours + "ffn_norm.weight", theirs + "post_attention_layernorm.weight");
+    names.block_norms();
   }
-  out.emplace_back("norm.weight", "model.norm.weight");
-  out.emplace_back("output.weight", "lm_head.weight");
-  return out;
+  return names.finish();
 }
 
 namespace {
 
-// A size or setting both sides have: our key, config.json's key, the field, and the value
-// transformers' DeepseekV3Config assumes where the key is absent (DeepSeek-V3's; none: the
-// key is required); whether init_from_hf requires the model to have the file's value (not
-// for the rotary table's length: a longer one than the file's is no conflict). The one
-// table config.json is written, read and checked from.
-struct Field {
-  const char* ours;
-  const char* theirs;
-  std::variant<int64_t DeepSeekConfig::*, double DeepSeekConfig::*> field;
-  c10::optional<double> fallback;
-  bool must_match = true;
-};
+using Field = detail::HfField<DeepSeekConfig>;
 
+// The one table config.json is written, read and checked from (the fallbacks are
+// DeepSeek-V3's, as transformers' DeepseekV3Config assumes them).
 const std::vector<Field>& fields() {
   using D = DeepSeekConfig;
   static const std::vector<Field> f = {
@@ -88,16 +69,9 @@ const std::vector<Field>& fields() {
   return f;
 }
 
-// What the model always is, written as such and required of a file that states it (where
-// absent, transformers assumes the same): the key, the value, what it means.
-struct Fixed {
-  const char* key;
-  nlohmann::json value;
-  const char* why;
-};
-
-const std::vector<Fixed>& fixed() {
-  static const std::vector<Fixed> f = {
+// Required of a file that states it; transformers assumes the same where absent.
+const std::vector<detail::HfFixed>& fixed() {
+  static const std::vector<detail::HfFixed> f = {
       {"hidden_act", "silu", "the model uses silu"},
       {"attention_bias", false, "the model has no biases"},
       {"scoring_func", "sigmoid", "the router scores by sigmoid"},
@@ -114,8 +88,7 @@ const std::vector<Fixed>& fixed() {
 
 std::string hf_config(const DeepSeekConfig& c, at::ScalarType dtype) {
   nlohmann::json j = {{"architectures", {"DeepseekV3ForCausalLM"}}, {"model_type", "deepseek_v3"}};
-  for (const Field& f : fields()) std::visit([&](auto m) { j[f.theirs] = c.*m; }, f.field);
-  for (const Fixed& f : fixed()) j[f.key] = f.value;
+  detail::write_hf_fields(j, fields(), fixed(), c);
   j["num_key_value_heads"] = c.heads;
   j["rope_scaling"] = detail::rope_hf_json(c.rope());
   j["num_nextn_predict_layers"] = 0;
@@ -127,16 +100,10 @@ DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::strin
   const detail::HfJson j(text, path);
   j.require("model_type", "deepseek_v3", "not deepseek_v3");
   ckpt::hf_float8_blocks(text, path);  // none, or FP8 with block scales (read by the import); others refused
-  for (const Fixed& f : fixed()) j.require(f.key, f.value, f.why);
+  detail::require_hf_fixed(j, fixed());
   HP_CHECK(j.has("q_lora_rank"), "'", path, "': q_lora_rank null (queries without a latent) is not supported yet");
   DeepSeekConfig c;
-  for (const Field& f : fields()) {
-    if (auto* m = std::get_if<int64_t DeepSeekConfig::*>(&f.field)) {
-      c.*(*m) = j.integer(f.theirs, f.fallback ? c10::optional<int64_t>(static_cast<int64_t>(*f.fallback)) : c10::nullopt);
-    } else {
-      c.*std::get<double DeepSeekConfig::*>(f.field) = j.real(f.theirs, f.fallback);
-    }
-  }
+  for (const Field& f : fields()) detail::read_hf_field(j, f, c);
   HP_CHECK(j.integer("num_key_value_heads", c.heads) == c.heads, "'", path, "': num_key_value_heads=",
            j.json()["num_key_value_heads"].dump(), " is not num_attention_heads=", c.heads, " (not supported yet)");
   // rope_scaling, or transformers 5's rope_parameters (rope_theta inside): yarn as published.
@@ -150,10 +117,7 @@ DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::strin
 
 void check_hf_config(const DeepSeekConfig& c, const std::string& text, const std::string& path) {
   const DeepSeekConfig h = deepseek_config_from_hf(text, path);
-  for (const Field& f : fields()) {
-    if (!f.must_match) continue;
-    std::visit([&](auto m) { detail::same_as_hf(f.ours, f.theirs, c.*m, h.*m, path); }, f.field);
-  }
+  detail::same_as_hf_fields(fields(), c, h, path);
   detail::same_rope(c.rope(), h.rope(), path);
 }
 

@@ -38,6 +38,8 @@ Registry& registry() {
     // The built-in families, one line each; the first is the default.
     add(*out, deepseek_family());
     add(*out, llama_family());
+    add(*out, qwen3_moe_family());
+    add(*out, mixtral_family());
     return out;
   }();
   return *r;

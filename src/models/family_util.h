@@ -44,6 +44,41 @@ class ModelOf : public Model {
   Holder m_;
 };
 
+// A reference model with MoE blocks (DeepSeek, MoELlama: blocks with a `moe`, null in a
+// dense block) as a Model: balancing after each step, the loss scale for a loss the MoE
+// adds, expert parallelism, the experts' modules and their load.
+template <typename Holder>
+class MoEModelOf : public ModelOf<Holder> {
+ public:
+  using ModelOf<Holder>::ModelOf;
+  void after_step(const CommPtr& dp) override { this->m_->update_balancing_bias(dp); }
+  void set_loss_scale(double scale) override {
+    for (auto& b : this->m_->blocks) {
+      if (b->moe) b->moe->loss_scale = scale;
+    }
+  }
+  void expert_parallel(const CommPtr& ep, const ep::DispatchOptions& o) override {
+    models::expert_parallel(*this->m_, ep, o);
+  }
+  std::vector<ExpertLoad> expert_load() const override {
+    std::vector<ExpertLoad> out;
+    for (size_t i = 0; i < this->m_->blocks.size(); ++i) {
+      const auto& moe = this->m_->blocks[i]->moe;
+      if (moe && moe->last_load.defined()) {
+        out.push_back({this->m_->slice.first_layer + static_cast<int64_t>(i), moe->last_load, moe->last_dropped});
+      }
+    }
+    return out;
+  }
+  std::vector<torch::nn::Module*> expert_modules() override {
+    std::vector<torch::nn::Module*> out;
+    for (auto& b : this->m_->blocks) {
+      if (b->moe) out.push_back(b->moe->experts.get());
+    }
+    return out;
+  }
+};
+
 // The rotary scaling's keys of a config with rope_of()'s fields (Llama's and DeepSeek's),
 // written once.
 template <typename C>
@@ -64,6 +99,21 @@ std::vector<ModelKey> rope_keys() {
       float_key<C>("rope_mscale", &C::rope_mscale, 0, false, "yarn's mscale (0: not given)"),
       float_key<C>("rope_mscale_all_dim", &C::rope_mscale_all_dim, 0, false,
                    "yarn's mscale_all_dim (0: not given; DeepSeek's attention scale times its mscale squared)"),
+  };
+}
+
+// The capacity limit's keys of a config with DeepSeekConfig's capacity_factor and
+// drop_policy (DeepSeek's, MoELlama's), written once.
+template <typename C>
+std::vector<ModelKey> capacity_keys() {
+  return {
+      on_resume(float_key<C>("capacity_factor", &C::capacity_factor, 0, false,
+                             "each expert takes at most this x its even share of a rank's routed slots (0: no limit)"),
+                ResumeRule::kTrajectory),
+      on_resume(choice_key<C>("drop_policy", &C::drop_policy, {"probs", "position"},
+                              "over capacity, keep an expert's highest-scored slots (probs) or its first tokens "
+                              "(position)"),
+                ResumeRule::kTrajectory),
   };
 }
 

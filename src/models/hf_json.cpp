@@ -149,4 +149,39 @@ const char* hf_dtype_name(at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : dtype == at::kDouble ? "float64" : "float32";
 }
 
+const HfNames::Pairs& HfNames::swiglu() {
+  static const Pairs p = {{"w1.weight", "gate_proj.weight"}, {"w3.weight", "up_proj.weight"}, {"w2.weight", "down_proj.weight"}};
+  return p;
+}
+
+void HfNames::block(int64_t i) {
+  ours_ = "layers_" + std::to_string(i) + ".";
+  theirs_ = "model.layers." + std::to_string(i) + ".";
+}
+
+void HfNames::add(const std::string& ours, const std::string& theirs) { out_.emplace_back(ours_ + ours, theirs_ + theirs); }
+
+void HfNames::add(const Pairs& pairs, const std::string& ours, const std::string& theirs) {
+  for (const auto& [a, b] : pairs) add(ours + a, theirs + b);
+}
+
+void HfNames::experts(int64_t n, const Pairs& pairs, const std::string& ours, const std::string& theirs) {
+  for (int64_t e = 0; e < n; ++e) {
+    const std::string x = "experts." + std::to_string(e) + ".";
+    add(pairs, ours + x, theirs + x);
+  }
+}
+
+void HfNames::block_norms() {
+  add("attn_norm.weight", "input_layernorm.weight");
+  add("ffn_norm.weight", "post_attention_layernorm.weight");
+}
+
+HfNames::List HfNames::finish(bool head) {
+  List out = std::move(out_);
+  out.emplace_back("norm.weight", "model.norm.weight");
+  if (head) out.emplace_back("output.weight", "lm_head.weight");
+  return out;
+}
+
 }  // namespace hp::models::detail

@@ -34,7 +34,7 @@ T count_block(const LlamaConfig& c) {
   const T dim = c.dim, hd = c.head_dim();
   const T attn = dim * T(c.heads) * hd + T(2) * dim * T(c.kv_heads) * hd + T(c.heads) * hd * dim +
                  (c.attention_bias || c.qkv_bias ? T(c.heads) * hd + T(2) * T(c.kv_heads) * hd : T(0)) +
-                 (c.attention_bias ? dim : T(0));
+                 (c.attention_bias ? dim : T(0)) + (c.qk_norm ? T(2) * hd : T(0));
   const T mlp = T(3) * dim * T(c.hidden_dim()) + (c.mlp_bias ? T(2) * T(c.hidden_dim()) + dim : T(0));
   return attn + mlp + T(2) * dim;  // two RMSNorm weights
 }
@@ -192,16 +192,25 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
   wk = register_module("wk", lin(c.dim, kv_heads * head_dim, qkv));
   wv = register_module("wv", lin(c.dim, kv_heads * head_dim, qkv));
   wo = register_module("wo", lin(heads * head_dim, c.dim, c.attention_bias));
+  if (c.qk_norm) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim, c.norm_eps));
+    k_norm = register_module("k_norm", RMSNorm(head_dim, c.norm_eps));
+  }
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t B = x.size(0), T = x.size(1);
   // Head counts come from the projections' outputs: under tensor parallelism each rank
   // holds heads / tp query heads and kv_heads / tp key/value heads.
-  auto split = [&](const at::Tensor& t) { return t.view({B, T, -1, head_dim}).transpose(1, 2); };
-  at::Tensor q = apply_rotary(split(hp::call(wq, x)), cos, sin, RotaryPairs::kHalves);
-  at::Tensor k = apply_rotary(split(hp::call(wk, x)), cos, sin, RotaryPairs::kHalves);
-  at::Tensor v = split(hp::call(wv, x));
+  // [B, T, heads, head_dim], each head's dims normalized where the model says, then heads first.
+  auto split = [&](const at::Tensor& t, RMSNorm& norm) {
+    at::Tensor h = t.view({B, T, -1, head_dim});
+    return (norm ? hp::call(norm, h) : h).transpose(1, 2);
+  };
+  RMSNorm none{nullptr};
+  at::Tensor q = apply_rotary(split(hp::call(wq, x), q_norm), cos, sin, RotaryPairs::kHalves);
+  at::Tensor k = apply_rotary(split(hp::call(wk, x), k_norm), cos, sin, RotaryPairs::kHalves);
+  at::Tensor v = split(hp::call(wv, x), none);
   const int64_t local_heads = q.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   // k and v keep their kv_heads: each group of heads / kv_heads query heads shares one.
@@ -405,6 +414,7 @@ std::vector<std::pair<std::string, std::string>> hf_names(const LlamaConfig& c) 
 }
 
 std::string hf_config(const LlamaConfig& c, at::ScalarType dtype) {
+  HP_CHECK(!c.qk_norm, "Hugging Face export of a llama with qk_norm is not supported yet (use the qwen3_moe family)");
   // With q/k/v-only biases, the Qwen2 family's layout, which has no other bias nor another
   // head size.
   if (c.qkv_bias) {

@@ -362,7 +362,7 @@ void add_run_keys(std::vector<Key>& k) {
                        HP_FIELD(async_save))));
   k.push_back(free_on_resume(path_key("init_from_hf",
                        "start from the weights of this Hugging Face model folder instead of the seed (a family "
-                       "with Hugging Face names: llama, deepseek; model.from_hf sets it)",
+                       "with Hugging Face names: llama, deepseek, qwen3_moe, mixtral; model.from_hf sets it)",
                        HP_FIELD(init_from_hf))));
 }
 

@@ -360,6 +360,8 @@ TEST(Config, StageParameterCountsMatchTheBuiltStages) {
       {"model:\n  type: deepseek\n  layers: 5\n  dense_layers: 0\n", {}},
       {"model:\n  type: deepseek\n  layers: 4\n  dense_layers: 4\n", {}},
       {"model:\n  type: deepseek\n  layers: 5\n  dense_layers: 3\n", {}},
+      {"model:\n  type: qwen3_moe\n  layers: 5\n  sparse_step: 2\n  attention_bias: true\n  head_dim: 24\n", {}},
+      {"model:\n  type: mixtral\n  layers: 5\n", {}},
   };
   for (const auto& [yaml, overrides] : cases) {
     ht::TrainConfig c = ht::parse_config(yaml, overrides, "stages.yaml");
@@ -462,7 +464,7 @@ TEST(TrainConfig, ARegisteredFamilyBringsItsKeys) {
                          {"model.toy_hidden=2", "model.type toy", "model.type is deepseek"});
   hp::test::expect_error([] { ht::parse_config("model:\n  type: toy\n  preset: big\n"); },
                          {"model.preset=big", "small"});
-  hp::test::expect_error([] { (void)ht::ModelSpec("gpt"); }, {"'gpt'", "deepseek, llama, toy"});
+  hp::test::expect_error([] { (void)ht::ModelSpec("gpt"); }, {"'gpt'", "deepseek, llama, qwen3_moe, mixtral, toy"});
   bool listed = false;
   for (const auto& k : ht::config_keys()) {
     if (k.key == "model.toy_hidden") listed = k.help.find("[toy]") != std::string::npos;

@@ -31,6 +31,7 @@
 #include "toy_family.h"
 #include "hp/tp/dtensor.h"
 #include "hp/models/deepseek.h"
+#include "hp/models/moe_llama.h"
 #include "hp/train/checkpoint_manager.h"
 #include "hp/train/plan.h"
 #include "hp/train/trainer.h"
@@ -119,6 +120,11 @@ ht::TrainConfig small_config(const std::string& type, int world, int64_t tp = 1,
     c.model.config<hp::models::DeepSeekConfig>().bias_update_rate = 0.01;
   } else if (pp > 1) {
     c.model->set_layers(4);
+  }
+  if (type == "qwen3_moe") {  // a dense block between MoE ones; routing weights not normalized
+    c.model.config<hp::models::MoELlamaConfig>().sparse_step = 2;
+    c.model.config<hp::models::MoELlamaConfig>().norm_topk = false;
+    if (pp == 1) c.model->set_layers(3);
   }
   c.tensor_parallel = tp;
   c.sequence_parallel = tp > 1;
@@ -332,7 +338,7 @@ void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const
 // A layout of the parity cases, each setting named where a case changes it from the default
 // (one process's layout apart from the data-parallel ranks).
 struct Layout {
-  int64_t tp_ = 1, pp_ = 1, v_ = 1, cp_ = 1;
+  int64_t tp_ = 1, pp_ = 1, v_ = 1, cp_ = 1, ep_ = 1;
   ht::PipelineScheduleKind schedule_ = ht::PipelineScheduleKind::kAuto;
   std::vector<int64_t> stage_layers_;  // empty: the trainer's split
   bool tie_ = false, per_submodule_ = false, head_dim_and_biases_ = false;
@@ -345,6 +351,7 @@ struct Layout {
   Layout& pp(int64_t x) { pp_ = x; return *this; }
   Layout& v(int64_t x) { v_ = x; return *this; }  // virtual stages per pp rank
   Layout& cp(int64_t x) { cp_ = x; return *this; }
+  Layout& ep(int64_t x) { ep_ = x; return *this; }  // expert_parallel
   Layout& cp_method(hp::cp::Method m) { cp_method_ = m; return *this; }
   Layout& schedule(ht::PipelineScheduleKind s) { schedule_ = s; return *this; }
   Layout& stage_layers(std::vector<int64_t> l) { stage_layers_ = std::move(l); return *this; }
@@ -378,6 +385,7 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
     c.wait_per_submodule = true;
   }
   c.pipeline_stage_layers = l.stage_layers_;
+  c.expert_parallel = l.ep_;
   if (l.tie_) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
   c.eval_interval = 2;  // validation after steps 2, 4 and 5
   c.eval_steps = 2;
@@ -390,13 +398,16 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   // The layout the case names is the one it runs (a setting of Layout lost on the way would
   // leave a weaker case that still passes; seen failing with tp() setting nothing).
   ASSERT_TRUE(c.tensor_parallel == l.tp_ && c.pipeline_parallel == l.pp_ && c.context_parallel == l.cp_ &&
-              c.context_parallel_method == l.cp_method_ && (l.replicas_ == 0 || c.data_parallel == l.replicas_) &&
+              c.context_parallel_method == l.cp_method_ && c.expert_parallel == l.ep_ &&
+              (l.replicas_ == 0 || c.data_parallel == l.replicas_) &&
               c.pipeline_stage_layers == l.stage_layers_ && c.data_parallel_shard_strategy == l.strategy_)
       << type << ": the config's layout is not the case's";
   expect_steps_match(t, c, naive, type);
   // Under pipeline parallelism the losses and norms of every step (the norm over every
-  // parameter of every stage) are the check here; pp_test compares its parameters.
-  if (l.pp_ > 1) return;
+  // parameter of every stage) are the check here; pp_test compares its parameters. So under
+  // expert parallelism (ExpertParallelMatchesSingleProcess compares DeepSeek's parameters
+  // box by box).
+  if (l.pp_ > 1 || l.ep_ > 1) return;
   // Parameters, reassembled from the shards, against the naive model's.
   std::vector<at::Tensor> in_handle_order;
   for (torch::nn::Module* b : naive.model->blocks()) {
@@ -536,6 +547,25 @@ TEST(TrainDist, MatchesSingleProcessWithOverlapOff) {
 
 // A family defined in the test (toy_family.h), through the same paths: FSDP (HSDP at 4
 // ranks), tensor and sequence parallelism, a pipeline, and both.
+// Qwen3-MoE (a dense block between MoE ones, per-head query/key norms, routing weights not
+// normalized) and Mixtral, at 4 ranks: HSDP 2 x 2, tensor parallel 2 with sequence parallel
+// (x dp_shard 2), pipeline 2 (x dp_shard 2; interleaved), expert parallel 4 and 2, and EP 2
+// x TP 2 (the experts whole over the tp pair) and EP 2 x PP 2: every step's loss, grad norm
+// and validation loss (and without PP and EP every parameter) within 1e-10 of one process
+// in float64.
+TEST(TrainDist, Qwen3MoeAndMixtralMatchSingleProcess) {
+  if (hp::world()->size() != 4) GTEST_SKIP() << "the families' layouts at 4 ranks";
+  for (const char* type : {"qwen3_moe", "mixtral"}) {
+    SCOPED_TRACE(type);
+    expect_matches_naive(type);
+    expect_matches_naive(type, Layout().tp(2));
+    expect_matches_naive(type, Layout().pp(2).v(type[0] == 'm' ? 2 : 1));
+    expect_matches_naive(type, Layout().ep(4).replicas(1));
+    expect_matches_naive(type, Layout().ep(2).tp(2));
+    expect_matches_naive(type, Layout().ep(2).pp(2));
+  }
+}
+
 TEST(TrainDist, ToyFamilyMatchesSingleProcess) {
   hp::test::register_toy_family();
   auto w = hp::world();
@@ -1566,7 +1596,7 @@ TEST(TrainDist, ParamsPerTensorParallelRankMatchTheSplitModel) {
   auto w = hp::world();
   if (w->size() % 2 != 0) GTEST_SKIP() << "tensor_parallel=2 needs an even world";
   auto mesh = std::make_shared<hp::DeviceMesh>(w, std::vector<hp::MeshDim>{{"dp_shard", -1}, {"tp", 2}});
-  for (const std::string type : {"llama", "deepseek"}) {
+  for (const std::string type : {"llama", "deepseek", "qwen3_moe", "mixtral"}) {
     ht::TrainConfig c = small_config(type, w->size(), 2);
     auto m = ht::make_model(c);
     m->parallelize(mesh->group("tp"), true, c10::nullopt);

@@ -26,6 +26,10 @@ namespace hp::models {
 // the first tokens in order.
 enum class DropPolicy { kProbs, kPosition };
 
+// How a router turns its logits into the scores it ranks experts by: each on its own
+// (sigmoid: DeepSeek-V3), or over all experts (softmax: Qwen3-MoE, Mixtral); in fp32.
+enum class RouterScore { kSigmoid, kSoftmax };
+
 struct DeepSeekConfig {
   int64_t vocab = 256;
   int64_t dim = 64;
@@ -51,6 +55,11 @@ struct DeepSeekConfig {
   // The routing weights (the chosen scores normalized to sum 1) are multiplied by this
   // (DeepSeek-V3: 2.5).
   double routed_scale = 1.0;
+  // The router's scores (hp-train's deepseek family: sigmoid, always), and whether the
+  // chosen ones are normalized to sum 1 before routed_scale (Qwen3-MoE's norm_topk_prob;
+  // DeepSeek-V3 and Mixtral: always). MoELlama's MoEs set both (moe_llama.h).
+  RouterScore router_score = RouterScore::kSigmoid;
+  bool norm_topk = true;
   double bias_update_rate = 1e-3;
   // Weight of the sequence-wise balance loss (DeepSeek-V3 eq. 17-20; 0: none, as trained).
   double aux_loss_coeff = 0;
@@ -121,8 +130,10 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   // Chosen experts [tokens, k] and their weights [tokens, k] for x [tokens, dim].
   std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x) const;
-  // The same from the gate's scores [tokens, experts] (sigmoid, fp32).
+  // The same from the gate's scores [tokens, experts] (fp32; scores_of its logits).
   std::pair<at::Tensor, at::Tensor> route_scores(const at::Tensor& scores) const;
+  // The router's scores of its logits (c.router_score), in fp32 (float64 for a float64 model).
+  at::Tensor scores_of(const at::Tensor& logits) const;
   // The sequence-wise balance loss of sequences [B, T] from their scores [B*T, experts] and
   // chosen experts [B*T, k]: the mean over sequences of aux_loss_coeff x sum_e f_e P_e, with
   // f_e = experts / (k T) x the tokens choosing e and P_e the mean over the sequence of e's
@@ -143,7 +154,7 @@ struct MoEImpl : torch::nn::Module {
   std::shared_ptr<ep::TokenDispatcher> dispatcher;  // every expert here unless expert_parallel
   // Chunks of local experts the dispatcher's all-to-alls overlap the experts in (1: none).
   int64_t overlap_chunks = 1;
-  SwiGLU shared{nullptr};
+  SwiGLU shared{nullptr};  // null without shared experts
   at::Tensor bias;  // buffer [experts]
   at::Tensor load;  // buffer [experts]: tokens routed since the last bias update
   // The load of the last update_balancing_bias (summed over `dp`), for metrics; undefined

@@ -329,8 +329,11 @@ ModelKey bool_key(const char* name, bool Config::*f, const char* help) {
           [f](const ModelArgs& a) { return ModelValue(config_of<Config>(a).*f); }};
 }
 
-// The built-in families (src/models/llama_family.cpp, deepseek_family.cpp).
+// The built-in families (src/models/llama_family.cpp, deepseek_family.cpp,
+// qwen3_moe_family.cpp, mixtral_family.cpp).
 std::shared_ptr<const ModelFamily> llama_family();
 std::shared_ptr<const ModelFamily> deepseek_family();
+std::shared_ptr<const ModelFamily> qwen3_moe_family();
+std::shared_ptr<const ModelFamily> mixtral_family();
 
 }  // namespace hp::models

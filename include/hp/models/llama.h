@@ -118,6 +118,10 @@ struct LlamaConfig {
   // Biases on the query, key and value projections only: the Qwen2 family (model_type
   // qwen2), which Hugging Face interchange reads and writes as such.
   bool qkv_bias = false;
+  // RMSNorm (norm_eps) over each head's query and key dims before the rotary, one scale of
+  // head_dim each (Qwen3's q_norm and k_norm: MoELlama's Qwen3 flavor sets it; the llama
+  // family's keys and interchange do not).
+  bool qk_norm = false;
 
   RopeOptions rope() const;
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : dim / heads; }
@@ -188,6 +192,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
   int64_t heads, kv_heads, head_dim, tile;
   torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // with LlamaConfig::qk_norm
   // Set by context_parallel(): x holds this rank's tokens of the sequence, and attention
   // runs over the whole sequence through it.
   std::shared_ptr<cp::ContextParallel> context_parallel;

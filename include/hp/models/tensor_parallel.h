@@ -22,6 +22,9 @@
 // piece of the sequence (sequence parallel required), the experts whole, the router and the
 // shared experts replicated with their gradients summed over tp; nothing moves over tp in
 // the MoE, and the load is then summed over the tp ranks too.
+//
+// MoELlama (Qwen3-MoE, Mixtral): Llama's attention plan (the per-head query and key norms
+// replicated, their gradients summed over the group) and DeepSeek's MoE plan.
 #pragma once
 
 #include <c10/util/Optional.h>
@@ -31,6 +34,7 @@
 #include "hp/comm/communicator.h"
 #include "hp/models/deepseek.h"
 #include "hp/models/llama.h"
+#include "hp/models/moe_llama.h"
 
 namespace hp::models {
 
@@ -46,13 +50,18 @@ struct TensorParallelOptions {
 void check_tensor_parallel(const LlamaConfig& c, int64_t tp);
 
 void check_tensor_parallel(const DeepSeekConfig& c, int64_t tp);
+void check_tensor_parallel(const MoELlamaConfig& c, int64_t tp);
 
 // Applies the plans above to `model` over `group`. Apply before fully_shard.
 void parallelize_llama(Llama& model, const CommPtr& group, const TensorParallelOptions& o = {});
 void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorParallelOptions& o = {});
+void parallelize_moe_llama(MoELlama& model, const CommPtr& group, const TensorParallelOptions& o = {});
 inline void parallelize(Llama& m, const CommPtr& g, const TensorParallelOptions& o = {}) { parallelize_llama(m, g, o); }
 inline void parallelize(DeepSeek& m, const CommPtr& g, const TensorParallelOptions& o = {}) {
   parallelize_deepseek(m, g, o);
+}
+inline void parallelize(MoELlama& m, const CommPtr& g, const TensorParallelOptions& o = {}) {
+  parallelize_moe_llama(m, g, o);
 }
 
 }  // namespace hp::models
