@@ -20,22 +20,9 @@
 # Exit status: 0 done, 1 failed, 77 the Python packages could not be installed.
 set -euo pipefail
 
-here=$(cd "$(dirname "$0")/.." && pwd)
-out=hp-train-out/llama_example
-if [ "${1:-}" = --out ]; then
-  out=${2:?--out needs a folder}
-  shift 2
-fi
-if [ -e "$out" ]; then
-  echo "llama_example.sh: '$out' exists; nothing is overwritten: remove it or give --out another folder" >&2
-  exit 1
-fi
-config=$here/configs/llama_example.yaml
-
-if [ -z "${HP_TRAIN:-}" ]; then
-  bash "$here/scripts/build.sh" hp-train
-  HP_TRAIN=$here/build/hp-train
-fi
+# shellcheck source=scripts/example_common.sh
+source "$(dirname "$0")/example_common.sh"
+example_init llama_example "$@"
 
 venv=${HP_EXAMPLE_VENV:-$HOME/.cache/hyperparallel/example}
 py=/usr/bin/python3  # Debian's interpreter, for its python3-torch
@@ -55,29 +42,4 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import transformers, 
     exit 77
   fi
 fi
-vpy=$venv/bin/python
-
-mkdir -p "$out"
-corpus=("$here/docs" "$here/include" "$here/src" "$here/apps" "$here/README.md")
-echo "== 1. tokenizer and model"
-"$vpy" "$here/tools/llama_example.py" model --out "$out/model" "${corpus[@]}"
-echo "== 2. corpus"
-"$vpy" "$here/tools/prepare_data.py" --tokenizer "$out/model" --out "$out/data/corpus" --valid-fraction 0.1 \
-  "${corpus[@]}"
-echo "== 3. training"
-paths=(--set "model.from_hf=$out/model" --set "data.path=$out/data/corpus.train.bin"
-       --set "data.valid_path=$out/data/corpus.valid.bin" --set "output_dir=$out/run"
-       --set "save_dir=$out/checkpoints")
-bash "$here/scripts/mpirun.sh" 4 "$HP_TRAIN" --config "$config" "${paths[@]}" "$@"
-echo "== 4. export, and transformers"
-"$HP_TRAIN" --export-hf "$out/checkpoints" "$out/export"  # the checkpoint its latest names
-cp "$out/model/tokenizer.json" "$out/model/tokenizer_config.json" "$out/model/special_tokens_map.json" "$out/export/"
-sets=()
-for arg in "$@"; do
-  case $arg in
-    seq_length=* | global_batch_size=* | eval_steps=*) sets+=(--set "$arg") ;;
-  esac
-done
-"$vpy" "$here/tools/llama_example.py" check --run "$out/run" --export "$out/export" \
-  --valid "$out/data/corpus.valid.bin" --config "$config" "${sets[@]}"
-echo "llama_example.sh: done; the trained model, with its tokenizer, is in $out/export"
+example_run llama "$here/configs/llama_example.yaml" "$venv/bin/python"

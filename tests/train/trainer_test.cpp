@@ -315,12 +315,28 @@ ht::StepStats expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const
 
 // A step's tokens per expert of each MoE block against the one-process run's last step
 // (exact: counts), and the mean by hand: every token of the global batch picks k experts.
+// The MoE sizes of a DeepSeek, Qwen3-MoE or Mixtral config, read from its own struct.
+struct MoESizes {
+  int64_t moe_layers, experts, experts_per_token;
+  double capacity_factor;
+};
+MoESizes moe_sizes(const ht::TrainConfig& c) {
+  if (c.model.family().name() == "deepseek") {
+    const auto& d = c.model.config<hp::models::DeepSeekConfig>();
+    return {d.layers - d.dense_layers, d.experts, d.experts_per_token, d.capacity_factor};
+  }
+  const auto& m = c.model.config<hp::models::MoELlamaConfig>();
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < m.layers; ++i) moe_layers += (i + 1) % m.sparse_step == 0 ? 1 : 0;
+  return {moe_layers, m.experts, m.experts_per_token, m.capacity_factor};
+}
+
 void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const Naive& naive,
                         const std::string& label) {
-  const auto& d = c.model.config<hp::models::DeepSeekConfig>();
+  const MoESizes d = moe_sizes(c);
   const auto want = naive.model->expert_load();
   ASSERT_EQ(st.expert_load.size(), want.size()) << label;
-  ASSERT_EQ(want.size(), static_cast<size_t>(d.layers - d.dense_layers)) << label;
+  ASSERT_EQ(want.size(), static_cast<size_t>(d.moe_layers)) << label;
   const double mean = static_cast<double>(c.global_batch_size * c.seq_length * d.experts_per_token) /
                       static_cast<double>(d.experts);
   for (size_t i = 0; i < want.size(); ++i) {
@@ -998,7 +1014,7 @@ TEST(TrainDist, ResumeUnderAnotherLayoutContinues) {
 }
 
 // Expert parallelism through the trainer: DeepSeek tiny with its 8 experts over 2 and over 4
-// data_parallel_shard ranks (with HSDP too; both dispatchers), against the naive one-process run: every step's
+// data_parallel_shard ranks (with HSDP too; both dispatchers; Qwen3-MoE and Mixtral too), against the naive one-process run: every step's
 // loss and grad norm, and every parameter a rank holds, by its name and box, at 1e-10.
 TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
   auto w = hp::world();
@@ -1012,6 +1028,7 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
     int64_t tp = 1;             // with sequence parallel; the EP group spans the tp ranks
     int64_t cp = 1;             // context parallel: EP borrows the CP ranks too
     ht::ShardStrategy strategy = ht::ShardStrategy::kOptimGradsParams;
+    std::string type = "deepseek";
   };
   // Under recompute the blocks' forward (and so the dispatch) runs again in backward; the
   // balancing load is counted once. Under tensor parallelism each tp rank routes its piece
@@ -1035,20 +1052,30 @@ TEST(TrainDist, ExpertParallelMatchesSingleProcess) {
                // ZeRO-1, the experts sharded over 2 of the 4 dp_shard ranks
                {1, 2, K::kDedup, ht::Recompute::kNone, 0, 1, 1, ht::ShardStrategy::kOptim}};
   }
+  // Qwen3-MoE (softmax routing, weights not normalized, a dense block between MoE ones) and
+  // Mixtral through both dispatchers, with HSDP, recompute and tensor parallelism.
+  const auto kZ3 = ht::ShardStrategy::kOptimGradsParams;
+  if (w->size() == 2) layouts.push_back({1, 2, K::kDedup, ht::Recompute::kNone, 0, 1, 1, kZ3, "qwen3_moe"});
+  if (w->size() == 4) {
+    layouts.push_back({1, 4, K::kDedup, ht::Recompute::kNone, 0, 1, 1, kZ3, "qwen3_moe"});
+    layouts.push_back({2, 2, K::kAllToAll, ht::Recompute::kFull, 0, 1, 1, kZ3, "qwen3_moe"});
+    layouts.push_back({1, 4, K::kAllToAll, ht::Recompute::kNone, 0, 1, 1, kZ3, "mixtral"});
+    layouts.push_back({1, 2, K::kDedup, ht::Recompute::kNone, 0, 2, 1, kZ3, "mixtral"});
+  }
   for (const Layout& l : layouts) {
-    ht::TrainConfig c = small_config("deepseek", w->size(), l.tp, 1, 1, l.cp);
+    ht::TrainConfig c = small_config(l.type, w->size(), l.tp, 1, 1, l.cp);
     c.data_parallel = l.data_parallel;
     c.data_parallel_shard = -1;
     c.expert_parallel = l.ep;
     c.moe_dispatcher = l.dispatcher;
     c.recompute = l.recompute;
     c.data_parallel_shard_strategy = l.strategy;
-    c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = l.aux_loss_coeff;
+    if (l.type == "deepseek") c.model.config<hp::models::DeepSeekConfig>().aux_loss_coeff = l.aux_loss_coeff;
     c.eval_interval = 2;
     c.eval_steps = 2;
     c.validate(w->size());
     c.params_dtype = c.compute_dtype = at::kDouble;
-    const std::string label = "data_parallel " + std::to_string(l.data_parallel) + " cp " + std::to_string(l.cp) +
+    const std::string label = l.type + " data_parallel " + std::to_string(l.data_parallel) + " cp " + std::to_string(l.cp) +
                               " tp " + std::to_string(l.tp) +
                               " ep " + std::to_string(l.ep) +
                               " " + ht::to_string(l.dispatcher) + " recompute " + ht::to_string(l.recompute) +

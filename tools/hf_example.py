@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
-"""The two Python steps of scripts/llama_example.sh, run in its virtual environment
-(transformers, tokenizers, safetensors over Debian's PyTorch).
+"""The two Python steps of scripts/llama_example.sh and scripts/moe_example.sh, run in
+their virtual environments (transformers, tokenizers, safetensors over PyTorch).
 
-    llama_example.py model --out DIR CORPUS...
+    hf_example.py [--name NAME] model --family llama|qwen3_moe --out DIR CORPUS...
         Trains a byte-level BPE tokenizer on the corpus (tokenizers' trainer) and saves it
-        with a small random Llama (transformers' LlamaConfig and LlamaForCausalLM) as a
-        Hugging Face model folder, DIR: config.json, model.safetensors, tokenizer files.
+        with a small random model of the family (transformers' LlamaForCausalLM, or
+        Qwen3MoeForCausalLM: 8 experts, 2 a token) as a Hugging Face model folder, DIR:
+        config.json, model.safetensors, tokenizer files.
 
-    llama_example.py check --run DIR --export DIR --valid FILE --config FILE [--set K=V]...
+    hf_example.py [--name NAME] check --run DIR --export DIR --valid FILE --config FILE [--set K=V]...
         After training: the validation losses hp-train wrote to DIR/metrics.jsonl must
         fall; transformers loads the exported folder, computes the loss of the last
         evaluation's validation samples itself (it must equal hp-train's within fp32's
         precision) and generates text from a prompt.
 
-Both print what they did; an error is one line naming the file or value, exit 1.
+Both print what they did, each line starting with NAME (default llama_example); an error is
+one line naming the file or value, exit 1.
 """
 
 import argparse
@@ -22,13 +24,22 @@ import math
 import os
 import sys
 
-# The example model: small enough for 200 steps on 4 ranks of a 2-core machine in a minute,
-# shaped like Llama 3 (grouped-query attention, untied head). Its vocabulary is the
-# tokenizer's; 2048 divides by any tensor_parallel degree up to 2048.
+# The example models: small enough for 200 steps on 4 ranks of a 2-core machine in a minute
+# or two, shaped like Llama 3 (grouped-query attention, untied head) and Qwen3-30B-A3B
+# (per-head q/k norms, every block a MoE of softmax-routed experts, 2 of 8 a token,
+# normalized). Their vocabulary is the tokenizer's; 2048 divides by any tensor_parallel
+# degree up to 2048.
 VOCAB = 2048
-MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
-             tie_word_embeddings=False)
+COMMON = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, tie_word_embeddings=False)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(COMMON, intermediate_size=384, rope_theta=10000.0, rms_norm_eps=1e-5)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(COMMON, head_dim=32, intermediate_size=384, moe_intermediate_size=96, num_experts=8,
+                       num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
 EOD = "<|endoftext|>"
 PROMPT = "The pipeline schedule"
 
@@ -75,14 +86,15 @@ def make_model(a):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOD, bos_token=EOD,
                                                 model_input_names=["input_ids", "attention_mask"])
     fast.save_pretrained(tmp)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, bos_token_id=eod, eos_token_id=eod, **MODEL)
+    config_class, model_class, sizes = FAMILIES[a.family]
+    config = getattr(transformers, config_class)(vocab_size=VOCAB, bos_token_id=eod, eos_token_id=eod, **sizes)
     torch.manual_seed(a.seed)
-    model = transformers.LlamaForCausalLM(config)
+    model = getattr(transformers, model_class)(config)
     model.save_pretrained(tmp, safe_serialization=True)
     os.replace(tmp, a.out)
     params = sum(p.numel() for p in model.parameters())
-    print(f"llama_example: a BPE tokenizer of {tok.get_vocab_size()} tokens trained on {len(files)} files, "
-          f"and a random Llama of {params:,} parameters (transformers {transformers.__version__}) in {a.out}")
+    print(f"{a.name}: a BPE tokenizer of {tok.get_vocab_size()} tokens trained on {len(files)} files, "
+          f"and a random {model_class} of {params:,} parameters (transformers {transformers.__version__}) in {a.out}")
     return 0
 
 
@@ -133,7 +145,7 @@ def check(a):
     if len(evals) < 2:
         raise ExampleError(f"{a.run}/metrics.jsonl holds {len(evals)} evaluations; eval_interval should give several")
     for e in evals:
-        print(f"llama_example: validation loss after step {e['step']}: {e['loss']:.4f}")
+        print(f"{a.name}: validation loss after step {e['step']}: {e['loss']:.4f}")
     first, last = evals[0], evals[-1]
     if not last["loss"] < first["loss"]:
         raise ExampleError(f"the validation loss did not fall: {first['loss']:.4f} at step {first['step']}, "
@@ -149,7 +161,9 @@ def check(a):
         raise ExampleError(f"{a.valid}: {len(ids)} tokens, fewer than the {count} samples of {seq + 1} evaluated")
     samples = torch.tensor(np.stack([ids[i * seq:i * seq + seq + 1] for i in range(count)]))
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(a.export, torch_dtype=torch.float32)
+    # transformers 5 names the dtype argument dtype, 4.40 torch_dtype.
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.export, **{dtype_key: torch.float32})
     model.eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
@@ -160,7 +174,7 @@ def check(a):
             tokens += chunk[:, 1:].numel()
     theirs = total / tokens
     diff = abs(theirs - last["loss"])
-    print(f"llama_example: transformers' loss of the exported model on those {count} samples: {theirs:.6f} "
+    print(f"{a.name}: transformers' loss of the exported model on those {count} samples: {theirs:.6f} "
           f"(hp-train's {last['loss']:.6f}, relative difference {diff / theirs:.1e})")
     # fp32 throughout on both sides; sums of a few thousand terms of 7-digit numbers:
     # agreement to about 1e-6, so 1e-5 relative leaves room without hiding a wrong weight
@@ -179,16 +193,18 @@ def check(a):
     if new.numel() == 0:
         raise ExampleError("transformers generated no tokens from the exported model")
     text = tok.decode(out[0], skip_special_tokens=True)
-    print(f"llama_example: transformers generates ({new.numel()} tokens, sampled: top-k 40, temperature 0.7, seed 0):")
+    print(f"{a.name}: transformers generates ({new.numel()} tokens, sampled: top-k 40, temperature 0.7, seed 0):")
     print("  " + text.replace("\n", "\n  "))
-    print(f"llama_example: perplexity {math.exp(first['loss']):.1f} -> {math.exp(last['loss']):.1f}")
+    print(f"{a.name}: perplexity {math.exp(first['loss']):.1f} -> {math.exp(last['loss']):.1f}")
     return 0
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="llama_example")
+    p = argparse.ArgumentParser(prog="hf_example")
+    p.add_argument("--name", default="llama_example", help="the example's name, starting each line printed")
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("model", help="train the tokenizer and save a random Llama with it")
+    m = sub.add_parser("model", help="train the tokenizer and save a random model with it")
+    m.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("corpus", nargs="+")
@@ -210,5 +226,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ExampleError as e:
-        print(f"llama_example: error: {e}", file=sys.stderr)
+        print(f"{a.name}: error: {e}", file=sys.stderr)
         sys.exit(1)
