@@ -42,7 +42,7 @@ example_run() {
   local paths=(--set "model.from_hf=$out/model" --set "data.path=$out/data/corpus.train.bin"
                --set "data.valid_path=$out/data/corpus.valid.bin" --set "output_dir=$out/run"
                --set "save_dir=$out/checkpoints")
-  bash "$here/scripts/mpirun.sh" 4 "$HP_TRAIN" --config "$config" "${paths[@]}" "${example_args[@]}"
+  bash "$here/scripts/mpirun.sh" 4 "$HP_TRAIN" --config "$config" "${paths[@]}" ${example_args[@]+"${example_args[@]}"}
   echo "== 4. export, and transformers"
   "$HP_TRAIN" --export-hf "$out/checkpoints" "$out/export"  # the checkpoint its latest names
   local f
@@ -50,12 +50,12 @@ example_run() {
     [ ! -e "$out/model/$f" ] || cp "$out/model/$f" "$out/export/"
   done
   local sets=() arg
-  for arg in "${example_args[@]}"; do
+  for arg in ${example_args[@]+"${example_args[@]}"}; do
     case $arg in
       seq_length=* | global_batch_size=* | eval_steps=*) sets+=(--set "$arg") ;;
     esac
   done
   "$vpy" "$here/tools/hf_example.py" --name "$example_name" check --run "$out/run" --export "$out/export" \
-    --valid "$out/data/corpus.valid.bin" --config "$config" "${sets[@]}"
+    --valid "$out/data/corpus.valid.bin" --config "$config" ${sets[@]+"${sets[@]}"}
   echo "$example_name.sh: done; the trained model, with its tokenizer, is in $out/export"
 }

@@ -13,7 +13,7 @@ if ! "$torch2/bin/python" -c 'import torch; assert int(torch.__version__.split("
   exit 77
 fi
 if [ -x "$venv/bin/python" ] &&
-   "$venv/bin/python" -c 'from transformers import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM; import safetensors' 2>/dev/null; then
+   "$venv/bin/python" -c 'from transformers import DeepseekV3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM; import safetensors' 2>/dev/null; then
   exit 0
 fi
 if [ -e "$venv" ] && [ ! -f "$venv/pyvenv.cfg" ]; then
@@ -26,7 +26,7 @@ if "$torch2/bin/python" -m venv "$venv" > "$log" 2>&1 &&
    "$torch2/bin/python" -c 'import site; print(site.getsitepackages()[0])' \
      > "$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')/hp-torch2.pth" &&
    "$venv/bin/pip" install -q "transformers==5.25.0" safetensors >> "$log" 2>&1 &&
-   "$venv/bin/python" -c 'from transformers import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM' >> "$log" 2>&1; then
+   "$venv/bin/python" -c 'from transformers import DeepseekV3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM' >> "$log" 2>&1; then
   echo "transformers5_venv.sh: made $venv"
   exit 0
 fi

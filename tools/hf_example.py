@@ -219,12 +219,12 @@ def parse_args(argv):
 
 def main(argv):
     a = parse_args(argv)
-    return make_model(a) if a.command == "model" else check(a)
+    try:
+        return make_model(a) if a.command == "model" else check(a)
+    except ExampleError as e:
+        print(f"{a.name}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except ExampleError as e:
-        print(f"{a.name}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(main(sys.argv[1:]))

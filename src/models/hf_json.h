@@ -137,6 +137,7 @@ void read_hf_field(const HfJson& j, const HfField<Config>& f, Config& c, const c
   } else if (auto* r = std::get_if<double Config::*>(&f.field)) {
     c.*(*r) = j.real(key, f.fallback);
   } else {
+    HP_CHECK(f.fallback || j.has(key), "'", j.path(), "': ", key, " is missing");
     c.*std::get<bool Config::*>(f.field) = j.boolean(key, f.fallback.value_or(0) != 0);
   }
 }

@@ -68,7 +68,9 @@ const char* who(const MoELlamaConfig& c) { return c.flavor == MoEFlavor::kMixtra
 int64_t MoELlamaConfig::attention_params() const { return count_attention<int64_t>(*this); }
 int64_t MoELlamaConfig::num_params() const { return count_params<int64_t>(*this); }
 int64_t MoELlamaConfig::largest_block_params() const {
-  return attention_params() + (moe_layers() > 0 ? moe_params() : dense_params());
+  // The larger of the kinds of block the model has.
+  return attention_params() +
+         std::max(moe_layers() > 0 ? moe_params() : 0, moe_layers() < layers ? dense_params() : 0);
 }
 int64_t MoELlamaConfig::largest_param() const {
   return std::max({vocab * dim, dim * heads * head_dim(), dim * kv_heads * head_dim(), dim * experts,
@@ -105,6 +107,9 @@ void MoELlamaConfig::validate() const {
              "has a MoE in every block (qk_norm=", qk_norm, " norm_topk=", norm_topk, " sparse_step=", sparse_step,
              " attention_bias=", attention_bias, ")");
   }
+  HP_CHECK(norm_eps > 0 && std::isfinite(norm_eps), w, " config: norm_eps=", norm_eps, " must be a finite number > 0");
+  HP_CHECK(rope_theta > 0 && std::isfinite(rope_theta), w, " config: rope_theta=", rope_theta,
+           " must be a finite number > 0");
   check_rope(rope(), w);
   HP_CHECK(count_params<double>(*this) < 4e18, w, " config: ", count_params<double>(*this),
            " parameters is too many to count");

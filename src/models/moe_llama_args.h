@@ -47,7 +47,7 @@ class MoELlamaArgs : public ReferenceArgs<MoELlamaArgs, MoELlamaConfig, MoELlama
     return s;
   }
 
-  // Per block, averaged over the blocks: the matmuls of the active parameters (a MoE
+  // Per block, averaged over the blocks (routed: one MoE block's): the matmuls of the active parameters (a MoE
   // block's router and the experts a token runs; a dense block's SwiGLU) and attention's
   // two products over the scores the causal tiles compute.
   FlopCount flops_per_token(int64_t seq_length) const override {
@@ -56,9 +56,10 @@ class MoELlamaArgs : public ReferenceArgs<MoELlamaArgs, MoELlamaConfig, MoELlama
     const double sparse = static_cast<double>(c.moe_layers()) / L;
     const double expert = 2.0 * 3.0 * static_cast<double>(c.dim * c.expert_hidden);
     FlopCount f;
-    f.routed = sparse * expert * static_cast<double>(c.experts_per_token);
+    // One MoE block's (what its exchange can hide behind); block averages it in.
+    f.routed = c.moe_layers() > 0 ? expert * static_cast<double>(c.experts_per_token) : 0.0;
     f.block = 2.0 * static_cast<double>(c.attention_params()) +
-              sparse * 2.0 * static_cast<double>(c.dim * c.experts) + f.routed +
+              sparse * (2.0 * static_cast<double>(c.dim * c.experts) + f.routed) +
               (1.0 - sparse) * 2.0 * static_cast<double>(c.dense_params()) +
               4.0 * attn::causal_score_elements(seq_length, c.attention_tile) / T * static_cast<double>(c.heads) *
                   static_cast<double>(c.head_dim());
@@ -99,6 +100,19 @@ class MoELlamaArgs : public ReferenceArgs<MoELlamaArgs, MoELlamaConfig, MoELlama
   }
 
   int64_t routed_experts() const override { return config.moe_layers() > 0 ? config.experts : 0; }
+  // Keeps the kinds of block the model has (the planner's models of 1 and 2 layers): with
+  // dense blocks between MoE ones, 1 layer is a dense block, 2 a dense and a MoE one, more
+  // every sparse_step-th (at most every second) a MoE; all dense stays all dense.
+  void set_layers(int64_t layers) override {
+    MoELlamaConfig& c = config;
+    const bool any_moe = c.moe_layers() > 0, any_dense = has_dense();
+    c.layers = layers;
+    if (any_moe && any_dense) {
+      c.sparse_step = std::min(c.sparse_step, std::max<int64_t>(2, layers));
+    } else if (any_dense) {
+      c.sparse_step = layers + 1;
+    }
+  }
   int64_t stage_expert_params(const PipelineSlice& sl) const override {
     const int64_t end = check_slice(sl, config.layers);
     int64_t moe = 0;

@@ -164,6 +164,7 @@ TEST(MoELlama, LightRecomputeKeepsWhatTheFamilyCounts) {
     auto args = hp::models::model_family(family).preset("tiny");
     MoELlamaConfig c = hp::models::config_of<MoELlamaConfig>(*args);
     c.sparse_step = family[0] == 'q' ? 3 : 1;  // qwen3: blocks 0, 1 dense, block 2 a MoE
+    c.layers = 3;
     const at::Tensor tokens = at::randint(c.vocab, {B, T}, at::kLong);
     auto held = [&](int64_t layers) { return hp::test::light_bytes_held<hp::models::MoELlama>(c, layers, tokens); };
     hp::models::config_of<MoELlamaConfig>(*args) = c;
@@ -185,4 +186,106 @@ TEST(MoELlama, BadConfigsNameTheField) {
   c = MoELlamaConfig::mixtral_tiny();
   c.kv_heads = 3;
   hp::test::expect_error([&] { c.validate(); }, {"heads=4", "kv_heads=3"});
+}
+
+// The planner times the model at 1 and 2 layers (set_layers): each must keep the kinds of
+// block the model has (a dense first block, then a MoE one), counted here by
+// transformers' rule, block i sparse when (i + 1) % decoder_sparse_step == 0. And the
+// routed FLOPs are one MoE block's (what its exchange hides behind), not the average.
+TEST(MoELlama, PlannerModelsKeepTheKindsOfBlock) {
+  const auto kinds = [](const hp::models::ModelArgs& a) {
+    const MoELlamaConfig& c = hp::models::config_of<MoELlamaConfig>(a);
+    int64_t moe = 0;
+    for (int64_t i = 0; i < c.layers; ++i) moe += (i + 1) % c.sparse_step == 0 ? 1 : 0;
+    return std::make_pair(c.layers - moe, moe);  // dense, MoE
+  };
+  auto qwen3 = hp::models::model_family("qwen3_moe").preset("tiny");
+  auto& q = hp::models::config_of<MoELlamaConfig>(*qwen3);
+  q.layers = 6;
+  q.sparse_step = 3;
+  auto one = qwen3->clone(), two = qwen3->clone();
+  one->set_layers(1);
+  two->set_layers(2);
+  EXPECT_EQ(kinds(*one), std::make_pair(int64_t{1}, int64_t{0}));
+  EXPECT_EQ(kinds(*two), std::make_pair(int64_t{1}, int64_t{1}));
+  auto deep = qwen3->clone();
+  deep->set_layers(12);  // deeper: the model's own step
+  EXPECT_EQ(kinds(*deep), std::make_pair(int64_t{8}, int64_t{4}));
+  // All dense stays all dense; all MoE (Mixtral) stays all MoE.
+  q.sparse_step = 7;
+  auto dense = qwen3->clone();
+  dense->set_layers(8);
+  EXPECT_EQ(kinds(*dense), std::make_pair(int64_t{8}, int64_t{0}));
+  auto mixtral = hp::models::model_family("mixtral").preset("tiny");
+  mixtral->set_layers(2);
+  EXPECT_EQ(kinds(*mixtral), std::make_pair(int64_t{0}, int64_t{2}));
+  // Routed FLOPs: 2 x 3 x dim x expert_hidden per expert a token runs, in one MoE block,
+  // whatever share of the blocks are MoE ones.
+  q.sparse_step = 3;
+  const double routed = 2.0 * 3 * q.dim * q.expert_hidden * q.experts_per_token;
+  EXPECT_EQ(qwen3->flops_per_token(16).routed, routed);
+  EXPECT_EQ(mixtral->flops_per_token(16).routed,
+            2.0 * 3 * hp::models::config_of<MoELlamaConfig>(*mixtral).dim *
+                hp::models::config_of<MoELlamaConfig>(*mixtral).expert_hidden *
+                hp::models::config_of<MoELlamaConfig>(*mixtral).experts_per_token);
+}
+
+// config.json as each family writes it is read back to the same model, and read under the
+// other family's model_type is refused; the values a file may not have are named.
+TEST(MoELlama, HuggingFaceConfigRoundTrips) {
+  MoELlamaConfig q = MoELlamaConfig::qwen3_moe_tiny();
+  q.sparse_step = 2;
+  q.norm_topk = false;
+  q.attention_bias = true;
+  q.explicit_head_dim = 24;
+  q.rope_theta = 5000;
+  q.norm_eps = 1e-5;
+  MoELlamaConfig m = MoELlamaConfig::mixtral_tiny();
+  m.experts = 6;
+  m.experts_per_token = 3;
+  for (const MoELlamaConfig& c : {q, m}) {
+    const std::string text = hp::models::hf_config(c, at::kFloat);
+    const MoELlamaConfig r = hp::models::moe_llama_config_from_hf(c.flavor, text, "c.json");
+    EXPECT_EQ(r.vocab, c.vocab);
+    EXPECT_EQ(r.dim, c.dim);
+    EXPECT_EQ(r.layers, c.layers);
+    EXPECT_EQ(r.heads, c.heads);
+    EXPECT_EQ(r.kv_heads, c.kv_heads);
+    EXPECT_EQ(r.head_dim(), c.head_dim());
+    EXPECT_EQ(r.qk_norm, c.qk_norm);
+    EXPECT_EQ(r.attention_bias, c.attention_bias);
+    EXPECT_EQ(r.experts, c.experts);
+    EXPECT_EQ(r.experts_per_token, c.experts_per_token);
+    EXPECT_EQ(r.expert_hidden, c.expert_hidden);
+    EXPECT_EQ(r.norm_topk, c.norm_topk);
+    EXPECT_EQ(r.sparse_step, c.sparse_step);
+    EXPECT_EQ(r.moe_layers() < r.layers ? r.dense_hidden : 0, c.moe_layers() < c.layers ? c.dense_hidden : 0);
+    EXPECT_EQ(r.rope_theta, c.rope_theta);
+    EXPECT_EQ(r.norm_eps, c.norm_eps);
+    EXPECT_NO_THROW(hp::models::check_hf_config(c, text, "c.json"));
+    const auto other = c.flavor == hp::models::MoEFlavor::kMixtral ? hp::models::MoEFlavor::kQwen3Moe
+                                                                   : hp::models::MoEFlavor::kMixtral;
+    hp::test::expect_error([&] { hp::models::moe_llama_config_from_hf(other, text, "c.json"); }, {"'c.json'", "model_type"});
+  }
+  // A differing model is named by both keys.
+  MoELlamaConfig wider = q;
+  wider.dim = 128;
+  hp::test::expect_error([&] { hp::models::check_hf_config(wider, hp::models::hf_config(q, at::kFloat), "c.json"); },
+                         {"model.dim=128", "hidden_size=64"});
+  // Values no model can have, from the file.
+  const auto with = [&](const char* key, const char* value) {
+    std::string text = hp::models::hf_config(q, at::kFloat);
+    const std::string k = std::string("\"") + key + "\": ";
+    const size_t at = text.find(k) + k.size();
+    return text.replace(at, text.find_first_of(",\n", at) - at, value);
+  };
+  hp::test::expect_error([&] { hp::models::moe_llama_config_from_hf(q.flavor, with("rms_norm_eps", "0"), "c.json"); },
+                         {"norm_eps=0"});
+  hp::test::expect_error([&] { hp::models::moe_llama_config_from_hf(q.flavor, with("rope_theta", "-1"), "c.json"); },
+                         {"rope_theta=-1"});
+  hp::test::expect_error([&] { hp::models::moe_llama_config_from_hf(q.flavor, with("num_experts", "0"), "c.json"); },
+                         {"num_experts=0", "not supported yet"});
+  hp::test::expect_error(
+      [&] { hp::models::moe_llama_config_from_hf(q.flavor, with("num_experts_per_tok", "9"), "c.json"); },
+      {"experts_per_token=9"});
 }

@@ -10,6 +10,7 @@
 #include "hp/core/trace.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/models/deepseek.h"
+#include "hp/models/moe_llama.h"
 #include "hp/models/tensor_parallel.h"
 #include "hp/runtime.h"
 #include "test_util.h"
@@ -104,6 +105,26 @@ TEST(DeepSeekTp, BlockTrafficIsTheEstimators) {
   for (bool sp : {true, false}) {
     SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel only");
     hp::test::expect_block_traffic_is_the_estimators(*args, g, sp, hp::test::batch(0, 2, 8, c.vocab));
+  }
+}
+
+// The same for Qwen3-MoE (a dense block then a MoE one: the block the planner adds is the
+// MoE; query/key norms, attention biases) and Mixtral: tp_summed_params against the count.
+TEST(MoELlamaTp, BlockTrafficIsTheEstimators) {
+  auto g = hp::world();
+  if (g->size() == 1) GTEST_SKIP() << "no collectives at one rank";
+  for (const char* family : {"qwen3_moe", "mixtral"}) {
+    auto args = hp::models::model_family(family).preset("tiny");
+    auto& c = hp::models::config_of<hp::models::MoELlamaConfig>(*args);
+    c.kv_heads = c.heads;  // whole key/value heads on each of up to 4 ranks
+    if (family[0] == 'q') {
+      c.sparse_step = 2;
+      c.attention_bias = true;
+    }
+    for (bool sp : {true, false}) {
+      SCOPED_TRACE(std::string(family) + (sp ? " sequence parallel" : " tensor parallel only"));
+      hp::test::expect_block_traffic_is_the_estimators(*args, g, sp, hp::test::batch(0, 2, 8, c.vocab));
+    }
   }
 }
 

@@ -25,7 +25,7 @@ fi
 # the script's default, measured in docs/train.md.
 args=()
 [ "$name" != moe_example ] || args=(--set train_steps=50)
-bash "$src/scripts/$name.sh" --out "$out" "${args[@]}"
+bash "$src/scripts/$name.sh" --out "$out" ${args[@]+"${args[@]}"}
 rc=$?
 [ $rc -eq 0 ] || exit $rc
 for f in export/config.json export/tokenizer.json run/metrics.jsonl run/loss.svg data/corpus.json; do
