@@ -45,6 +45,7 @@ int64_t DeepSeekConfig::largest_block_params() const {
     DeepSeekConfig one = *this;
     one.layers = 1;
     one.dense_layers = dense ? 1 : 0;
+    one.mtp_layers = 0;
     return one.num_params() - 2 * vocab * dim - dim;
   };
   int64_t biggest = 0;
@@ -63,12 +64,21 @@ T count_params(const DeepSeekConfig& c) {
                 heads * vd * dim;
   const T dense_ffn = T(3) * dim * T(c.dense_hidden);
   const T moe = dim * experts + (experts + T(c.shared_experts)) * T(3) * dim * T(c.expert_hidden);
+  // A multi-token prediction module: enorm, hnorm, eh_proj, a MoE block and its norm.
+  const T mtp = T(3) * dim + T(2) * dim * dim + mla + T(2) * dim + moe;
   return T(2) * T(c.vocab) * dim + dim + T(c.layers) * (mla + T(2) * dim) + T(c.dense_layers) * dense_ffn +
-         T(c.layers - c.dense_layers) * moe;
+         T(c.layers - c.dense_layers) * moe + T(c.mtp_layers) * mtp;
 }
 }  // namespace
 
 int64_t DeepSeekConfig::num_params() const { return count_params<int64_t>(*this); }
+int64_t DeepSeekConfig::mtp_module_params() const {
+  DeepSeekConfig one = *this;
+  one.mtp_layers = 1;
+  DeepSeekConfig none = *this;
+  none.mtp_layers = 0;
+  return one.num_params() - none.num_params();
+}
 int64_t DeepSeekConfig::largest_param() const {
   return std::max({vocab * dim, dense_layers > 0 ? dim * dense_hidden : 0, q_lora_rank * heads * (qk_nope_dim + qk_rope_dim),
                    dim * q_lora_rank, dim * (kv_lora_rank + qk_rope_dim), kv_lora_rank * heads * (qk_nope_dim + v_head_dim),
@@ -114,6 +124,13 @@ void DeepSeekConfig::validate() const {
   HP_CHECK(count_params<double>(*this) < 4e18, "deepseek config: ", count_params<double>(*this),
            " parameters is too many to count");
   HP_CHECK(heads > 0 && dim > 0 && vocab > 0, "deepseek config: heads, dim and vocab must be positive");
+  HP_CHECK(mtp_layers >= 0, "deepseek config: mtp_layers=", mtp_layers, " must be 0 or 1");
+  if (mtp_layers > 1) {
+    HP_NOT_SUPPORTED("deepseek config: mtp_layers=", mtp_layers,
+                     " (multi-token prediction of more than 1 token ahead; DeepSeek-V3 has 1)");
+  }
+  HP_CHECK(mtp_loss_scale >= 0 && std::isfinite(mtp_loss_scale), "deepseek config: mtp_loss_scale=", mtp_loss_scale,
+           " must be a finite number >= 0");
 }
 
 DeepSeekConfig DeepSeekConfig::tiny() { return DeepSeekConfig{}; }
@@ -366,9 +383,7 @@ void expert_parallel(MoEImpl& moe, const CommPtr& ep, const ep::DispatchOptions&
 }
 
 void expert_parallel(DeepSeekImpl& model, const CommPtr& ep, const ep::DispatchOptions& o) {
-  for (auto& b : model.blocks) {
-    if (b->moe) expert_parallel(*b->moe, ep, o);
-  }
+  for (auto& [layer, moe] : model.moes()) expert_parallel(*moe, ep, o);
 }
 
 void MoEImpl::update_balancing_bias(double rate, const CommPtr& dp) {
@@ -406,31 +421,98 @@ at::Tensor DeepSeekBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos
   return h + (dense ? hp::call(dense, n) : hp::call(moe, n));
 }
 
+MTPImpl::MTPImpl(const DeepSeekConfig& c) {
+  enorm = register_module("enorm", RMSNorm(c.dim, c.norm_eps));
+  hnorm = register_module("hnorm", RMSNorm(c.dim, c.norm_eps));
+  eh_proj = register_module("eh_proj", linear(2 * c.dim, c.dim));
+  block = register_module("block", DeepSeekBlock(c, /*dense=*/false));  // its index is past dense_layers
+  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+}
+
+at::Tensor MTPImpl::forward(const at::Tensor& e, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                            const RecomputePolicy* recompute) {
+  at::Tensor z = hp::call(eh_proj, at::cat({hp::call(enorm, e), hp::call(hnorm, h)}, -1));
+  z = recompute ? hp::recompute_with(*recompute, block, z, cos, sin) : hp::call(block, z, cos, sin);
+  return hp::call(norm, z);
+}
+
 DeepSeekImpl::DeepSeekImpl(const DeepSeekConfig& c, const PipelineSlice& sl) : config(c), slice(sl) {
   c.validate();
   const int64_t end = check_slice(sl, c.layers);
-  if (sl.embedding) tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  // Multi-token prediction embeds the next tokens on the stage with the head: a pipeline's
+  // last stage holds its own copy of the embedding (same name, same initial values).
+  if (sl.embedding || (sl.head && c.mtp_layers > 0)) {
+    tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  }
   for (int64_t i = sl.first_layer; i < end; ++i) {
     blocks.push_back(register_module("layers_" + std::to_string(i), DeepSeekBlock(c, i < c.dense_layers)));
   }
   if (sl.head) {
     norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
     output = register_module("output", linear(c.dim, c.vocab));
+    for (int64_t k = 0; k < c.mtp_layers; ++k) mtp.push_back(register_module("mtp_" + std::to_string(k), MTP(c)));
   }
   if (!hp::memory::deferring()) init_weights(0);  // built without storage: fully_shard initializes
 }
 
 at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
+  // Targets are for this forward only: a later one without set_targets must not reuse them.
+  at::Tensor targets = std::move(mtp_targets);
+  mtp_targets = at::Tensor();
   const int64_t cp = context_parallel ? context_parallel->size() : 1;
-  const int64_t T = (tok_emb ? x.size(1) : x.size(1) * stream_split) * cp;
+  const int64_t T = (slice.embedding ? x.size(1) : x.size(1) * stream_split) * cp;
   HP_CHECK(T <= config.max_seq, "sequence of ", T, " tokens is longer than max_seq=", config.max_seq);
   auto [cos, sin] = rotary_rows(rotary_tables(T, config.qk_rope_dim, config.rope()), context_parallel.get());
   cos = cos.to(x.device());
   sin = sin.to(x.device());
-  at::Tensor h = tok_emb ? hp::call(tok_emb, x) : x;
+  at::Tensor h = slice.embedding ? hp::call(tok_emb, x) : x;
   for (auto& b : blocks) h = recompute ? hp::recompute_with(*recompute, b, h, cos, sin) : hp::call(b, h, cos, sin);
   if (!output) return h;
-  return hp::call(output, hp::call(norm, h));
+  // Trained, not evaluated: a forward without gradients (validation) is the next-token one.
+  if (mtp.empty() || !at::GradMode::is_enabled()) return hp::call(output, hp::call(norm, h));
+  HP_CHECK(targets.defined(), "DeepSeek: multi-token prediction (mtp_layers=", config.mtp_layers,
+           ") needs the targets of each differentiated forward (set_targets)");
+  return with_mtp_loss(h, targets, cos, sin);
+}
+
+at::Tensor DeepSeekImpl::with_mtp_loss(const at::Tensor& h, const at::Tensor& y, const at::Tensor& cos,
+                                       const at::Tensor& sin) {
+  const int64_t T = h.size(1);
+  HP_CHECK(y.dim() == 2 && y.size(0) == h.size(0) && y.size(1) == T, "DeepSeek: targets of shape ", y.sizes(),
+           " for a forward of ", h.size(0), " sequences of ", T, " tokens");
+  HP_CHECK(T >= 2, "DeepSeek: multi-token prediction needs sequences of at least 2 tokens, got ", T);
+  // Position i (of the first T-1) sees h_i and the next token's embedding (targets[i]) and
+  // predicts the token after it (targets[i+1]).
+  at::Tensor e = hp::call(tok_emb, y.narrow(1, 0, T - 1));
+  at::Tensor z = hp::call(mtp.front(), e, h.narrow(1, 0, T - 1), cos.narrow(0, 0, T - 1), sin.narrow(0, 0, T - 1),
+                          recompute ? &*recompute : static_cast<const RecomputePolicy*>(nullptr));
+  // The shared head runs once, on both (a split backward records each module's one call).
+  at::Tensor both = hp::call(output, at::cat({hp::call(norm, h), z}, 1));
+  at::Tensor logits = both.narrow(1, 0, T);
+  at::Tensor loss = loss_of_logits(both.narrow(1, T, T - 1), y.narrow(1, 1, T - 1));
+  {
+    at::NoGradGuard g;
+    at::Tensor v = loss.detach().to(at::kDouble);
+    mtp_loss_sum_ = mtp_loss_sum_.defined() ? mtp_loss_sum_ + v : v;
+    ++mtp_losses_;
+  }
+  return AddLossGradient::apply(logits, loss, config.mtp_loss_scale * loss_scale);
+}
+
+std::pair<double, int64_t> DeepSeekImpl::take_mtp_loss() {
+  const std::pair<double, int64_t> out{mtp_loss_sum_.defined() ? mtp_loss_sum_.item<double>() : 0.0, mtp_losses_};
+  mtp_loss_sum_ = at::Tensor();
+  mtp_losses_ = 0;
+  return out;
+}
+
+std::vector<std::pair<int64_t, MoE>> DeepSeekImpl::moes() const {
+  std::vector<std::pair<int64_t, MoE>> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i]->moe) out.emplace_back(slice.first_layer + static_cast<int64_t>(i), blocks[i]->moe);
+  }
+  for (size_t k = 0; k < mtp.size(); ++k) out.emplace_back(config.layers + static_cast<int64_t>(k), mtp[k]->block->moe);
+  return out;
 }
 
 void context_parallel(DeepSeekImpl& model, std::shared_ptr<cp::ContextParallel> ctx) {
@@ -439,6 +521,10 @@ void context_parallel(DeepSeekImpl& model, std::shared_ptr<cp::ContextParallel> 
   if (model.config.aux_loss_coeff > 0) {
     HP_NOT_SUPPORTED("context parallelism with the sequence-wise balance loss (model.aux_loss_coeff=",
                      model.config.aux_loss_coeff, "): a CP rank holds part of each sequence");
+  }
+  if (model.config.mtp_layers > 0) {
+    HP_NOT_SUPPORTED("context parallelism with multi-token prediction (model.mtp_layers=", model.config.mtp_layers,
+                     "): its inputs are the sequence shifted by one token, across the CP ranks' pieces");
   }
   model.context_parallel = ctx;
   for (auto& b : model.blocks) b->attn->context_parallel = ctx;
@@ -449,9 +535,7 @@ at::Tensor DeepSeekImpl::loss_of_logits(const at::Tensor& logits, const at::Tens
 }
 
 void DeepSeekImpl::update_balancing_bias(const CommPtr& dp) {
-  for (auto& b : blocks) {
-    if (b->moe) b->moe->update_balancing_bias(config.bias_update_rate, dp);
-  }
+  for (auto& [layer, moe] : moes()) moe->update_balancing_bias(config.bias_update_rate, dp);
 }
 
 }  // namespace hp::models

@@ -7,7 +7,28 @@ namespace hp::models {
 
 namespace {
 
-class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, DeepSeek, detail::MoEModelOf<DeepSeek>> {
+// The model, with its multi-token prediction modules: fully_shard units after the blocks,
+// trained from the targets, their loss kept for the metrics.
+class DeepSeekModel : public detail::MoEModelOf<DeepSeek> {
+ public:
+  using MoEModelOf::MoEModelOf;
+  std::vector<torch::nn::Module*> blocks() override {
+    std::vector<torch::nn::Module*> out = MoEModelOf::blocks();
+    for (auto& m : m_->mtp) out.push_back(m.get());
+    return out;
+  }
+  void set_loss_scale(double scale) override {
+    MoEModelOf::set_loss_scale(scale);
+    m_->loss_scale = scale;
+  }
+  void set_targets(const at::Tensor& targets) override { m_->set_targets(targets); }
+  LossSum take_mtp_loss() override {
+    const auto [sum, count] = m_->take_mtp_loss();
+    return {sum, count};
+  }
+};
+
+class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, DeepSeek, DeepSeekModel> {
  public:
   using ReferenceArgs::ReferenceArgs;
 
@@ -18,6 +39,9 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
     const DeepSeekConfig& d = config;
     const int64_t end = check_slice(sl, d.layers);
     int64_t n = (sl.embedding ? d.vocab * d.dim : 0) + (sl.head ? d.dim + d.vocab * d.dim : 0);
+    // The head's stage holds the multi-token prediction modules and, unless it is also the
+    // first, its own copy of the embedding (tied_parameters).
+    if (sl.head) n += d.mtp_layers * d.mtp_module_params() + (sl.embedding || d.mtp_layers == 0 ? 0 : d.vocab * d.dim);
     // kinds() lists the dense kind first (when there is one), the MoE kind last.
     const auto k = kinds();
     for (int64_t i = sl.first_layer; i < end; ++i) n += (i < d.dense_layers ? k.front() : k.back()).total;
@@ -52,6 +76,15 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
       f.routed = expert * static_cast<double>(d.experts_per_token);
       f.shared = expert * static_cast<double>(d.shared_experts);
     }
+    // A multi-token prediction module runs after the head: eh_proj, a MoE block, the head
+    // again (on T-1 positions of T: counted per position as the others).
+    if (d.mtp_layers > 0) {
+      DeepSeekConfig moe = d;
+      moe.dense_layers = 0;
+      const double moe_active = static_cast<double>(moe.largest_block_params()) - idle_experts;
+      const double moe_block = f.block - 2.0 * active + 2.0 * moe_active;
+      f.head += static_cast<double>(d.mtp_layers) * (moe_block + 2.0 * static_cast<double>(2 * d.dim * d.dim) + f.head);
+    }
     // Light recompute runs the up-projections again (wq_b, wkv_b).
     f.light_recompute = 2.0 * static_cast<double>(d.heads) *
                         static_cast<double>(d.q_lora_rank * (d.qk_nope_dim + d.qk_rope_dim) +
@@ -70,6 +103,13 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
               static_cast<double>(d.heads * (2 * (d.qk_nope_dim + d.qk_rope_dim) + d.v_head_dim)) +
               static_cast<double>(d.q_lora_rank + d.kv_lora_rank) + 4.0 * hidden + static_cast<double>(d.heads);
     a.head = static_cast<double>(d.vocab);
+    // A multi-token prediction module keeps a MoE block's, eh_proj's input (2 dim) and
+    // output, the norms' outputs, and its logits.
+    if (d.mtp_layers > 0) {
+      const double moe_hidden = static_cast<double>(d.expert_hidden * (d.experts_per_token + d.shared_experts));
+      const double moe_block = a.block - 4.0 * hidden + 4.0 * moe_hidden;
+      a.head += static_cast<double>(d.mtp_layers) * (moe_block + 5.0 * static_cast<double>(d.dim) + a.head);
+    }
     a.attention = static_cast<double>(d.heads);
     a.attention_workspace = static_cast<double>(d.heads) * attn::tile_workspace_elements(seq_length, d.attention_tile);
     // Light recompute: the block's input; wq_a, wkv_a and wo's outputs; attention's output
@@ -127,16 +167,30 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
     return out;
   }
 
+  int64_t mtp_layers() const override { return config.mtp_layers; }
+  // The head's stage embeds the next tokens for multi-token prediction: a pipeline's last
+  // stage holds a copy of the embedding.
+  std::vector<std::string> tied_parameters() const override {
+    if (config.mtp_layers > 0) return {"tok_emb.weight"};
+    return {};
+  }
+  void check_tensor_parallel(int64_t tp) const override {
+    ReferenceArgs::check_tensor_parallel(tp);
+    if (tp > 1 && config.mtp_layers > 0) {
+      HP_NOT_SUPPORTED("tensor parallelism (tp=", tp, ") with multi-token prediction (model.mtp_layers=",
+                       config.mtp_layers, ")");
+    }
+  }
+
   // DeepSeek-V3's multi-token prediction modules are stored as the blocks after the last
-  // (model.layers.61 for 61 blocks); they are not trained here, and transformers skips them too.
-  bool hf_ignores(const std::string& theirs) const override {
-    if (ModelArgs::hf_ignores(theirs)) return true;
+  // (model.layers.61 for 61 blocks); those past this model's own are unbuilt ones.
+  bool hf_unbuilt_mtp(const std::string& theirs) const override {
     const std::string prefix = "model.layers.";
     if (theirs.compare(0, prefix.size(), prefix) != 0) return false;
     const size_t end = theirs.find('.', prefix.size());
     const std::string index = theirs.substr(prefix.size(), end == std::string::npos ? end : end - prefix.size());
     if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) return false;
-    return std::stoll(index) >= config.layers;
+    return std::stoll(index) >= config.layers + config.mtp_layers;
   }
 
   // Per kind of block (dense, MoE): its parameters, and those kept whole under tensor
@@ -149,6 +203,7 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
       DeepSeekConfig one = d;
       one.layers = 1;
       one.dense_layers = dense ? 1 : 0;
+      one.mtp_layers = 0;
       const int64_t mla_whole =
           d.dim * d.q_lora_rank + d.q_lora_rank + d.dim * (d.kv_lora_rank + d.qk_rope_dim) + d.kv_lora_rank;
       out.push_back(detail::BlockKind{one.num_params() - 2 * d.vocab * d.dim - d.dim,
@@ -206,6 +261,11 @@ class DeepSeekFamily : public ModelFamily {
                   ResumeRule::kTrajectory),
         on_resume(float_key<D>("aux_loss_coeff", &D::aux_loss_coeff, 0, false,
                                "weight of the sequence-wise balance loss (0: none)"),
+                  ResumeRule::kTrajectory),
+        int_key<D>("mtp_layers", &D::mtp_layers, 0,
+                   "multi-token prediction modules after the last block (0 or 1; DeepSeek-V3 publishes 1)"),
+        on_resume(float_key<D>("mtp_loss_scale", &D::mtp_loss_scale, 0, false,
+                               "weight of the multi-token prediction loss in the gradient (DeepSeek-V3: 0.3, then 0.1)"),
                   ResumeRule::kTrajectory),
     };
     static const std::vector<ModelKey> all = [] {

@@ -6,6 +6,7 @@
 #include "hf_json.h"
 #include "hp/ckpt/float8.h"
 #include "hp/models/deepseek.h"
+#include "hp/models/family.h"
 
 namespace hp::models {
 
@@ -18,11 +19,10 @@ std::vector<std::pair<std::string, std::string>> hf_names(const DeepSeekConfig& 
                                                    {"attn.wkv_b.weight", "self_attn.kv_b_proj.weight"},
                                                    {"attn.wo.weight", "self_attn.o_proj.weight"}};
   const auto& swiglu = detail::HfNames::swiglu();
-  detail::HfNames names;
-  for (int64_t i = 0; i < c.layers; ++i) {
-    names.block(i);
+  // A block's names after the prefixes `names` is under: attention, its feed-forward, its norms.
+  auto block = [&](detail::HfNames& names, bool dense) {
     names.add(attention);
-    if (i < c.dense_layers) {
+    if (dense) {
       names.add(swiglu, "mlp.", "mlp.");
     } else {
       names.add("moe.gate.weight", "mlp.gate.weight");
@@ -31,8 +31,30 @@ std::vector<std::pair<std::string, std::string>> hf_names(const DeepSeekConfig& 
       if (c.shared_experts > 0) names.add(swiglu, "moe.shared.", "mlp.shared_experts.");
     }
     names.block_norms();
+  };
+  detail::HfNames names;
+  for (int64_t i = 0; i < c.layers; ++i) {
+    names.block(i);
+    block(names, i < c.dense_layers);
   }
-  return names.finish();
+  detail::HfNames::List out = names.finish();
+  // The multi-token prediction modules, stored as the blocks after the last, with names of
+  // their own for the embedding and head they share (written as copies; read from the
+  // model's own names, listed first).
+  for (int64_t k = 0; k < c.mtp_layers; ++k) {
+    const std::string ours = "mtp_" + std::to_string(k) + ".";
+    const std::string theirs = "model.layers." + std::to_string(c.layers + k) + ".";
+    detail::HfNames m{detail::HfNames::Bare{}};
+    m.under(ours, theirs);
+    m.add({{"enorm.weight", "enorm.weight"}, {"hnorm.weight", "hnorm.weight"}, {"eh_proj.weight", "eh_proj.weight"},
+           {"norm.weight", "shared_head.norm.weight"}});
+    m.under(ours + "block.", theirs);
+    block(m, /*dense=*/false);
+    for (auto& p : m.take()) out.push_back(std::move(p));
+    out.emplace_back("tok_emb.weight", theirs + "embed_tokens.weight");
+    out.emplace_back("output.weight", theirs + "shared_head.head.weight");
+  }
+  return out;
 }
 
 namespace {
@@ -91,10 +113,21 @@ std::string hf_config(const DeepSeekConfig& c, at::ScalarType dtype) {
   detail::write_hf_fields(j, fields(), fixed(), c);
   j["num_key_value_heads"] = c.heads;
   j["rope_scaling"] = detail::rope_hf_json(c.rope());
-  j["num_nextn_predict_layers"] = 0;
+  j["num_nextn_predict_layers"] = c.mtp_layers;
   j["torch_dtype"] = detail::hf_dtype_name(dtype);
   return j.dump(2) + "\n";
 }
+
+namespace {
+// config.json's num_nextn_predict_layers: the multi-token prediction modules the folder may
+// hold. Not read into the model (mtp_layers stays 0 unless set): transformers writes 1, its
+// default, into folders it saves without the module.
+int64_t hf_mtp_layers(const detail::HfJson& j, const std::string& path) {
+  const int64_t n = j.integer("num_nextn_predict_layers", 0);
+  HP_CHECK(n >= 0 && n <= kMaxLayers, "'", path, "': num_nextn_predict_layers=", n, " must be in [0, ", kMaxLayers, "]");
+  return n;
+}
+}  // namespace
 
 DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::string& path) {
   const detail::HfJson j(text, path);
@@ -111,6 +144,7 @@ DeepSeekConfig deepseek_config_from_hf(const std::string& text, const std::strin
   rope.scaling = RopeScaling::kNone;
   detail::read_rope(j, rope, c.max_seq);  // yarn: absent mscales are not used (transformers)
   set_rope(c, rope);
+  hf_mtp_layers(j, path);
   c.validate();
   return c;
 }
@@ -119,6 +153,10 @@ void check_hf_config(const DeepSeekConfig& c, const std::string& text, const std
   const DeepSeekConfig h = deepseek_config_from_hf(text, path);
   detail::same_as_hf_fields(fields(), c, h, path);
   detail::same_rope(c.rope(), h.rope(), path);
+  const int64_t in_file = hf_mtp_layers(detail::HfJson(text, path), path);
+  HP_CHECK(c.mtp_layers <= in_file, "'", path, "': num_nextn_predict_layers=", in_file,
+           " holds fewer multi-token prediction modules than model.mtp_layers=", c.mtp_layers,
+           " (set model.mtp_layers to at most the folder's)");
 }
 
 }  // namespace hp::models

@@ -53,28 +53,21 @@ class MoEModelOf : public ModelOf<Holder> {
   using ModelOf<Holder>::ModelOf;
   void after_step(const CommPtr& dp) override { this->m_->update_balancing_bias(dp); }
   void set_loss_scale(double scale) override {
-    for (auto& b : this->m_->blocks) {
-      if (b->moe) b->moe->loss_scale = scale;
-    }
+    for (auto& [layer, moe] : this->m_->moes()) moe->loss_scale = scale;
   }
   void expert_parallel(const CommPtr& ep, const ep::DispatchOptions& o) override {
     models::expert_parallel(*this->m_, ep, o);
   }
   std::vector<ExpertLoad> expert_load() const override {
     std::vector<ExpertLoad> out;
-    for (size_t i = 0; i < this->m_->blocks.size(); ++i) {
-      const auto& moe = this->m_->blocks[i]->moe;
-      if (moe && moe->last_load.defined()) {
-        out.push_back({this->m_->slice.first_layer + static_cast<int64_t>(i), moe->last_load, moe->last_dropped});
-      }
+    for (const auto& [layer, moe] : this->m_->moes()) {
+      if (moe->last_load.defined()) out.push_back({layer, moe->last_load, moe->last_dropped});
     }
     return out;
   }
   std::vector<torch::nn::Module*> expert_modules() override {
     std::vector<torch::nn::Module*> out;
-    for (auto& b : this->m_->blocks) {
-      if (b->moe) out.push_back(b->moe->experts.get());
-    }
+    for (auto& [layer, moe] : this->m_->moes()) out.push_back(moe->experts.get());
     return out;
   }
 };

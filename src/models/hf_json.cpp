@@ -159,6 +159,11 @@ void HfNames::block(int64_t i) {
   theirs_ = "model.layers." + std::to_string(i) + ".";
 }
 
+void HfNames::under(std::string ours, std::string theirs) {
+  ours_ = std::move(ours);
+  theirs_ = std::move(theirs);
+}
+
 void HfNames::add(const std::string& ours, const std::string& theirs) { out_.emplace_back(ours_ + ours, theirs_ + theirs); }
 
 void HfNames::add(const Pairs& pairs, const std::string& ours, const std::string& theirs) {

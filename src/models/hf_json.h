@@ -75,8 +75,14 @@ class HfNames {
   static const Pairs& swiglu();
 
   HfNames() : out_{{"tok_emb.weight", "model.embed_tokens.weight"}} {}
+  // A list without the embedding's name, taken as it is (take): a module's beside a model's.
+  struct Bare {};
+  explicit HfNames(Bare) {}
+  List take() { return std::move(out_); }
   // What follows is block i's: "layers_<i>." beside "model.layers.<i>.".
   void block(int64_t i);
+  // What follows is under these prefixes (ours, theirs).
+  void under(std::string ours, std::string theirs);
   // One name: ours and theirs within the block.
   void add(const std::string& ours, const std::string& theirs);
   // Each pair, `ours` and `theirs` before its two names.

@@ -219,16 +219,20 @@ at::Tensor MoELlamaImpl::loss_of_logits(const at::Tensor& logits, const at::Tens
   return cross_entropy_of_logits(logits, targets, vocab_parallel_loss);
 }
 
-void MoELlamaImpl::update_balancing_bias(const CommPtr& dp) {
-  for (auto& b : blocks) {
-    if (b->moe) b->moe->update_balancing_bias(0.0, dp);
+std::vector<std::pair<int64_t, MoE>> MoELlamaImpl::moes() const {
+  std::vector<std::pair<int64_t, MoE>> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i]->moe) out.emplace_back(slice.first_layer + static_cast<int64_t>(i), blocks[i]->moe);
   }
+  return out;
+}
+
+void MoELlamaImpl::update_balancing_bias(const CommPtr& dp) {
+  for (auto& [layer, moe] : moes()) moe->update_balancing_bias(0.0, dp);
 }
 
 void expert_parallel(MoELlamaImpl& model, const CommPtr& ep, const ep::DispatchOptions& o) {
-  for (auto& b : model.blocks) {
-    if (b->moe) expert_parallel(*b->moe, ep, o);
-  }
+  for (auto& [layer, moe] : model.moes()) expert_parallel(*moe, ep, o);
 }
 
 void context_parallel(MoELlamaImpl& model, std::shared_ptr<cp::ContextParallel> ctx) {

@@ -184,6 +184,10 @@ void parallelize_moe_llama(MoELlama& model, const CommPtr& group, const TensorPa
 void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorParallelOptions& o) {
   const DeepSeekConfig& c = model->config;
   check_tensor_parallel(c, group->size());
+  if (c.mtp_layers > 0 && group->size() > 1) {
+    HP_NOT_SUPPORTED("parallelize_deepseek: tensor parallelism with multi-token prediction (mtp_layers=", c.mtp_layers,
+                     ")");
+  }
   const Placement stream = o.sequence_parallel ? Shard(1) : Replicate();
   ParallelizePlan plan = {
       {"layers_*.attn", attention_input(stream)},

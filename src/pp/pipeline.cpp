@@ -323,6 +323,7 @@ void Pipeline::Impl::check_shapes(const std::vector<at::Tensor>& inputs, const s
       at::Tensor out;
       if (!skip) {
         try {
+          if (s == last && stage(s).targets) stage(s).targets(targets[0]);
           out = stage(s).forward(in);
         } catch (const std::exception& e) {
           failed = s;

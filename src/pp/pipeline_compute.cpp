@@ -95,6 +95,7 @@ void Pipeline::Impl::run_forward(const Action& a, const std::vector<at::Tensor>&
   at::Tensor out;
   try {
     if (split_) start_recording(&module_outputs_[k]);
+    if (a.stage == last && stage(a.stage).targets) stage(a.stage).targets(targets[static_cast<size_t>(a.microbatch)]);
     out = stage(a.stage).forward(in);
     stop_recording();
   } catch (const std::exception& e) {

@@ -364,6 +364,10 @@ void add_run_keys(std::vector<Key>& k) {
                        "start from the weights of this Hugging Face model folder instead of the seed (a family "
                        "with Hugging Face names: llama, deepseek, qwen3_moe, mixtral; model.from_hf sets it)",
                        HP_FIELD(init_from_hf))));
+  k.push_back(free_on_resume(bool_key("init_from_hf_drop_mtp",
+                       "leave init_from_hf's multi-token prediction modules unread where the model has fewer (DeepSeek-V3's "
+                       "model.layers.61 with model.mtp_layers 0; otherwise an error)",
+                       HP_FIELD(init_from_hf_drop_mtp))));
 }
 
 const std::vector<Key>& keys() {

@@ -65,15 +65,24 @@ std::map<std::string, std::string> hf_sources(const TrainConfig& c, const std::s
   // Every tensor of the folder is read, or one transformers passes over too: a tensor left
   // over (a bias, a block or a head config.json does not speak of) would be dropped silently.
   size_t unused = 0;
-  std::string first;
+  std::vector<std::string> first;
+  bool mtp = false;  // the first one left over is a multi-token prediction module's
   for (const auto& [name, file] : held) {
     if (read.count(name) || c.model->hf_ignores(name)) continue;
-    if (unused++ == 0) first = "'" + name + "' (in " + file + ")";
+    const bool unbuilt_mtp = c.model->hf_unbuilt_mtp(name);
+    if (unbuilt_mtp && c.init_from_hf_drop_mtp) continue;
+    if (unused == 0) mtp = unbuilt_mtp;
+    if (unused++ < 3) first.push_back("'" + name + "' (in " + file + ")");
   }
+  std::string listed;
+  for (const std::string& f : first) listed += (listed.empty() ? "" : ", ") + f;
   HP_CHECK(unused == 0, "init_from_hf: '", dir, "' holds ", unused, " tensor", unused == 1 ? "" : "s",
-           " the model its config.json describes has no place for, the first ", first,
-           ": the weights hold more than config.json says (a tensor of a kind not supported yet, or a config.json ",
-           "of another model); nothing was loaded");
+           " the model has no place for, the first ", listed,
+           mtp ? ": a multi-token prediction module the model does not have (set model.mtp_layers to its "
+                 "num_nextn_predict_layers to train it, or init_from_hf_drop_mtp: true to leave it)"
+               : ": the weights hold more than config.json says (a tensor of a kind not supported yet, or a "
+                 "config.json of another model)",
+           "; nothing was loaded");
   return sources;
 }
 

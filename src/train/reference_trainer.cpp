@@ -117,6 +117,7 @@ StepStats ReferenceTrainer::step() {
   }
   s.model->after_step(nullptr);
   st.loss = loss_sum / c.micro_batch_num;
+  if (c.model->mtp_layers() > 0) st.mtp_loss = s.model->take_mtp_loss().sum / c.micro_batch_num;
   check_finite(c, st.step, "loss", st.loss);
   st.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   st.tokens_per_s = static_cast<double>(c.global_batch_size * c.seq_length) / st.step_time_s;

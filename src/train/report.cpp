@@ -71,7 +71,9 @@ std::string progress_line(const StepStats& s, int64_t total_steps, double eta_s,
   char step[64];
   std::snprintf(step, sizeof step, "step %*lld/%lld", w, static_cast<long long>(s.step),
                 static_cast<long long>(total_steps));
-  os << step << " | loss " << fmt("%.4f", s.loss) << " | lr " << fmt("%.2e", s.lr) << " | grad norm "
+  os << step << " | loss " << fmt("%.4f", s.loss);
+  if (!std::isnan(s.mtp_loss)) os << " | mtp loss " << fmt("%.4f", s.mtp_loss);
+  os << " | lr " << fmt("%.2e", s.lr) << " | grad norm "
      << fmt("%.3f", s.grad_norm) << " | " << format_rate(s.tokens_per_s) << " tok/s | peak "
      << format_bytes(s.peak_bytes) << " | ETA " << format_duration(eta_s);
   if (!s.expert_load.empty()) {
@@ -175,6 +177,7 @@ void MetricsLog::step(const StepStats& s, double ref_loss) {
      << ",\"optimizer_time_s\":" << json_number(s.optimizer_time_s) << ",\"comm_bytes\":" << s.comm_bytes
      << ",\"optimizer_comm_bytes\":" << s.optimizer_comm_bytes;
   if (!std::isnan(ref_loss)) f_ << ",\"reference_loss\":" << json_number(ref_loss);
+  if (!std::isnan(s.mtp_loss)) f_ << ",\"mtp_loss\":" << json_number(s.mtp_loss);
   if (!s.expert_load.empty()) {
     f_ << ",\"expert_load\":[";
     for (size_t i = 0; i < s.expert_load.size(); ++i) {

@@ -216,6 +216,7 @@ std::pair<at::Tensor, at::Tensor> inputs_and_targets(const at::Tensor& batch, in
 at::Tensor next_token_loss(TrainModel& m, const at::Tensor& batch, int64_t seq, bool hooked,
                            const cp::ContextParallel* cp) {
   auto [x, y] = inputs_and_targets(batch, seq, cp);
+  m.set_targets(y);
   return m.loss_of_logits(m.forward(x, hooked), y);
 }
 

@@ -145,7 +145,8 @@ void Trainer::Impl::build_pipeline() {
     stages.push_back(make_model(c, /*deferred=*/true, slices[static_cast<size_t>(st)]));
     TrainModel* mdl = stages.back().get();
     parallelize(*mdl, c, *mesh, context, device, st, sharded);
-    run.push_back({st, [mdl](const at::Tensor& x) { return mdl->forward(x, /*hooked=*/true); }, &mdl->root()});
+    run.push_back({st, [mdl](const at::Tensor& x) { return mdl->forward(x, /*hooked=*/true); }, &mdl->root(),
+                   [mdl](const at::Tensor& y) { mdl->set_targets(y); }});
     if (st == last_stage) last = mdl;
   }
   const std::vector<std::string> tied_names = c.model->tied_parameters();
@@ -226,15 +227,21 @@ StepStats Trainer::step() {
     loss_sum += loss.item<double>();
     batches.clear();
   }
+  // The multi-token prediction losses of the micro-batches (on the ranks of the head).
+  double mtp_sum = 0;
+  auto take_mtp = [&mtp_sum](TrainModel& m) { mtp_sum += m.take_mtp_loss().sum; };
+  if (s.model) take_mtp(*s.model);
   if (s.pipe) {
     // The micro-batches in order, one after the other: the pipeline splits them back.
     at::Tensor all = at::cat(batches);
     auto [x, y] = inputs_and_targets(all, c.seq_length, s.context.get());
     at::Tensor mean = s.pipe->step(x, y);
-    // The mean is on the last stage's ranks: summed over pp (zeros elsewhere).
-    at::Tensor l = at::full({1}, mean.defined() ? mean.item<double>() : 0.0, at::TensorOptions(at::kDouble).device(s.control));
+    for (auto& m : s.stages) take_mtp(*m);
+    // The mean (and the MTP losses) on the last stage's ranks: summed over pp (zeros elsewhere).
+    at::Tensor l = at::tensor({mean.defined() ? mean.item<double>() : 0.0, mtp_sum}, at::kDouble).to(s.control);
     s.pp->all_reduce(l).wait();
-    loss_sum = l.item<double>() * static_cast<double>(c.micro_batch_num);
+    loss_sum = l[0].item<double>() * static_cast<double>(c.micro_batch_num);
+    mtp_sum = l[1].item<double>();
   }
   if (s.tied.size() == 2) {  // both copies on this rank: each becomes their sum
     at::Tensor a = s.grad_of(s.tied[0]), b = s.grad_of(s.tied[1]);
@@ -282,12 +289,14 @@ StepStats Trainer::step() {
   if (s.model) s.model->after_step(s.routing);
   for (auto& m : s.stages) m->after_step(s.routing);
 
-  at::Tensor loss = at::full({1}, loss_sum / c.micro_batch_num, at::TensorOptions(at::kDouble).device(s.control));
+  const double mb = static_cast<double>(c.micro_batch_num);
+  at::Tensor loss = at::tensor({loss_sum / mb, mtp_sum / mb}, at::kDouble).to(s.control);
   s.dp->all_reduce(loss, {ReduceOp::AVG}).wait();
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   // The slowest rank's time, the largest peak and, per MoE block, its experts' load (known
   // on the ranks holding the block, 0 elsewhere): one MAX over the world.
-  const int64_t L = c.model->routed_experts() > 0 ? c.model->layers() : 0;
+  // MoE blocks by their layer: the model's, then the multi-token prediction modules'.
+  const int64_t L = c.model->routed_experts() > 0 ? c.model->layers() + c.model->mtp_layers() : 0;
   constexpr size_t kFigures = 5;  // then 3 per MoE block
   std::vector<double> figures(kFigures + static_cast<size_t>(3 * L), 0.0);
   figures[0] = secs;
@@ -314,7 +323,8 @@ StepStats Trainer::step() {
     const double* e = w + kFigures + 3 * l;
     if (e[1] > 0) st.expert_load.push_back({l, e[0], e[1], e[2]});
   }
-  st.loss = loss.item<double>();
+  st.loss = loss[0].item<double>();
+  if (c.model->mtp_layers() > 0) st.mtp_loss = loss[1].item<double>();
   check_finite(c, st.step, "loss", st.loss);
   st.step_time_s = w[0];
   st.peak_bytes = static_cast<int64_t>(w[1]);

@@ -10,6 +10,7 @@
 #include "hp/models/deepseek.h"
 #include "hp/models/family.h"
 #include "light_recompute_util.h"
+#include "models/deepseek_naive.h"
 #include "test_util.h"
 
 using hp::models::DeepSeekConfig;
@@ -22,6 +23,69 @@ TEST(DeepSeek, ParameterCountFromTheConfig) {
   EXPECT_EQ(n, c.num_params());
   // Published: DeepSeek-V3 has 671 B parameters (without the multi-token prediction module).
   EXPECT_NEAR(DeepSeekConfig::deepseek_v3().num_params() / 1e9, 671, 2);
+  // And 14 B in its MTP module, as the published folder stores it (with its copies of the
+  // embedding and the head).
+  DeepSeekConfig v3 = DeepSeekConfig::deepseek_v3();
+  v3.mtp_layers = 1;
+  EXPECT_NEAR((v3.mtp_module_params() + 2 * v3.vocab * v3.dim) / 1e9, 14, 0.6);
+  c.mtp_layers = 1;
+  hp::models::DeepSeek with_mtp(c);
+  n = 0;
+  for (const auto& p : with_mtp->parameters()) n += p.numel();
+  EXPECT_EQ(n, c.num_params());
+  EXPECT_EQ(c.num_params() - c.mtp_module_params(), DeepSeekConfig::tiny().num_params());
+}
+
+// Multi-token prediction: a forward with the targets trains the MTP module's loss (the
+// module applied by hand in naive_deepseek_mtp) times mtp_loss_scale x loss_scale beside the
+// next-token loss, whose value it leaves alone; the MTP loss is kept for the metrics. Not in a
+// forward without gradients; a differentiated forward without the targets is an error.
+TEST(DeepSeek, MultiTokenPredictionTrainsTheModuleAppliedByHand) {
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  c.mtp_layers = 1;
+  c.mtp_loss_scale = 0.3;
+  const int64_t B = 2, T = 7;
+  hp::models::DeepSeek m(c), naive(c);  // the same seeded initial values
+  m->to(at::kDouble);
+  naive->to(at::kDouble);
+  m->loss_scale = 0.5;
+  at::manual_seed(5);
+  const at::Tensor x = at::randint(c.vocab, {B, T}), y = at::randint(c.vocab, {B, T});
+
+  m->set_targets(y);
+  at::Tensor loss = m->loss_of_logits(m->forward(x), y);
+  (0.5 * loss).backward();
+  const auto [mtp_sum, count] = m->take_mtp_loss();
+  EXPECT_EQ(count, 1);
+  EXPECT_EQ(m->take_mtp_loss().second, 0) << "taken once";
+
+  auto [logits, mtp] = hp::test::naive_deepseek_mtp(*naive, x, y);
+  at::Tensor main = torch::nn::functional::cross_entropy(logits.reshape({-1, c.vocab}), y.reshape({-1}));
+  EXPECT_NEAR(loss.item<double>(), main.item<double>(), 1e-13) << "the reported loss is the next-token one";
+  EXPECT_NEAR(mtp_sum, mtp.item<double>(), 1e-13);
+  EXPECT_GT(std::fabs(mtp_sum - main.item<double>()), 1e-3);
+  (0.5 * (main + 0.3 * mtp)).backward();
+  auto want = naive->named_parameters();
+  int64_t compared = 0;
+  for (const auto& p : m->named_parameters()) {
+    const at::Tensor g = p.value().grad(), w = want[p.key()].grad();
+    ASSERT_TRUE(g.defined() && w.defined()) << p.key();
+    EXPECT_LE((g - w).abs().max().item<double>(), 1e-12 * std::max(1.0, w.abs().max().item<double>())) << p.key();
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int64_t>(want.size()));
+  EXPECT_GT(m->mtp[0]->eh_proj->weight.grad().abs().max().item<double>(), 0);
+
+  {  // Evaluation: the same logits, nothing trained or kept.
+    at::NoGradGuard g;
+    EXPECT_LE((m->forward(x) - logits).abs().max().item<double>(), 1e-12);
+    EXPECT_EQ(m->take_mtp_loss().second, 0);
+  }
+  hp::test::expect_error([&] { m->forward(x); }, {"mtp_layers=1", "needs the targets", "set_targets"});
+  m->set_targets(y.narrow(1, 0, 1));
+  hp::test::expect_error([&] { m->forward(x.narrow(1, 0, 1)); }, {"at least 2 tokens, got 1"});
+  c.mtp_layers = 2;
+  hp::test::expect_error([&] { c.validate(); }, {"mtp_layers=2", "not supported yet"});
 }
 
 TEST(DeepSeek, RoutingPicksTopKByScorePlusBiasAndNormalizesChosenScores) {
@@ -445,6 +509,10 @@ TEST(DeepSeek, HuggingFaceConfigOfThePublishedModel) {
   want.rope_beta_fast = 32;
   want.rope_beta_slow = 1;
   want.rope_mscale = want.rope_mscale_all_dim = 1;
+  EXPECT_EQ(got.mtp_layers, 0) << "num_nextn_predict_layers is not read: transformers writes 1 without the module";
+  want.mtp_layers = 1;
+  EXPECT_NO_THROW(hp::models::check_hf_config(want, published, "v3/config.json"));
+  want.mtp_layers = 0;
   EXPECT_DOUBLE_EQ(got.attention_scale_factor(), (0.1 * std::log(40.0) + 1) * (0.1 * std::log(40.0) + 1));
   // A yarn factor that cannot be is refused by name.
   std::string bad_factor = published;
@@ -474,6 +542,16 @@ TEST(DeepSeek, HuggingFaceConfigOfThePublishedModel) {
   const DeepSeekConfig back = hp::models::deepseek_config_from_hf(hp::models::hf_config(tiny, at::kFloat), "t.json");
   EXPECT_NO_THROW(hp::models::check_hf_config(tiny, hp::models::hf_config(tiny, at::kFloat), "t.json"));
   EXPECT_EQ(back.num_params(), tiny.num_params());
+  // num_nextn_predict_layers: written; a model may have fewer MTP modules than its folder
+  // says (their tensors, where it holds them, are then refused unless
+  // init_from_hf_drop_mtp), not more.
+  DeepSeekConfig mtp = tiny;
+  mtp.mtp_layers = 1;
+  EXPECT_NE(hp::models::hf_config(mtp, at::kFloat).find("\"num_nextn_predict_layers\": 1"), std::string::npos);
+  EXPECT_NO_THROW(hp::models::check_hf_config(mtp, hp::models::hf_config(mtp, at::kFloat), "t.json"));
+  EXPECT_NO_THROW(hp::models::check_hf_config(tiny, hp::models::hf_config(mtp, at::kFloat), "t.json"));
+  hp::test::expect_error([&] { hp::models::check_hf_config(mtp, hp::models::hf_config(tiny, at::kFloat), "t.json"); },
+                         {"num_nextn_predict_layers=0", "model.mtp_layers=1", "t.json"});
   DeepSeekConfig other = tiny;
   other.groups_per_token = 1;
   hp::test::expect_error([&] { hp::models::check_hf_config(other, hp::models::hf_config(tiny, at::kFloat), "t.json"); },

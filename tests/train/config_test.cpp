@@ -535,7 +535,8 @@ TEST(TrainConfig, ModelFromAHuggingFaceFolder) {
 
 // The tensors of a Hugging Face folder an import may pass over (as transformers does), by
 // hand: the saved rotary frequencies; a tied Llama's lm_head.weight; DeepSeek's blocks after
-// the last (multi-token prediction). Nothing else: a leftover bias or norm is an error.
+// the last (multi-token prediction) only as unbuilt MTP modules (init_from_hf_drop_mtp
+// decides). Nothing else: a leftover bias or norm is an error.
 TEST(TrainConfig, HuggingFaceTensorsAnImportPassesOver) {
   ht::TrainConfig l = ht::parse_config("model:\n  type: llama\n  layers: 2\n");
   EXPECT_TRUE(l.model->hf_ignores("model.layers.0.self_attn.rotary_emb.inv_freq"));
@@ -547,13 +548,20 @@ TEST(TrainConfig, HuggingFaceTensorsAnImportPassesOver) {
   EXPECT_TRUE(tied.model->hf_ignores("lm_head.weight"));
   EXPECT_FALSE(tied.model->hf_ignores("lm_head.bias"));
   ht::TrainConfig d = ht::parse_config("model:\n  type: deepseek\n  layers: 3\n  dense_layers: 1\n");
-  EXPECT_TRUE(d.model->hf_ignores("model.layers.3.eh_proj.weight"));
-  EXPECT_TRUE(d.model->hf_ignores("model.layers.61.shared_head.norm.weight"));
-  EXPECT_FALSE(d.model->hf_ignores("model.layers.2.mlp.gate.weight"));
-  EXPECT_FALSE(d.model->hf_ignores("model.layers.x.mlp.gate.weight"));
-  EXPECT_FALSE(d.model->hf_ignores("model.layers."));
-  EXPECT_FALSE(d.model->hf_ignores("model.layers.99999999999999999999.mlp.gate.weight"));
+  EXPECT_FALSE(d.model->hf_ignores("model.layers.3.eh_proj.weight"));
+  EXPECT_TRUE(d.model->hf_unbuilt_mtp("model.layers.3.eh_proj.weight"));
+  EXPECT_TRUE(d.model->hf_unbuilt_mtp("model.layers.61.shared_head.norm.weight"));
+  EXPECT_FALSE(d.model->hf_unbuilt_mtp("model.layers.2.mlp.gate.weight"));
+  EXPECT_FALSE(d.model->hf_unbuilt_mtp("model.layers.x.mlp.gate.weight"));
+  EXPECT_FALSE(d.model->hf_unbuilt_mtp("model.layers."));
+  EXPECT_FALSE(d.model->hf_unbuilt_mtp("model.layers.99999999999999999999.mlp.gate.weight"));
+  EXPECT_FALSE(d.model->hf_unbuilt_mtp("lm_head.weight"));
   EXPECT_FALSE(d.model->hf_ignores("lm_head.weight"));
+  // With its module built, the block after the last is read, the one after that is not.
+  ht::TrainConfig m = ht::parse_config("model:\n  type: deepseek\n  layers: 3\n  mtp_layers: 1\n");
+  EXPECT_FALSE(m.model->hf_unbuilt_mtp("model.layers.3.eh_proj.weight"));
+  EXPECT_TRUE(m.model->hf_unbuilt_mtp("model.layers.4.eh_proj.weight"));
+  EXPECT_FALSE(l.model->hf_unbuilt_mtp("model.layers.2.input_layernorm.weight"));
   EXPECT_TRUE(d.model->hf_ignores("model.layers.0.self_attn.rotary_emb.inv_freq"));
 }
 

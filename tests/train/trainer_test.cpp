@@ -29,6 +29,7 @@
 #include "fsdp/fsdp_test_util.h"
 #include "test_util.h"
 #include "toy_family.h"
+#include "models/deepseek_naive.h"
 #include "hp/tp/dtensor.h"
 #include "hp/models/deepseek.h"
 #include "hp/models/moe_llama.h"
@@ -165,6 +166,7 @@ ht::TrainConfig small_config(const std::string& type, int world, int64_t tp = 1,
 // here, whatever the model does in a forward).
 struct Naive {
   std::vector<double> losses, norms;  // per step; norms before clipping
+  std::vector<double> mtp_losses;     // per step, with multi-token prediction
   std::vector<double> valid_losses;   // per evaluation
   std::unique_ptr<ht::TrainModel> model;
 };
@@ -222,14 +224,25 @@ Naive naive_run(const ht::TrainConfig& c, bool masters = false) {
   torch::optim::AdamW opt(std::move(groups), opts(0));
   for (int64_t step = 0; step < c.train_steps; ++step) {
     opt.zero_grad();
-    double sum = 0;
+    double sum = 0, mtp_sum = 0;
     for (int64_t j = 0; j < c.micro_batch_num; ++j) {
       at::Tensor b = ht::load_batch(*data, sharder.global_samples(step, j), c.seq_length);
-      at::Tensor logits = out.model->forward(b.narrow(1, 0, c.seq_length), false);
+      at::Tensor logits, mtp;
+      if (c.model->mtp_layers() > 0) {
+        std::tie(logits, mtp) = hp::test::naive_deepseek_mtp(dynamic_cast<hp::models::DeepSeekImpl&>(out.model->root()),
+                                                   b.narrow(1, 0, c.seq_length), b.narrow(1, 1, c.seq_length));
+      } else {
+        logits = out.model->forward(b.narrow(1, 0, c.seq_length), false);
+      }
       if (logits.scalar_type() != at::kDouble) logits = logits.to(at::kFloat);
       at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, c.model->vocab()}),
                                                              b.narrow(1, 1, c.seq_length).reshape({-1}));
-      (loss / static_cast<double>(c.micro_batch_num)).backward();
+      at::Tensor trained = loss;
+      if (mtp.defined()) {
+        trained = loss + c.model.config<hp::models::DeepSeekConfig>().mtp_loss_scale * mtp;
+        mtp_sum += mtp.item<double>();
+      }
+      (trained / static_cast<double>(c.micro_batch_num)).backward();
       sum += loss.item<double>();
       if (masters) {
         for (size_t i = 0; i < all.size(); ++i) {
@@ -242,6 +255,7 @@ Naive naive_run(const ht::TrainConfig& c, bool masters = false) {
       }
     }
     out.losses.push_back(sum / c.micro_batch_num);
+    if (c.model->mtp_layers() > 0) out.mtp_losses.push_back(mtp_sum / c.micro_batch_num);
     out.norms.push_back(torch::nn::utils::clip_grad_norm_(all, c.clip_grad));
     // Warmup to lr, then cosine to min_lr, reached at the last step.
     const double progress = static_cast<double>(step - c.lr_warmup_steps + 1) / (c.train_steps - c.lr_warmup_steps);
@@ -307,6 +321,13 @@ ht::StepStats expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const
     EXPECT_NEAR(st.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << label << " step " << s + 1;
     EXPECT_NEAR(rs.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << "reference trainer, step " << s + 1;
     EXPECT_GT(naive.norms[s], c.clip_grad) << "clipping was not exercised";
+    if (naive.mtp_losses.empty()) {
+      EXPECT_TRUE(std::isnan(st.mtp_loss) && std::isnan(rs.mtp_loss)) << label << ": an MTP loss without MTP";
+    } else {
+      const double want = naive.mtp_losses[static_cast<size_t>(s)];
+      EXPECT_NEAR(st.mtp_loss, want, 1e-10 * want) << label << ": MTP loss, step " << s + 1;
+      EXPECT_NEAR(rs.mtp_loss, want, 1e-10 * want) << "reference trainer: MTP loss, step " << s + 1;
+    }
   }
   EXPECT_LT(naive.losses.back(), naive.losses.front());
   EXPECT_EQ(evals, naive.valid_losses.size()) << label;
@@ -323,7 +344,7 @@ struct MoESizes {
 MoESizes moe_sizes(const ht::TrainConfig& c) {
   if (c.model.family().name() == "deepseek") {
     const auto& d = c.model.config<hp::models::DeepSeekConfig>();
-    return {d.layers - d.dense_layers, d.experts, d.experts_per_token, d.capacity_factor};
+    return {d.layers - d.dense_layers + d.mtp_layers, d.experts, d.experts_per_token, d.capacity_factor};
   }
   const auto& m = c.model.config<hp::models::MoELlamaConfig>();
   int64_t moe_layers = 0;
@@ -357,7 +378,7 @@ struct Layout {
   int64_t tp_ = 1, pp_ = 1, v_ = 1, cp_ = 1, ep_ = 1;
   ht::PipelineScheduleKind schedule_ = ht::PipelineScheduleKind::kAuto;
   std::vector<int64_t> stage_layers_;  // empty: the trainer's split
-  bool tie_ = false, per_submodule_ = false, head_dim_and_biases_ = false;
+  bool tie_ = false, per_submodule_ = false, head_dim_and_biases_ = false, mtp_ = false;
   hp::cp::Method cp_method_ = hp::cp::Method::kRing;
   int64_t replicas_ = 0;  // > 0: HSDP with this many data_parallel replicas, dp_shard the rest
   ht::ShardStrategy strategy_ = ht::ShardStrategy::kOptimGradsParams;
@@ -372,6 +393,7 @@ struct Layout {
   Layout& schedule(ht::PipelineScheduleKind s) { schedule_ = s; return *this; }
   Layout& stage_layers(std::vector<int64_t> l) { stage_layers_ = std::move(l); return *this; }
   Layout& tie() { tie_ = true; return *this; }  // Llama: the embedding tied to the output
+  Layout& mtp() { mtp_ = true; return *this; }  // DeepSeek: a multi-token prediction module
   // comm_fusion off, wait_per_submodule on.
   Layout& per_submodule() { per_submodule_ = true; return *this; }
   // Llama: heads of 24 (not dim / heads = 16), every bias.
@@ -403,6 +425,7 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   c.pipeline_stage_layers = l.stage_layers_;
   c.expert_parallel = l.ep_;
   if (l.tie_) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
+  if (l.mtp_) c.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
   c.eval_interval = 2;  // validation after steps 2, 4 and 5
   c.eval_steps = 2;
   c.validate(w->size());
@@ -430,7 +453,9 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
     for (auto& p : b->parameters()) in_handle_order.push_back(p.detach());
   }
   for (const auto& item : naive.model->root().named_parameters()) {
-    if (item.key().rfind("layers_", 0) != 0) in_handle_order.push_back(item.value().detach());
+    if (item.key().rfind("layers_", 0) != 0 && item.key().rfind("mtp_", 0) != 0) {
+      in_handle_order.push_back(item.value().detach());
+    }
   }
   if (l.tp_ == 1) {
     EXPECT_LE(hp::test::max_rel_to_reference(t.handles(), in_handle_order, t.shard_group()), 1e-10);
@@ -456,6 +481,21 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
 }  // namespace
 
 TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek"); }
+
+// Multi-token prediction (DeepSeek-V3's MTP module, its loss against naive_deepseek_mtp's
+// written out here): one process; FSDP over 2 ranks and EP 2; at 4 ranks HSDP 2 x 2, EP 2 x
+// PP 2 (the module on the last stage, which holds its own copy of the embedding, the copies'
+// gradients summed over pp) and PP 2 under ZBV (both copies on one rank, the backward split
+// into input and weight gradients): every step's loss, MTP loss, grad norm and validation
+// loss (and without PP and EP every parameter) within 1e-10 of one process in float64.
+TEST(TrainDist, DeepSeekMultiTokenPredictionMatchesSingleProcess) {
+  const int n = hp::world()->size();
+  expect_matches_naive("deepseek", Layout().mtp());
+  if (n == 2) expect_matches_naive("deepseek", Layout().mtp().ep(2));
+  if (n != 4) return;
+  expect_matches_naive("deepseek", Layout().mtp().ep(2).pp(2));
+  expect_matches_naive("deepseek", Layout().mtp().pp(2).v(2).schedule(ht::PipelineScheduleKind::kZBV));
+}
 TEST(TrainDist, LlamaMatchesSingleProcess) { expect_matches_naive("llama"); }
 
 // ZeRO-1 (data_parallel_shard_strategy: optim): the parameters stay gathered and the
@@ -1440,6 +1480,23 @@ TEST(TrainDist, HuggingFaceExportImportIsBitwise) {
   dbf.params_dtype = dbf.compute_dtype = at::kBFloat16;
   dbf.validate(w->size());
   expect_hf_round_trip(dbf, "deepseek_bf16", c10::nullopt);
+  // With its multi-token prediction module (model.layers.<layers>.*), over 2 pipeline stages
+  // where the ranks allow: the last stage's copy of the embedding is read from
+  // model.embed_tokens as the first's is.
+  const int64_t pp = w->size() == 2 || w->size() == 4 ? 2 : 1;
+  ht::TrainConfig mtp = small_config("deepseek", w->size(), 1, pp);
+  mtp.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
+  mtp.validate(w->size());
+  expect_hf_round_trip(mtp, "deepseek_mtp", c10::nullopt);
+  // The folder read by a model without the module: refused, naming the module's tensors and
+  // the key that leaves them unread; with that key, the rest is read.
+  ht::TrainConfig without = small_config("deepseek", w->size(), 1, pp);
+  without.init_from_hf = ::testing::TempDir() + "hp_hf_" + std::to_string(w->size()) + "_deepseek_mtp_out";
+  const std::string module = "'model.layers." + std::to_string(without.model->layers()) + ".";
+  hp::test::expect_error([&] { ht::Trainer t(without, w); },
+                         {module, "a multi-token prediction module the model does not have", "init_from_hf_drop_mtp"});
+  without.init_from_hf_drop_mtp = true;
+  EXPECT_NO_THROW(ht::Trainer(without, w));
 }
 
 // What a user gets wrong: a config.json of another model (named by both keys), a folder that

@@ -82,11 +82,22 @@ struct DeepSeekConfig {
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_seq = 4096;
   double rope_beta_fast = 32, rope_beta_slow = 1, rope_mscale = 1, rope_mscale_all_dim = 1;
+  // Multi-token prediction (DeepSeek-V3 section 2.2): 0, or 1 module after the last block
+  // that predicts the token after the next from the last block's output and the next
+  // token's embedding, through one more MoE block and the shared output head (the published
+  // model has 1). Its loss (the mean cross-entropy over the first T-1 positions) times
+  // mtp_loss_scale joins the next-token loss's gradient; the reported loss stays the
+  // next-token one. More than 1 module is not supported yet.
+  int64_t mtp_layers = 0;
+  double mtp_loss_scale = 0.3;  // DeepSeek-V3: 0.3, then 0.1 for the last 4.8T tokens
   RopeOptions rope() const { return rope_of(*this); }
   // What the attention's 1 / sqrt(qk_nope_dim + qk_rope_dim) is multiplied by (above).
   double attention_scale_factor() const;
 
-  int64_t num_params() const;
+  int64_t num_params() const;  // the multi-token prediction modules' included
+  // The parameters of one multi-token prediction module besides the embedding and head it
+  // shares: its norms, eh_proj and its MoE block.
+  int64_t mtp_module_params() const;
   int64_t largest_block_params() const;  // a MoE block (or a dense one when all are dense)
   int64_t largest_param() const;         // elements of the largest single parameter
   void validate() const;
@@ -185,10 +196,34 @@ struct DeepSeekBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(DeepSeekBlock);
 
+// One multi-token prediction module (DeepSeek-V3 section 2.2): from the main model's last
+// hidden states h_i (before the final norm) and the embeddings e_{i+1} of the next tokens,
+// eh_proj(cat[enorm(e), hnorm(h)]) through a MoE block and `norm`; the model's output head
+// then gives the logits of the tokens after the next.
+struct MTPImpl : torch::nn::Module {
+  explicit MTPImpl(const DeepSeekConfig& c);
+  // norm(block(eh_proj(cat[enorm(e), hnorm(h)]))) of the embeddings e and hidden states h
+  // [B, T-1, dim]; the block checkpointed with `recompute` when not null.
+  at::Tensor forward(const at::Tensor& e, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                     const RecomputePolicy* recompute);
+  RMSNorm enorm{nullptr}, hnorm{nullptr}, norm{nullptr};
+  torch::nn::Linear eh_proj{nullptr};
+  DeepSeekBlock block{nullptr};
+};
+TORCH_MODULE(MTP);
+
 struct DeepSeekImpl : torch::nn::Module {
   explicit DeepSeekImpl(const DeepSeekConfig& c, const PipelineSlice& slice = {});
-  // Logits of tokens (a pipeline stage: see PipelineSlice in llama.h).
+  // Logits of tokens (a pipeline stage: see PipelineSlice in llama.h). With multi-token
+  // prediction, a differentiated forward of the stage with the head reads the targets
+  // set_targets gave (and forgets them): the MTP loss's gradient joins the logits'
+  // (mtp_loss_scale x loss_scale), its value is kept for take_mtp_loss.
   at::Tensor forward(const at::Tensor& tokens);
+  // The targets [B, T] of the next forward (loss_of_logits's), read by multi-token
+  // prediction; ignored by a model without it.
+  void set_targets(const at::Tensor& targets) { mtp_targets = targets; }
+  // The MTP losses of the differentiated forwards since the last call: their sum and count.
+  std::pair<double, int64_t> take_mtp_loss();
   // Mean next-token cross-entropy of forward's logits (vocabulary-split ones with loss
   // parallel), computed in fp32.
   at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const;
@@ -204,10 +239,28 @@ struct DeepSeekImpl : torch::nn::Module {
   c10::optional<RecomputePolicy> recompute;
   // Set by context_parallel() (as LlamaImpl::context_parallel).
   std::shared_ptr<cp::ContextParallel> context_parallel;
-  torch::nn::Embedding tok_emb{nullptr};  // null on a pipeline stage without the embedding
+  // What each micro-batch's loss is multiplied by before backward (the MTP loss's gradient
+  // is scaled alike; the MoEs keep their own copy).
+  double loss_scale = 1;
+  // The embedding: on the first stage, and a copy (same name) on the last stage for
+  // multi-token prediction, whose gradient the trainer sums with the first's.
+  torch::nn::Embedding tok_emb{nullptr};
   std::vector<DeepSeekBlock> blocks;
   RMSNorm norm{nullptr};              // null on a stage without the head
   torch::nn::Linear output{nullptr};  // null on a stage without the head
+  std::vector<MTP> mtp;               // config.mtp_layers modules, on the stage with the head
+  // Each MoE of this stage (the blocks', then the MTP modules') with its layer in the whole
+  // model (an MTP module's block: layers + its index, as Hugging Face numbers it).
+  std::vector<std::pair<int64_t, MoE>> moes() const;
+
+ private:
+  // The logits of the last block's output h, with the MTP loss's gradient attached
+  // (forward's, above).
+  at::Tensor with_mtp_loss(const at::Tensor& h, const at::Tensor& targets, const at::Tensor& cos,
+                           const at::Tensor& sin);
+  at::Tensor mtp_targets;
+  at::Tensor mtp_loss_sum_;  // detached, undefined before the first
+  int64_t mtp_losses_ = 0;
 };
 TORCH_MODULE(DeepSeek);
 

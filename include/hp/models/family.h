@@ -64,6 +64,18 @@ class Model {
   virtual at::Tensor forward(const at::Tensor& tokens, bool hooked) = 0;
   // Mean cross-entropy of forward's logits (vocabulary-parallel when they are split).
   virtual at::Tensor loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) = 0;
+  // The targets [B, T] (loss_of_logits's) of the next forward, for a model whose training
+  // forward reads them (DeepSeek-V3's multi-token prediction learns the token after the
+  // next); give them before every differentiated forward. Others ignore them.
+  virtual void set_targets(const at::Tensor& targets) {}
+  // The multi-token prediction losses of the differentiated forwards since the last call
+  // (each one micro-batch's mean): their sum and how many. {0, 0} for a model without
+  // multi-token prediction, or a pipeline stage without the head.
+  struct LossSum {
+    double sum = 0;
+    int64_t count = 0;
+  };
+  virtual LossSum take_mtp_loss() { return {}; }
   // Deterministic, layout-independent initialization from `seed`.
   virtual void init_weights(uint64_t seed) = 0;
   // Applies tensor (and sequence) parallelism over `tp` (before fully_shard); raises "not
@@ -209,6 +221,9 @@ class ModelArgs {
   virtual void check_tensor_parallel(int64_t tp) const = 0;
   // Routed experts per MoE block (0: no mixture of experts, so no expert parallelism).
   virtual int64_t routed_experts() const { return 0; }
+  // Multi-token prediction modules after the last block (DeepSeek-V3's: 1), each with a MoE
+  // block numbered layers() + its index; 0 for a model without.
+  virtual int64_t mtp_layers() const { return 0; }
   // What expert parallelism divides and moves (0 for a model without routed experts): the
   // parameters of a slice's routed experts, those of one MoE block's, and the routed experts
   // each token uses.
@@ -248,6 +263,10 @@ class ModelArgs {
   // with any other tensor left over is an error: its config.json describes less than its
   // weights hold.
   virtual bool hf_ignores(const std::string& theirs) const;
+  // Whether a tensor of a Hugging Face folder (its name there) belongs to a multi-token
+  // prediction module this model does not have (DeepSeek-V3's model.layers.61 under
+  // mtp_layers 0): left unread only where the run says so (init_from_hf_drop_mtp).
+  virtual bool hf_unbuilt_mtp(const std::string& theirs) const { return false; }
 };
 
 class ModelFamily {

@@ -121,6 +121,8 @@ struct MoELlamaImpl : torch::nn::Module {
   std::vector<MoELlamaBlock> blocks;
   RMSNorm norm{nullptr};              // null on a stage without the head
   torch::nn::Linear output{nullptr};  // null on a stage without the head
+  // Each MoE of this stage with its layer in the whole model (as DeepSeekImpl::moes).
+  std::vector<std::pair<int64_t, MoE>> moes() const;
 };
 TORCH_MODULE(MoELlama);
 

@@ -51,6 +51,9 @@ struct PipelineStage {
   // The module holding the stage's parameters, or null: the fully_shard handles on it and
   // inside it get the schedule's UNSHARD, REDUCE_GRAD and RESHARD.
   torch::nn::Module* module = nullptr;
+  // Optional, on the last stage: given each micro-batch's targets just before its forward
+  // (a model whose training forward reads them: DeepSeek-V3's multi-token prediction).
+  std::function<void(const at::Tensor& targets)> targets;
 };
 
 // The last stage's loss of one micro-batch: (its output, its targets) -> a scalar mean.

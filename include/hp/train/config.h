@@ -167,6 +167,9 @@ struct TrainConfig {
   // of the seed (a family with Hugging Face names); the config's model must match its
   // config.json. A resumed run takes its weights from the checkpoint instead.
   std::string init_from_hf;
+  // Leave the folder's multi-token prediction modules unread where the model has fewer
+  // (DeepSeek-V3's model.layers.61 with model.mtp_layers 0); otherwise they are an error.
+  bool init_from_hf_drop_mtp = false;
 
   int64_t micro_batch_num = 1;
   int64_t global_batch_size = 8;

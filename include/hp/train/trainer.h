@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -94,6 +95,9 @@ struct StepStats {
     double dropped = 0;  // the fraction of its routed slots a capacity limit dropped
   };
   std::vector<ExpertLoad> expert_load;
+  // The multi-token prediction loss (model.mtp_layers > 0), mean over the global batch as
+  // `loss`; NaN for a model without.
+  double mtp_loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 // One evaluation of the validation set (Trainer::evaluate).
