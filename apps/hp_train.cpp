@@ -97,7 +97,7 @@ int export_checkpoint(const Args& args, const hp::CommPtr& world) {
     // A checkpoint, or a save_dir whose 'latest' names one.
     std::string from = args.export_ckpt;
     if (std::filesystem::exists(from + "/latest")) from = hp::train::CheckpointManager::resolve(from);
-    hp::train::export_hf(from, args.export_out, world, o);
+    hp::train::export_hf(from, args.export_out, world, o, args.export_without_mtp);
   }, "--export-hf: ");
   if (!ok) return 1;
   if (world->rank() == 0) std::cout << "hp-train: wrote " << args.export_out << " (a Hugging Face model folder)" << std::endl;

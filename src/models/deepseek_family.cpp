@@ -168,6 +168,7 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
   }
 
   int64_t mtp_layers() const override { return config.mtp_layers; }
+  void set_mtp_layers(int64_t n) override { config.mtp_layers = n; }
   // The head's stage embeds the next tokens for multi-token prediction: a pipeline's last
   // stage holds a copy of the embedding.
   std::vector<std::string> tied_parameters() const override {

@@ -20,7 +20,7 @@ const char* const kUsage =
     "       hp-train --config FILE [--set key=value]... --estimate [--world N]\n"
     "       hp-train --config FILE [--set key=value]... --plan --world N [--ranks-per-node K]\n"
     "                [--link SPEC] [--device-tflops X] [--memory-per-rank N] [--json]\n"
-    "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16|fp8] [--max-shard-size N]\n"
+    "       hp-train --export-hf CKPT_DIR OUT_DIR [--dtype fp32|bf16|fp16|fp8] [--max-shard-size N] [--without-mtp]\n"
     "       hp-train --upgrade-checkpoint CKPT_DIR\n"
     "       hp-train --list-keys\n"
     "  --config FILE    YAML config (configs/*.yaml)\n"
@@ -60,7 +60,8 @@ const char* const kUsage =
     "                   ranks share the files. --dtype: the weights' dtype (default: the\n"
     "                   parameters'; fp8: the projections as float8_e4m3fn with a scale per\n"
     "                   128 x 128 block, as DeepSeek-V3 publishes them, the rest bf16);\n"
-    "                   --max-shard-size: bytes per file (5GB; K/M/GB suffixes)\n"
+    "                   --max-shard-size: bytes per file (5GB; K/M/GB suffixes);\n"
+    "                   --without-mtp: DeepSeek-V3's multi-token prediction module left out\n"
     "  --upgrade-checkpoint CKPT_DIR\n"
     "                   rewrite a format-1 checkpoint (written before checksums, loaded\n"
     "                   unchecked) as format 2: its data files checksummed as they are now\n"
@@ -186,6 +187,8 @@ Args parse_args(int argc, char** argv) {
         a.export_float8 = true;
       }
       HP_CHECK(a.export_dtype.has_value(), "hp-train: --dtype ", d, ": expected fp32, bf16, fp16 or fp8");
+    } else if (s == "--without-mtp") {
+      a.export_without_mtp = true;
     } else if (s == "--max-shard-size") {
       a.max_shard_bytes = parse_bytes(value(), "--max-shard-size");
     } else if (s == "--list-keys") {
@@ -200,8 +203,8 @@ Args parse_args(int argc, char** argv) {
   HP_CHECK(a.upgrade_ckpt.empty() || (a.config.empty() && a.overrides.empty() && !exporting && !a.resume &&
                                       !a.auto_resume && !a.overwrite && !a.verify && !a.estimate && !a.plan),
            "hp-train: --upgrade-checkpoint DIR only rewrites that checkpoint's metadata: nothing else with it");
-  HP_CHECK(exporting || (!a.export_dtype && a.max_shard_bytes == 0),
-           "hp-train: --dtype and --max-shard-size only go with --export-hf");
+  HP_CHECK(exporting || (!a.export_dtype && a.max_shard_bytes == 0 && !a.export_without_mtp),
+           "hp-train: --dtype, --max-shard-size and --without-mtp only go with --export-hf");
   HP_CHECK(!exporting || (a.config.empty() && a.overrides.empty() && !a.verify && !a.resume && !a.estimate),
            "hp-train: --export-hf takes the model from the checkpoint: no --config, --set, --verify, --resume or "
            "--estimate with it");
@@ -256,7 +259,8 @@ std::vector<std::pair<std::string, std::string>> command_line_settings(const Arg
           {"--export-hf", a.export_ckpt + " " + a.export_out},
           {"--upgrade-checkpoint", a.upgrade_ckpt},
           {"--dtype", std::string(a.export_dtype ? c10::toString(*a.export_dtype) : "") + (a.export_float8 ? " fp8" : "")},
-          {"--max-shard-size", std::to_string(a.max_shard_bytes)}};
+          {"--max-shard-size", std::to_string(a.max_shard_bytes)},
+          {"--without-mtp", yes(a.export_without_mtp)}};
 }
 
 InitOptions init_options(const Args& a) {

@@ -134,7 +134,7 @@ void Trainer::load_hf(const std::string& dir) {
 }
 
 void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const CommPtr& world,
-               ckpt::ExportOptions o) {
+               ckpt::ExportOptions o, bool without_mtp) {
   const auto values = ckpt::load({}, ckpt_dir);
   std::vector<std::pair<std::string, std::string>> settings;
   for (const auto& [k, v] : values) {
@@ -142,7 +142,8 @@ void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const Co
   }
   HP_CHECK(!settings.empty(), "export of '", ckpt_dir, "': the checkpoint has no config.model.* settings (not saved by ",
            "hp-train)");
-  const ModelSpec model = model_from_settings(settings, "export of '" + ckpt_dir + "'");
+  ModelSpec model = model_from_settings(settings, "export of '" + ckpt_dir + "'");
+  if (without_mtp && model->mtp_layers() > 0) model->set_mtp_layers(0);
   HP_CHECK(model->supports_hf(), "export of '", ckpt_dir, "': model.type=", model.family().name(),
            " is not supported yet (the family has no Hugging Face names)");
   model->validate();

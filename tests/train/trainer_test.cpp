@@ -754,6 +754,8 @@ void expect_resume_bitwise(ht::TrainConfig c, const std::string& label, bool asy
     ht::StepStats st = r.step();
     EXPECT_EQ(st.loss, straight[s].loss) << label << " step " << s + 1;
     EXPECT_EQ(st.grad_norm, straight[s].grad_norm) << label << " step " << s + 1;
+    EXPECT_EQ(std::isnan(st.mtp_loss), std::isnan(straight[s].mtp_loss)) << label;
+    if (!std::isnan(st.mtp_loss)) EXPECT_EQ(st.mtp_loss, straight[s].mtp_loss) << label << " step " << s + 1;
   }
   auto got = r.sharded_params();
   ASSERT_EQ(got.size(), want.size());
@@ -819,6 +821,15 @@ TEST(TrainDist, ResumeIsBitwise) {
     expect_resume_bitwise(tied, "tied_pp");
   }
   expect_resume_bitwise(bf, "bf16_async", /*async=*/true);
+  if (tp == 1) {
+    // Multi-token prediction, over two stages where the ranks allow (the module and the
+    // embedding's copy on the last): its parameters, moments and MoE bias in the checkpoint,
+    // its loss continuing bitwise.
+    ht::TrainConfig mtp = small_config("deepseek", w->size(), 1, w->size() % 2 == 0 ? 2 : 1);
+    mtp.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
+    mtp.validate(w->size());
+    expect_resume_bitwise(mtp, "mtp");
+  }
   // Many experts, one per token, few tokens: most experts get no token in a step (a zero
   // gradient), and the balancing bias moves for all of them.
   ht::TrainConfig sparse = small_config("deepseek", w->size(), tp);
@@ -1496,6 +1507,21 @@ TEST(TrainDist, HuggingFaceExportImportIsBitwise) {
   hp::test::expect_error([&] { ht::Trainer t(without, w); },
                          {module, "a multi-token prediction module the model does not have", "init_from_hf_drop_mtp"});
   without.init_from_hf_drop_mtp = true;
+  EXPECT_NO_THROW(ht::Trainer(without, w));
+  // Exported without the module (for inference): no tensor of it, config.json says none,
+  // and a model without it reads the folder without the key.
+  const std::string inference = ::testing::TempDir() + "hp_hf_" + std::to_string(w->size()) + "_mtp_dropped";
+  if (w->rank() == 0) hp::files::remove_tree(inference);
+  w->barrier().wait();
+  ht::export_hf(::testing::TempDir() + "hp_hf_" + std::to_string(w->size()) + "_deepseek_mtp_ckpt", inference, w, {},
+                /*without_mtp=*/true);
+  std::stringstream index, config;
+  index << std::ifstream(inference + "/model.safetensors.index.json").rdbuf();
+  config << std::ifstream(inference + "/config.json").rdbuf();
+  EXPECT_EQ(index.str().find(module.substr(1)), std::string::npos) << "the module was written";
+  EXPECT_NE(config.str().find("\"num_nextn_predict_layers\": 0"), std::string::npos);
+  without.init_from_hf = inference;
+  without.init_from_hf_drop_mtp = false;
   EXPECT_NO_THROW(ht::Trainer(without, w));
 }
 

@@ -224,6 +224,11 @@ class ModelArgs {
   // Multi-token prediction modules after the last block (DeepSeek-V3's: 1), each with a MoE
   // block numbered layers() + its index; 0 for a model without.
   virtual int64_t mtp_layers() const { return 0; }
+  // The same model with `n` of them (an export for inference drops them); raises "not
+  // supported yet" for a family without multi-token prediction.
+  virtual void set_mtp_layers(int64_t n) {
+    HP_CHECK(n == 0, "model family has no multi-token prediction: mtp_layers=", n, " is not supported yet");
+  }
   // What expert parallelism divides and moves (0 for a model without routed experts): the
   // parameters of a slice's routed experts, those of one MoE block's, and the routed experts
   // each token uses.

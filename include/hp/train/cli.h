@@ -39,6 +39,7 @@ struct Args {
   std::string export_ckpt, export_out;
   std::string upgrade_ckpt;  // --upgrade-checkpoint DIR: a format-1 checkpoint rewritten as format 2
   c10::optional<at::ScalarType> export_dtype;  // --dtype; unset: the parameters'
+  bool export_without_mtp = false;  // --without-mtp: the multi-token prediction modules left out
   bool export_float8 = false;                 // --dtype fp8: the projections FP8 with block scales, the rest bf16
   int64_t max_shard_bytes = 0;  // 0: the default
 };

@@ -275,9 +275,11 @@ class Trainer : public ckpt::Checkpointable {
 // index): the fp32 masters where the checkpoint holds them, else the parameters, written as
 // options.dtype (default: the parameters' dtype). Collective over `world`: the files are
 // spread over the ranks and no rank holds the whole model (ckpt::export_consolidated).
-// Raises "not supported yet" for a family without Hugging Face names.
+// Raises "not supported yet" for a family without Hugging Face names. `without_mtp`: the
+// multi-token prediction modules (DeepSeek-V3's) are left out, for inference, and
+// config.json says none (a model without them exports the same with or without it).
 void export_hf(const std::string& ckpt_dir, const std::string& out_dir, const CommPtr& world,
-               ckpt::ExportOptions options = {});
+               ckpt::ExportOptions options = {}, bool without_mtp = false);
 
 class ReferenceTrainer {
  public:
