@@ -1493,7 +1493,9 @@ TEST(TrainDist, HuggingFaceExportImportIsBitwise) {
   expect_hf_round_trip(dbf, "deepseek_bf16", c10::nullopt);
   // With its multi-token prediction module (model.layers.<layers>.*), over 2 pipeline stages
   // where the ranks allow: the last stage's copy of the embedding is read from
-  // model.embed_tokens as the first's is.
+  // model.embed_tokens as the first's is. (Not at 8 ranks: their layouts have tensor
+  // parallelism, which MTP does not support yet.)
+  if (tp != 1) return;
   const int64_t pp = w->size() == 2 || w->size() == 4 ? 2 : 1;
   ht::TrainConfig mtp = small_config("deepseek", w->size(), 1, pp);
   mtp.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
