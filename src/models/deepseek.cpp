@@ -13,6 +13,7 @@
 #include "hp/models/family.h"
 #include "hp/hooks/call.h"
 #include "hp/hooks/recompute.h"
+#include "hp/tp/dtensor.h"
 
 namespace hp::models {
 namespace {
@@ -477,19 +478,36 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
 
 at::Tensor DeepSeekImpl::with_mtp_loss(const at::Tensor& h, const at::Tensor& y, const at::Tensor& cos,
                                        const at::Tensor& sin) {
-  const int64_t T = h.size(1);
-  HP_CHECK(y.dim() == 2 && y.size(0) == h.size(0) && y.size(1) == T, "DeepSeek: targets of shape ", y.sizes(),
-           " for a forward of ", h.size(0), " sequences of ", T, " tokens");
+  // Under sequence parallelism h holds this rank's piece of the sequence.
+  const int64_t B = h.size(0), T = h.size(1) * stream_split;
+  HP_CHECK(y.dim() == 2 && y.size(0) == B && y.size(1) == T, "DeepSeek: targets of shape ", y.sizes(),
+           " for a forward of ", B, " sequences of ", T, " tokens");
   HP_CHECK(T >= 2, "DeepSeek: multi-token prediction needs sequences of at least 2 tokens, got ", T);
   // Position i (of the first T-1) sees h_i and the next token's embedding (targets[i]) and
-  // predicts the token after it (targets[i+1]).
-  at::Tensor e = hp::call(tok_emb, y.narrow(1, 0, T - 1));
-  at::Tensor z = hp::call(mtp.front(), e, h.narrow(1, 0, T - 1), cos.narrow(0, 0, T - 1), sin.narrow(0, 0, T - 1),
+  // predicts the token after it (targets[i+1]). Its T-1 positions do not split over the
+  // tensor-parallel ranks like the stream's T: under sequence parallelism the module runs on
+  // the whole sequence (the stream and the embedding gathered; their gradients, the same on
+  // every rank, cut back to the piece), as the blocks do without it.
+  at::Tensor hw = h, e;
+  if (stream_split > 1) {
+    HP_CHECK(tensor_parallel != nullptr, "DeepSeek: sequence pieces (stream_split=", stream_split,
+             ") without the tensor-parallel group");
+    hw = tp::redistribute(h, tensor_parallel, tp::Shard(1), tp::Replicate(), /*grad=*/tp::Replicate());
+    e = tp::redistribute(hp::call(tok_emb, y), tensor_parallel, tp::Shard(1), tp::Replicate(), tp::Replicate())
+            .narrow(1, 0, T - 1);
+  } else {
+    e = hp::call(tok_emb, y.narrow(1, 0, T - 1));
+  }
+  at::Tensor z = hp::call(mtp.front(), e, hw.narrow(1, 0, T - 1), cos.narrow(0, 0, T - 1), sin.narrow(0, 0, T - 1),
                           recompute ? &*recompute : static_cast<const RecomputePolicy*>(nullptr));
-  // The shared head runs once, on both (a split backward records each module's one call).
-  at::Tensor both = hp::call(output, at::cat({hp::call(norm, h), z}, 1));
-  at::Tensor logits = both.narrow(1, 0, T);
-  at::Tensor loss = loss_of_logits(both.narrow(1, T, T - 1), y.narrow(1, 1, T - 1));
+  // The shared head runs once, on both (a split backward records each module's one call),
+  // stacked along the batch: z padded to T positions splits over tp as the stream does (the
+  // padding's logits get no gradient).
+  z = at::constant_pad_nd(z, {0, 0, 0, 1});
+  if (stream_split > 1) z = tp::redistribute(z, tensor_parallel, tp::Replicate(), tp::Shard(1), /*grad=*/tp::Shard(1));
+  at::Tensor both = hp::call(output, at::cat({hp::call(norm, h), z}, 0));
+  at::Tensor logits = both.narrow(0, 0, B);
+  at::Tensor loss = loss_of_logits(both.narrow(0, B, B).narrow(1, 0, T - 1), y.narrow(1, 1, T - 1));
   {
     at::NoGradGuard g;
     at::Tensor v = loss.detach().to(at::kDouble);

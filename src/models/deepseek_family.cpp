@@ -175,13 +175,6 @@ class DeepSeekArgs : public detail::ReferenceArgs<DeepSeekArgs, DeepSeekConfig, 
     if (config.mtp_layers > 0) return {"tok_emb.weight"};
     return {};
   }
-  void check_tensor_parallel(int64_t tp) const override {
-    ReferenceArgs::check_tensor_parallel(tp);
-    if (tp > 1 && config.mtp_layers > 0) {
-      HP_NOT_SUPPORTED("tensor parallelism (tp=", tp, ") with multi-token prediction (model.mtp_layers=",
-                       config.mtp_layers, ")");
-    }
-  }
 
   // DeepSeek-V3's multi-token prediction modules are stored as the blocks after the last
   // (model.layers.61 for 61 blocks); those past this model's own are unbuilt ones.

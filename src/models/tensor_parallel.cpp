@@ -82,10 +82,11 @@ PrepareModuleInput attention_input(const Placement& stream) {
   return PrepareModuleInput({stream, c10::nullopt, c10::nullopt}, {Replicate(), c10::nullopt, c10::nullopt});
 }
 
-// The MoE blocks' part of a plan (their modules at layers_*.moe): see the file comment
+// The MoE blocks' part of a plan (their modules at <blocks>.moe): see the file comment
 // of tensor_parallel.h. Sets each MoE's tp and tp_sequence_pieces.
-void add_moe(ParallelizePlan& plan, const Placement& stream, const std::vector<MoEImpl*>& moes, const CommPtr& group,
-             const TensorParallelOptions& o, const char* who) {
+void add_moe(ParallelizePlan& plan, const std::string& blocks, const Placement& stream,
+             const std::vector<MoEImpl*>& moes, const CommPtr& group, const TensorParallelOptions& o, const char* who) {
+  const std::string moe = blocks + ".moe";
   // Under expert parallelism (applied first: the MoEs hold part of their experts) each
   // expert stays whole and each tensor-parallel rank routes its own piece of the sequence
   // over the EP group, which includes the tensor-parallel ranks: nothing moves over tp in
@@ -99,14 +100,14 @@ void add_moe(ParallelizePlan& plan, const Placement& stream, const std::vector<M
            "expert_parallel needs sequence_parallel (each rank routes its piece of the sequence); without it is not ",
            "supported yet");
   if (pieces) {
-    plan.push_back({"layers_*.moe.gate", ReplicateParallel()});
-    for (const char* w : {".w1", ".w3", ".w2"}) plan.push_back({std::string("layers_*.moe.shared") + w, ReplicateParallel()});
+    plan.push_back({moe + ".gate", ReplicateParallel()});
+    for (const char* w : {".w1", ".w3", ".w2"}) plan.push_back({moe + ".shared" + w, ReplicateParallel()});
   } else {
     const Placement partial = Partial();
-    plan.push_back({"layers_*.moe", PrepareModuleInput({stream}, {Replicate()})});
-    plan.push_back({"layers_*.moe", PrepareModuleOutput(partial, stream)});
-    plan.push_back({"layers_*.moe.gate", ReplicateParallel()});
-    for (const std::string e : {"layers_*.moe.shared", "layers_*.moe.experts.*"}) {
+    plan.push_back({moe, PrepareModuleInput({stream}, {Replicate()})});
+    plan.push_back({moe, PrepareModuleOutput(partial, stream)});
+    plan.push_back({moe + ".gate", ReplicateParallel()});
+    for (const std::string e : {moe + ".shared", moe + ".experts.*"}) {
       plan.push_back({e + ".w1", ColwiseParallel().prepared_input()});
       plan.push_back({e + ".w3", ColwiseParallel().prepared_input()});
       plan.push_back({e + ".w2", RowwiseParallel().output(partial)});
@@ -141,7 +142,7 @@ void parallelize_moe_model(Holder& model, ParallelizePlan plan, const Placement&
   for (auto& b : model->blocks) {
     if (b->moe) moes.push_back(b->moe.get());
   }
-  add_moe(plan, stream, moes, group, o, who);
+  add_moe(plan, "layers_*", stream, moes, group, o, who);
   add_common(plan, stream, o, "layers_*.mlp");
   parallelize_module(*model, group, present(plan, *model), ParallelizeOptions{o.reduce_dtype});
   if (o.loss_parallel) model->vocab_parallel_loss = group;
@@ -184,21 +185,39 @@ void parallelize_moe_llama(MoELlama& model, const CommPtr& group, const TensorPa
 void parallelize_deepseek(DeepSeek& model, const CommPtr& group, const TensorParallelOptions& o) {
   const DeepSeekConfig& c = model->config;
   check_tensor_parallel(c, group->size());
-  if (c.mtp_layers > 0 && group->size() > 1) {
-    HP_NOT_SUPPORTED("parallelize_deepseek: tensor parallelism with multi-token prediction (mtp_layers=", c.mtp_layers,
-                     ")");
-  }
   const Placement stream = o.sequence_parallel ? Shard(1) : Replicate();
-  ParallelizePlan plan = {
-      {"layers_*.attn", attention_input(stream)},
-      {"layers_*.attn.wq_a", ReplicateParallel()},
-      {"layers_*.attn.q_norm", ReplicateParallel()},
-      {"layers_*.attn.wkv_a", ReplicateParallel()},
-      {"layers_*.attn.kv_norm", ReplicateParallel()},
-      {"layers_*.attn.wq_b", ColwiseParallel().prepared_input()},
-      {"layers_*.attn.wkv_b", ColwiseParallel().prepared_input()},
-      {"layers_*.attn.wo", RowwiseParallel().output(stream)},
+  // MLA over the blocks at `blocks`, its input in `in`.
+  const auto mla = [](const std::string& blocks, const Placement& in) -> ParallelizePlan {
+    const std::string a = blocks + ".attn";
+    return {
+        {a, attention_input(in)},
+        {a + ".wq_a", ReplicateParallel()},
+        {a + ".q_norm", ReplicateParallel()},
+        {a + ".wkv_a", ReplicateParallel()},
+        {a + ".kv_norm", ReplicateParallel()},
+        {a + ".wq_b", ColwiseParallel().prepared_input()},
+        {a + ".wkv_b", ColwiseParallel().prepared_input()},
+        {a + ".wo", RowwiseParallel().output(in)},
+    };
   };
+  ParallelizePlan plan = mla("layers_*", stream);
+  if (!model->mtp.empty() && group->size() > 1) {
+    // Multi-token prediction runs on the whole sequence (its T-1 positions do not split as
+    // the stream's T): its block as the blocks without sequence parallelism; enorm, hnorm,
+    // eh_proj and the norms, fed the same rows on every rank, stay whole.
+    std::vector<MoEImpl*> moes;
+    for (auto& m : model->mtp) {
+      MoEImpl& moe = *m->block->moe;
+      if (static_cast<int64_t>(moe.experts->list.size()) < c.experts) {
+        HP_NOT_SUPPORTED("parallelize_deepseek: tensor parallelism (tp=", group->size(), ") over experts placed by ",
+                         "expert_parallel with multi-token prediction (mtp_layers=", c.mtp_layers, ")");
+      }
+      moes.push_back(&moe);
+    }
+    for (auto& entry : mla("mtp_*.block", Replicate())) plan.push_back(entry);
+    add_moe(plan, "mtp_*.block", Replicate(), moes, group, o, "parallelize_deepseek");
+    model->tensor_parallel = group;
+  }
   parallelize_moe_model(model, std::move(plan), stream, group, o, "parallelize_deepseek");
 }
 

@@ -344,6 +344,10 @@ void validate_layout(TrainConfig& c, int world_size) {
     HP_CHECK(c.tensor_parallel == 1 || c.sequence_parallel, s, ": expert_parallel=", ep, " with tensor_parallel=",
              c.tensor_parallel, " needs sequence_parallel=true (each tensor-parallel rank routes its piece of the ",
              "sequence); without it is not supported yet");
+    if (c.tensor_parallel > 1 && c.model->mtp_layers() > 0) {
+      HP_NOT_SUPPORTED(s, ": expert_parallel=", ep, " with tensor_parallel=", c.tensor_parallel,
+                       " and multi-token prediction (model.mtp_layers=", c.model->mtp_layers(), ")");
+    }
   }
   try {
     c.data_parallel_shard = ParallelDims(c.degrees(), world_size).dp_shard();

@@ -164,6 +164,8 @@ TEST(TrainConfig, EveryBadConfigNamesItsKey) {
       {"moe_overlap_chunks: 0\n", {}, 4, {"moe_overlap_chunks", "0"}},
       {"expert_parallel: 2\ntensor_parallel: 2\n", {}, 4,
        {"expert_parallel=2", "tensor_parallel=2", "needs sequence_parallel=true", "not supported yet"}},
+      {"expert_parallel: 2\ntensor_parallel: 2\nsequence_parallel: true\nmodel:\n  mtp_layers: 1\n", {}, 4,
+       {"expert_parallel=2", "tensor_parallel=2", "multi-token prediction", "model.mtp_layers=1", "not supported yet"}},
       {"expert_parallel: 2\ntensor_parallel: 4\nsequence_parallel: true\n", {}, 8,
        {"expert_parallel=2", "must be tensor_parallel x a divisor of data_parallel_shard=2"}},
       {"expert_parallel: 8\ntensor_parallel: 2\nsequence_parallel: true\n", {}, 4,

@@ -379,6 +379,7 @@ struct Layout {
   ht::PipelineScheduleKind schedule_ = ht::PipelineScheduleKind::kAuto;
   std::vector<int64_t> stage_layers_;  // empty: the trainer's split
   bool tie_ = false, per_submodule_ = false, head_dim_and_biases_ = false, mtp_ = false;
+  bool sp_ = true;  // sequence_parallel where tp > 1
   hp::cp::Method cp_method_ = hp::cp::Method::kRing;
   int64_t replicas_ = 0;  // > 0: HSDP with this many data_parallel replicas, dp_shard the rest
   ht::ShardStrategy strategy_ = ht::ShardStrategy::kOptimGradsParams;
@@ -394,6 +395,7 @@ struct Layout {
   Layout& stage_layers(std::vector<int64_t> l) { stage_layers_ = std::move(l); return *this; }
   Layout& tie() { tie_ = true; return *this; }  // Llama: the embedding tied to the output
   Layout& mtp() { mtp_ = true; return *this; }  // DeepSeek: a multi-token prediction module
+  Layout& no_sequence_parallel() { sp_ = false; return *this; }  // with tp > 1
   // comm_fusion off, wait_per_submodule on.
   Layout& per_submodule() { per_submodule_ = true; return *this; }
   // Llama: heads of 24 (not dim / heads = 16), every bias.
@@ -426,6 +428,7 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   c.expert_parallel = l.ep_;
   if (l.tie_) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
   if (l.mtp_) c.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
+  if (!l.sp_) c.sequence_parallel = false;
   c.eval_interval = 2;  // validation after steps 2, 4 and 5
   c.eval_steps = 2;
   c.validate(w->size());
@@ -439,7 +442,8 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   ASSERT_TRUE(c.tensor_parallel == l.tp_ && c.pipeline_parallel == l.pp_ && c.context_parallel == l.cp_ &&
               c.context_parallel_method == l.cp_method_ && c.expert_parallel == l.ep_ &&
               (l.replicas_ == 0 || c.data_parallel == l.replicas_) &&
-              c.pipeline_stage_layers == l.stage_layers_ && c.data_parallel_shard_strategy == l.strategy_)
+              c.pipeline_stage_layers == l.stage_layers_ && c.data_parallel_shard_strategy == l.strategy_ &&
+              c.sequence_parallel == (l.tp_ > 1 && l.sp_))
       << type << ": the config's layout is not the case's";
   expect_steps_match(t, c, naive, type);
   // Under pipeline parallelism the losses and norms of every step (the norm over every
@@ -483,16 +487,24 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
 TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek"); }
 
 // Multi-token prediction (DeepSeek-V3's MTP module, its loss against naive_deepseek_mtp's
-// written out here): one process; FSDP over 2 ranks and EP 2; at 4 ranks HSDP 2 x 2, EP 2 x
-// PP 2 (the module on the last stage, which holds its own copy of the embedding, the copies'
-// gradients summed over pp) and PP 2 under ZBV (both copies on one rank, the backward split
-// into input and weight gradients): every step's loss, MTP loss, grad norm and validation
-// loss (and without PP and EP every parameter) within 1e-10 of one process in float64.
+// written out here): one process; FSDP over 2 ranks, EP 2, and TP 2 with and without
+// sequence parallel (the module on the whole sequence, its input gathered and its output cut
+// back to the pieces); at 4 ranks TP 2 x PP 2, HSDP 2 x 2, EP 2 x PP 2 (the module on the last
+// stage, which holds its own copy of the embedding, the copies' gradients summed over pp) and
+// PP 2 under ZBV (both copies on one rank, the backward split into input and weight
+// gradients): every step's loss, MTP loss, grad norm and validation loss (and without PP and
+// EP every parameter) within 1e-10 of one process in float64. Seen failing with the gathered
+// stream's gradient summed over tp instead of cut back to the piece.
 TEST(TrainDist, DeepSeekMultiTokenPredictionMatchesSingleProcess) {
   const int n = hp::world()->size();
   expect_matches_naive("deepseek", Layout().mtp());
-  if (n == 2) expect_matches_naive("deepseek", Layout().mtp().ep(2));
+  if (n == 2) {
+    expect_matches_naive("deepseek", Layout().mtp().ep(2));
+    expect_matches_naive("deepseek", Layout().mtp().tp(2));
+    expect_matches_naive("deepseek", Layout().mtp().tp(2).no_sequence_parallel());
+  }
   if (n != 4) return;
+  expect_matches_naive("deepseek", Layout().mtp().tp(2).pp(2));
   expect_matches_naive("deepseek", Layout().mtp().ep(2).pp(2));
   expect_matches_naive("deepseek", Layout().mtp().pp(2).v(2).schedule(ht::PipelineScheduleKind::kZBV));
 }
@@ -821,11 +833,11 @@ TEST(TrainDist, ResumeIsBitwise) {
     expect_resume_bitwise(tied, "tied_pp");
   }
   expect_resume_bitwise(bf, "bf16_async", /*async=*/true);
-  if (tp == 1) {
+  {
     // Multi-token prediction, over two stages where the ranks allow (the module and the
-    // embedding's copy on the last): its parameters, moments and MoE bias in the checkpoint,
-    // its loss continuing bitwise.
-    ht::TrainConfig mtp = small_config("deepseek", w->size(), 1, w->size() % 2 == 0 ? 2 : 1);
+    // embedding's copy on the last; with tensor parallelism at 8 ranks): its parameters,
+    // moments and MoE bias in the checkpoint, its loss continuing bitwise.
+    ht::TrainConfig mtp = small_config("deepseek", w->size(), tp, w->size() % 2 == 0 ? 2 : 1);
     mtp.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
     mtp.validate(w->size());
     expect_resume_bitwise(mtp, "mtp");
@@ -1492,18 +1504,16 @@ TEST(TrainDist, HuggingFaceExportImportIsBitwise) {
   dbf.validate(w->size());
   expect_hf_round_trip(dbf, "deepseek_bf16", c10::nullopt);
   // With its multi-token prediction module (model.layers.<layers>.*), over 2 pipeline stages
-  // where the ranks allow: the last stage's copy of the embedding is read from
-  // model.embed_tokens as the first's is. (Not at 8 ranks: their layouts have tensor
-  // parallelism, which MTP does not support yet.)
-  if (tp != 1) return;
-  const int64_t pp = w->size() == 2 || w->size() == 4 ? 2 : 1;
-  ht::TrainConfig mtp = small_config("deepseek", w->size(), 1, pp);
+  // where the ranks allow (with tensor parallelism at 8 ranks): the last stage's copy of the
+  // embedding is read from model.embed_tokens as the first's is.
+  const int64_t pp = w->size() % 2 == 0 ? 2 : 1;
+  ht::TrainConfig mtp = small_config("deepseek", w->size(), tp, pp);
   mtp.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
   mtp.validate(w->size());
   expect_hf_round_trip(mtp, "deepseek_mtp", c10::nullopt);
   // The folder read by a model without the module: refused, naming the module's tensors and
   // the key that leaves them unread; with that key, the rest is read.
-  ht::TrainConfig without = small_config("deepseek", w->size(), 1, pp);
+  ht::TrainConfig without = small_config("deepseek", w->size(), tp, pp);
   without.init_from_hf = ::testing::TempDir() + "hp_hf_" + std::to_string(w->size()) + "_deepseek_mtp_out";
   const std::string module = "'model.layers." + std::to_string(without.model->layers()) + ".";
   hp::test::expect_error([&] { ht::Trainer t(without, w); },

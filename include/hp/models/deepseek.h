@@ -235,6 +235,9 @@ struct DeepSeekImpl : torch::nn::Module {
   int64_t stream_split = 1;  // as LlamaImpl::stream_split
   // Set by parallelize_deepseek with loss parallel (see LlamaImpl::vocab_parallel_loss).
   CommPtr vocab_parallel_loss;
+  // Set by parallelize_deepseek: the tensor-parallel group (multi-token prediction gathers
+  // the sequence pieces over it).
+  CommPtr tensor_parallel;
   // Set: each block is checkpointed with this policy (activations recomputed in backward).
   c10::optional<RecomputePolicy> recompute;
   // Set by context_parallel() (as LlamaImpl::context_parallel).
