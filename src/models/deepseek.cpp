@@ -13,6 +13,7 @@
 #include "hp/models/family.h"
 #include "hp/hooks/call.h"
 #include "hp/hooks/recompute.h"
+#include "hp/cp/context_parallel.h"
 #include "hp/tp/dtensor.h"
 
 namespace hp::models {
@@ -321,16 +322,33 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   // backward), and not in a forward that is not differentiated (a validation pass, the
   // pipeline's shape check), which must leave the next bias update as it would have been.
   const bool training = hp::in_differentiated_forward() && !hp::in_recompute();
+  // Rows left out (routed_rows) are routed as if they were not there.
+  at::Tensor rows;  // the routed rows' indices; undefined: every row
+  if (routed_rows.defined()) {
+    HP_CHECK(routed_rows.dim() == 1 && routed_rows.size(0) == flat.size(0), "MoE: routed_rows of shape ",
+             routed_rows.sizes(), " for ", flat.size(0), " tokens");
+    rows = routed_rows.to(flat.device()).nonzero().squeeze(1);
+  }
+  const auto routed = [&](const at::Tensor& t) { return rows.defined() ? t.index_select(0, rows) : t; };
   if (training) {
     at::NoGradGuard g;
-    load += at::bincount(chosen.reshape({-1}), {}, c.experts).to(at::kFloat);
+    load += at::bincount(routed(chosen).reshape({-1}), {}, c.experts).to(at::kFloat);
   }
   // A capacity limit drops slots before they are sent (id -1, weight 0).
   at::Tensor ids = chosen, w = weights;
+  if (rows.defined()) {
+    at::Tensor out_rows = ~routed_rows.to(flat.device()).unsqueeze(1);
+    ids = ids.masked_fill(out_rows, -1);
+    w = w.masked_fill(out_rows, 0);
+  }
   if (c.capacity_factor > 0) {
-    at::Tensor keep = capacity_keep(scores.gather(-1, chosen), chosen);
-    ids = chosen.masked_fill(~keep, -1);
-    w = weights.masked_fill(~keep, 0);
+    at::Tensor keep = capacity_keep(routed(scores.gather(-1, chosen)), routed(chosen));
+    if (rows.defined()) {
+      keep = at::zeros(chosen.sizes(), keep.options()).index_copy(0, rows, keep);
+      keep |= ~routed_rows.to(flat.device()).unsqueeze(1);  // rows left out are no drops
+    }
+    ids = ids.masked_fill(~keep, -1);
+    w = w.masked_fill(~keep, 0);
     if (training) {
       // Made here, not in the constructor: a model built without storage materializes its
       // buffers alone (and a per-step count has no place in a checkpoint).
@@ -478,36 +496,67 @@ at::Tensor DeepSeekImpl::forward(const at::Tensor& x) {
 
 at::Tensor DeepSeekImpl::with_mtp_loss(const at::Tensor& h, const at::Tensor& y, const at::Tensor& cos,
                                        const at::Tensor& sin) {
-  // Under sequence parallelism h holds this rank's piece of the sequence.
-  const int64_t B = h.size(0), T = h.size(1) * stream_split;
-  HP_CHECK(y.dim() == 2 && y.size(0) == B && y.size(1) == T, "DeepSeek: targets of shape ", y.sizes(),
-           " for a forward of ", B, " sequences of ", T, " tokens");
+  // This context-parallel rank's L positions (all T without CP), of which h holds its
+  // tensor-parallel piece under sequence parallelism; y [B, L] their targets.
+  const int64_t cp = context_parallel ? context_parallel->size() : 1;
+  const int64_t B = h.size(0), L = h.size(1) * stream_split, T = L * cp;
+  HP_CHECK(y.dim() == 2 && y.size(0) == B && y.size(1) == L, "DeepSeek: targets of shape ", y.sizes(),
+           " for a forward of ", B, " sequences of ", L, " tokens");
   HP_CHECK(T >= 2, "DeepSeek: multi-token prediction needs sequences of at least 2 tokens, got ", T);
-  // Position i (of the first T-1) sees h_i and the next token's embedding (targets[i]) and
-  // predicts the token after it (targets[i+1]). Its T-1 positions do not split over the
-  // tensor-parallel ranks like the stream's T: under sequence parallelism the module runs on
-  // the whole sequence (the stream and the embedding gathered; their gradients, the same on
-  // every rank, cut back to the piece), as the blocks do without it.
+  // Position i sees h_i and the next token's embedding (targets[i]) and predicts the token
+  // after it (targets[i+1]): the sequence's last position has none. The module's rows do not
+  // split over the tensor-parallel ranks like the stream's: under sequence parallelism it
+  // runs on the whole of the rank's positions (the stream and the embedding gathered; their
+  // gradients, the same on every rank, cut back to the piece), as the blocks do without it.
   at::Tensor hw = h, e;
   if (stream_split > 1) {
     HP_CHECK(tensor_parallel != nullptr, "DeepSeek: sequence pieces (stream_split=", stream_split,
              ") without the tensor-parallel group");
     hw = tp::redistribute(h, tensor_parallel, tp::Shard(1), tp::Replicate(), /*grad=*/tp::Replicate());
-    e = tp::redistribute(hp::call(tok_emb, y), tensor_parallel, tp::Shard(1), tp::Replicate(), tp::Replicate())
-            .narrow(1, 0, T - 1);
+    e = tp::redistribute(hp::call(tok_emb, y), tensor_parallel, tp::Shard(1), tp::Replicate(), tp::Replicate());
   } else {
-    e = hp::call(tok_emb, y.narrow(1, 0, T - 1));
+    e = hp::call(tok_emb, y);
   }
-  at::Tensor z = hp::call(mtp.front(), e, hw.narrow(1, 0, T - 1), cos.narrow(0, 0, T - 1), sin.narrow(0, 0, T - 1),
+  at::Tensor next, kept;  // each row's target [B, n]; under CP the rows that have one [L]
+  at::Tensor rc = cos, rs = sin;
+  if (!context_parallel) {
+    // The first T-1 positions.
+    e = e.narrow(1, 0, T - 1);
+    hw = hw.narrow(1, 0, T - 1);
+    rc = cos.narrow(0, 0, T - 1);
+    rs = sin.narrow(0, 0, T - 1);
+    next = y.narrow(1, 1, T - 1);
+  } else {
+    // Every position of the rank, its ring attention's chunks whole: the token after the next
+    // may sit on another rank (the targets gathered: B x T ids), and the sequence's last
+    // position, on one rank, is routed nowhere and left out of the loss.
+    const cp::SequenceSplit split = context_parallel->split_of(T);
+    at::Tensor all = at::empty({cp * B * L}, y.options());
+    context_parallel->group()->all_gather(all, y.contiguous().view(-1)).wait();
+    at::Tensor whole = cp::restore(all.view({cp, B, L}).permute({1, 0, 2}).reshape({B, cp * L}), 1, split);
+    next = cp::shard(at::roll(whole, {-1}, {1}), 1, split, context_parallel->rank());
+    kept = split.positions(context_parallel->rank()).to(y.device()) != T - 1;
+    for (auto& m : mtp) m->block->moe->routed_rows = kept.unsqueeze(0).expand({B, L}).reshape({-1});
+  }
+  at::Tensor z = hp::call(mtp.front(), e, hw, rc, rs,
                           recompute ? &*recompute : static_cast<const RecomputePolicy*>(nullptr));
   // The shared head runs once, on both (a split backward records each module's one call),
-  // stacked along the batch: z padded to T positions splits over tp as the stream does (the
-  // padding's logits get no gradient).
-  z = at::constant_pad_nd(z, {0, 0, 0, 1});
+  // stacked along the batch: z (padded to T positions without CP) splits over tp as the
+  // stream does (the padding's logits get no gradient).
+  if (!context_parallel) z = at::constant_pad_nd(z, {0, 0, 0, 1});
   if (stream_split > 1) z = tp::redistribute(z, tensor_parallel, tp::Replicate(), tp::Shard(1), /*grad=*/tp::Shard(1));
   at::Tensor both = hp::call(output, at::cat({hp::call(norm, h), z}, 0));
-  at::Tensor logits = both.narrow(0, 0, B);
-  at::Tensor loss = loss_of_logits(both.narrow(0, B, B).narrow(1, 0, T - 1), y.narrow(1, 1, T - 1));
+  at::Tensor logits = both.narrow(0, 0, B), mtp_logits = both.narrow(0, B, B);
+  at::Tensor loss;
+  if (!context_parallel) {
+    loss = loss_of_logits(mtp_logits.narrow(1, 0, T - 1), next);
+  } else {
+    // The mean over this rank's rows, weighted so that the mean over the CP ranks (the
+    // gradients' and the reported losses' average) is the sequence's mean over T-1 rows.
+    at::Tensor rows = kept.nonzero().squeeze(1);
+    loss = loss_of_logits(mtp_logits.index_select(1, rows), next.index_select(1, rows)) *
+           (static_cast<double>(rows.numel() * cp) / static_cast<double>(T - 1));
+  }
   {
     at::NoGradGuard g;
     at::Tensor v = loss.detach().to(at::kDouble);
@@ -540,12 +589,9 @@ void context_parallel(DeepSeekImpl& model, std::shared_ptr<cp::ContextParallel> 
     HP_NOT_SUPPORTED("context parallelism with the sequence-wise balance loss (model.aux_loss_coeff=",
                      model.config.aux_loss_coeff, "): a CP rank holds part of each sequence");
   }
-  if (model.config.mtp_layers > 0) {
-    HP_NOT_SUPPORTED("context parallelism with multi-token prediction (model.mtp_layers=", model.config.mtp_layers,
-                     "): its inputs are the sequence shifted by one token, across the CP ranks' pieces");
-  }
   model.context_parallel = ctx;
   for (auto& b : model.blocks) b->attn->context_parallel = ctx;
+  for (auto& m : model.mtp) m->block->attn->context_parallel = ctx;
 }
 
 at::Tensor DeepSeekImpl::loss_of_logits(const at::Tensor& logits, const at::Tensor& targets) const {

@@ -454,6 +454,50 @@ TEST(DeepSeek, CapacityKeepsEachExpertsBestSlotsAndDropsTheRest) {
   }
 }
 
+// Rows left out of routing (MoE::routed_rows: the multi-token prediction module's last
+// position under context parallelism) are routed as if they were not there: the other rows'
+// outputs, the experts' load and the slots a capacity drops are those of the MoE run on the
+// other rows alone (a capacity that crowds experts 0 and 1, so a left-out row taking a slot
+// would drop another); a left-out row's output is its shared expert's alone. Seen failing
+// with the left-out rows counted in the capacity.
+TEST(DeepSeek, RowsLeftOutOfRoutingAreRoutedAsIfAbsent) {
+  DeepSeekConfig c = DeepSeekConfig::tiny();
+  c.capacity_factor = 0.75;
+  at::manual_seed(7);
+  hp::models::MoE moe(c);
+  moe->to(at::kDouble);
+  {
+    at::NoGradGuard g;
+    moe->bias.copy_(at::tensor({0.6, 0.5, 0., 0., 0., 0., 0., 0.}, at::kDouble));
+  }
+  const int64_t N = 12;
+  const at::Tensor x = at::randn({N, c.dim}, at::kDouble);
+  at::Tensor routed = at::ones({N}, at::kBool);
+  routed[3] = false;
+  routed[11] = false;
+  moe->routed_rows = routed;
+  const at::Tensor got = moe->forward(x).detach();
+  const at::Tensor load = moe->load.clone(), dropped = moe->dropped.clone();
+  {
+    at::NoGradGuard g;
+    moe->load.zero_();
+    moe->dropped.zero_();
+  }
+  moe->routed_rows = at::Tensor();
+  const at::Tensor rows = routed.nonzero().squeeze(1);
+  const at::Tensor want = moe->forward(x.index_select(0, rows)).detach();
+  EXPECT_LE((got.index_select(0, rows) - want).abs().max().item<double>(), 1e-12);
+  EXPECT_TRUE(at::equal(load, moe->load)) << load << moe->load;
+  EXPECT_GT(moe->dropped.item<double>(), 0) << "nothing overflowed: the test does not exercise the limit";
+  EXPECT_EQ(dropped.item<double>(), moe->dropped.item<double>());
+  for (int64_t t : {3, 11}) {
+    EXPECT_LE((got[t] - moe->shared->forward(x[t].unsqueeze(0))[0].detach()).abs().max().item<double>(), 1e-12)
+        << "row " << t;
+  }
+  moe->routed_rows = at::ones({N + 1}, at::kBool);
+  hp::test::expect_error([&] { moe->forward(x); }, {"routed_rows", "13", "12 tokens"});
+}
+
 // A factor past experts / experts_per_token keeps every slot: at experts (the largest the
 // config takes) and far past it (3e17, which overflowed the capacity and dropped every slot),
 // nothing is dropped and the output is the run without a limit. Above experts the config

@@ -358,9 +358,12 @@ void expect_expert_load(const ht::StepStats& st, const ht::TrainConfig& c, const
   const auto want = naive.model->expert_load();
   ASSERT_EQ(st.expert_load.size(), want.size()) << label;
   ASSERT_EQ(want.size(), static_cast<size_t>(d.moe_layers)) << label;
-  const double mean = static_cast<double>(c.global_batch_size * c.seq_length * d.experts_per_token) /
-                      static_cast<double>(d.experts);
   for (size_t i = 0; i < want.size(); ++i) {
+    // A multi-token prediction module's MoE (layers after the model's) routes the first T-1
+    // positions of each sequence.
+    const int64_t routed = c.seq_length - (want[i].layer >= c.model->layers() ? 1 : 0);
+    const double mean = static_cast<double>(c.global_batch_size * routed * d.experts_per_token) /
+                        static_cast<double>(d.experts);
     EXPECT_EQ(st.expert_load[i].layer, want[i].layer) << label;
     EXPECT_EQ(st.expert_load[i].max, want[i].tokens.max().item<double>()) << label << ": layer " << want[i].layer;
     EXPECT_EQ(st.expert_load[i].mean, mean) << label << ": layer " << want[i].layer;
@@ -445,7 +448,10 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
               c.pipeline_stage_layers == l.stage_layers_ && c.data_parallel_shard_strategy == l.strategy_ &&
               c.sequence_parallel == (l.tp_ > 1 && l.sp_))
       << type << ": the config's layout is not the case's";
-  expect_steps_match(t, c, naive, type);
+  const ht::StepStats last = expect_steps_match(t, c, naive, type);
+  // The experts' load of the last step, the MTP module's included (its last position routed
+  // nowhere under CP too).
+  if (l.mtp_) expect_expert_load(last, c, naive, type);
   // Under pipeline parallelism the losses and norms of every step (the norm over every
   // parameter of every stage) are the check here; pp_test compares its parameters. So under
   // expert parallelism (ExpertParallelMatchesSingleProcess compares DeepSeek's parameters
@@ -487,9 +493,11 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
 TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek"); }
 
 // Multi-token prediction (DeepSeek-V3's MTP module, its loss against naive_deepseek_mtp's
-// written out here): one process; FSDP over 2 ranks, EP 2, and TP 2 with and without
-// sequence parallel (the module on the whole sequence, its input gathered and its output cut
-// back to the pieces); at 4 ranks TP 2 x PP 2, HSDP 2 x 2, EP 2 x PP 2 (the module on the last
+// written out here): one process; FSDP over 2 ranks, EP 2, TP 2 with and without sequence
+// parallel (the module on the whole sequence, its input gathered and its output cut back to
+// the pieces) and CP 2 (the module on the rank's chunks, the token after the next from
+// another rank, the sequence's last position routed nowhere and out of the loss); at 4 ranks
+// CP 2 x EP 2, TP 2 x CP 2 (all-gather), TP 2 x PP 2, HSDP 2 x 2, EP 2 x PP 2 (the module on the last
 // stage, which holds its own copy of the embedding, the copies' gradients summed over pp) and
 // PP 2 under ZBV (both copies on one rank, the backward split into input and weight
 // gradients): every step's loss, MTP loss, grad norm and validation loss (and without PP and
@@ -502,9 +510,12 @@ TEST(TrainDist, DeepSeekMultiTokenPredictionMatchesSingleProcess) {
     expect_matches_naive("deepseek", Layout().mtp().ep(2));
     expect_matches_naive("deepseek", Layout().mtp().tp(2));
     expect_matches_naive("deepseek", Layout().mtp().tp(2).no_sequence_parallel());
+    expect_matches_naive("deepseek", Layout().mtp().cp(2));
   }
   if (n != 4) return;
   expect_matches_naive("deepseek", Layout().mtp().tp(2).pp(2));
+  expect_matches_naive("deepseek", Layout().mtp().cp(2).ep(2));
+  expect_matches_naive("deepseek", Layout().mtp().tp(2).cp(2).cp_method(hp::cp::Method::kAllGather));
   expect_matches_naive("deepseek", Layout().mtp().ep(2).pp(2));
   expect_matches_naive("deepseek", Layout().mtp().pp(2).v(2).schedule(ht::PipelineScheduleKind::kZBV));
 }

@@ -183,6 +183,11 @@ struct MoEImpl : torch::nn::Module {
   // parallel) rather than all of them alike (experts split along their hidden dim).
   CommPtr tp;
   bool tp_sequence_pieces = false;
+  // Set (bool [tokens] of each forward's x, flattened): the rows routed; the others are sent
+  // to no expert, counted in no load and take no capacity slot (their routed output is 0).
+  // The multi-token prediction module sets it under context parallelism, where a rank's
+  // rows include the sequence's last position, which has no token after the next.
+  at::Tensor routed_rows;
 };
 TORCH_MODULE(MoE);
 
