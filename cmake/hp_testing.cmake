@@ -30,8 +30,10 @@ add_library(hp_test_main STATIC ${PROJECT_SOURCE_DIR}/tests/test_main.cpp)
 target_link_libraries(hp_test_main PUBLIC hp GTest::gtest)
 # Tests may include private headers (pure kernels and plans are tested directly).
 target_include_directories(hp_test_main PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
-target_precompile_headers(hp_test_main PUBLIC
-  <gtest/gtest.h> <ATen/ATen.h>)
+if(HP_PRECOMPILED_HEADERS)  # CMakeLists.txt says when
+  target_precompile_headers(hp_test_main PUBLIC
+    <gtest/gtest.h> <ATen/ATen.h>)
+endif()
 
 # A sanitized build runs several times slower: scripts/sanitize.sh sets this factor, which
 # scales every test's TIMEOUT and its communicators' HP_COMM_TIMEOUT_S.
@@ -70,7 +72,9 @@ function(hp_add_test)
   endif()
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE hp_test_main)
-  target_precompile_headers(${T_NAME} REUSE_FROM hp_test_main)
+  if(HP_PRECOMPILED_HEADERS)
+    target_precompile_headers(${T_NAME} REUSE_FROM hp_test_main)
+  endif()
   if(T_RANKS)
     foreach(np IN LISTS T_RANKS)
       if(HP_HAVE_MPI AND HP_MPIEXEC)

@@ -553,9 +553,13 @@ at::Tensor DeepSeekImpl::with_mtp_loss(const at::Tensor& h, const at::Tensor& y,
   } else {
     // The mean over this rank's rows, weighted so that the mean over the CP ranks (the
     // gradients' and the reported losses' average) is the sequence's mean over T-1 rows.
+    // (A rank whose one position is the sequence's last, as a contiguous split of T = cp
+    // tokens gives, has no row: its part is 0.)
     at::Tensor rows = kept.nonzero().squeeze(1);
-    loss = loss_of_logits(mtp_logits.index_select(1, rows), next.index_select(1, rows)) *
-           (static_cast<double>(rows.numel() * cp) / static_cast<double>(T - 1));
+    loss = rows.numel() == 0
+               ? mtp_logits.sum() * 0.0
+               : loss_of_logits(mtp_logits.index_select(1, rows), next.index_select(1, rows)) *
+                     (static_cast<double>(rows.numel() * cp) / static_cast<double>(T - 1));
   }
   {
     at::NoGradGuard g;

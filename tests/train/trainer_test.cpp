@@ -383,6 +383,7 @@ struct Layout {
   std::vector<int64_t> stage_layers_;  // empty: the trainer's split
   bool tie_ = false, per_submodule_ = false, head_dim_and_biases_ = false, mtp_ = false;
   bool sp_ = true;  // sequence_parallel where tp > 1
+  ht::Recompute recompute_ = ht::Recompute::kNone;
   hp::cp::Method cp_method_ = hp::cp::Method::kRing;
   int64_t replicas_ = 0;  // > 0: HSDP with this many data_parallel replicas, dp_shard the rest
   ht::ShardStrategy strategy_ = ht::ShardStrategy::kOptimGradsParams;
@@ -399,6 +400,7 @@ struct Layout {
   Layout& tie() { tie_ = true; return *this; }  // Llama: the embedding tied to the output
   Layout& mtp() { mtp_ = true; return *this; }  // DeepSeek: a multi-token prediction module
   Layout& no_sequence_parallel() { sp_ = false; return *this; }  // with tp > 1
+  Layout& recompute(ht::Recompute r) { recompute_ = r; return *this; }
   // comm_fusion off, wait_per_submodule on.
   Layout& per_submodule() { per_submodule_ = true; return *this; }
   // Llama: heads of 24 (not dim / heads = 16), every bias.
@@ -432,6 +434,7 @@ void expect_matches_naive(const std::string& type, const Layout& l = {}) {
   if (l.tie_) c.model.config<hp::models::LlamaConfig>().tie_embeddings = true;
   if (l.mtp_) c.model.config<hp::models::DeepSeekConfig>().mtp_layers = 1;
   if (!l.sp_) c.sequence_parallel = false;
+  c.recompute = l.recompute_;
   c.eval_interval = 2;  // validation after steps 2, 4 and 5
   c.eval_steps = 2;
   c.validate(w->size());
@@ -495,8 +498,9 @@ TEST(TrainDist, DeepSeekMatchesSingleProcess) { expect_matches_naive("deepseek")
 // Multi-token prediction (DeepSeek-V3's MTP module, its loss against naive_deepseek_mtp's
 // written out here): one process; FSDP over 2 ranks, EP 2, TP 2 with and without sequence
 // parallel (the module on the whole sequence, its input gathered and its output cut back to
-// the pieces) and CP 2 (the module on the rank's chunks, the token after the next from
-// another rank, the sequence's last position routed nowhere and out of the loss); at 4 ranks
+// the pieces) and CP 2 under full recompute (the module on the rank's chunks, the token after
+// the next from another rank, the sequence's last position routed nowhere and out of the
+// loss, the MoE recomputed in backward); at 4 ranks
 // CP 2 x EP 2, TP 2 x CP 2 (all-gather), TP 2 x PP 2, HSDP 2 x 2, EP 2 x PP 2 (the module on the last
 // stage, which holds its own copy of the embedding, the copies' gradients summed over pp) and
 // PP 2 under ZBV (both copies on one rank, the backward split into input and weight
@@ -510,7 +514,8 @@ TEST(TrainDist, DeepSeekMultiTokenPredictionMatchesSingleProcess) {
     expect_matches_naive("deepseek", Layout().mtp().ep(2));
     expect_matches_naive("deepseek", Layout().mtp().tp(2));
     expect_matches_naive("deepseek", Layout().mtp().tp(2).no_sequence_parallel());
-    expect_matches_naive("deepseek", Layout().mtp().cp(2));
+    // Recomputed in backward, the module's MoE reads the rows it routes again.
+    expect_matches_naive("deepseek", Layout().mtp().cp(2).recompute(ht::Recompute::kFull));
   }
   if (n != 4) return;
   expect_matches_naive("deepseek", Layout().mtp().tp(2).pp(2));

@@ -208,7 +208,8 @@ TORCH_MODULE(DeepSeekBlock);
 struct MTPImpl : torch::nn::Module {
   explicit MTPImpl(const DeepSeekConfig& c);
   // norm(block(eh_proj(cat[enorm(e), hnorm(h)]))) of the embeddings e and hidden states h
-  // [B, T-1, dim]; the block checkpointed with `recompute` when not null.
+  // [B, n, dim] (the first T-1 positions; under context parallelism the rank's); the block
+  // checkpointed with `recompute` when not null.
   at::Tensor forward(const at::Tensor& e, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                      const RecomputePolicy* recompute);
   RMSNorm enorm{nullptr}, hnorm{nullptr}, norm{nullptr};
