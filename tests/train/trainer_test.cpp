@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <sys/stat.h>
@@ -298,35 +299,49 @@ at::Tensor tp_whole(const at::Tensor& piece, const at::Tensor& param, const hp::
 // against the naive run's; with eval_interval, the validation losses too (evaluated between
 // the steps, which must then go on as the naive run's did).
 // Returns the trainer's last step.
+// The reference trainer is one process whatever the layout: it runs on world rank 0 only
+// (on every rank it was a third of a 4-rank entry's time, for the same figures).
 ht::StepStats expect_steps_match(ht::Trainer& t, const ht::TrainConfig& c, const Naive& naive, const std::string& label) {
-  ht::ReferenceTrainer ref(c);
+  std::optional<ht::ReferenceTrainer> ref;
+  if (hp::world()->rank() == 0) ref.emplace(c);
   ht::StepStats last;
   size_t evals = 0;
   for (int64_t s = 0; s < c.train_steps; ++s) {
-    ht::StepStats st = t.step(), rs = ref.step();
+    ht::StepStats st = t.step();
+    std::optional<ht::StepStats> rs;
+    if (ref) rs = ref->step();
     last = st;
     if (naive_eval_due(c, s + 1)) {
       EXPECT_LT(evals, naive.valid_losses.size()) << label;
       if (evals >= naive.valid_losses.size()) return last;
       const double want = naive.valid_losses[evals++];
-      const ht::EvalStats ev = t.evaluate(), rev = ref.evaluate();
+      const ht::EvalStats ev = t.evaluate();
       EXPECT_NEAR(ev.loss, want, 1e-10 * want) << label << ": validation after step " << s + 1;
-      EXPECT_NEAR(rev.loss, want, 1e-10 * want) << "reference trainer: validation after step " << s + 1;
+      if (ref) {
+        const ht::EvalStats rev = ref->evaluate();
+        EXPECT_NEAR(rev.loss, want, 1e-10 * want) << "reference trainer: validation after step " << s + 1;
+      }
       EXPECT_EQ(ev.step, s + 1) << label;
       EXPECT_EQ(ev.tokens, c.eval_steps * c.global_batch_size * c.seq_length) << label;
       EXPECT_DOUBLE_EQ(ev.perplexity, std::exp(ev.loss)) << label;
     }
     EXPECT_NEAR(st.loss, naive.losses[s], 1e-10 * naive.losses[s]) << label << " step " << s + 1;
-    EXPECT_NEAR(rs.loss, naive.losses[s], 1e-10 * naive.losses[s]) << "reference trainer, step " << s + 1;
     EXPECT_NEAR(st.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << label << " step " << s + 1;
-    EXPECT_NEAR(rs.grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << "reference trainer, step " << s + 1;
     EXPECT_GT(naive.norms[s], c.clip_grad) << "clipping was not exercised";
     if (naive.mtp_losses.empty()) {
-      EXPECT_TRUE(std::isnan(st.mtp_loss) && std::isnan(rs.mtp_loss)) << label << ": an MTP loss without MTP";
+      EXPECT_TRUE(std::isnan(st.mtp_loss)) << label << ": an MTP loss without MTP";
     } else {
       const double want = naive.mtp_losses[static_cast<size_t>(s)];
       EXPECT_NEAR(st.mtp_loss, want, 1e-10 * want) << label << ": MTP loss, step " << s + 1;
-      EXPECT_NEAR(rs.mtp_loss, want, 1e-10 * want) << "reference trainer: MTP loss, step " << s + 1;
+    }
+    if (!rs) continue;
+    EXPECT_NEAR(rs->loss, naive.losses[s], 1e-10 * naive.losses[s]) << "reference trainer, step " << s + 1;
+    EXPECT_NEAR(rs->grad_norm, naive.norms[s], 1e-10 * naive.norms[s]) << "reference trainer, step " << s + 1;
+    if (naive.mtp_losses.empty()) {
+      EXPECT_TRUE(std::isnan(rs->mtp_loss)) << "reference trainer: an MTP loss without MTP";
+    } else {
+      const double want = naive.mtp_losses[static_cast<size_t>(s)];
+      EXPECT_NEAR(rs->mtp_loss, want, 1e-10 * want) << "reference trainer: MTP loss, step " << s + 1;
     }
   }
   EXPECT_LT(naive.losses.back(), naive.losses.front());
@@ -783,7 +798,9 @@ void expect_resume_bitwise(ht::TrainConfig c, const std::string& label, bool asy
     EXPECT_EQ(st.loss, straight[s].loss) << label << " step " << s + 1;
     EXPECT_EQ(st.grad_norm, straight[s].grad_norm) << label << " step " << s + 1;
     EXPECT_EQ(std::isnan(st.mtp_loss), std::isnan(straight[s].mtp_loss)) << label;
-    if (!std::isnan(st.mtp_loss)) EXPECT_EQ(st.mtp_loss, straight[s].mtp_loss) << label << " step " << s + 1;
+    if (!std::isnan(st.mtp_loss)) {
+      EXPECT_EQ(st.mtp_loss, straight[s].mtp_loss) << label << " step " << s + 1;
+    }
   }
   auto got = r.sharded_params();
   ASSERT_EQ(got.size(), want.size());
@@ -821,7 +838,9 @@ TEST(TrainDist, NonFiniteWeightsAreNeverSaved) {
     }
   };
   hp::test::expect_error([&] { t.train(&m, cb); }, {"step 2: ", "not finite after the optimizer's step", "not saved"});
-  if (w->rank() == w->size() - 1) EXPECT_TRUE(poisoned);
+  if (w->rank() == w->size() - 1) {
+    EXPECT_TRUE(poisoned);
+  }
   EXPECT_EQ(ht::CheckpointManager::resolve(dir), dir + "/step_00000001");
   struct stat st{};
   EXPECT_NE(::stat((dir + "/step_00000002").c_str(), &st), 0) << "step 2's checkpoint appeared";
