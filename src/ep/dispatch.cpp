@@ -4,11 +4,13 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <utility>
 
 #include "../comm/group_capsule.h"
 #include "hp/core/error.h"
+#include "hp/hooks/recompute.h"
 #include "overlap.h"
 
 namespace hp::ep {
@@ -29,22 +31,57 @@ at::Tensor exchange(const at::Tensor& x, const CommPtr& g, const std::vector<int
   return out;
 }
 
+void save_route(torch::autograd::AutogradContext* ctx, const CommPtr& g, const std::vector<int64_t>& send,
+                const std::vector<int64_t>& recv) {
+  ctx->saved_data["group"] = detail::group_capsule(g);
+  ctx->saved_data["send"] = send;
+  ctx->saved_data["recv"] = recv;
+}
+
+// The gradient goes back the way the rows came: what was received is sent.
+at::Tensor route_back(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
+  const CommPtr g = detail::group_of_capsule(ctx->saved_data["group"]);
+  return exchange(grad, g, ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector());
+}
+
 struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const CommPtr& g,
                             const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-    ctx->saved_data["group"] = detail::group_capsule(g);
-    ctx->saved_data["send"] = send;
-    ctx->saved_data["recv"] = recv;
+    save_route(ctx, g, send, recv);
     return exchange(x, g, send, recv);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const CommPtr g = detail::group_of_capsule(ctx->saved_data["group"]);
-    // The gradient goes back the way the rows came: what was received is sent.
-    at::Tensor gx = exchange(grads[0], g, ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector());
-    return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {route_back(ctx, grads[0]), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// The rows an all-to-all delivered in a forward that RecomputePolicy::kLight kept, given back
+// by its recomputation without exchanging them again; the backward is AllToAllRows's.
+struct KeptRows : torch::autograd::Function<KeptRows> {
+  struct Kept {
+    at::Tensor rows;
+  };
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const Kept& kept,
+                            const CommPtr& g, const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+    HP_CHECK(x.dim() >= 1 && kept.rows.dim() == x.dim() && kept.rows.size(0) == sum(recv),
+             "ep: the kept rows ", kept.rows.sizes(), " are not what ", sum(recv), " received rows of ", x.sizes(),
+             "'s width would be (a recomputed forward that routed otherwise)");
+    save_route(ctx, g, send, recv);
+    return kept.rows;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {route_back(ctx, grads[0]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// An exchange whose result needs no gradient (counts, expert ids), kept under
+// RecomputePolicy::kLight as all_to_all_rows's rows are.
+at::Tensor kept_exchange(const std::function<at::Tensor()>& run) {
+  return hp::keep_step([&] { return std::vector<at::Tensor>{run()}; },
+                       [](const std::vector<at::Tensor>& kept) { return kept.at(0); });
+}
 
 std::vector<int64_t> block_sums(const at::Tensor& counts, int64_t blocks) {
   at::Tensor s = counts.view({blocks, -1}).sum(1).to(c10::kCPU).contiguous();  // sizes the host reads
@@ -85,9 +122,11 @@ int64_t row_bytes(const at::Tensor& t) {
 // The exchanged per-rank counts: `mine` [n * per] (per entries for each rank) sent, the
 // others' for this rank received.
 at::Tensor exchange_counts(const at::Tensor& mine, const CommPtr& g) {
-  at::Tensor theirs = at::empty_like(mine);
-  g->all_to_all(theirs, mine.contiguous()).wait();
-  return theirs;
+  return kept_exchange([&] {
+    at::Tensor theirs = at::empty_like(mine);
+    g->all_to_all(theirs, mine.contiguous()).wait();
+    return theirs;
+  });
 }
 
 // The context of `d` as this dispatcher's, after checking the expert outputs `y` match it.
@@ -260,7 +299,7 @@ class DedupDispatcher : public TokenDispatcher {
     d.dispatch_bytes = bytes_to_others(c->send_splits, row_bytes(rows) + row_bytes(local_ids) + row_bytes(w), ep_rank()) +
                        (n - 1) * 8;
     at::Tensor got_rows = all_to_all_rows(rows, ep_, c->send_splits, c->recv_splits);
-    at::Tensor got_ids = exchange(local_ids, ep_, c->send_splits, c->recv_splits);
+    at::Tensor got_ids = kept_exchange([&] { return exchange(local_ids, ep_, c->send_splits, c->recv_splits); });
     c->slot_weights = all_to_all_rows(w, ep_, c->send_splits, c->recv_splits);
     c->received = got_rows.size(0);
     d.combine_bytes = bytes_to_others(c->recv_splits, row_bytes(got_rows), ep_rank());
@@ -399,6 +438,18 @@ ExchangeCost dispatch_traffic(DispatcherKind kind, const ExchangeShape& s) {
   return c;
 }
 
+double light_kept_bytes(DispatcherKind kind, const ExchangeShape& s) {
+  if (s.ep == 1 || s.chunks > 1) return 0;
+  const double k = static_cast<double>(s.k);
+  switch (kind) {
+    case DispatcherKind::kAllToAll:
+      return 2.0 * s.tokens * k * s.row_bytes + 8.0 * static_cast<double>(s.experts);
+    case DispatcherKind::kDedup:
+      return 2.0 * s.copies * s.row_bytes + s.copies * k * (8.0 + s.weight_bytes) + 8.0 * s.ep;
+  }
+  throw Error("ep::light_kept_bytes: unknown dispatcher kind");
+}
+
 Exposure overlap_exposure(const OverlapTimes& t) {
   HP_CHECK(t.chunks >= 1, "ep::overlap_exposure: ", t.chunks, " chunks");
   const int C = t.chunks;
@@ -440,7 +491,11 @@ at::Tensor all_to_all_rows(const at::Tensor& x, const CommPtr& group, const std:
   HP_CHECK(group, "ep: all_to_all_rows needs a group");
   HP_CHECK(x.dim() >= 1 && sum(send_splits) == x.size(0), "ep: send splits summing to ", sum(send_splits),
            " rows for a tensor of ", x.dim() >= 1 ? x.size(0) : 0, " rows");
-  return AllToAllRows::apply(x, group, send_splits, recv_splits);
+  return hp::keep_step(
+      [&] { return std::vector<at::Tensor>{AllToAllRows::apply(x, group, send_splits, recv_splits)}; },
+      [&](const std::vector<at::Tensor>& kept) {
+        return KeptRows::apply(x, KeptRows::Kept{kept.at(0)}, group, send_splits, recv_splits);
+      });
 }
 
 }  // namespace hp::ep

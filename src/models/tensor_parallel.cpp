@@ -107,7 +107,7 @@ void add_moe(ParallelizePlan& plan, const std::string& blocks, const Placement& 
     plan.push_back({moe, PrepareModuleInput({stream}, {Replicate()})});
     plan.push_back({moe, PrepareModuleOutput(partial, stream)});
     plan.push_back({moe + ".gate", ReplicateParallel()});
-    for (const std::string e : {moe + ".shared", moe + ".experts.*"}) {
+    for (const std::string& e : {moe + ".shared", moe + ".experts.*"}) {
       plan.push_back({e + ".w1", ColwiseParallel().prepared_input()});
       plan.push_back({e + ".w3", ColwiseParallel().prepared_input()});
       plan.push_back({e + ".w2", RowwiseParallel().output(partial)});

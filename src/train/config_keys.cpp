@@ -212,8 +212,8 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
   k.push_back(free_on_resume(enum_key<Recompute>("recompute",
                                   "activation recomputation of every block: full recomputes its activations in "
                                   "backward, selective keeps its matmul outputs and recomputes the rest, light "
-                                  "(DeepSeek-V3's) keeps those and attention's and recomputes the norms, MLA's "
-                                  "up-projections and the activations",
+                                  "(DeepSeek-V3's) keeps those, attention's and the experts' exchanges and recomputes the "
+                                  "norms, MLA's up-projections and the activations",
                                   HP_FIELD(recompute))));
   k.push_back(free_on_resume(int_key("tensor_parallel", "tensor-parallel size (ranks each layer is split over)",
                       HP_FIELD(tensor_parallel), 1, kMaxRanks)));

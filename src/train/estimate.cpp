@@ -156,6 +156,11 @@ std::string describe_estimate(const TrainConfig& c, const RankMemory& rm) {
      << format_bytes(static_cast<int64_t>(tokens * elem * a.light)) << "), its attention tiles hold "
      << format_bytes(static_cast<int64_t>(static_cast<double>(c.micro_batch_size()) * a.attention_workspace * 4.0))
      << " while it computes (model.attention_tile)\n";
+  if (const double kept = light_kept_exchange_bytes(c); kept > 0) {
+    os << "recompute light under expert parallelism also keeps, per MoE block, what the experts' exchange delivered "
+          "(the rows received and the outputs returned, balanced routing): "
+       << format_bytes(static_cast<int64_t>(kept)) << "\n";
+  }
   os << "activations per layout: hp-train --plan measures them (and predicts the step time) for every layout";
   return os.str();
 }

@@ -287,19 +287,24 @@ void tensor_parallel_cost(const Setting& st, Costing& k) {
 // leaves out). The planner credits the least.
 constexpr double kOverlapCredit = 0.65;
 
-void expert_parallel_cost(const Setting& st, Costing& k) {
-  const TrainConfig& c = k.c;
-  const int e = k.lay.e;
-  if (e == 1) return;
+// One MoE block's exchange of a micro-batch at c's expert_parallel, as the ep layer counts it.
+ep::ExchangeShape exchange_shape(const TrainConfig& c) {
   ep::ExchangeShape shape;
-  shape.ep = e;
-  shape.experts = st.experts;
+  shape.ep = static_cast<int>(c.expert_parallel);
+  shape.experts = c.model->routed_experts();
   shape.tokens = static_cast<double>(c.micro_batch_size() * c.seq_length);
   shape.k = c.model->experts_per_token();
-  shape.row_bytes = k.dim * k.act_elem;
+  shape.row_bytes = static_cast<double>(c.model->dim() * c10::elementSize(c.compute_dtype));
   shape.weight_bytes = 4.0;  // the router's fp32 weights
-  shape.copies = ep::expected_copies(shape.tokens, st.experts, e, shape.k);
+  shape.copies = ep::expected_copies(shape.tokens, shape.experts, shape.ep, shape.k);
   shape.chunks = static_cast<int>(c.moe_overlap_chunks);
+  return shape;
+}
+
+void expert_parallel_cost(const Setting& st, Costing& k) {
+  const TrainConfig& c = k.c;
+  if (k.lay.e == 1) return;
+  const ep::ExchangeShape shape = exchange_shape(c);
   const ep::ExchangeCost x = ep::dispatch_traffic(c.moe_dispatcher, shape);
   const LinkModel ep_link = k.link_over(st, Group::kEp);
   k.ep_forward = seconds(x.forward, ep_link);
@@ -326,7 +331,12 @@ void expert_parallel_cost(const Setting& st, Costing& k) {
                    kOverlapCredit * (plain - e.forward);
     k.ep_backward = plain - kOverlapCredit * (plain - e.backward);
   }
-  if (c.recompute != Recompute::kNone) k.ep_backward += k.ep_forward;
+  // Recomputation exchanges again, but under light, whose blocks keep what the exchange
+  // delivered (light_kept_exchange_bytes, counted with the activations) unless it is
+  // overlapped.
+  if (c.recompute != Recompute::kNone && !(c.recompute == Recompute::kLight && shape.chunks == 1)) {
+    k.ep_backward += k.ep_forward;
+  }
 }
 
 // Context parallelism: each rank computes 1/cp of every block's work (head-tail balances
@@ -566,6 +576,10 @@ void cost_layout(const Setting& st, const Layout& lay, PlanRow& row) {
   context_parallel_cost(st, k);
   const int t = lay.t, cpd = lay.cpd;
   k.act_layer = k.prof.activations_layer * (k.whole + (1.0 - k.whole) / t) * k.cp_scale;
+  // What light recompute keeps of the MoE blocks' exchanges, spread over the layers as the
+  // profile's per-layer figure is.
+  k.act_layer += light_kept_exchange_bytes(c) * static_cast<double>(k.moe_blocks(models::PipelineSlice{})) /
+                 static_cast<double>(k.L);
   // The head's share divides by tp and cp, but for attention's tiles while a block
   // computes (float32, per sequence: the family's attention_workspace, in the profile's
   // head once): their size does not shrink with the rank's tokens, only their heads with
@@ -599,6 +613,11 @@ void cost_layout(const Setting& st, const Layout& lay, PlanRow& row) {
 }
 
 }  // namespace
+
+double light_kept_exchange_bytes(const TrainConfig& c) {
+  if (c.expert_parallel <= 1 || c.recompute != Recompute::kLight) return 0;
+  return ep::light_kept_bytes(c.moe_dispatcher, exchange_shape(c)) / static_cast<double>(c.context_parallel);
+}
 
 std::vector<PlanRow> plan_layouts(const TrainConfig& base, const PlanOptions& o, const ComputeModel& compute) {
   const Setting st = make_setting(base, o, compute);

@@ -22,6 +22,7 @@
 #include "hp/core/memory.h"
 #include "hp/fsdp/fully_shard.h"
 #include "hp/hooks/call.h"
+#include "hp/hooks/recompute.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/models/deepseek.h"
 #include "hp/runtime.h"
@@ -131,6 +132,52 @@ TEST_P(DeepSeekEpDispatch, ExpertsOverEveryRankMatchOneProcess) {
     if (p.key().find(".moe.experts.") != std::string::npos) experts += p.value().numel();
   }
   EXPECT_EQ(held.item<int64_t>(), n * (total - experts) + experts);
+}
+
+// Under recompute light a recomputed block takes what its exchanges delivered in the first
+// forward (rows, outputs, counts, ids) instead of exchanging again: forward and backward
+// issue exactly the collectives of the run without recompute, where full recompute issues
+// the forward's again in backward; the loss and every gradient are bitwise those without
+// recompute. Each rank its own tokens, float64.
+TEST_P(DeepSeekEpDispatch, LightRecomputeKeepsTheExchange) {
+  auto w = hp::world();
+  const int n = w->size();
+  if (n == 1) GTEST_SKIP() << "one rank: nothing is exchanged";
+  const auto c = config();
+  struct Run {
+    int64_t forward_ops = 0, ops = 0;
+    at::Tensor loss;
+    std::vector<at::Tensor> grads;
+  };
+  auto run = [&](c10::optional<hp::RecomputePolicy> policy) {
+    hp::models::DeepSeek m(c);
+    hp::models::expert_parallel(*m, w, {GetParam()});
+    m->init_weights(5);
+    m->to(at::kDouble);
+    m->recompute = policy;
+    const Batch mine = rows_of(global_batch(1, n, c.vocab), w->rank());
+    Run r;
+    const int64_t before = w->traffic().ops;
+    r.loss = ce(hp::call(m, mine.x), mine.y, c.vocab);
+    r.forward_ops = w->traffic().ops - before;
+    r.loss.backward();
+    r.ops = w->traffic().ops - before;
+    for (const auto& p : m->parameters()) r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    return r;
+  };
+  const Run plain = run(c10::nullopt), light = run(hp::RecomputePolicy::kLight), full = run(hp::RecomputePolicy::kFull);
+  ASSERT_GT(plain.forward_ops, 0);
+  EXPECT_EQ(light.forward_ops, plain.forward_ops);
+  EXPECT_EQ(light.ops, plain.ops) << "light recompute exchanged again";
+  EXPECT_EQ(full.ops, plain.ops + plain.forward_ops) << "full recompute runs the forward's exchanges again";
+  EXPECT_TRUE(at::equal(light.loss, plain.loss));
+  ASSERT_EQ(light.grads.size(), plain.grads.size());
+  for (size_t i = 0; i < plain.grads.size(); ++i) {
+    ASSERT_EQ(light.grads[i].defined(), plain.grads[i].defined()) << "parameter " << i;
+    if (plain.grads[i].defined()) {
+      EXPECT_TRUE(at::equal(light.grads[i], plain.grads[i])) << "parameter " << i;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ep, DeepSeekEpDispatch,

@@ -513,6 +513,39 @@ TEST(Plan, DedupDispatcherAndRecomputeInTheAllToAllCount) {
   EXPECT_EQ(find_ep(rows, 1, 4, 1, 1, 1).config.moe_dispatcher, hp::ep::DispatcherKind::kAllToAll);
 }
 
+// Under recompute light a recomputed MoE block keeps what its exchanges delivered instead of
+// exchanging again (ep_test's LightRecomputeKeepsTheExchange counts it at run time): the
+// all-to-alls of the run without recompute, and per MoE block and micro-batch the kept
+// rows received and outputs returned (64 tokens x 2 rows of 64 fp32 each way) and the 8
+// counts, on top of its activations. Full recompute runs the forward's again; so does light
+// with the exchange overlapped, which keeps nothing of it.
+TEST(Plan, LightRecomputeKeepsTheExpertExchangeInsteadOfRunningItAgain) {
+  auto row = [](const std::string& extra) {
+    const auto rows = ht::plan_layouts(deepseek_tiny("expert_parallel: 4\ndata_parallel_shard: 4\n" + extra),
+                                       options(4, 4), FakeCompute{});
+    return find_ep(rows, 1, 4, 4, 1, 1);
+  };
+  const ht::PlanRow none = row(""), light = row("recompute: light\n"), full = row("recompute: full\n");
+  for (const auto* r : {&none, &light, &full}) ASSERT_TRUE(r->feasible) << r->reason;
+  const double rows_bytes = 64 * 2 * 64 * 4;
+  const double forward = link(0.75, 8 * 8) + 2 * link(0.75, rows_bytes);
+  EXPECT_NEAR(light.ep_comm_s, none.ep_comm_s, 1e-12);
+  EXPECT_NEAR(full.ep_comm_s, none.ep_comm_s + 4 * 2 * forward, 1e-9);
+  const double kept = 2 * rows_bytes + 8 * 8;
+  EXPECT_NEAR(light.activations - none.activations, 2 * kept, 1e-6);  // 2 MoE blocks
+  EXPECT_NEAR(full.activations, none.activations, 1e-6);
+  ht::TrainConfig c = deepseek_tiny("expert_parallel: 4\ndata_parallel_shard: 4\nrecompute: light\n");
+  c.validate(4);
+  EXPECT_EQ(ht::light_kept_exchange_bytes(c), kept);
+  const std::string estimate = ht::describe_estimate(c, ht::estimate_rank_memory(c));
+  EXPECT_NE(estimate.find("what the experts' exchange delivered"), std::string::npos) << estimate;
+  // Overlapped (2 chunks of the 2 experts a rank holds): exchanged again, nothing kept.
+  const ht::PlanRow chunked = row("recompute: light\nmoe_overlap_chunks: 2\n"),
+                    chunked_none = row("moe_overlap_chunks: 2\n");
+  EXPECT_GT(chunked.ep_comm_s, chunked_none.ep_comm_s);
+  EXPECT_NEAR(chunked.activations, chunked_none.activations, 1e-6);
+}
+
 // moe_overlap_chunks 2 with the layout above (EP 4, 2 experts a rank): each exchange in 2
 // all-to-alls of half the rows. The fake profile's block takes 4 ms forward and 8 backward,
 // the shared expert's share of it far above a chunk's 22 us, so what stays exposed per MoE

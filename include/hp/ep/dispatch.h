@@ -188,12 +188,20 @@ struct ExchangeShape {
 //               (int64, k each), their weights (k each), the partial sums back;
 //               backward: the partial sums' gradient out, the copies' and the weights'
 //               gradients back.
-// Under recompute backward also runs forward's again: the planner adds that. Nothing for a
-// group of one.
+// Under full or selective recompute backward also runs forward's again, and under light with
+// the exchange overlapped (all_to_all_rows keeps the rest): the planner adds that. Nothing
+// for a group of one.
 struct ExchangeCost {
   std::vector<CollectiveCost> forward, backward;
 };
 ExchangeCost dispatch_traffic(DispatcherKind kind, const ExchangeShape& s);
+// The bytes a rank keeps, per MoE layer and micro-batch, where a block recomputed under
+// RecomputePolicy::kLight keeps what its exchanges delivered (all_to_all_rows), routing taken
+// as balanced: plain, the rows received and the outputs returned (tokens x k rows each) and
+// the per-expert counts; de-duplicating, the copies received and the partial sums returned
+// (`copies` rows each), the copies' expert ids (int64) and weights (k each), the per-rank
+// counts. 0 for a group of one and with chunks > 1 (the overlapped exchange is not kept).
+double light_kept_bytes(DispatcherKind kind, const ExchangeShape& s);
 // The exchange's exposed seconds in one MoE layer with its all-to-alls overlapped in
 // `chunks` chunks (InFlight), from the times of its parts, by replaying the order it issues
 // and waits in: the communicator's thread runs one all-to-all at a time in issue order, the
@@ -222,6 +230,12 @@ double expected_copies(double tokens, int64_t experts, int ep, int64_t k);
 
 // Differentiable all-to-all of rows: send_splits[r] rows of `x` (in rank order) to rank r,
 // recv_splits[r] rows from it; the backward sends the gradient back the same way reversed.
+// A step that RecomputePolicy::kLight keeps (hp::keep_step): inside a block recomputed under
+// it, the rows that arrived in the first forward are kept and the recomputation takes them
+// instead of exchanging again; the backward still sends the gradient back. The dispatchers'
+// other exchanges (counts, the de-duplicating one's expert ids) are kept the same way, so
+// under kLight a recomputed MoE block issues the all-to-alls of the run without recompute,
+// no more (the overlapped exchange, dispatch_overlapped, is exchanged again: not kept yet).
 at::Tensor all_to_all_rows(const at::Tensor& x, const CommPtr& group, const std::vector<int64_t>& send_splits,
                            const std::vector<int64_t>& recv_splits);
 

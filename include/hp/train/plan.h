@@ -74,6 +74,11 @@ RankMemory estimate_rank_memory(const TrainConfig& c);
 // hp-train --estimate's report of `rm` (lines: parameters, per tensor-parallel rank, per
 // pipeline stage, per rank without activations, while building the model).
 std::string describe_estimate(const TrainConfig& c, const RankMemory& rm);
+// Under recompute light with expert_parallel > 1: the bytes a rank keeps per MoE block and
+// micro-batch of what the experts' exchange delivered (ep::light_kept_bytes at this config's
+// shape, the rank's 1/context_parallel of the tokens); 0 otherwise. --estimate prints it and
+// --plan adds it to the activations.
+double light_kept_exchange_bytes(const TrainConfig& c);
 // Raises naming the sizes when this node's available memory cannot hold local_ranks ranks
 // of `rm` (each building the model, then training); does nothing where the available memory
 // is unknown.
