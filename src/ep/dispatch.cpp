@@ -10,6 +10,7 @@
 
 #include "../comm/group_capsule.h"
 #include "hp/core/error.h"
+#include "hp/core/turns.h"
 #include "hp/hooks/recompute.h"
 #include "overlap.h"
 
@@ -27,7 +28,11 @@ at::Tensor exchange(const at::Tensor& x, const CommPtr& g, const std::vector<int
   AllToAllOptions o;
   o.output_split_sizes = recv;
   o.input_split_sizes = send;
-  g->all_to_all(out, in, o).wait();
+  Work w = g->all_to_all(out, in, o);
+  // Inside a pipeline's paired forward and backward (hp/pp/pipeline.h) the other one computes
+  // while the rows travel.
+  hp::yield_turn();
+  w.wait();
   return out;
 }
 

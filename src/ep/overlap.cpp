@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "hp/core/error.h"
+#include "hp/core/turns.h"
 #include "hp/core/trace.h"
 
 namespace hp::ep {
@@ -81,7 +82,11 @@ Work issue(const ExchangeChunks& c, const at::Tensor& out, const at::Tensor& in,
 }
 
 // Waits, as a span "ep wait <what> <chunk>" in the trace (the time the exchange was exposed).
+// Inside a pipeline's paired forward and backward (hp/pp/pipeline.h) the other one computes
+// first: every rank hands the turn over at every such wait, whether its chunk has arrived
+// or not, so the ranks issue their exchanges in the same order.
 void wait_traced(const Work& w, const char* what, int g) {
+  hp::yield_turn();
   if (!trace::enabled()) return w.wait();
   trace::Span span(std::string("ep wait ") + what + " " + std::to_string(g), "ep");
   w.wait();

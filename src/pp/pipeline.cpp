@@ -40,8 +40,9 @@ at::Tensor encode_header(int stage, const at::Tensor& out, const at::TensorOptio
 
 }  // namespace
 
-Pipeline::Impl::Impl(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
-    : stages_(std::move(stages)), group_(std::move(group)), loss_(std::move(loss)) {
+Pipeline::Impl::Impl(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss,
+                     const PipelineOptions& options)
+    : stages_(std::move(stages)), group_(std::move(group)), loss_(std::move(loss)), options_(options) {
   HP_CHECK(group_ != nullptr, "Pipeline: no pp group");
   HP_CHECK(schedule.ranks == group_->size(), "Pipeline: the schedule is for ", schedule.ranks,
            " ranks, the pp group '", group_->name(), "' has ", group_->size());
@@ -104,8 +105,9 @@ Pipeline::Impl::~Impl() {
   for (HookHandle h : hooks_) remove_forward_hooks(h);
 }
 
-Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss)
-    : impl_(std::make_unique<Impl>(schedule, std::move(stages), std::move(group), std::move(loss))) {}
+Pipeline::Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss,
+                   const PipelineOptions& options)
+    : impl_(std::make_unique<Impl>(schedule, std::move(stages), std::move(group), std::move(loss), options)) {}
 Pipeline::~Pipeline() = default;
 at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) { return impl_->step(inputs, targets); }
 at::Tensor Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
@@ -177,6 +179,9 @@ at::Tensor Pipeline::Impl::step(const at::Tensor& inputs, const at::Tensor& targ
       const Action& a = list[i];
       if (a.is_comm()) {
         run_transfer(a);
+      } else if (a.paired && i + 1 < list.size() && list[i + 1].is_compute()) {
+        run_pair(a, list[i + 1], in_mb, tgt_mb);
+        ++i;
       } else if (a.is_compute()) {
         run_compute(a, in_mb, tgt_mb);
       } else {

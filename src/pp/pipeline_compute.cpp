@@ -11,6 +11,7 @@
 
 #include "hp/core/error.h"
 #include "hp/core/trace.h"
+#include "hp/core/turns.h"
 #include "hp/hooks/call.h"
 #include "hp/pp/pipeline.h"
 #include "pipeline_impl.h"
@@ -76,6 +77,20 @@ void Pipeline::Impl::run_compute(const Action& a, const std::vector<at::Tensor>&
   } else {
     run_backward(a);
   }
+}
+
+void Pipeline::Impl::run_pair(const Action& f, const Action& b, const std::vector<at::Tensor>& inputs,
+                              const std::vector<at::Tensor>& targets) {
+  if (!options_.pairs_take_turns) {
+    run_compute(f, inputs, targets);
+    run_compute(b, inputs, targets);
+    return;
+  }
+  // Both inputs first (the unit starts once both are there, as validate() replays it), so
+  // neither waits on a transfer while the other holds the turn.
+  await(pending_input_, Key{f.stage, f.microbatch}, /*make_leaf=*/true);
+  await(pending_grad_, Key{b.stage, b.microbatch}, /*make_leaf=*/false);
+  take_turns([&] { run_compute(f, inputs, targets); }, [&] { run_compute(b, inputs, targets); });
 }
 
 void Pipeline::Impl::run_forward(const Action& a, const std::vector<at::Tensor>& inputs,

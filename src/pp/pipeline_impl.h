@@ -37,7 +37,8 @@ using Recorded = std::vector<RecordedOutput>;
 
 class Pipeline::Impl {
  public:
-  Impl(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss);
+  Impl(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss,
+       const PipelineOptions& options);
   ~Impl();
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
   at::Tensor evaluate(const at::Tensor& inputs, const at::Tensor& targets);
@@ -59,6 +60,9 @@ class Pipeline::Impl {
   void abandon();
   void check_shapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_compute(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  // A paired forward `f` and the backward `b` right after it, as PipelineOptions says.
+  void run_pair(const Action& f, const Action& b, const std::vector<at::Tensor>& inputs,
+                const std::vector<at::Tensor>& targets);
   void run_forward(const Action& a, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
   void run_backward(const Action& a);
   void run_weight_backward(const Action& a);
@@ -79,6 +83,7 @@ class Pipeline::Impl {
   std::vector<PipelineStage> stages_;
   CommPtr group_;
   PipelineLoss loss_;
+  PipelineOptions options_;
   int rank_ = 0;
   std::map<int, CommPtr> send_link_, recv_link_;  // per neighbouring pp rank
   bool split_ = false;                             // the schedule has I and W

@@ -163,13 +163,22 @@ void replay_transfers(Schedule& s, bool fix) {
               if (!done.count(key_of(a))) break;
               headed.insert(a.stage);
             }
-          } else if (auto in = reads(a)) {
+          } else if (a.is_compute()) {
             // A remote input must have arrived (a local one, or none, needs nothing).
             // (The first stage's forward and the last stage's backward read no stage: their
-            // peer is outside [0, stages), and has no rank.)
-            const int ps = peer_stage(*in);
-            const bool remote = ps >= 0 && ps < s.stages && s.rank_of(ps) != r;
-            if (remote && received_somewhere.count(key_of(*in)) && !done.count(key_of(*in))) break;
+            // peer is outside [0, stages), and has no rank.) A paired forward with its
+            // backward right after it starts once both inputs are there (the runtime runs
+            // the two as one unit, taking turns).
+            auto waits = [&](const Action& c) {
+              auto in = reads(c);
+              if (!in) return false;
+              const int ps = peer_stage(*in);
+              const bool remote = ps >= 0 && ps < s.stages && s.rank_of(ps) != r;
+              return remote && received_somewhere.count(key_of(*in)) && !done.count(key_of(*in));
+            };
+            if (waits(a)) break;
+            const auto& list = s.actions[r];
+            if (a.paired && at[r] + 1 < list.size() && list[at[r] + 1].is_compute() && waits(list[at[r] + 1])) break;
           }
           ++at[r];
           progress = true;
@@ -314,6 +323,32 @@ int transfer_tag(const Schedule& s, const Action& a) {
   return static_cast<int>(t % 32768);
 }
 
+namespace {
+
+// A paired forward and its backward made adjacent in a rank's lowered list: the transfers
+// between them move out, the receives before the forward (a receive may always be posted
+// earlier) and the sends after the backward. The runtime runs the pair as one unit.
+void keep_pairs_adjacent(std::vector<Action>& list) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (!list[i].paired) continue;
+    size_t j = i + 1;
+    while (j < list.size() && list[j].is_comm()) ++j;
+    if (j == list.size() || !list[j].is_compute() || j == i + 1) continue;
+    std::vector<Action> recvs, sends;
+    for (size_t k = i + 1; k < j; ++k) (is_send(list[k].kind) ? sends : recvs).push_back(list[k]);
+    std::vector<Action> pair{list[i], list[j]};
+    std::vector<Action> out(list.begin(), list.begin() + static_cast<std::ptrdiff_t>(i));
+    out.insert(out.end(), recvs.begin(), recvs.end());
+    out.insert(out.end(), pair.begin(), pair.end());
+    out.insert(out.end(), sends.begin(), sends.end());
+    out.insert(out.end(), list.begin() + static_cast<std::ptrdiff_t>(j) + 1, list.end());
+    i += recvs.size() + 1;  // at the backward
+    list = std::move(out);
+  }
+}
+
+}  // namespace
+
 Schedule lower(const Schedule& in, const LowerOptions& o) {
   validate(in);
   bool lowered = false, has_fsdp = false;
@@ -337,6 +372,7 @@ Schedule lower(const Schedule& in, const LowerOptions& o) {
       if (fwd && remote(a.stage + 1)) out.push_back(Action{a.stage, ActionKind::kSendForward, a.microbatch});
       if (bwd && remote(a.stage - 1)) out.push_back(Action{a.stage, ActionKind::kSendBackward, a.microbatch});
     }
+    keep_pairs_adjacent(out);
     if (o.fully_shard && !has_fsdp) {
       std::map<int, size_t> first, last_bwd;
       for (size_t i = 0; i < out.size(); ++i) {
@@ -358,6 +394,7 @@ Schedule lower(const Schedule& in, const LowerOptions& o) {
     s.actions[r] = std::move(out);
   }
   replay_transfers(s, /*fix=*/true);
+  for (auto& list : s.actions) keep_pairs_adjacent(list);  // a receive moved up between a pair
   validate(s);
   return s;
 }

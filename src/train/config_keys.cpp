@@ -256,6 +256,11 @@ void add_precision_and_layout_keys(std::vector<Key>& k) {
       "(pipeline_parallel_interleave_num 2); dualpipev = DeepSeek's V of 2 stages per rank with paired forwards "
       "and backwards (pipeline_parallel_interleave_num 2, micro_batch_num >= 2 x pipeline_parallel)",
       HP_FIELD(pipeline_schedule))));
+  k.push_back(free_on_resume(bool_key("pipeline_pair_overlap",
+                                      "a paired forward and backward (dualpipev) take turns: each computes while the "
+                                      "other's expert all-to-all travels (bitwise the same training); false: one "
+                                      "after the other",
+                                      HP_FIELD(pipeline_pair_overlap))));
   k.push_back(free_on_resume(derived({"pipeline_stage_layers", "list",
                        "layers of each pipeline stage, e.g. [2, 1, 1] (pipeline_parallel x interleave entries); "
                        "empty = even",

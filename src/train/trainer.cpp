@@ -166,11 +166,15 @@ void Trainer::Impl::build_pipeline() {
       sharded.params[i].norm_skip = sharded.params[i].stage == last_stage;
     }
   }
-  pipe = std::make_unique<pp::Pipeline>(schedule, std::move(run), pp,
-                                        [last](const at::Tensor& out, const at::Tensor& y) {
-                                          HP_INTERNAL_ASSERT(last != nullptr, "a loss on a rank without the last stage");
-                                          return last->loss_of_logits(out, y);
-                                        });
+  pp::PipelineOptions options;
+  options.pairs_take_turns = c.pipeline_pair_overlap;
+  pipe = std::make_unique<pp::Pipeline>(
+      schedule, std::move(run), pp,
+      [last](const at::Tensor& out, const at::Tensor& y) {
+        HP_INTERNAL_ASSERT(last != nullptr, "a loss on a rank without the last stage");
+        return last->loss_of_logits(out, y);
+      },
+      options);
 }
 
 void Trainer::Impl::build_optimizer() {

@@ -260,7 +260,25 @@ TEST(PpSchedule, DualPipeVBubbleIsTheClosedForm) {
         const double form = (p - 1) * (fb + 2 - 3 * 1);
         EXPECT_NEAR(worst, form, 1e-9) << "p=" << p << " m=" << m << " F&B=" << fb;
       }
-      hp::pp::validate(hp::pp::lower(s, {.fully_shard = true}));
+      // Lowered, every pair stays adjacent (its transfers before and after it: the runtime
+      // runs it as one unit), with as many pairs as before.
+      const auto lowered = hp::pp::lower(s, {.fully_shard = true});
+      hp::pp::validate(lowered);
+      for (int r = 0; r < p; ++r) {
+        int pairs = 0, lowered_pairs = 0;
+        for (const auto& a : s.actions[r]) pairs += a.paired ? 1 : 0;
+        const auto& list = lowered.actions[r];
+        for (size_t i = 0; i < list.size(); ++i) {
+          if (!list[i].paired) continue;
+          ++lowered_pairs;
+          ASSERT_LT(i + 1, list.size());
+          EXPECT_TRUE(list[i + 1].is_compute() && list[i + 1].stage != list[i].stage)
+              << "p=" << p << " m=" << m << " rank " << r << ": " << list[i].to_string() << " then "
+              << list[i + 1].to_string();
+        }
+        EXPECT_EQ(lowered_pairs, pairs) << "p=" << p << " m=" << m << " rank " << r;
+        EXPECT_GT(pairs, 0);
+      }
     }
   }
   hp::pp::Costs c{1, 2.2, 1.5, 0.7};

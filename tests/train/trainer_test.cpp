@@ -22,6 +22,7 @@
 
 #include "hp/config.h"
 #include "hp/core/trace.h"
+#include "hp/core/turns.h"
 #include "hp/mesh/device_mesh.h"
 #include "hp/ckpt/safetensors.h"
 #include "hp/core/files.h"
@@ -1322,6 +1323,77 @@ TEST(TrainDist, ExpertParallelInsidePipelineStages) {
     const std::string label = "ep 2 x tp " + std::to_string(k.tp) + " x pp 2 " + ht::to_string(schedule);
     // Each pipeline rank knows its stages' blocks' load; the step reports all of them.
     expect_expert_load(expect_steps_match(t, c, naive, label), c, naive, label);
+  }
+}
+
+// DualPipeV's pairs taking turns at the expert exchanges (pipeline_pair_overlap, the
+// default: the forward on the rank's thread, the backward on a helper thread, each handing
+// the turn over where it waits for an all-to-all) train bitwise as the pairs run one after
+// the other: losses, grad norms and every parameter after 2 steps, with the exchange whole
+// and in 2 chunks (EP 2 x PP 2, 4 ranks); turns were taken only with it on (seen failing
+// with the ep layer's yield removed). At 8 ranks (EP 2 x PP 2 over HSDP 2 x 2, 16 samples a
+// step) the pairs taking turns match one process in float64: losses, norms, validation
+// losses at 1e-10 and the experts' load.
+TEST(TrainDist, PipelinePairsTakingTurnsAreBitwiseInTurn) {
+  auto w = hp::world();
+  using S = ht::PipelineScheduleKind;
+  auto dualpipev = [&](int world) {
+    ht::TrainConfig c = small_config("deepseek", world, 1, 2, 2);
+    c.global_batch_size = world == 8 ? 16 : 8;
+    c.micro_batch_num = 4;  // 2 x pp
+    c.expert_parallel = 2;
+    c.pipeline_schedule = S::kDualPipeV;
+    return c;
+  };
+  if (w->size() == 8) {
+    ht::TrainConfig c = dualpipev(8);
+    c.validate(8);
+    ASSERT_TRUE(c.pipeline_pair_overlap);
+    c.params_dtype = c.compute_dtype = at::kDouble;
+    Naive naive = naive_run(c);
+    const int64_t before = hp::turns_taken();
+    ht::Trainer t(c, w);
+    const std::string label = "dualpipev, ep 2 x pp 2 x hsdp 2 x 2";
+    expect_expert_load(expect_steps_match(t, c, naive, label), c, naive, label);
+    EXPECT_GT(hp::turns_taken(), before) << label;
+    return;
+  }
+  if (w->size() != 4) GTEST_SKIP() << "EP 2 x PP 2 needs 4 ranks (8: over HSDP 2 x 2)";
+  for (int64_t chunks : {int64_t{1}, int64_t{2}}) {
+    std::vector<ht::StepStats> want;
+    std::vector<at::Tensor> want_params;
+    for (bool turns : {false, true}) {
+      ht::TrainConfig c = dualpipev(4);
+      c.train_steps = 2;
+      c.moe_overlap_chunks = chunks;
+      c.pipeline_pair_overlap = turns;
+      c.validate(4);
+      const std::string label = std::to_string(chunks) + " chunk(s), pairs " + (turns ? "taking turns" : "in turn");
+      const int64_t before = hp::turns_taken();
+      ht::Trainer t(c, w);
+      for (int64_t s = 0; s < c.train_steps; ++s) {
+        const ht::StepStats st = t.step();
+        if (!turns) {
+          want.push_back(st);
+          continue;
+        }
+        EXPECT_EQ(st.loss, want[s].loss) << label << ", step " << s + 1;
+        EXPECT_EQ(st.grad_norm, want[s].grad_norm) << label << ", step " << s + 1;
+      }
+      const auto params = t.sharded_params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!turns) {
+          want_params.push_back(params[i].detach().clone());
+        } else {
+          EXPECT_TRUE(at::equal(params[i], want_params[i])) << label << ", parameter " << i;
+        }
+      }
+      if (turns) {
+        EXPECT_GT(hp::turns_taken(), before) << label;
+      } else {
+        EXPECT_EQ(hp::turns_taken(), before) << label;
+      }
+    }
   }
 }
 

@@ -56,6 +56,19 @@ struct PipelineStage {
   std::function<void(const at::Tensor& targets)> targets;
 };
 
+// How a paired forward and backward ("0F3+ 1B1", DualPipeV's F&B) run.
+struct PipelineOptions {
+  // true: as one unit taking turns (hp::take_turns, hp/core/turns.h): both inputs awaited
+  // first, the forward on this thread and the backward on a helper thread, one running at a
+  // time, each handing the turn to the other where it waits for an expert all-to-all it has
+  // issued (hp::yield_turn in hp/ep), so one computes while the other's exchange travels;
+  // the pair's sends go after both. false: one after the other. The results are bitwise the
+  // same either way: each runs the same operations in the same order, and only one runs at a
+  // time. lower() keeps a pair adjacent (its receives before it, its sends after it) and
+  // validate() replays it as one unit, so the order is checked as it runs.
+  bool pairs_take_turns = true;
+};
+
 // The last stage's loss of one micro-batch: (its output, its targets) -> a scalar mean.
 using PipelineLoss = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& targets)>;
 
@@ -72,7 +85,8 @@ class Pipeline {
   // Raises hp::Error for a schedule whose ranks differ from the group's size, stages not
   // matching the schedule, a missing loss on the last stage's rank, and a stage without a
   // module under a schedule with split backwards.
-  Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss);
+  Pipeline(const Schedule& schedule, std::vector<PipelineStage> stages, CommPtr group, PipelineLoss loss,
+           const PipelineOptions& options = {});
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;

@@ -153,6 +153,9 @@ struct TrainConfig {
   int64_t pipeline_parallel_interleave_num = 1;
   // auto: 1f1b, or interleaved with interleave_num > 1; validate() resolves it.
   PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::kAuto;
+  // A paired forward and backward (dualpipev) taking turns at the expert exchanges
+  // (pp::PipelineOptions::pairs_take_turns).
+  bool pipeline_pair_overlap = true;
   // Layers of each of the pipeline_parallel x interleave stages; empty: as even as possible.
   std::vector<int64_t> pipeline_stage_layers;
 
