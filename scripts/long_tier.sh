@@ -3,7 +3,7 @@
 #   1. the ctest entries labelled long, which scripts/test.sh (and so .ci/run) leaves out to
 #      keep CI within its time. Each repeats, at more ranks or chained end to end, code
 #      entries of the fast tier already run (tests/CMakeLists.txt says which and why):
-#      comm_test.np4 and llama_example_test (the README's third command);
+#      comm_test.np4, train_test.np8_tp and llama_example_test (the README's third command);
 #   2. the ThreadSanitizer tier (scripts/tsan.sh: comm_test, fully_shard_test and pp_test at
 #      2 ranks, in build-tsan/). It is here rather than in .ci/run: from a cold ccache its
 #      build alone takes about 4 minutes, more than .ci/run's room under 40 minutes;

@@ -10,6 +10,7 @@
 
 #include "../comm/group_capsule.h"
 #include "hp/core/error.h"
+#include "hp/core/trace.h"
 #include "hp/core/turns.h"
 #include "hp/hooks/recompute.h"
 #include "overlap.h"
@@ -32,7 +33,13 @@ at::Tensor exchange(const at::Tensor& x, const CommPtr& g, const std::vector<int
   // Inside a pipeline's paired forward and backward (hp/pp/pipeline.h) the other one computes
   // while the rows travel.
   hp::yield_turn();
-  w.wait();
+  if (trace::enabled()) {
+    // What of the exchange this rank waits for (exposed), as a span "ep wait exchange".
+    trace::Span span("ep wait exchange", "ep");
+    w.wait();
+  } else {
+    w.wait();
+  }
   return out;
 }
 
